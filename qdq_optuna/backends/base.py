@@ -1,0 +1,76 @@
+"""The one small interface every latency backend implements.
+
+A backend turns a serialized model into a :class:`Runner` (an ONNX Runtime session, a TensorRT
+engine, ...); a runner times the model. Timing protocols (screening, interleaved A/B, confidence
+intervals) live in :mod:`qdq_optuna.measure` and work on any backend through this interface, so a
+new backend only has to know how to build and run.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Union
+
+#: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
+#: (needed when weights live in external data files next to it).
+ModelSource = Union[bytes, str, os.PathLike]
+
+
+class BackendError(RuntimeError):
+    """Building or running a model failed; the message is shown to the user / stored on the trial."""
+
+    #: Transient failures (timeouts, lost device, crashed worker) are retried on resume.
+    transient: bool = False
+
+
+class TransientBackendError(BackendError):
+    transient = True
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot run on this machine (package, binary or device missing)."""
+
+
+class Runner(abc.ABC):
+    """A built model that can be timed repeatedly."""
+
+    @abc.abstractmethod
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        """Run ``warmup`` untimed then ``iterations`` timed inferences; per-iteration ms."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the session / engine."""
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Backend(abc.ABC):
+    """Builds runners. Implementations must import heavy dependencies lazily."""
+
+    #: short name used on the command line and in reports
+    name: str = "backend"
+    #: a deterministic backend returns the same figure every time: no repeats or A/B needed
+    deterministic: bool = False
+    #: build a fresh runner for every measurement round (cheap ORT sessions: yes; TensorRT
+    #: engine builds cost seconds, so those backends time one runner repeatedly instead)
+    fresh_sessions: bool = True
+
+    @abc.abstractmethod
+    def load(self, model: ModelSource) -> Runner:
+        """Build the model (session creation / engine build). Raises :class:`BackendError`."""
+
+    def describe(self) -> dict:
+        """Settings that change what is measured; part of the run fingerprint."""
+        return {"name": self.name}
+
+    def worker_pids(self) -> list[int]:
+        """Processes that run models for this backend, so quietness checks do not count them."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release persistent resources (builders, timing caches are saved here)."""

@@ -1,0 +1,356 @@
+"""Loading, validating and indexing an ONNX model.
+
+Everything downstream (regions, patterns, insertion points, export) works on :class:`Graph`: a
+read-only index over one ``ModelProto`` (producers, consumers, constants, dtypes, shapes). The
+user's file and ``ModelProto`` are never modified; :func:`load_model` works on its own copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+
+from .errors import ModelError, OptionError
+
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+#: ops whose outputs are constants when all their inputs are constants (folded, never quantized)
+CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+MINIMUM_OPSET = 10
+MAXIMUM_OPSET = 23
+PROTOBUF_LIMIT = 2**31 - 1
+
+Use = tuple[str, int, int]
+"""One use of a tensor: (tensor name, consumer node index, consumer input slot)."""
+
+
+@dataclass(frozen=True)
+class InputShapes:
+    """``--input-shapes name:1x3x224x224,other:1x128`` parsed."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+
+    @staticmethod
+    def parse(spec: str | None) -> InputShapes:
+        if not spec:
+            return InputShapes({})
+        shapes: dict[str, tuple[int, ...]] = {}
+        for item in spec.split(","):
+            item = item.strip()
+            name, sep, dims = item.rpartition(":")
+            if not sep or not name or not re.fullmatch(r"\d+(x\d+)*", dims):
+                raise OptionError(
+                    f"--input-shapes: cannot parse {item!r}; expected NAME:DxDxD, "
+                    "e.g. input:1x3x224x224"
+                )
+            values = tuple(int(d) for d in dims.split("x"))
+            if any(v <= 0 for v in values):
+                raise OptionError(f"--input-shapes: dims of {name!r} must be positive, got {dims}")
+            if any(v > 1_000_000 for v in values) or _product(values) > 2**34:
+                raise OptionError(f"--input-shapes: dims of {name!r} are absurdly large: {dims}")
+            shapes[name] = values
+        return InputShapes(shapes)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}:{'x'.join(map(str, v))}" for k, v in sorted(self.shapes.items()))
+
+
+def _product(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+@dataclass
+class Graph:
+    """A read-only index over a validated, shape-inferred model."""
+
+    model: onnx.ModelProto
+    path: Path | None = None
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    producer: dict[str, tuple[int, int]] = field(default_factory=dict)
+    consumers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    initializers: set[str] = field(default_factory=set)
+    constants: set[str] = field(default_factory=set)
+    graph_inputs: list[str] = field(default_factory=list)
+    graph_outputs: list[str] = field(default_factory=list)
+    elem_types: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, tuple | None] = field(default_factory=dict)
+    opset: int = 0
+
+    @classmethod
+    def from_model(cls, model: onnx.ModelProto, path: Path | None = None) -> Graph:
+        g = cls(model=model, path=path)
+        graph = model.graph
+        g.opset = opset_of(model)
+        g.nodes = list(graph.node)
+        g.initializers = {t.name for t in graph.initializer}
+        g.graph_inputs = [i.name for i in graph.input if i.name not in g.initializers]
+        g.graph_outputs = [o.name for o in graph.output]
+        for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+            tt = vi.type.tensor_type
+            if vi.type.HasField("tensor_type"):
+                g.elem_types[vi.name] = tt.elem_type
+                if tt.HasField("shape"):
+                    g.shapes[vi.name] = tuple(
+                        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                        for d in tt.shape.dim
+                    )
+        for t in graph.initializer:
+            g.elem_types[t.name] = t.data_type
+            g.shapes[t.name] = tuple(t.dims)
+        known = set(g.initializers) | set(g.graph_inputs) | {""}
+        for idx, node in enumerate(g.nodes):
+            for slot, name in enumerate(node.input):
+                if not name:
+                    continue
+                if name not in known:
+                    raise ModelError(
+                        f"node {node_label(node, idx)} reads tensor {name!r}, which no earlier "
+                        "node, initializer or graph input provides (cycle, missing initializer "
+                        "or unsorted graph)"
+                    )
+                g.consumers.setdefault(name, []).append((idx, slot))
+            for slot, name in enumerate(node.output):
+                if not name:
+                    continue
+                if name in known and name != "":
+                    raise ModelError(f"tensor {name!r} is produced more than once")
+                g.producer[name] = (idx, slot)
+                known.add(name)
+            const_inputs = [n for n in node.input if n]
+            if node.op_type in CONSTANT_OPS and all(
+                n in g.initializers or n in g.constants for n in const_inputs
+            ):
+                g.constants.update(o for o in node.output if o)
+        for name in g.graph_outputs:
+            if name not in known:
+                raise ModelError(f"graph output {name!r} is not produced by any node")
+        return g
+
+    # -- queries ---------------------------------------------------------------------------
+    def name_of(self, idx: int) -> str:
+        return node_label(self.nodes[idx], idx)
+
+    def is_constant(self, tensor: str) -> bool:
+        return tensor in self.initializers or tensor in self.constants
+
+    def is_float(self, tensor: str) -> bool:
+        return self.elem_types.get(tensor) in FLOAT_TYPES
+
+    def is_activation(self, tensor: str) -> bool:
+        """A float tensor computed at run time (the only kind that gets activation Q/DQ)."""
+        return bool(tensor) and not self.is_constant(tensor) and self.is_float(tensor)
+
+    def uses(self, tensor: str) -> list[Use]:
+        return [(tensor, n, s) for n, s in self.consumers.get(tensor, [])]
+
+    def producer_op(self, tensor: str) -> str | None:
+        p = self.producer.get(tensor)
+        return self.nodes[p[0]].op_type if p else None
+
+    def initializer(self, name: str) -> TensorProto | None:
+        for t in self.model.graph.initializer:
+            if t.name == name:
+                return t
+        return None
+
+
+def node_label(node: onnx.NodeProto, idx: int) -> str:
+    """A node's ONNX name, or ``#<index>`` when it has none (stable across runs)."""
+    return node.name if node.name else f"#{idx}"
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    return 0
+
+
+def _check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> None:
+    base = base_dir.resolve()
+    for tensor in model.graph.initializer:
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        target = (base / location).resolve()
+        if os.path.isabs(location) or not target.is_relative_to(base):
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r} points to external data {location!r} "
+                "outside the model's folder; refusing to read it"
+            )
+        if not target.is_file():
+            raise ModelError(
+                f"{path}: external data file {location!r} of initializer {tensor.name!r} is missing"
+            )
+
+
+def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object) -> None:
+    """Fix symbolic dims of graph inputs in place (on our copy of the model)."""
+    inits = {t.name for t in model.graph.initializer}
+    inputs = {i.name: i for i in model.graph.input if i.name not in inits}
+    for name, dims in shapes.shapes.items():
+        if name not in inputs:
+            raise OptionError(
+                f"--input-shapes: model {path} has no input {name!r} "
+                f"(inputs: {', '.join(inputs) or 'none'})"
+            )
+        tt = inputs[name].type.tensor_type
+        if tt.HasField("shape") and len(tt.shape.dim) != len(dims):
+            raise OptionError(
+                f"--input-shapes: input {name!r} has rank {len(tt.shape.dim)}, "
+                f"got {len(dims)} dims"
+            )
+        if tt.HasField("shape"):
+            for d, v in zip(tt.shape.dim, dims):
+                if d.HasField("dim_value") and d.dim_value != v:
+                    raise OptionError(
+                        f"--input-shapes: input {name!r} has static dim {d.dim_value}, got {v}"
+                    )
+        tt.ClearField("shape")
+        for v in dims:
+            tt.shape.dim.add().dim_value = v
+    for name, vi in inputs.items():
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            raise ModelError(f"input {name!r} has no shape; pass --input-shapes {name}:DxDx...")
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+        bad = [d for d in dims if not isinstance(d, int) or d <= 0]
+        if bad:
+            shown = "x".join(str(d) for d in dims)
+            raise ModelError(
+                f"input {name!r} has unresolved dims [{shown}]; pass "
+                f"--input-shapes {name}:" + "x".join(str(d) if isinstance(d, int) and d > 0 else "N" for d in dims)
+            )
+        if _product(dims) > 2**34:
+            raise ModelError(f"input {name!r} has absurd dims {dims}")
+
+
+def ensure_opset(model: onnx.ModelProto, minimum: int, why: str) -> onnx.ModelProto:
+    """Upgrade to ``minimum`` with onnx's version converter, or refuse clearly."""
+    current = opset_of(model)
+    if current >= minimum:
+        return model
+    try:
+        from onnx import version_converter
+
+        upgraded = version_converter.convert_version(model, minimum)
+        onnx.checker.check_model(upgraded)
+    except Exception as exc:  # the converter raises many types
+        raise ModelError(
+            f"{why} needs opset >= {minimum}; the model has opset {current} and onnx's version "
+            f"converter failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+    return upgraded
+
+
+def load_model(
+    source: str | os.PathLike | onnx.ModelProto,
+    input_shapes: InputShapes | None = None,
+    *,
+    allow_qdq: bool = False,
+) -> Graph:
+    """Load, check, fix input shapes and run shape inference. Raises :class:`ModelError`."""
+    shapes = input_shapes or InputShapes({})
+    path: Path | None = None
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+        label: object = "<model>"
+    else:
+        path = Path(source)
+        label = path
+        if not path.exists():
+            raise ModelError(f"{path}: no such file")
+        if path.is_dir():
+            raise ModelError(f"{path}: is a directory, expected an .onnx file")
+        size = path.stat().st_size
+        if size == 0:
+            raise ModelError(f"{path}: empty file")
+        try:
+            with open(path, "rb") as fh:
+                model = onnx.ModelProto()
+                model.ParseFromString(fh.read())
+        except Exception as exc:
+            raise ModelError(
+                f"{path}: not a readable ONNX model (protobuf parse failed: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
+        if not model.HasField("graph") or not model.graph.node:
+            raise ModelError(f"{path}: not an ONNX model (no graph or no nodes)")
+        _check_external_data(model, path.parent, path)
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:
+            raise ModelError(f"{path}: cannot read external data: {exc}") from None
+    if not model.HasField("graph") or not model.graph.node:
+        raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
+    opset = opset_of(model)
+    if opset < MINIMUM_OPSET or opset > MAXIMUM_OPSET:
+        raise ModelError(
+            f"{label}: unsupported opset {opset} (supported: {MINIMUM_OPSET}-{MAXIMUM_OPSET}); "
+            "convert the model with onnx.version_converter first"
+        )
+    qdq = sorted({n.op_type for n in model.graph.node if n.op_type in QDQ_OPS})
+    if qdq and not allow_qdq:
+        raise ModelError(
+            f"{label}: already contains {'/'.join(qdq)} nodes; tune the float model "
+            "(use it as --qdq-baseline to import its placement)"
+        )
+    names = [n.name for n in model.graph.node if n.name]
+    if len(names) != len(set(names)):
+        dup = sorted({n for n in names if names.count(n) > 1})[0]
+        raise ModelError(f"{label}: node name {dup!r} is used more than once")
+    apply_input_shapes(model, shapes, label)
+    too_big = model.ByteSize() > PROTOBUF_LIMIT if hasattr(model, "ByteSize") else False
+    try:
+        if too_big:
+            onnx.checker.check_model(str(path)) if path else None
+        else:
+            onnx.checker.check_model(model)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()
+        raise ModelError(f"{label}: invalid ONNX graph: {msg[0] if msg else type(exc).__name__}") from None
+    try:
+        if not too_big:
+            model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()
+        raise ModelError(f"{label}: shape inference failed: {msg[0] if msg else exc}") from None
+    return Graph.from_model(model, path)
+
+
+def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX Runtime's provider-independent optimizations (constant folding, Conv+BN/Add/Mul
+    fusion, redundant node removal): the float model that ORT would run, so Q/DQ go where the
+    kernels will be. Node names survive; the result is an ordinary ONNX model."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="qdq-optuna-") as tmp:
+        out = os.path.join(tmp, "basic.onnx")
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        so.optimized_model_filepath = out
+        so.log_severity_level = 3
+        try:
+            ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            msg = str(exc).strip().splitlines()
+            raise ModelError(f"ONNX Runtime cannot load the model: {msg[0] if msg else exc}") from None
+        optimized = onnx.load(out)
+    # ORT may drop value_info and reorder nothing else; give nodes without names stable ones
+    for idx, node in enumerate(optimized.graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{idx}"
+    return onnx.shape_inference.infer_shapes(optimized, strict_mode=False, data_prop=True)

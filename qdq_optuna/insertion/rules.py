@@ -1,0 +1,243 @@
+"""Where Q/DQ may go, as data: one :class:`RuntimeRules` table per target runtime.
+
+TensorRT and ONNX Runtime CPU fuse differently (see the README's "Rules" section), so a placement
+that is fast on one can be the slowest on the other. Everything runtime-specific lives in the two
+tables at the bottom of this module; code elsewhere only reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ..errors import OptionError
+from ..graph import Graph, Use
+
+ALL_SLOTS = -1
+
+#: Inputs that carry shapes, indices, axes, scales or biases: never a Q/DQ site on any runtime.
+STRUCTURAL_INPUTS: Mapping[str, frozenset[int]] = {
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "GatherND": frozenset({1}),
+    "ScatterND": frozenset({1}),
+    "ScatterElements": frozenset({1}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Pad": frozenset({1, 2, 3}),
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "TopK": frozenset({1}),
+    "Split": frozenset({1}),
+    "ReduceMean": frozenset({1}),
+    "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}),
+    "Clip": frozenset({1, 2}),
+    "BatchNormalization": frozenset({1, 2, 3, 4}),
+    "InstanceNormalization": frozenset({1, 2}),
+    "LayerNormalization": frozenset({1, 2}),
+    "GroupNormalization": frozenset({1, 2}),
+    "Conv": frozenset({2}),
+    "ConvTranspose": frozenset({2}),
+    "Gemm": frozenset({2}),
+    "Where": frozenset({0}),
+    "Range": frozenset({0, 1, 2}),
+    "OneHot": frozenset({0, 1, 2}),
+    "CumSum": frozenset({1}),
+}
+
+#: Ops whose inputs are never quantized at all (shape/utility ops).
+STRUCTURAL_OPS = frozenset(
+    {
+        "Shape", "Size", "NonZero", "ConstantOfShape", "Range", "Cast", "CastLike", "NonMaxSuppression",
+        "Loop", "If", "Scan", "QuantizeLinear", "DequantizeLinear", "Identity", "Dropout",
+        "ArgMax", "ArgMin", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+        "And", "Or", "Xor", "IsNaN", "IsInf", "RandomNormalLike", "RandomUniformLike",
+    }
+)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A weighted op: its activation input(s), its weight input and the per-channel axis."""
+
+    activation_slots: frozenset[int]
+    weight_slot: int
+    #: (graph, node index) -> channel axis of the weight, or None for per-tensor
+    axis: Callable[[Graph, int], int | None]
+
+
+def _conv_axis(graph: Graph, idx: int) -> int | None:
+    return 0
+
+
+def _conv_transpose_axis(graph: Graph, idx: int) -> int | None:
+    return 1
+
+
+def _gemm_axis(graph: Graph, idx: int) -> int | None:
+    node = graph.nodes[idx]
+    trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+    return 0 if trans_b else 1
+
+
+def _matmul_axis(graph: Graph, idx: int) -> int | None:
+    shape = graph.shapes.get(graph.nodes[idx].input[1])
+    return (len(shape) - 1) if shape else None
+
+
+WEIGHTED_OPS: Mapping[str, WeightSpec] = {
+    "Conv": WeightSpec(frozenset({0}), 1, _conv_axis),
+    "ConvTranspose": WeightSpec(frozenset({0}), 1, _conv_transpose_axis),
+    "Gemm": WeightSpec(frozenset({0}), 1, _gemm_axis),
+    "MatMul": WeightSpec(frozenset({0}), 1, _matmul_axis),
+}
+
+COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
+
+
+# -- use filters: (graph, use) -> reason the use is not offered, or None --------------------
+def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
+    """TensorRT fuses Conv->[BN->]Add->Relu into one INT8 kernel; Q/DQ on the Conv (or BN)
+    output that feeds the Add breaks it. Fires only when that output has a single consumer and
+    the Add feeds a Relu (the review's refinement of the upstream rule)."""
+    tensor, consumer, _ = use
+    if graph.nodes[consumer].op_type != "Add":
+        return None
+    prod = graph.producer.get(tensor)
+    if prod is None or len(graph.consumers.get(tensor, [])) != 1:
+        return None
+    op = graph.nodes[prod[0]].op_type
+    if op == "BatchNormalization":
+        bn_in = graph.nodes[prod[0]].input[0]
+        conv = graph.producer.get(bn_in)
+        if conv is None or graph.nodes[conv[0]].op_type not in ("Conv", "ConvTranspose"):
+            return None
+        if len(graph.consumers.get(bn_in, [])) != 1:
+            return None
+    elif op not in ("Conv", "ConvTranspose"):
+        return None
+    add_out = graph.nodes[consumer].output[0]
+    if any(graph.nodes[n].op_type == "Relu" for n, _ in graph.consumers.get(add_out, [])):
+        return "breaks TensorRT's Conv+Add+Relu fusion"
+    return None
+
+
+def _fused_activation(graph: Graph, use: Use) -> str | None:
+    """ONNX Runtime folds a Relu that directly follows a quantized Conv/Gemm/MatMul into the
+    kernel's output range (Q with zero point at the type's minimum); Q/DQ between them only adds
+    a float round trip. (A Clip folds only when its range fits the Q range: left to the search.)"""
+    tensor, consumer, _ = use
+    if graph.nodes[consumer].op_type != "Relu":
+        return None
+    if graph.producer_op(tensor) not in COMPUTE_OPS or len(graph.consumers.get(tensor, [])) != 1:
+        return None
+    return "activation fused into the producer's quantized kernel"
+
+
+def _promote_concat(graph: Graph, tensor: str, uncovered: list[tuple[int, int]]) -> bool:
+    """TensorRT: when the only uncovered consumers are Concats, quantize the tensor for them too
+    so the Concat sees INT8 inputs (it is a byte copy in TensorRT)."""
+    return bool(uncovered) and all(graph.nodes[n].op_type == "Concat" for n, _ in uncovered)
+
+
+@dataclass(frozen=True)
+class RuntimeRules:
+    """One runtime's answer to "may this tensor use carry Q/DQ, and what comes with it"."""
+
+    name: str
+    default_quant_type: str
+    quant_types: tuple[str, ...]
+    #: op -> input slots that are never quantized (in addition to STRUCTURAL_INPUTS)
+    never_quantize: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    #: if set, only these consumer ops may have Q/DQ on their inputs
+    quantizable_ops: frozenset[str] | None = None
+    #: extra per-use filters (name kept for reports)
+    use_filters: tuple[Callable[[Graph, Use], str | None], ...] = ()
+    #: merge-stage promotions: (graph, tensor, uncovered consumers) -> cover them too
+    promotions: tuple[Callable[[Graph, str, list[tuple[int, int]]], bool], ...] = ()
+    #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized
+    #: when all are in place
+    fusion_group_ops: frozenset[str] = frozenset()
+    #: quantize Gemm/Conv bias to int32 (scale = input scale * weight scale)
+    quantize_bias_ops: frozenset[str] = frozenset()
+    #: op -> per-tensor weights (runtime kernels that do not take per-channel weights)
+    per_tensor_weight_ops: frozenset[str] = frozenset()
+
+    def use_reason(self, graph: Graph, use: Use) -> str | None:
+        """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
+        tensor, consumer, slot = use
+        node = graph.nodes[consumer]
+        op = node.op_type
+        if not graph.is_activation(tensor):
+            return "not a float activation"
+        if op in STRUCTURAL_OPS:
+            return f"{op} inputs are structural"
+        if node.domain not in ("", "ai.onnx"):
+            return f"custom-domain op {node.domain}.{op}"
+        if slot in STRUCTURAL_INPUTS.get(op, frozenset()) or slot in self.never_quantize.get(op, ()):
+            return f"input {slot} of {op} is structural (shape/index/bias)"
+        if ALL_SLOTS in self.never_quantize.get(op, ()):
+            return f"{op} inputs are never quantized on {self.name}"
+        if self.quantizable_ops is not None and op not in self.quantizable_ops:
+            return f"{op} has no quantized kernel on {self.name}"
+        for rule in self.use_filters:
+            reason = rule(graph, use)
+            if reason:
+                return reason
+        return None
+
+    def quantizable(self, graph: Graph, use: Use) -> bool:
+        return self.use_reason(graph, use) is None
+
+
+TENSORRT = RuntimeRules(
+    name="tensorrt",
+    default_quant_type="int8",
+    quant_types=("int8", "fp8"),
+    use_filters=(_conv_add_relu_fusion,),
+    promotions=(_promote_concat,),
+    fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
+)
+
+#: ONNX Runtime's QDQ selectors (onnxruntime/core/optimizer/qdq_transformer): ops that run
+#: quantized when DQ feeds their inputs and Q follows their output.
+ORT_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid",
+        "Resize", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Split",
+        "Softmax", "Where", "Pad", "DepthToSpace", "SpaceToDepth", "Slice", "Tanh", "Expand",
+        "Tile", "ReduceMean", "ReduceMin", "ReduceMax", "InstanceNormalization",
+        "LayerNormalization", "Abs", "Neg", "Erf",
+    }
+)
+
+ONNXRUNTIME_CPU = RuntimeRules(
+    name="onnxruntime",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=ORT_QUANTIZED_OPS,
+    use_filters=(_fused_activation,),
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize", "Sigmoid", "LeakyRelu"}
+    ),
+    quantize_bias_ops=frozenset({"Gemm"}),
+)
+
+RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU}
+
+
+def rules_for(runtime: str) -> RuntimeRules:
+    try:
+        return RULES[runtime]
+    except KeyError:
+        raise OptionError(
+            f"--runtime: unknown runtime {runtime!r} (choose from {', '.join(RULES)})"
+        ) from None
