@@ -713,7 +713,7 @@ _SMALL: dict[str, dict[str, Any]] = {
     "transformer": dict(seq=16, hidden=32, heads=2, layers=2, ffn=64, vocab=50),
 }
 
-_SIZES = ("full", "small")
+_SIZES = ("full", "medium", "small")
 
 
 def _unknown(name: str) -> ValueError:
@@ -738,4 +738,16 @@ def build(name: str, size: str = "full", **overrides: Any) -> onnx.ModelProto:
         raise ValueError(f"unknown size {size!r} for zoo model {name!r}; valid sizes: full, small")
     if size == "small":
         return small(name, **overrides)
+    if size == "medium":
+        return EXAMPLES[name](**{**_MEDIUM.get(name, {}), **overrides})
     return EXAMPLES[name](**overrides)
+
+
+#: Between test-size and full-size: big enough that quantization pays on a CPU, small enough
+#: that a quick tuning run finishes in a couple of minutes (the README's example).
+_MEDIUM: dict[str, dict[str, Any]] = {
+    "resnet": {"image": 96, "width": 32, "blocks": (1, 1, 1, 1), "num_classes": 100},
+    "mobilenet": {"image": 128},
+    "yolo": {"image": 160, "width": 16},
+    "transformer": {"seq": 64, "hidden": 128, "heads": 4, "layers": 2, "ffn": 512},
+}

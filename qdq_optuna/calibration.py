@@ -1,0 +1,752 @@
+"""Activation statistics and scales for the Q/DQ pairs a search places.
+
+Every candidate placement needs a scale for each quantized activation. Statistics are gathered
+once, in a single ONNX Runtime pass over the calibration data for all tensors that may ever be
+quantized, and cached; each calibration method then turns a tensor's statistics into
+``(scale, zero_point)`` without touching the model again.
+
+Quant types (the strings used throughout the project):
+
+* ``"int8"``: symmetric, zero point 0, ``scale = amax / 127``.
+* ``"uint8"``: asymmetric over [0, 255], ``scale = (max - min) / 255`` with ``min <= 0 <= max``.
+* ``"fp8"``: float8 e4m3fn, zero point 0, ``scale = amax / 448``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qdq_optuna.errors import ModelError, OptionError, UserError
+
+#: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
+#: external data files, or the model is too large to serialize in memory).
+ModelLike = onnx.ModelProto | str | os.PathLike
+
+QUANT_TYPES = ("int8", "uint8", "fp8")
+METHODS = ("minmax", "percentile", "entropy", "mse")
+
+#: Smallest scale handed out. A tensor that is constant zero (a dead ReLU, padding) would
+#: otherwise get scale 0 and Q/DQ would divide by zero; 1e-8 is a normal float32 that still
+#: maps every real activation (>= ~1e-6) to distinct levels. fp16 models must clamp further
+#: (fp16 cannot represent 1e-8).
+MIN_SCALE = 1e-8
+
+_QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
+_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+_STATS_FORMAT = "qdq_optuna.statistics"
+_STATS_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# model helpers
+
+
+def one_line(exc: BaseException) -> str:
+    """Library messages can span lines; user errors must be one."""
+    return " ".join(str(exc).split())
+
+
+@dataclass(frozen=True)
+class _InputSpec:
+    name: str
+    elem_type: int
+    #: one entry per axis: the static size, or None for a symbolic / unknown one;
+    #: None for the whole shape when the model does not give the rank
+    dims: tuple[int | None, ...] | None
+
+
+def _load_proto(model: ModelLike) -> tuple[onnx.ModelProto, str | None]:
+    """The proto (external data left on disk) and the folder external data is relative to."""
+    if isinstance(model, onnx.ModelProto):
+        return model, None
+    path = Path(model)
+    if not path.is_file():
+        raise ModelError(f"model {path}: file not found")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types
+        raise ModelError(f"model {path}: not a readable ONNX model ({one_line(exc)})") from exc
+    return proto, str(path.resolve().parent)
+
+
+def _input_specs(model: onnx.ModelProto) -> dict[str, _InputSpec]:
+    """Graph inputs that must be fed (old models also list their initializers as inputs)."""
+    inits = {t.name for t in model.graph.initializer}
+    specs: dict[str, _InputSpec] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims: tuple[int | None, ...] | None = None
+        if tt.HasField("shape"):
+            dims = tuple(
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                for d in tt.shape.dim
+            )
+        specs[vi.name] = _InputSpec(vi.name, tt.elem_type, dims)
+    return specs
+
+
+def _np_dtype(spec: _InputSpec) -> np.dtype:
+    if spec.elem_type in (TensorProto.UNDEFINED, TensorProto.STRING):
+        raise ModelError(f"model input {spec.name!r}: unsupported element type for calibration")
+    return np.dtype(helper.tensor_dtype_to_np_dtype(spec.elem_type))
+
+
+def _is_float_dtype(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name in ("bfloat16", "float8_e4m3fn")
+
+
+def _shape_text(dims: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+# --------------------------------------------------------------------------------------------
+# calibration data
+
+
+def _check_array(source: str, spec: _InputSpec, arr: np.ndarray) -> np.ndarray:
+    """Validate one input's samples and cast them to the model's element type."""
+    where = f"{source}: input {spec.name!r}"
+    if arr.ndim == 0:
+        raise UserError(f"{where} is a scalar; it needs the samples on axis 0")
+    if arr.shape[0] == 0:
+        raise UserError(f"{where} has no samples")
+    if spec.dims is not None:
+        if arr.ndim != len(spec.dims):
+            raise UserError(
+                f"{where} has shape {list(arr.shape)} (rank {arr.ndim}) but the model expects "
+                f"rank {len(spec.dims)} {_shape_text(spec.dims)}"
+            )
+        for axis, (got, want) in enumerate(zip(arr.shape, spec.dims)):
+            if axis > 0 and want is not None and got != want:
+                raise UserError(
+                    f"{where} has size {got} on axis {axis} but the model expects "
+                    f"{_shape_text(spec.dims)}"
+                )
+        if spec.dims and spec.dims[0] is not None and arr.shape[0] % spec.dims[0]:
+            raise UserError(
+                f"{where} has {arr.shape[0]} samples, not a multiple of the model's fixed "
+                f"batch size {spec.dims[0]}"
+            )
+    want = _np_dtype(spec)
+    if arr.dtype == want:
+        return arr
+    mismatch = UserError(f"{where} has dtype {arr.dtype} but the model expects {want}")
+    if _is_float_dtype(want) and _is_float_dtype(arr.dtype):
+        cast = arr.astype(want)
+        if not np.array_equal(np.isfinite(arr), np.isfinite(cast)):
+            raise UserError(f"{where}: values overflow the model's {want} input")
+        return cast
+    if want.kind in "iu" and arr.dtype.kind in "iu":
+        info = np.iinfo(want)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise UserError(f"{where}: values do not fit the model's {want} input")
+        return arr.astype(want)
+    raise mismatch
+
+
+def sample_count(data: Mapping[str, np.ndarray], source: str = "calibration data") -> int:
+    """Number of samples (axis 0), which every input must agree on."""
+    if not data:
+        raise UserError(f"{source}: no input arrays")
+    counts = {name: (arr.shape[0] if np.ndim(arr) else 0) for name, arr in data.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{n!r}: {c}" for n, c in counts.items())
+        raise UserError(f"{source}: inputs have different sample counts ({listed})")
+    count = next(iter(counts.values()))
+    if count == 0:
+        raise UserError(f"{source}: input {next(iter(counts))!r} has no samples")
+    return count
+
+
+def load_calibration_data(path: str | os.PathLike, model: ModelLike) -> dict[str, np.ndarray]:
+    """Read an ``.npz`` of graph-input arrays (samples on axis 0) checked against the model.
+
+    Floating-point arrays are cast to the model's float type (``float64`` data is common) and
+    integer arrays to its integer type when the values fit; int/float mismatches are refused,
+    since they usually mean the arrays were saved under the wrong names.
+    """
+    source = f"calibration data {path}"
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{source}: file not found")
+    try:
+        loaded = np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise UserError(f"{source}: not a readable .npz file ({one_line(exc)})") from exc
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise UserError(
+            f"{source}: a single array, not an .npz mapping each model input name to its "
+            "samples (save it with numpy.savez)"
+        )
+    proto, _ = _load_proto(model)
+    specs = _input_specs(proto)
+    with loaded:
+        names = list(loaded.files)
+        if not names:
+            raise UserError(f"{source}: the file holds no arrays")
+        for name in names:
+            if name not in specs:
+                raise UserError(
+                    f"{source}: array {name!r} is not a model input "
+                    f"(inputs: {', '.join(specs) or 'none'})"
+                )
+        for name in specs:
+            if name not in names:
+                raise UserError(f"{source}: input {name!r} is missing")
+        data: dict[str, np.ndarray] = {}
+        for name in names:
+            try:
+                arr = loaded[name]
+            except (OSError, ValueError, zipfile.BadZipFile) as exc:
+                raise UserError(
+                    f"{source}: input {name!r} cannot be read ({one_line(exc)})"
+                ) from exc
+            data[name] = _check_array(source, specs[name], arr)
+    sample_count(data, source)
+    return data
+
+
+def random_calibration_data(
+    model: ModelLike,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    samples: int = 8,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Synthetic inputs for runs without calibration data (scales are then only a guess).
+
+    ``input_shapes`` gives full input shapes (axis 0 included) for inputs with symbolic sizes;
+    a symbolic axis 0 needs none since it is the sample axis. Float inputs are standard normal,
+    integer and bool inputs zero (ids and masks of zero are valid in nearly every model).
+    """
+    if samples < 1:
+        raise OptionError(f"random calibration data: samples must be >= 1, got {samples}")
+    proto, _ = _load_proto(model)
+    specs = _input_specs(proto)
+    shapes = dict(input_shapes or {})
+    for name in shapes:
+        if name not in specs:
+            raise UserError(
+                f"--input-shapes: {name!r} is not a model input (inputs: {', '.join(specs)})"
+            )
+    rng = np.random.default_rng(seed)
+    data: dict[str, np.ndarray] = {}
+    for name, spec in specs.items():
+        dims = _resolve_shape(spec, shapes.get(name))
+        dtype = _np_dtype(spec)
+        per_batch = dims[0] if spec.dims and spec.dims[0] is not None else 1
+        count = -(-samples // per_batch) * per_batch
+        shape = (count, *dims[1:])
+        if _is_float_dtype(dtype):
+            data[name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+        else:
+            data[name] = np.zeros(shape, dtype=dtype)
+    return data
+
+
+def _resolve_shape(spec: _InputSpec, given: Sequence[int] | None) -> tuple[int, ...]:
+    if given is not None:
+        shape = tuple(int(d) for d in given)
+        if any(d < 1 for d in shape):
+            raise UserError(f"--input-shapes: {spec.name!r} has a non-positive size {list(shape)}")
+        if spec.dims is not None:
+            if len(shape) != len(spec.dims):
+                raise UserError(
+                    f"--input-shapes: {spec.name!r} has rank {len(shape)} but the model input "
+                    f"is {_shape_text(spec.dims)}"
+                )
+            for got, want in zip(shape, spec.dims):
+                if want is not None and got != want:
+                    raise UserError(
+                        f"--input-shapes: {spec.name!r} is {list(shape)} but the model input "
+                        f"is {_shape_text(spec.dims)}"
+                    )
+        return shape
+    if spec.dims is None:
+        raise UserError(f"model input {spec.name!r} has no shape; give one with --input-shapes")
+    if any(d is None for d in spec.dims[1:]):
+        raise UserError(
+            f"model input {spec.name!r} has symbolic sizes {_shape_text(spec.dims)}; "
+            "give its shape with --input-shapes"
+        )
+    return tuple(d if d is not None else 1 for d in spec.dims)
+
+
+# --------------------------------------------------------------------------------------------
+# sessions and batches
+
+
+def make_session(
+    model: bytes | str | os.PathLike,
+    *,
+    optimize: bool,
+    threads: int = 0,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    external_data_dir: str | None = None,
+):
+    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    if external_data_dir is not None:
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", external_data_dir
+        )
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, opts, providers=list(providers))
+
+
+def iter_batches(
+    session: Any, data: Mapping[str, np.ndarray], batch_size: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """Feeds of ``batch_size`` samples; a model with a fixed batch axis gets its own size."""
+    if batch_size < 1:
+        raise OptionError(f"--batch-size must be >= 1, got {batch_size}")
+    feeds = {}
+    fixed = False
+    for meta in session.get_inputs():
+        if meta.name not in data:
+            raise UserError(f"calibration data: input {meta.name!r} is missing")
+        feeds[meta.name] = data[meta.name]
+        if meta.shape and isinstance(meta.shape[0], int) and meta.shape[0] > 0:
+            batch_size, fixed = meta.shape[0], True
+    total = sample_count(feeds)
+    if fixed and total % batch_size:
+        raise UserError(
+            f"calibration data: {total} samples do not fill whole batches of the model's fixed "
+            f"batch size {batch_size}"
+        )
+    for start in range(0, total, batch_size):
+        yield {name: arr[start : start + batch_size] for name, arr in feeds.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass
+class TensorStatistics:
+    """Range and |x| histogram of one tensor over the calibration data.
+
+    The histogram has ``len(hist)`` equal bins over ``[0, hist_amax]``; ``hist_amax`` grows by
+    whole multiples so re-binning is exact (merging neighbouring bins) and counts never drift,
+    at the cost of up to half the bins lying above the final range.
+    Non-finite values are left out: an ``-inf`` attention mask must not blow up the scale.
+    """
+
+    min: float = 0.0
+    max: float = 0.0
+    count: int = 0
+    hist_amax: float = 0.0
+    hist: np.ndarray = field(default_factory=lambda: np.zeros(2048, dtype=np.int64))
+
+    @classmethod
+    def empty(cls, bins: int = 2048) -> TensorStatistics:
+        if bins < 1:
+            raise OptionError(f"--calibration-bins must be >= 1, got {bins}")
+        return cls(hist=np.zeros(int(bins), dtype=np.int64))
+
+    @property
+    def amax(self) -> float:
+        return max(abs(self.min), abs(self.max))
+
+    @property
+    def bin_width(self) -> float:
+        return self.hist_amax / len(self.hist)
+
+    @property
+    def hist_edges(self) -> np.ndarray:
+        return np.linspace(0.0, self.hist_amax, len(self.hist) + 1)
+
+    def update(self, values: np.ndarray) -> None:
+        """Fold one batch of a tensor into the statistics."""
+        arr = np.asarray(values)
+        if arr.dtype.kind != "f":  # ints, bools, bfloat16 / float8 (ml_dtypes)
+            arr = arr.astype(np.float64)
+        arr = arr.reshape(-1)
+        finite = np.isfinite(arr)
+        if not finite.all():
+            arr = arr[finite]
+        if arr.size == 0:
+            return
+        lo, hi = float(arr.min()), float(arr.max())
+        if self.count == 0:
+            self.min, self.max = lo, hi
+        else:
+            self.min, self.max = min(self.min, lo), max(self.max, hi)
+        amax = max(-lo, hi)
+        if amax > self.hist_amax:
+            self._widen(amax)
+        if self.hist_amax > 0:
+            counts, _ = np.histogram(np.abs(arr), bins=len(self.hist), range=(0.0, self.hist_amax))
+            self.hist += counts
+        else:
+            self.hist[0] += arr.size
+        self.count += int(arr.size)
+
+    def _widen(self, amax: float) -> None:
+        """Grow the range to cover ``amax`` by merging groups of ``factor`` old bins."""
+        old = self.hist_amax
+        if old <= 0:
+            # everything so far was exactly zero, which stays in the first bin
+            self.hist_amax = amax
+            return
+        factor = max(2, math.ceil(amax / old))
+        while old * factor < amax:
+            factor += 1
+        bins = len(self.hist)
+        merged = np.bincount(
+            np.arange(bins) // factor, weights=self.hist.astype(np.float64), minlength=bins
+        )
+        self.hist = np.rint(merged[:bins]).astype(np.int64)
+        self.hist_amax = old * factor
+
+    def to_dict(self) -> dict:
+        return {
+            "min": float(self.min),
+            "max": float(self.max),
+            "count": int(self.count),
+            "hist_amax": float(self.hist_amax),
+            "hist": [int(c) for c in self.hist],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorStatistics:
+        hist = np.asarray(d["hist"], dtype=np.int64)
+        if hist.ndim != 1 or hist.size == 0:
+            raise ValueError("histogram must be a non-empty list")
+        return cls(
+            min=float(d["min"]),
+            max=float(d["max"]),
+            count=int(d["count"]),
+            hist_amax=float(d["hist_amax"]),
+            hist=hist,
+        )
+
+
+def collect_statistics(
+    model: ModelLike,
+    tensors: Sequence[str],
+    data: Mapping[str, np.ndarray],
+    *,
+    bins: int = 2048,
+    batch_size: int = 1,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+) -> dict[str, TensorStatistics]:
+    """Statistics of every requested tensor from one ONNX Runtime pass over ``data``.
+
+    The model is copied and each requested intermediate tensor made a graph output; graph
+    optimizations are off so that every tensor still exists. Graph inputs come straight from
+    ``data`` and initializers from their values. Pass a path for models with external data.
+    """
+    proto, external_dir = _load_proto(model)
+    label = f"model {model}" if external_dir is not None else "model"
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    inputs = set(_input_specs(proto))
+    produced = {out for node in graph.node for out in node.output if out}
+    outputs = {o.name for o in graph.output}
+    names = list(dict.fromkeys(tensors))
+    for name in names:
+        if name not in produced and name not in inputs and name not in inits:
+            raise UserError(f"{label}: tensor {name!r} is not in the main graph")
+    stats = {name: TensorStatistics.empty(bins) for name in names}
+
+    fetch = [n for n in names if n in produced]
+    if fetch:
+        copy = _with_outputs(proto, [n for n in fetch if n not in outputs])
+        try:
+            serialized = copy.SerializeToString()
+        except ValueError as exc:
+            raise ModelError(
+                f"{label}: too large to serialize in memory; pass the model's path ({one_line(exc)})"
+            ) from exc
+        del copy
+        try:
+            session = make_session(
+                serialized, optimize=False, providers=providers, external_data_dir=external_dir
+            )
+        except Exception as exc:  # ORT raises its own exception types
+            raise ModelError(f"{label}: ONNX Runtime cannot load it ({one_line(exc)})") from exc
+        for feed in iter_batches(session, data, batch_size):
+            try:
+                values = session.run(fetch, feed)
+            except Exception as exc:  # ORT raises its own exception types
+                raise ModelError(
+                    f"{label}: ONNX Runtime failed on the calibration data ({one_line(exc)})"
+                ) from exc
+            for name, value in zip(fetch, values):
+                stats[name].update(value)
+    for name in names:
+        if name in inputs and name not in produced:
+            if name not in data:
+                raise UserError(f"calibration data: input {name!r} is missing")
+            stats[name].update(data[name])
+        elif name in inits and name not in produced:
+            stats[name].update(numpy_helper.to_array(inits[name], external_dir or ""))
+    return stats
+
+
+def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with ``names`` appended as outputs, typed where inference knows."""
+    try:
+        copy = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is only a source of output types
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in copy.graph.value_info}
+    types.update({vi.name: vi.type.tensor_type.elem_type for vi in copy.graph.output})
+    # keep the caller's value_info only: inferred shapes could disagree with ORT's own
+    del copy.graph.value_info[:]
+    copy.graph.value_info.extend(model.graph.value_info)
+    for name in names:
+        elem = types.get(name, TensorProto.UNDEFINED)
+        if elem != TensorProto.UNDEFINED:
+            copy.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+        else:
+            # ONNX Runtime infers the type of an untyped graph output itself
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    return copy
+
+
+def save_statistics(
+    path: str | os.PathLike, stats: Mapping[str, TensorStatistics], *, fingerprint: str
+) -> None:
+    """Write the cache atomically so an interrupted run never leaves a half-written file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": _STATS_FORMAT,
+        "version": _STATS_VERSION,
+        "fingerprint": fingerprint,
+        "tensors": {name: s.to_dict() for name, s in stats.items()},
+    }
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_statistics(
+    path: str | os.PathLike, *, fingerprint: str
+) -> dict[str, TensorStatistics] | None:
+    """Cached statistics, or None when absent, unreadable or made for another model/data set."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            payload = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(payload, dict)
+        or payload.get("format") != _STATS_FORMAT
+        or payload.get("version") != _STATS_VERSION
+        or payload.get("fingerprint") != fingerprint
+        or not isinstance(payload.get("tensors"), dict)
+    ):
+        return None
+    try:
+        return {name: TensorStatistics.from_dict(d) for name, d in payload["tensors"].items()}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# scales
+
+
+def _check_quant_type(quant_type: str) -> None:
+    if quant_type not in _QMAX:
+        raise OptionError(
+            f"--quant-type: unknown quant type {quant_type!r} (choose {', '.join(QUANT_TYPES)})"
+        )
+
+
+def activation_params(
+    stats: TensorStatistics,
+    *,
+    method: str,
+    quant_type: str,
+    percentile: float = 99.99,
+) -> tuple[float, int]:
+    """``(scale, zero_point)`` for one activation.
+
+    ``percentile``, ``entropy`` and ``mse`` find a clipping threshold on |x|; for ``uint8`` it
+    clips both ends of the observed range (``max' = min(max, t)``, ``min' = max(min, -t)``).
+    """
+    if method not in METHODS:
+        raise OptionError(
+            f"--calibration-method: unknown method {method!r} (choose {', '.join(METHODS)})"
+        )
+    _check_quant_type(quant_type)
+    if method == "percentile" and not 0.0 < percentile <= 100.0:
+        raise OptionError(f"--percentile must be in (0, 100], got {percentile}")
+    amax = stats.amax
+    if stats.count == 0 or amax <= 0 or stats.hist_amax <= 0 or not stats.hist.any():
+        threshold = amax
+    elif method == "minmax":
+        threshold = amax
+    elif method == "percentile":
+        threshold = _percentile_threshold(stats, percentile)
+    elif method == "entropy":
+        nq = 256 if quant_type == "uint8" and stats.min >= 0 else 128
+        threshold = _entropy_threshold(stats.hist, stats.bin_width, nq)
+    else:
+        threshold = _mse_threshold(stats, quant_type)
+    return _params(stats, min(threshold, amax), quant_type)
+
+
+def activation_scales(
+    stats: Mapping[str, TensorStatistics],
+    *,
+    method: str,
+    quant_type: str,
+    percentile: float = 99.99,
+) -> dict[str, tuple[float, int]]:
+    """``activation_params`` for every tensor."""
+    return {
+        name: activation_params(s, method=method, quant_type=quant_type, percentile=percentile)
+        for name, s in stats.items()
+    }
+
+
+def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple[float, int]:
+    if quant_type == "uint8":
+        hi = min(max(stats.max, 0.0), threshold)
+        lo = max(min(stats.min, 0.0), -threshold)
+        scale = _floor_scale((hi - lo) / 255.0)
+        zero_point = int(np.clip(round(-lo / scale), 0, 255))
+        return scale, zero_point
+    return _floor_scale(threshold / _QMAX[quant_type]), 0
+
+
+def _floor_scale(scale: float) -> float:
+    # round through float32: that is the value stored in the model
+    return max(float(np.float32(scale)), MIN_SCALE)
+
+
+def _percentile_threshold(stats: TensorStatistics, percentile: float) -> float:
+    cdf = np.cumsum(stats.hist)
+    target = cdf[-1] * percentile / 100.0
+    index = int(np.searchsorted(cdf, target, side="left"))
+    return (min(index, len(cdf) - 1) + 1) * stats.bin_width
+
+
+def _entropy_threshold(hist: np.ndarray, width: float, nq: int) -> float:
+    """TensorRT's KL-divergence search: the threshold whose ``nq``-level copy loses least.
+
+    The first bin takes its neighbour's count (as NVIDIA's pytorch-quantization does): the
+    spike of exact zeros after a ReLU would otherwise dominate the divergence and drive the
+    threshold far too low. Ties go to the larger threshold.
+    """
+    counts = hist.astype(np.float64)
+    if len(counts) > 1:
+        counts[0] = counts[1]
+    nonzero = np.flatnonzero(counts)
+    if nonzero.size == 0:
+        return len(counts) * width
+    last = int(nonzero[-1]) + 1
+    if last <= nq:
+        return last * width
+    suffix = np.concatenate([np.cumsum(counts[::-1])[::-1], [0.0]])
+    step = max(1, (last - nq) // 2048)
+    best_i, best_kl = last, math.inf
+    for i in range(nq, last + 1, step):
+        sliced = counts[:i]
+        p = sliced.copy()
+        p[-1] += suffix[i]
+        nonzero = p > 0
+        group = (np.arange(i) * nq) // i
+        group_sum = np.bincount(group, weights=sliced, minlength=nq)
+        group_nonzero = np.bincount(group, weights=nonzero, minlength=nq)
+        q = np.where(nonzero, (group_sum / np.maximum(group_nonzero, 1.0))[group], 0.0)
+        kl = _kl_divergence(p, q)
+        if kl <= best_kl:
+            best_i, best_kl = i, kl
+    return best_i * width
+
+
+def _kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """KL(p || q) of count vectors; empty q bins get a tiny count (as in TensorRT's smoothing)."""
+    mask = p > 0
+    p = p[mask]
+    q = np.maximum(q[mask], 1e-4)
+    p = p / p.sum()
+    q = q / q.sum()
+    return float(np.sum(p * np.log(p / q)))
+
+
+def _mse_threshold(stats: TensorStatistics, quant_type: str) -> float:
+    """Threshold minimizing the expected squared error, values spread evenly within each bin.
+
+    Searched on a coarse grid of bin edges, then bin by bin around the best coarse point:
+    the error curve is smooth at that scale and a full scan costs ~10x more per tensor.
+    """
+    nonzero = np.flatnonzero(stats.hist)
+    counts = stats.hist[nonzero].astype(np.float64)
+    width = stats.bin_width
+    lo = nonzero * width
+    hi = lo + width
+    amax = stats.amax
+    pos, neg = max(stats.max, 0.0), max(-stats.min, 0.0)
+
+    def errors(edges: np.ndarray) -> np.ndarray:
+        t = np.minimum(edges * width, amax)[:, None]
+        top = np.minimum(hi, t)
+        inside = np.maximum(top - lo, 0.0)
+        # clipped part of each bin: integral of (x - t)^2 over [max(lo, t), hi]
+        clipped = (np.maximum(hi - t, 0.0) ** 3 - np.maximum(lo - t, 0.0) ** 3) / 3.0
+        if quant_type == "fp8":
+            scale = t / 448.0
+            y = np.maximum((lo + inside / 2.0) / scale, 2.0**-9)
+            ulp = 2.0 ** (np.clip(np.floor(np.log2(y)), -6, 8) - 3) * scale
+            rounding = inside * ulp**2 / 12.0
+        else:
+            if quant_type == "int8":
+                scale = t / 127.0
+            else:
+                scale = (np.minimum(pos, t) + np.minimum(neg, t)) / 255.0
+            scale = np.maximum(scale, MIN_SCALE)
+            rounding = np.where(
+                inside > 0, _rounding_integral(top, scale) - _rounding_integral(lo, scale), 0.0
+            )
+        return ((rounding + clipped) * counts).sum(axis=1)
+
+    last = int(nonzero[-1]) + 1
+    stride = max(1, last // 128)
+    coarse = np.unique(np.append(np.arange(stride, last + 1, stride), last))
+    best = int(coarse[int(np.argmin(errors(coarse)))])
+    fine = np.arange(max(1, best - stride), min(last, best + stride) + 1)
+    best = int(fine[int(np.argmin(errors(fine)))])
+    return min(best * width, amax)
+
+
+def _rounding_integral(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Integral from -scale/2 to x of (y - round(y / scale) * scale)^2 dy."""
+    n = np.floor(x / scale + 0.5)
+    r = x - n * scale
+    return n * scale**3 / 12.0 + (r**3 + (scale / 2.0) ** 3) / 3.0

@@ -1,0 +1,233 @@
+"""``qdq-optuna``: a thin layer over the library (every command is one library call)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import OptionError, UserError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise OptionError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-shapes", metavar="NAME:DxD,...",
+                   help="fix symbolic input dims, e.g. input:1x3x224x224")
+    p.add_argument("--quant-type", choices=["int8", "uint8", "fp8"],
+                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT)")
+    p.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
+                   help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
+                        "ONNX Runtime rules, none for TensorRT")
+    p.add_argument("--maximum-sequence-region-size", type=_positive_int)
+    p.add_argument("--minimum-topdown-search-size", type=_positive_int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qdq-optuna", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"qdq-optuna {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("tune", help="search the Q/DQ placement (resumes automatically)")
+    t.add_argument("--model", required=True, help="float ONNX model (never modified)")
+    t.add_argument("--output", required=True, help="output folder (also holds the studies)")
+    _add_model_args(t)
+    t.add_argument("--backend", default="onnxruntime",
+                   help="onnxruntime (CPU), ort-cuda, ort-trt, tensorrt, trtexec, costmodel, "
+                        "or package.module:function (fn(model) -> ms)")
+    t.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
+                   help="fusion rules to place Q/DQ for (default: follows --backend)")
+    t.add_argument("--sampler", default="qdq",
+                   choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"])
+    t.add_argument("--schemes-per-region", type=_positive_int,
+                   help="finished trials per pattern study (default 30; --mode sets it too)")
+    t.add_argument("--mode", choices=["quick", "default", "extensive"], default="default")
+    t.add_argument("--config", help="YAML file with Config settings")
+    t.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db)")
+    t.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
+    t.add_argument("--worker", action="store_true",
+                   help="cooperate with other workers on the same --storage run")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--timing", choices=["fast", "robust"], default="robust")
+    t.add_argument("--threads", type=_positive_int, default=1, help="ONNX Runtime intra-op threads")
+    t.add_argument("--isolate", action="store_true", help="build and time in a worker subprocess")
+    t.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
+                   help="scales used in trials (auto: calibrated for ONNX Runtime, default for TensorRT)")
+    t.add_argument("--calibration-data", help=".npz of input name -> array (batch on axis 0)")
+    t.add_argument("--calibration-method", default="minmax",
+                   choices=["minmax", "percentile", "entropy", "mse"])
+    t.add_argument("--pattern-cache", help="YAML pattern cache of an earlier run (warm start)")
+    t.add_argument("--qdq-baseline", help="Q/DQ model whose placement seeds the search")
+    t.add_argument("--performance-threshold", type=_positive_float)
+    t.add_argument("--timeout", type=_positive_float, help="seconds for the whole run")
+    t.add_argument("--fresh", action="store_true", help="discard this run's studies and start over")
+    t.add_argument("-q", "--quiet", action="store_true")
+    t.add_argument("-v", "--verbose", action="store_true")
+
+    i = sub.add_parser("inspect", help="print regions, patterns and insertion points")
+    i.add_argument("model")
+    _add_model_args(i)
+    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
+    i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
+
+    e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, transformer, ...)")
+    e.add_argument("name")
+    e.add_argument("output")
+    e.add_argument("--size", choices=["full", "medium", "small"], default="medium")
+    return parser
+
+
+def _config_from(args: argparse.Namespace):
+    from .config import Config
+
+    base = Config.from_yaml(args.config).to_dict() if getattr(args, "config", None) else {}
+    overrides = {
+        "schemes_per_region": getattr(args, "schemes_per_region", None),
+        "performance_threshold": getattr(args, "performance_threshold", None),
+        "maximum_sequence_region_size": args.maximum_sequence_region_size,
+        "minimum_topdown_search_size": args.minimum_topdown_search_size,
+        "verbose": getattr(args, "verbose", False) or None,
+    }
+    return Config.preset(getattr(args, "mode", "default"), **{**base, **overrides})
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .search import TuneOptions, Tuner
+
+    if args.model and Path(args.output).resolve() == Path(args.model).resolve():
+        raise OptionError("--output must be a folder, not the model file")
+    opts = TuneOptions(
+        model=args.model, output_dir=args.output, backend=args.backend, runtime=args.runtime,
+        quant_type=args.quant_type, input_shapes=args.input_shapes, config=_config_from(args),
+        sampler=args.sampler, storage=args.storage, seed=args.seed, timing=args.timing,
+        scales=args.scales, calibration_data=args.calibration_data,
+        calibration_method=args.calibration_method, pattern_cache=args.pattern_cache,
+        qdq_baseline=args.qdq_baseline, fresh=args.fresh, timeout=args.timeout,
+        run_id=args.run_id, worker=args.worker, preprocess=args.preprocess,
+        threads=args.threads, isolate=args.isolate, progress=not args.quiet,
+    )
+    result = Tuner(opts).run()
+    r = result.report
+    lo, hi = r["speedup_ci"]
+    if not args.quiet:
+        print(
+            f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
+            f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
+            f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements"
+        )
+        print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .model import PreparedModel
+
+    from .config import Config
+
+    cfg = Config(
+        maximum_sequence_region_size=args.maximum_sequence_region_size or 10,
+        minimum_topdown_search_size=args.minimum_topdown_search_size or 10,
+    )
+    pm = PreparedModel.prepare(args.model, runtime=args.runtime, quant_type=args.quant_type,
+                               input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess)
+    doc = pm.to_json()
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    leaves = sum(1 for r in doc["regions"] if r["type"] == "LEAF")
+    print(f"{doc['model']}: {doc['nodes']} nodes, opset {doc['opset']}, {len(doc['regions'])} regions "
+          f"({leaves} leaves), {len(doc['patterns'])} patterns, rules: {doc['runtime']}")
+    for p in doc["patterns"]:
+        print(f"\n{p['id']} {p['signature'][:12]}  {len(p['regions'])} region(s) {p['regions']}  "
+              f"ops: {' '.join(p['ops'])}")
+        for pt in p["insertion_points"]:
+            first = next(iter(pt["resolved"].values()))
+            more = f" (+{len(pt['resolved']) - 1} regions)" if len(pt["resolved"]) > 1 else ""
+            print(f"  {pt['id']:<28} {pt['kind']:<17} -> {', '.join(first) or '-'}{more}")
+        for g in p["concat_groups"]:
+            print(f"  concat group: {' '.join(g)}")
+    return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    import onnx
+
+    from . import zoo
+    from .export import atomic_write_bytes
+
+    try:
+        model = zoo.build(args.name, args.size)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    onnx.checker.check_model(model)
+    atomic_write_bytes(args.output, model.SerializeToString())
+    print(f"wrote {args.output} ({len(model.graph.node)} nodes)")
+    return 0
+
+
+COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example}
+
+
+def main(argv: list[str] | None = None) -> int:
+    verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="qdq-optuna: %(levelname)s: %(message)s")
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)
+    except ImportError:
+        pass
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"qdq-optuna: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+    except KeyboardInterrupt:
+        print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
+              "Rerun the same command to resume.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # an internal error: one line, traceback with -v
+        if verbose:
+            raise
+        first = str(exc).strip().splitlines()
+        print(f"qdq-optuna: internal error: {type(exc).__name__}: {first[0] if first else ''} "
+              "(rerun with -v for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,630 @@
+"""Timing protocol: screening, interleaved A/B comparison with confidence intervals, top-k.
+
+Why it looks like this (measured on 2-core CI-class machines, see the project notes): single
+medians drift 10-20 % between repeats, so candidates that differ by less than that cannot be
+ranked by timing them one after the other. What holds up:
+
+* fresh sessions interleaved round-robin with the other candidates, so slow drifts (CPU
+  frequency, neighbours, cache state) hit every candidate alike;
+* each session scored by its *minimum* (noise only ever adds time), a model by the median of its
+  session minimums; medians of raw runs are about twice as noisy;
+* comparisons as paired per-round ratios, with a t interval on their logs and an adaptive number
+  of rounds. The interval is widened for the repeated looks (Pocock boundaries), so stopping as
+  soon as it excludes 1 does not inflate false "faster" verdicts;
+* the process warmed up before the first figure (a fresh process reads 10-15 % off), and every
+  round checked for other busy processes (``/proc/stat``) and re-measured once when it was not
+  quiet.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from qdq_optuna.backends.base import Backend, BackendError, ModelSource, Runner
+from qdq_optuna.errors import OptionError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Comparison",
+    "Measurement",
+    "Measurer",
+    "QuietProbe",
+    "TimingProtocol",
+    "ratio_interval",
+    "t_quantile",
+]
+
+
+def _r(x: float) -> float:
+    return round(float(x), 6)
+
+
+@dataclass
+class Measurement:
+    """One model's timing. ``score_ms`` is what candidates are ranked by."""
+
+    score_ms: float
+    median_ms: float
+    min_ms: float
+    #: per-session minimums (one per fresh session / round), in measurement order
+    samples_ms: list[float]
+    sessions: int
+    #: timed inferences behind this figure
+    runs: int
+    #: within-session coefficient of variation (median over sessions)
+    cv: float
+    #: False when another process was busy during a round even after re-measuring it
+    quiet: bool
+    seconds: float
+    #: rounds measured twice because the machine was busy
+    remeasured: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("score_ms", "median_ms", "min_ms", "cv", "seconds"):
+            d[key] = _r(d[key])
+        d["samples_ms"] = [_r(x) for x in self.samples_ms]
+        return d
+
+
+@dataclass
+class Comparison:
+    """Candidate vs reference: ``ratio`` < 1 means the candidate is faster."""
+
+    #: geometric mean of the per-round paired ratios candidate / reference
+    ratio: float
+    ci_low: float
+    ci_high: float
+    candidate: Measurement
+    reference: Measurement
+    rounds: int
+    #: True when the stopping rule fired (interval excludes 1 or is narrow enough);
+    #: False when ``max_rounds`` ran out first
+    decided: bool
+    #: per-round paired ratios
+    ratios: list[float] = field(default_factory=list)
+    #: nominal level of the interval (simultaneous over the looks taken)
+    confidence: float = 0.95
+
+    @property
+    def significant(self) -> bool:
+        """The interval excludes 1: the two models really differ."""
+        return self.ci_high < 1.0 or self.ci_low > 1.0
+
+    @property
+    def verdict(self) -> str:
+        if self.ci_high < 1.0:
+            return "faster"
+        if self.ci_low > 1.0:
+            return "slower"
+        return "same" if self.decided else "undecided"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ratio": _r(self.ratio),
+            "ci_low": _r(self.ci_low),
+            "ci_high": _r(self.ci_high),
+            "rounds": self.rounds,
+            "decided": self.decided,
+            "verdict": self.verdict,
+            "confidence": self.confidence,
+            "ratios": [_r(x) for x in self.ratios],
+            "candidate": self.candidate.to_dict(),
+            "reference": self.reference.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class TimingProtocol:
+    """How much to measure. Use :meth:`fast` or :meth:`robust` unless you have figures."""
+
+    name: str = "robust"
+    #: fresh sessions per model in :meth:`Measurer.measure`
+    sessions: int = 5
+    warmup: int = 5
+    runs: int = 20
+    screen_warmup: int = 5
+    screen_runs: int = 20
+    #: sessions per model in :meth:`Measurer.interleaved` (final top-k)
+    final_sessions: int = 8
+    min_rounds: int = 3
+    max_rounds: int = 12
+    #: stop comparing once the interval's relative half-width is below this
+    target: float = 0.015
+    confidence: float = 0.95
+    #: rounds thrown away once per process before the first figure
+    process_warmup_rounds: int = 2
+    #: warm up again after this long without measuring (None: never)
+    rewarm_after_s: float | None = 60.0
+    #: CPU used by other processes, in cores, above which a round counts as not quiet
+    quiet_threshold: float = 0.25
+    remeasure_noisy: bool = True
+
+    def __post_init__(self) -> None:
+        ints = ("sessions", "runs", "screen_runs", "final_sessions", "min_rounds", "max_rounds")
+        for key in ints:
+            if int(getattr(self, key)) < 1:
+                raise OptionError(f"timing protocol: {key} must be >= 1")
+        for key in ("warmup", "screen_warmup", "process_warmup_rounds"):
+            if int(getattr(self, key)) < 0:
+                raise OptionError(f"timing protocol: {key} must be >= 0")
+        if self.min_rounds > self.max_rounds:
+            raise OptionError("timing protocol: min_rounds must be <= max_rounds")
+        if not 0.5 < self.confidence < 1:
+            raise OptionError("timing protocol: confidence must be in (0.5, 1)")
+        if self.target <= 0:
+            raise OptionError("timing protocol: target must be > 0")
+
+    @classmethod
+    def fast(cls) -> TimingProtocol:
+        """Screen-like: one short session per model; resolves only ~15-25 % differences."""
+        return cls(
+            name="fast",
+            sessions=1,
+            warmup=3,
+            runs=15,
+            screen_warmup=3,
+            screen_runs=15,
+            final_sessions=2,
+            min_rounds=2,
+            max_rounds=4,
+            target=0.03,
+            process_warmup_rounds=1,
+        )
+
+    @classmethod
+    def robust(cls) -> TimingProtocol:
+        """Interleaved fresh sessions; p95 ratio error ~2 % on a quiet 2-core machine."""
+        return cls(name="robust")
+
+    @classmethod
+    def from_name(cls, name: str) -> TimingProtocol:
+        presets = {"fast": cls.fast, "robust": cls.robust}
+        if name not in presets:
+            raise OptionError(f"--timing must be one of {', '.join(presets)}, got {name!r}")
+        return presets[name]()
+
+    def with_(self, **changes: Any) -> TimingProtocol:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def _t_two_sided_mass(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with integer ``df`` (exact finite series)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2 == 1:
+        acc, term = 0.0, 1.0
+        if df > 1:
+            acc = term
+            for k in range(1, (df - 3) // 2 + 1):
+                term *= c2 * (2 * k) / (2 * k + 1)
+                acc += term
+            acc *= math.sin(theta) * math.cos(theta)
+        return 2 / math.pi * (theta + acc)
+    acc, term = 1.0, 1.0
+    for k in range(1, (df - 2) // 2 + 1):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        acc += term
+    return math.sin(theta) * acc
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Two-sided critical value: P(|T| < t) = ``p``. No scipy needed."""
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    lo, hi = 0.0, 1.0
+    while _t_two_sided_mass(hi, df) < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if _t_two_sided_mass(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# Pocock critical z values for an overall two-sided 5 % level with K equally spaced looks.
+_POCOCK_Z = {
+    1: 1.960,
+    2: 2.178,
+    3: 2.289,
+    4: 2.361,
+    5: 2.413,
+    6: 2.453,
+    7: 2.485,
+    8: 2.512,
+    9: 2.535,
+    10: 2.555,
+    11: 2.572,
+    12: 2.588,
+    15: 2.626,
+    20: 2.672,
+}
+
+
+def per_look_confidence(confidence: float, looks: int) -> float:
+    """Confidence each look must use so that ``looks`` looks keep ``confidence`` overall."""
+    looks = max(1, looks)
+    if looks == 1:
+        return confidence
+    if abs(confidence - 0.95) < 1e-9:
+        keys = sorted(_POCOCK_Z)
+        k = next((k for k in keys if k >= looks), None)
+        z = _POCOCK_Z[k] if k is not None else _POCOCK_Z[20] + 0.1 * math.log(looks / 20)
+        return 2 * statistics.NormalDist().cdf(z) - 1
+    return 1 - (1 - confidence) / looks  # Bonferroni: conservative, any level
+
+
+def ratio_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """Geometric-mean ratio and its t interval (on log ratios): ``(center, low, high)``."""
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = statistics.fmean(logs)
+    if n < 2:
+        return math.exp(mean), 0.0, math.inf
+    sd = statistics.stdev(logs)
+    half = t_quantile(confidence, n - 1) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+# -- quietness -------------------------------------------------------------------------------
+
+
+def _read_proc_stat_busy() -> int:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: guest is within user;
+    # steal counts as busy because a hypervisor neighbour slows us just the same
+    vals = [int(x) for x in parts[1:9]]
+    return vals[0] + vals[1] + vals[2] + vals[5] + vals[6] + vals[7]
+
+
+def _proc_cpu_jiffies(pid: int | str, children: bool) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    rest = text[text.rfind(")") + 2 :].split()
+    total = int(rest[11]) + int(rest[12])  # utime, stime
+    if children:
+        total += int(rest[13]) + int(rest[14])  # waited-for children
+    return total
+
+
+class QuietProbe:
+    """Tells whether other processes used the CPU while we measured (Linux ``/proc``)."""
+
+    def __init__(
+        self,
+        threshold_cores: float = 0.25,
+        pids: Callable[[], Sequence[int]] = lambda: (),
+    ) -> None:
+        self.threshold = threshold_cores
+        self.pids = pids
+        self.available = os.path.exists("/proc/stat") and os.path.exists("/proc/self/stat")
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last_other_cores = 0.0
+
+    def _own(self) -> int:
+        return _proc_cpu_jiffies("self", True) + sum(
+            _proc_cpu_jiffies(p, False) for p in self.pids()
+        )
+
+    def start(self) -> tuple[float, int, int] | None:
+        if not self.available:
+            return None
+        return time.perf_counter(), _read_proc_stat_busy(), self._own()
+
+    def stop(self, token: tuple[float, int, int] | None) -> bool:
+        if token is None:
+            return True
+        t0, busy0, own0 = token
+        wall = max(time.perf_counter() - t0, 1e-3)
+        others = (_read_proc_stat_busy() - busy0) - (self._own() - own0)
+        # jiffies are coarse: allow two ticks of rounding before blaming anyone
+        others = max(0, others - 2)
+        self.last_other_cores = others / self.hz / wall
+        return self.last_other_cores <= self.threshold
+
+
+# -- the measurer ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Acc:
+    """Per-model accumulator across rounds."""
+
+    mins: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    cvs: list[float] = field(default_factory=list)
+    runs: int = 0
+
+    def add(self, samples: list[float]) -> None:
+        self.mins.append(min(samples))
+        self.raw.extend(samples)
+        self.runs += len(samples)
+        if len(samples) > 1:
+            mean = statistics.fmean(samples)
+            self.cvs.append(statistics.stdev(samples) / mean if mean > 0 else 0.0)
+
+    def measurement(self, quiet: bool, seconds: float, remeasured: int) -> Measurement:
+        return Measurement(
+            score_ms=statistics.median(self.mins),
+            median_ms=statistics.median(self.raw),
+            min_ms=min(self.raw),
+            samples_ms=list(self.mins),
+            sessions=len(self.mins),
+            runs=self.runs,
+            cv=statistics.median(self.cvs) if self.cvs else 0.0,
+            quiet=quiet,
+            seconds=seconds,
+            remeasured=remeasured,
+        )
+
+
+def _as_source(model: Any) -> ModelSource:
+    if isinstance(model, (bytes, str, os.PathLike)):
+        return model
+    if hasattr(model, "SerializeToString"):  # onnx.ModelProto
+        return model.SerializeToString()
+    raise TypeError(f"expected model bytes, a path or a ModelProto, got {type(model).__name__}")
+
+
+class Measurer:
+    """Applies a :class:`TimingProtocol` to any :class:`Backend`.
+
+    ``loads`` counts sessions / engines built and ``timed_runs`` timed inferences, warm-up
+    rounds included, so callers can report what the measurements cost.
+    """
+
+    def __init__(self, backend: Backend, protocol: TimingProtocol | None = None) -> None:
+        self.backend = backend
+        self.protocol = protocol or TimingProtocol.robust()
+        self.loads = 0
+        self.timed_runs = 0
+        self.remeasured = 0
+        self.probe = QuietProbe(self.protocol.quiet_threshold, pids=backend.worker_pids)
+        self._warm_at: float | None = None
+        self._last_model: ModelSource | None = None
+
+    # -- low level ---------------------------------------------------------------------------
+    @property
+    def deterministic(self) -> bool:
+        return bool(getattr(self.backend, "deterministic", False))
+
+    @property
+    def fresh(self) -> bool:
+        return bool(getattr(self.backend, "fresh_sessions", True))
+
+    def _load(self, model: ModelSource) -> Runner:
+        runner = self.backend.load(model)
+        self.loads += 1
+        return runner
+
+    def _time(self, runner: Runner, warmup: int, runs: int) -> list[float]:
+        samples = [float(x) for x in runner.time(warmup, runs)]
+        if not samples or not all(math.isfinite(x) and x >= 0 for x in samples):
+            raise BackendError(f"backend {self.backend.name!r} returned bad timings {samples!r}")
+        self.timed_runs += len(samples)
+        self._warm_at = time.monotonic()
+        return samples
+
+    def _session(self, model: ModelSource, warmup: int, runs: int, runners: dict | None):
+        """One fresh session (or one more ``time`` call on a kept runner)."""
+        if runners is not None:
+            return self._time(runners[id(model)], warmup, runs)
+        runner = self._load(model)
+        try:
+            return self._time(runner, warmup, runs)
+        finally:
+            runner.close()
+
+    def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners):
+        """Time each model once; re-measure the round once if the machine was busy."""
+        attempts = 2 if self.protocol.remeasure_noisy else 1
+        best: tuple[float, list] | None = None
+        for attempt in range(attempts):
+            token = self.probe.start()
+            out = [self._session(m, warmup, runs, runners) for m in models]
+            if self.probe.stop(token):
+                return out, True, attempt
+            others = self.probe.last_other_cores
+            log.debug("machine busy (%.2f cores used by others); round %d", others, attempt)
+            if best is None or others < best[0]:
+                best = (others, out)  # keep the less disturbed attempt
+        assert best is not None
+        return best[1], False, attempts - 1
+
+    def _open_all(self, models: Sequence[ModelSource]) -> dict | None:
+        if self.fresh:
+            return None
+        runners: dict[int, Runner] = {}
+        try:
+            for m in models:
+                if id(m) not in runners:
+                    runners[id(m)] = self._load(m)
+        except BaseException:
+            self._close_all(runners)
+            raise
+        return runners
+
+    @staticmethod
+    def _close_all(runners: dict | None) -> None:
+        for r in (runners or {}).values():
+            try:
+                r.close()
+            except Exception:  # closing must not mask the measurement's own error
+                log.debug("closing a runner failed", exc_info=True)
+
+    def _deterministic(self, model: ModelSource) -> Measurement:
+        t0 = time.perf_counter()
+        runner = self._load(model)
+        try:
+            value = self._time(runner, 0, 1)[0]
+        finally:
+            runner.close()
+        return Measurement(value, value, value, [value], 1, 1, 0.0, True, time.perf_counter() - t0)
+
+    # -- warm-up -----------------------------------------------------------------------------
+    def _warm_rounds(self, force: bool = False) -> int:
+        p = self.protocol
+        if self.deterministic:
+            return 0
+        if force or self._warm_at is None:
+            return p.process_warmup_rounds
+        if p.rewarm_after_s is not None and time.monotonic() - self._warm_at > p.rewarm_after_s:
+            return min(1, p.process_warmup_rounds)
+        return 0
+
+    def _warm(self, models: Sequence[ModelSource], runners: dict | None, rounds: int) -> None:
+        p = self.protocol
+        for _ in range(rounds):
+            for m in models:
+                self._session(m, p.warmup, p.runs, runners)
+        self._warm_at = time.monotonic()
+
+    def warm_up(self, models: Sequence[Any] | Any | None = None, *, force: bool = False) -> bool:
+        """Throw away the protocol's first rounds once per process (or after a long idle).
+
+        Measurements call this themselves; call it directly to pay the cost up front.
+        """
+        rounds = self._warm_rounds(force)
+        if models is None:
+            models = [self._last_model] if self._last_model is not None else []
+        elif not isinstance(models, (list, tuple)):
+            models = [models]
+        srcs = [_as_source(m) for m in models]
+        if not rounds or not srcs:
+            return False
+        runners = self._open_all(srcs)
+        try:
+            self._warm(srcs, runners, rounds)
+        finally:
+            self._close_all(runners)
+        return True
+
+    # -- public measurements -----------------------------------------------------------------
+    def screen(self, model: Any) -> Measurement:
+        """One short session: enough to discard candidates that are far off."""
+        src = _as_source(model)
+        self._last_model = src
+        if self.deterministic:
+            return self._deterministic(src)
+        p = self.protocol
+        self.warm_up([src])
+        t0 = time.perf_counter()
+        acc = _Acc()
+        (samples,), quiet, again = self._round([src], p.screen_warmup, p.screen_runs, None)
+        acc.add(samples)
+        self.remeasured += again
+        return acc.measurement(quiet, time.perf_counter() - t0, again)
+
+    def measure(self, model: Any) -> Measurement:
+        """``protocol.sessions`` fresh sessions of one model."""
+        return self.interleaved([model], sessions=self.protocol.sessions)[0]
+
+    def interleaved(
+        self, models: Sequence[Any], *, sessions: int | None = None
+    ) -> list[Measurement]:
+        """Round-robin fresh sessions of k models (rotating who goes first): a fair top-k."""
+        srcs = [_as_source(m) for m in models]
+        if not srcs:
+            return []
+        self._last_model = srcs[0]
+        if self.deterministic:
+            return [self._deterministic(m) for m in srcs]
+        p = self.protocol
+        n_rounds = sessions or p.final_sessions
+        warm = self._warm_rounds()
+        accs = [_Acc() for _ in srcs]
+        quiet, remeasured = True, 0
+        runners = self._open_all(srcs)
+        try:
+            self._warm(srcs, runners, warm)
+            t0 = time.perf_counter()
+            for r in range(n_rounds):
+                order = [(r + i) % len(srcs) for i in range(len(srcs))]
+                results, ok, again = self._round(
+                    [srcs[i] for i in order], p.warmup, p.runs, runners
+                )
+                quiet &= ok
+                remeasured += again
+                for i, samples in zip(order, results):
+                    accs[i].add(samples)
+        finally:
+            self._close_all(runners)
+        self.remeasured += remeasured
+        seconds = time.perf_counter() - t0
+        return [a.measurement(quiet, seconds / len(srcs), remeasured) for a in accs]
+
+    def compare(self, candidate: Any, reference: Any) -> Comparison:
+        """Interleaved A/B rounds until the ratio is known well enough (or rounds run out)."""
+        cand, ref = _as_source(candidate), _as_source(reference)
+        self._last_model = ref
+        p = self.protocol
+        if self.deterministic:
+            mc, mr = self._deterministic(cand), self._deterministic(ref)
+            ratio = max(mc.score_ms, 1e-9) / max(mr.score_ms, 1e-9)
+            return Comparison(ratio, ratio, ratio, mc, mr, 1, True, [ratio], p.confidence)
+        looks = p.max_rounds - p.min_rounds + 1
+        level = per_look_confidence(p.confidence, looks)
+        warm = self._warm_rounds()
+        acc_ref, acc_cand = _Acc(), _Acc()
+        ratios: list[float] = []
+        quiet, remeasured, decided = True, 0, False
+        center, lo, hi = 1.0, 0.0, math.inf
+        runners = self._open_all([ref, cand])
+        try:
+            self._warm([ref, cand], runners, warm)
+            t0 = time.perf_counter()
+            for r in range(p.max_rounds):
+                order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
+                results, ok, again = self._round(order, p.warmup, p.runs, runners)
+                quiet &= ok
+                remeasured += again
+                s_ref, s_cand = (results[0], results[1]) if r % 2 == 0 else (results[1], results[0])
+                acc_ref.add(s_ref)
+                acc_cand.add(s_cand)
+                ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
+                if len(ratios) < max(2, p.min_rounds):
+                    continue
+                center, lo, hi = ratio_interval(ratios, level)
+                if hi < 1.0 or lo > 1.0 or (hi - lo) / (2 * center) < p.target:
+                    decided = True
+                    break
+        finally:
+            self._close_all(runners)
+        if len(ratios) < 2:
+            center, lo, hi = ratio_interval(ratios, level)
+        self.remeasured += remeasured
+        seconds = (time.perf_counter() - t0) / 2
+        return Comparison(
+            ratio=center,
+            ci_low=lo,
+            ci_high=hi,
+            candidate=acc_cand.measurement(quiet, seconds, remeasured),
+            reference=acc_ref.measurement(quiet, seconds, remeasured),
+            rounds=len(ratios),
+            decided=decided,
+            ratios=ratios,
+            confidence=p.confidence,
+        )
+
+    def counters(self) -> dict[str, int]:
+        return {"loads": self.loads, "timed_runs": self.timed_runs, "remeasured": self.remeasured}

@@ -1,0 +1,156 @@
+"""The model side in one object: load -> preprocess -> regions -> patterns -> insertion points.
+
+``inspect`` prints it, ``tune`` searches over it, the exporter turns its schemes into models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from .config import Config
+from .export import QDQExporter, check_quant_type, upgrade_for
+from .graph import Graph, InputShapes, load_model, ort_basic_optimize
+from .insertion.points import PatternPoints, enumerate_points
+from .insertion.rules import RuntimeRules, rules_for
+from .patterns import PatternIndex
+from .regions import RegionConfig, RegionTree, discover_regions
+
+PREPROCESS = ("auto", "none", "ort-basic")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class PreparedModel:
+    graph: Graph
+    tree: RegionTree
+    index: PatternIndex
+    points: list[PatternPoints]
+    rules: RuntimeRules
+    quant_type: str
+    source: str
+    source_sha256: str
+    preprocess: str
+
+    @classmethod
+    def prepare(
+        cls,
+        model: str | os.PathLike | onnx.ModelProto,
+        *,
+        runtime: str = "onnxruntime",
+        quant_type: str | None = None,
+        input_shapes: InputShapes | str | None = None,
+        config: Config | None = None,
+        preprocess: str = "auto",
+    ) -> PreparedModel:
+        cfg = config or Config()
+        rules = rules_for(runtime)
+        qtype = check_quant_type(quant_type or cfg.default_quant_type or rules.default_quant_type)
+        shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+        if preprocess not in PREPROCESS:
+            from .errors import OptionError
+
+            raise OptionError(f"--preprocess: unknown {preprocess!r} (choose from {', '.join(PREPROCESS)})")
+        graph = load_model(model, shapes)
+        if isinstance(model, onnx.ModelProto):
+            source, digest = "<model>", hashlib.sha256(model.SerializeToString()).hexdigest()
+        else:
+            source, digest = str(model), file_sha256(model)
+        mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
+        if mode == "ort-basic":
+            graph = Graph.from_model(ort_basic_optimize(graph.model), graph.path)
+        graph = upgrade_for(graph, [qtype])
+        tree = discover_regions(
+            graph,
+            RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
+        )
+        index = PatternIndex(graph, tree)
+        points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
+        return cls(graph, tree, index, points, rules, qtype, source, digest, mode)
+
+    @property
+    def tunable(self) -> list[PatternPoints]:
+        """Patterns with at least one insertion point, in study order (first appearance)."""
+        return [pp for pp in self.points if pp.points]
+
+    def exporter(self, scales=None, config: Config | None = None, quant_type: str | None = None) -> QDQExporter:
+        cfg = config or Config()
+        return QDQExporter(
+            self.graph, self.rules, quant_type or self.quant_type, scales=scales,
+            default_scale=cfg.default_q_scale, default_zero_point=cfg.default_q_zero_point,
+        )
+
+    def candidate_tensors(self) -> list[str]:
+        """Every activation tensor some point can quantize (what calibration must cover)."""
+        tensors: set[str] = set()
+        for pp in self.points:
+            tensors.update(u[0] for u in pp.uses(pp.ids))
+        return sorted(tensors)
+
+    def to_json(self) -> dict:
+        """The stable ``inspect --json`` document (add keys freely, never rename)."""
+        g = self.graph
+        regions = []
+        for r in self.tree.regions:
+            regions.append({
+                "id": r.id,
+                "type": r.type.value,
+                "level": r.level,
+                "parent": r.parent,
+                "children": list(r.children),
+                "nodes": [g.name_of(n) for n in (r.nodes if r.type.value == "LEAF" else r.all_nodes)],
+                "inputs": list(r.inputs),
+                "outputs": list(r.outputs),
+                "kind": r.kind,
+                "tuned": r.id in set(self.tree.tuning),
+            })
+        patterns = []
+        for pp in self.points:
+            p = pp.pattern
+            patterns.append({
+                "id": p.id,
+                "signature": p.signature,
+                "regions": list(p.regions),
+                "ops": list(p.ops),
+                "insertion_points": [
+                    {
+                        "id": pt.id,
+                        "kind": pt.kind,
+                        "resolved": {str(r): tensors for r, tensors in pp.tensors(pt.id).items()},
+                        "uses": {
+                            str(r): [[t, g.name_of(n), s] for t, n, s in uses]
+                            for r, uses in pp.resolved[pt.id].items()
+                        },
+                    }
+                    for pt in pp.points
+                ],
+                "concat_groups": pp.concat_groups,
+                "fusion_groups": pp.fusion_groups,
+                "dropped_points": pp.dropped,
+            })
+        return {
+            "model": self.source,
+            "sha256": self.source_sha256,
+            "runtime": self.rules.name,
+            "quant_type": self.quant_type,
+            "preprocess": self.preprocess,
+            "opset": g.opset,
+            "nodes": len(g.nodes),
+            "regions": regions,
+            "patterns": patterns,
+        }
+
+
+def output_path(path: str | os.PathLike) -> Path:
+    return Path(path).expanduser()

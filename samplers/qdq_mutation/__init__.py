@@ -1,0 +1,3 @@
+from ._sampler import QDQMutationSampler
+
+__all__ = ["QDQMutationSampler"]

@@ -1,0 +1,533 @@
+"""Top-k mutation sampler for binary (or few-valued) Q/DQ placement schemes."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from optuna.distributions import BaseDistribution, IntDistribution
+from optuna.samplers import BaseSampler, RandomSampler
+from optuna.search_space import intersection_search_space
+from optuna.study import Study, StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+POINTS_ATTR = "qdq_points"
+NUM_CHOICES_ATTR = "qdq_num_choices"
+CONCAT_GROUPS_ATTR = "qdq_concat_groups"
+FUSION_GROUPS_ATTR = "qdq_fusion_groups"
+POINT_USES_ATTR = "qdq_point_uses"
+
+ORIGIN_KEY = "qdq:origin"
+PARENT_KEY = "qdq:parent"
+MOVES_KEY = "qdq:moves"
+DUPLICATE_KEY = "qdq:duplicate"
+# The proposed scheme is stored at sampling time so that other workers can de-duplicate against
+# trials whose parameters have not been suggested yet.
+SCHEME_KEY = "qdq:scheme"
+
+_LIVE_STATES = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING, TrialState.PRUNED)
+_UINT64_MASK = (1 << 64) - 1
+
+SchemeKey = Callable[[dict[str, int]], Hashable]
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    points: list[str] | None
+    num_choices: int
+    concat_groups: list[list[str]]
+    fusion_groups: list[list[str]]
+    point_uses: dict[str, list[int]] | None
+
+
+class _Space:
+    """Integer parameters of the relative search space, as choice indices in canonical order."""
+
+    def __init__(self, search_space: dict[str, BaseDistribution], points: list[str] | None):
+        ints = {k: d for k, d in search_space.items() if isinstance(d, IntDistribution)}
+        ordered = [p for p in points or [] if p in ints]
+        seen = set(ordered)
+        ordered += sorted(k for k in ints if k not in seen)
+        self.names = ordered
+        self.position = {name: i for i, name in enumerate(ordered)}
+        self.dists = [ints[k] for k in ordered]
+        self.n_choices = [(d.high - d.low) // d.step + 1 for d in self.dists]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def values(self, scheme: Sequence[int]) -> dict[str, int]:
+        return {name: int(d.low + i * d.step) for name, d, i in zip(self.names, self.dists, scheme)}
+
+    def index(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            return -1  # Foreign value (e.g. from a differently typed param): never "off".
+        d = self.dists[self.position[name]]
+        return int(round((value - d.low) / d.step))
+
+    def known_values(self, trial: FrozenTrial) -> dict[str, Any]:
+        """Scheme values of a trial, from its params, seed or recorded proposal."""
+        merged: dict[str, Any] = {}
+        for source in (
+            trial.system_attrs.get(SCHEME_KEY),
+            trial.system_attrs.get("fixed_params"),
+            trial.params,
+        ):
+            if isinstance(source, dict):
+                merged.update({k: v for k, v in source.items() if k in self.position})
+        return merged
+
+    def complete_values(self, known: dict[str, Any]) -> dict[str, Any]:
+        # An unspecified point means "no Q/DQ", i.e. the lowest choice.
+        return {name: known.get(name, d.low) for name, d in zip(self.names, self.dists)}
+
+    def scheme_of(self, known: dict[str, Any]) -> tuple[int, ...]:
+        scheme = []
+        for name, n in zip(self.names, self.n_choices):
+            i = self.index(name, known[name]) if name in known else 0
+            scheme.append(min(max(i, 0), n - 1))
+        return tuple(scheme)
+
+
+class QDQMutationSampler(BaseSampler):
+    """Top-k mutation sampler for Q/DQ placement with group moves and de-duplication.
+
+    Latency over placements is needle-like: gains only appear when whole fusion or Concat
+    groups are quantized. So the sampler seeds the empty and full schemes, then mutates the
+    best schemes with single flips and atomic group moves, never re-proposing a scheme that
+    yields an already known model. Study metadata comes from study user attrs so that all
+    workers sharing a storage behave alike. See README.md for the attributes it reads.
+
+    Args:
+        seed: Base seed; per-trial generators are derived from it and the trial number.
+        top_percent_to_mutate: Fraction of completed trials eligible as parents.
+        minimum_schemes_to_mutate: Lower bound on the number of eligible parents.
+        maximum_mutations: Each child gets between 1 and this many moves.
+        maximum_generation_attempts: Attempts to find a new scheme before random fallback.
+        concat_group_min_samples: With ``schemes_per_region``, sets the Concat-group move
+            probability ``min(1, max(concat_group_min_samples / schemes_per_region, 0.05))``.
+        schemes_per_region: Expected trial budget per pattern study.
+        fusion_group_probability: Probability of a fusion-group move when no Concat move
+            was drawn.
+        seed_full_scheme: Propose the all-on scheme right after the empty one.
+        scheme_key: Maps a scheme's params to the identity of the resulting model, for
+            de-duplication when different params build the same model.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        top_percent_to_mutate: float = 0.1,
+        minimum_schemes_to_mutate: int = 10,
+        maximum_mutations: int = 3,
+        maximum_generation_attempts: int = 100,
+        concat_group_min_samples: int = 5,
+        schemes_per_region: int = 30,
+        fusion_group_probability: float = 0.35,
+        seed_full_scheme: bool = True,
+        scheme_key: SchemeKey | None = None,
+    ) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}.")
+        if not isinstance(top_percent_to_mutate, (int, float)) or not (
+            0.0 < top_percent_to_mutate <= 1.0
+        ):
+            raise ValueError(
+                f"top_percent_to_mutate must be in (0, 1], got {top_percent_to_mutate!r}."
+            )
+        _check_int("minimum_schemes_to_mutate", minimum_schemes_to_mutate, 1)
+        _check_int("maximum_mutations", maximum_mutations, 1)
+        _check_int("maximum_generation_attempts", maximum_generation_attempts, 1)
+        _check_int("concat_group_min_samples", concat_group_min_samples, 0)
+        _check_int("schemes_per_region", schemes_per_region, 1)
+        if not isinstance(fusion_group_probability, (int, float)) or not (
+            0.0 <= fusion_group_probability <= 1.0
+        ):
+            raise ValueError(
+                f"fusion_group_probability must be in [0, 1], got {fusion_group_probability!r}."
+            )
+        if not isinstance(seed_full_scheme, bool):
+            raise ValueError(f"seed_full_scheme must be a bool, got {seed_full_scheme!r}.")
+        if scheme_key is not None and not callable(scheme_key):
+            raise ValueError("scheme_key must be a callable or None.")
+
+        self._base_seed = _fresh_seed() if seed is None else seed & _UINT64_MASK
+        self._top_percent = float(top_percent_to_mutate)
+        self._min_parents = minimum_schemes_to_mutate
+        self._max_mutations = maximum_mutations
+        self._max_attempts = maximum_generation_attempts
+        self._p_concat = min(1.0, max(concat_group_min_samples / schemes_per_region, 0.05))
+        self._p_fusion = float(fusion_group_probability)
+        self._seed_full = seed_full_scheme
+        self._scheme_key = scheme_key
+
+    @property
+    def concat_group_probability(self) -> float:
+        """Probability that a move is an atomic Concat-group move."""
+        return self._p_concat
+
+    def reseed_rng(self) -> None:
+        self._base_seed = _fresh_seed()
+
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        # Fully fixed seeds never reach sample_relative, so their origin is recorded here.
+        fixed = trial.system_attrs.get("fixed_params")
+        if not fixed:
+            return
+        meta = _read_metadata(study)
+        if meta.points is None or not any(p in fixed for p in meta.points):
+            return
+        space = _Space({p: IntDistribution(0, meta.num_choices - 1) for p in meta.points}, None)
+        scheme = space.complete_values(space.known_values(trial))
+        self._record(study, trial, "seed", None, [], scheme, duplicate=False)
+
+    def infer_relative_search_space(
+        self, study: Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        meta = _read_metadata(study)
+        if meta.points is not None:
+            return {name: IntDistribution(0, meta.num_choices - 1) for name in meta.points}
+        space = intersection_search_space(study.get_trials(deepcopy=False))
+        return {
+            name: dist
+            for name, dist in space.items()
+            if isinstance(dist, IntDistribution) and not dist.single()
+        }
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        if not search_space:
+            return {}
+        meta = _read_metadata(study)
+        space = _Space(search_space, meta.points)
+        params: dict[str, Any] = {}
+
+        if len(space) > 0:
+            fixed = trial.system_attrs.get("fixed_params") or {}
+            if any(name in fixed for name in space.names):
+                params = self._seed_params(study, trial, space, meta, fixed)
+            else:
+                params = self._propose(study, trial, space, meta)
+
+        for name, dist in search_space.items():
+            if name not in space.position:
+                params[name] = self.sample_independent(study, trial, name, dist)
+        return params
+
+    def sample_independent(
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        param_name: str,
+        param_distribution: BaseDistribution,
+    ) -> Any:
+        seed = _derive_seed(self._base_seed, trial.number, zlib.crc32(param_name.encode()))
+        return RandomSampler(seed=seed).sample_independent(
+            study, trial, param_name, param_distribution
+        )
+
+    def _seed_params(
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        space: _Space,
+        meta: _Metadata,
+        fixed: dict[str, Any],
+    ) -> dict[str, Any]:
+        # Seeds are used as given; in Q/DQ mode unspecified points are off, not random.
+        filled = {}
+        if meta.points is not None:
+            filled = {n: d.low for n, d in zip(space.names, space.dists) if n not in fixed}
+        scheme = space.complete_values(space.known_values(trial))
+        scheme.update(filled)
+        self._record(study, trial, "seed", None, [], scheme, duplicate=False)
+        return filled
+
+    def _propose(
+        self, study: Study, trial: FrozenTrial, space: _Space, meta: _Metadata
+    ) -> dict[str, Any]:
+        rng = np.random.RandomState(_derive_seed(self._base_seed, trial.number))
+        identity = self._identity_fn(space, meta)
+        trials = study.get_trials(deepcopy=False, states=_LIVE_STATES)
+        taken: set[Hashable] = set()
+        for t in trials:
+            if t.number == trial.number:
+                continue
+            known = space.known_values(t)
+            if known:
+                taken.add(identity(space.complete_values(known)))
+
+        def fresh(scheme: Sequence[int]) -> bool:
+            return identity(space.values(scheme)) not in taken
+
+        empty = (0,) * len(space)
+        if fresh(empty):
+            return self._accept(study, trial, space, empty, "empty", None, [])
+        full = tuple(min(1, n - 1) for n in space.n_choices)
+        if self._seed_full and fresh(full):
+            return self._accept(study, trial, space, full, "full", None, [])
+
+        groups = {
+            "concat": _resolve_groups(meta.concat_groups, space),
+            "fusion": _resolve_groups(meta.fusion_groups, space),
+        }
+        parents = self._ranked_parents(study, [t for t in trials if _is_parent(t, space)])
+        if parents:
+            k = min(
+                len(parents),
+                max(self._min_parents, math.ceil(self._top_percent * len(parents))),
+            )
+            for _ in range(self._max_attempts):
+                parent = parents[rng.randint(k)]
+                scheme = list(space.scheme_of(space.known_values(parent)))
+                moves = self._mutate(scheme, space, groups, rng)
+                if moves and fresh(scheme):
+                    return self._accept(
+                        study, trial, space, scheme, "mutation", parent.number, moves
+                    )
+
+        scheme = list(empty)
+        for _ in range(self._max_attempts):
+            scheme = [int(rng.randint(n)) for n in space.n_choices]
+            if fresh(scheme):
+                return self._accept(study, trial, space, scheme, "random", None, [])
+        return self._accept(study, trial, space, scheme, "random", None, [], duplicate=True)
+
+    def _accept(
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        space: _Space,
+        scheme: Sequence[int],
+        origin: str,
+        parent: int | None,
+        moves: list[str],
+        duplicate: bool = False,
+    ) -> dict[str, Any]:
+        values = space.values(scheme)
+        self._record(study, trial, origin, parent, moves, values, duplicate)
+        return dict(values)
+
+    @staticmethod
+    def _record(
+        study: Study,
+        trial: FrozenTrial,
+        origin: str,
+        parent: int | None,
+        moves: list[str],
+        scheme: dict[str, Any],
+        duplicate: bool,
+    ) -> None:
+        storage = study._storage
+        storage.set_trial_system_attr(trial._trial_id, SCHEME_KEY, scheme)
+        storage.set_trial_system_attr(trial._trial_id, ORIGIN_KEY, origin)
+        storage.set_trial_system_attr(trial._trial_id, PARENT_KEY, parent)
+        storage.set_trial_system_attr(trial._trial_id, MOVES_KEY, moves)
+        if duplicate:
+            storage.set_trial_system_attr(trial._trial_id, DUPLICATE_KEY, True)
+
+    def _mutate(
+        self,
+        scheme: list[int],
+        space: _Space,
+        groups: dict[str, list[tuple[int, list[int]]]],
+        rng: np.random.RandomState,
+    ) -> list[str]:
+        moves = []
+        for _ in range(rng.randint(1, self._max_mutations + 1)):
+            move = self._move(scheme, space, groups, rng)
+            if move is not None:
+                moves.append(move)
+        return moves
+
+    def _move(
+        self,
+        scheme: list[int],
+        space: _Space,
+        groups: dict[str, list[tuple[int, list[int]]]],
+        rng: np.random.RandomState,
+    ) -> str | None:
+        if rng.random_sample() < self._p_concat:
+            move = _group_move(scheme, space, groups["concat"], "concat", rng)
+            if move is not None:
+                return move
+        if rng.random_sample() < self._p_fusion:
+            move = _group_move(scheme, space, groups["fusion"], "fusion", rng)
+            if move is not None:
+                return move
+        flippable = [i for i, n in enumerate(space.n_choices) if n >= 2]
+        if not flippable:
+            return None
+        i = flippable[rng.randint(len(flippable))]
+        n = space.n_choices[i]
+        if n == 2:
+            scheme[i] = 1 - scheme[i]
+        else:
+            new = int(rng.randint(n - 1))
+            scheme[i] = new + 1 if new >= scheme[i] else new
+        return f"flip:{space.names[i]}"
+
+    def _identity_fn(self, space: _Space, meta: _Metadata) -> Callable[[dict[str, Any]], Hashable]:
+        if self._scheme_key is not None:
+            key = self._scheme_key
+            return lambda values: key(dict(values))
+        if meta.point_uses is None:
+            names = space.names
+            return lambda values: tuple(values[n] for n in names)
+
+        uses = meta.point_uses
+        with_value = max(space.n_choices, default=2) > 2
+
+        def by_uses(values: dict[str, Any]) -> Hashable:
+            covered: set[Hashable] = set()
+            for name, value in values.items():
+                i = space.index(name, value)
+                if i == 0:
+                    continue
+                for use in uses.get(name, (name,)):
+                    covered.add((use, i) if with_value else use)
+            return frozenset(covered)
+
+        return by_uses
+
+    def _ranked_parents(self, study: Study, complete: list[FrozenTrial]) -> list[FrozenTrial]:
+        directions = study.directions
+        if len(directions) == 1:
+            sign = -1.0 if directions[0] == StudyDirection.MAXIMIZE else 1.0
+            return sorted(complete, key=lambda t: (_nan_last(sign * t.values[0]), t.number))
+        return _rank_multi_objective(complete, directions)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _fresh_seed() -> int:
+    return int(np.random.SeedSequence().generate_state(2, np.uint64)[0])
+
+
+def _derive_seed(*parts: int) -> int:
+    # Deterministic across processes (no str hashing), so resumed studies replay the same way.
+    words = [int(p) & _UINT64_MASK for p in parts]
+    return int(np.random.SeedSequence(words).generate_state(1)[0])
+
+
+def _nan_last(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _is_parent(trial: FrozenTrial, space: _Space) -> bool:
+    return (
+        trial.state == TrialState.COMPLETE
+        and trial.values is not None
+        and any(name in trial.params for name in space.names)
+    )
+
+
+def _resolve_groups(groups: list[list[str]], space: _Space) -> list[tuple[int, list[int]]]:
+    resolved = []
+    for gid, group in enumerate(groups):
+        members = sorted(
+            {space.position[n] for n in group if n in space.position}
+            - {i for i, n in enumerate(space.n_choices) if n < 2}
+        )
+        if members:
+            resolved.append((gid, members))
+    return resolved
+
+
+def _group_move(
+    scheme: list[int],
+    space: _Space,
+    groups: list[tuple[int, list[int]]],
+    kind: str,
+    rng: np.random.RandomState,
+) -> str | None:
+    actions = []
+    for gid, members in groups:
+        on = [scheme[i] > 0 for i in members]
+        if not all(on):
+            actions.append((gid, members, "+"))
+        if any(on):
+            actions.append((gid, members, "-"))
+    if not actions:
+        return None
+    gid, members, sign = actions[rng.randint(len(actions))]
+    if sign == "+":
+        # One quant type for the whole group so mixed-precision groups stay consistent.
+        value = int(rng.randint(1, min(space.n_choices[i] for i in members)))
+        for i in members:
+            if scheme[i] == 0:
+                scheme[i] = value
+    else:
+        for i in members:
+            scheme[i] = 0
+    return f"{kind}{sign}:g{gid}"
+
+
+def _rank_multi_objective(
+    complete: list[FrozenTrial], directions: Sequence[StudyDirection]
+) -> list[FrozenTrial]:
+    from optuna.study._multi_objective import _fast_non_domination_rank
+
+    if not complete:
+        return []
+    signs = np.array([-1.0 if d == StudyDirection.MAXIMIZE else 1.0 for d in directions])
+    losses = np.array([t.values for t in complete], dtype=float) * signs
+    losses = np.where(np.isnan(losses), np.inf, losses)
+    ranks = _fast_non_domination_rank(losses)
+    crowding: dict[int, float] = {}
+    try:
+        from optuna.samplers.nsgaii._elite_population_selection_strategy import (
+            _calc_crowding_distance,
+        )
+
+        for rank in set(ranks.tolist()):
+            front = [t for t, r in zip(complete, ranks) if r == rank]
+            crowding.update(_calc_crowding_distance(front))
+    except ImportError:  # pragma: no cover - private helper moved; fall back to trial order
+        pass
+    order = sorted(
+        range(len(complete)),
+        key=lambda i: (ranks[i], -crowding.get(complete[i].number, 0.0), complete[i].number),
+    )
+    return [complete[i] for i in order]
+
+
+def _read_metadata(study: Study) -> _Metadata:
+    attrs = study.user_attrs
+    points = attrs.get(POINTS_ATTR)
+    if points is not None:
+        if not isinstance(points, list) or not all(isinstance(p, str) for p in points):
+            raise ValueError(f"Study user attr {POINTS_ATTR!r} must be a list of str.")
+        points = list(dict.fromkeys(points))
+    num_choices = attrs.get(NUM_CHOICES_ATTR, 2)
+    if isinstance(num_choices, bool) or not isinstance(num_choices, int) or num_choices < 1:
+        raise ValueError(f"Study user attr {NUM_CHOICES_ATTR!r} must be an int >= 1.")
+    uses = attrs.get(POINT_USES_ATTR)
+    if uses is not None and not isinstance(uses, dict):
+        raise ValueError(f"Study user attr {POINT_USES_ATTR!r} must be a dict.")
+    return _Metadata(
+        points=points,
+        num_choices=num_choices,
+        concat_groups=_read_groups(attrs, CONCAT_GROUPS_ATTR),
+        fusion_groups=_read_groups(attrs, FUSION_GROUPS_ATTR),
+        point_uses=uses,
+    )
+
+
+def _read_groups(attrs: dict[str, Any], key: str) -> list[list[str]]:
+    groups = attrs.get(key) or []
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+        raise ValueError(f"Study user attr {key!r} must be a list of lists of str.")
+    return groups
+
+
+__all__ = ["QDQMutationSampler"]

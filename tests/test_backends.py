@@ -1,0 +1,386 @@
+"""ONNX Runtime, callable and isolated backends, and the ``--backend`` factory."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qdq_optuna.backends import (
+    BACKEND_NAMES,
+    CallableBackend,
+    IsolatedBackend,
+    OnnxRuntimeBackend,
+    TrtexecBackend,
+    load_callable,
+    make_backend,
+)
+from qdq_optuna.backends.base import BackendError, BackendUnavailable, TransientBackendError
+from qdq_optuna.errors import OptionError, UserError
+
+sys.path.insert(0, str(Path(__file__).parent))  # for the isolated worker's test backend
+import _crashy_backend  # noqa: E402
+
+
+def chain_model(layers: int = 3, width: int = 64, rows: int = 8, symbolic: bool = False) -> bytes:
+    """MatMul/Relu chain; ``symbolic`` leaves the batch dimension named."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    dim0: int | str = "batch" if symbolic else rows
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [dim0, width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [dim0, width])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def gather_model() -> bytes:
+    """An int64 index input next to a float one: integer inputs must come out as zeros."""
+    table = numpy_helper.from_array(np.ones((10, 4), np.float32), "table")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "idx"], ["g"]),
+            helper.make_node("Add", ["g", "y"], ["out"]),
+        ],
+        "gather",
+        [
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [3]),
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 4])],
+        [table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+# -- ONNX Runtime ----------------------------------------------------------------------------
+
+
+def test_ort_times_from_bytes_and_path(tmp_path):
+    backend = OnnxRuntimeBackend()
+    data = chain_model()
+    path = tmp_path / "chain.onnx"
+    path.write_bytes(data)
+    for source in (data, str(path), path):
+        with backend.load(source) as runner:
+            times = runner.time(2, 5)
+        assert len(times) == 5
+        assert all(math.isfinite(t) and t > 0 for t in times)
+
+
+def test_ort_session_settings_and_describe():
+    backend = OnnxRuntimeBackend()
+    runner = backend.load(chain_model())
+    opts = runner.session.get_session_options()
+    assert opts.intra_op_num_threads == 1
+    assert opts.inter_op_num_threads == 1
+    try:  # never set: its int8 x int8 kernels run slower than FP32 on common CPUs
+        value = opts.get_session_config_entry("session.qdqisint8allowed")
+    except RuntimeError:  # "does not have configuration with key"
+        value = ""
+    assert value in ("", "0")
+    desc = backend.describe()
+    assert desc["threads"] == 1
+    assert desc["providers"] == ["CPUExecutionProvider"]
+    assert desc["onnxruntime"]
+    assert desc["optimization"] == "all"
+
+
+def test_ort_inputs_are_seeded_and_integers_zero():
+    backend = OnnxRuntimeBackend(seed=3)
+    a = backend.load(gather_model()).feeds
+    b = backend.load(gather_model()).feeds
+    assert a["idx"].dtype == np.int64 and not a["idx"].any()
+    assert a["y"].dtype == np.float32 and a["y"].std() > 0
+    np.testing.assert_array_equal(a["y"], b["y"])
+    given = OnnxRuntimeBackend(input_data={"idx": np.array([1, 2, 3], np.int64)})
+    assert given.load(gather_model()).feeds["idx"].tolist() == [1, 2, 3]
+
+
+def test_ort_invalid_model_is_backend_error_with_ort_text():
+    broken = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("NoSuchOp", ["x"], ["y"])],
+            "broken",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    with pytest.raises(BackendError) as info:
+        OnnxRuntimeBackend().load(broken.SerializeToString())
+    assert not isinstance(info.value, TransientBackendError)
+    assert "NoSuchOp" in str(info.value)
+    with pytest.raises(BackendError, match="ONNX Runtime"):
+        OnnxRuntimeBackend().load(b"definitely not a model")
+
+
+def test_ort_symbolic_dim_needs_shape():
+    with pytest.raises(BackendError, match="'x'"):
+        OnnxRuntimeBackend().load(chain_model(symbolic=True))
+    runner = OnnxRuntimeBackend(input_shapes={"x": (4, 64)}).load(chain_model(symbolic=True))
+    assert runner.feeds["x"].shape == (4, 64)
+    assert len(runner.time(0, 2)) == 2
+
+
+@pytest.mark.parametrize("name", ["ort-cuda", "ort-trt"])
+def test_ort_gpu_providers_unavailable_here(name):
+    import onnxruntime
+
+    wanted = "CUDAExecutionProvider" if name == "ort-cuda" else "TensorrtExecutionProvider"
+    if wanted in onnxruntime.get_available_providers():
+        pytest.skip(f"{wanted} is installed")
+    with pytest.raises(BackendUnavailable, match=wanted):
+        backend = make_backend(name, isolate=False)
+        backend.load(chain_model())
+    with pytest.raises(BackendUnavailable, match="onnxruntime-gpu"):
+        OnnxRuntimeBackend(providers=(wanted,))
+
+
+def test_ort_bad_options():
+    with pytest.raises(OptionError):
+        OnnxRuntimeBackend(optimization="max")
+    with pytest.raises(OptionError):
+        OnnxRuntimeBackend(threads=0)
+
+
+# -- callable --------------------------------------------------------------------------------
+
+
+def test_callable_backend_calls_once_per_time_with_a_modelproto(tmp_path):
+    seen = []
+
+    def latency(model):
+        seen.append(model)
+        return 1.5 + len(model.graph.node)
+
+    backend = CallableBackend(latency, deterministic=True)
+    assert backend.deterministic and backend.name == "latency"
+    runner = backend.load(chain_model(layers=2))
+    assert runner.time(5, 50) == [5.5]
+    assert runner.time(0, 1) == [5.5]
+    assert len(seen) == 2 and all(isinstance(m, onnx.ModelProto) for m in seen)
+    assert seen[0] is seen[1]  # parsed once per load
+    path = tmp_path / "m.onnx"
+    path.write_bytes(chain_model(layers=1))
+    assert backend.load(path).time(0, 1) == [3.5]
+    assert backend.describe()["callable"].endswith("latency")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (float("nan"), "finite"),
+        (float("inf"), "finite"),
+        (-1.0, ">= 0"),
+        ("3", "expected latency"),
+        (None, "expected latency"),
+        (True, "expected latency"),
+    ],
+)
+def test_callable_backend_rejects_bad_values(value, message):
+    runner = CallableBackend(lambda m: value, name="user").load(chain_model())
+    with pytest.raises(BackendError, match=message):
+        runner.time(0, 1)
+
+
+def test_callable_backend_wraps_exceptions():
+    def boom(model):
+        raise ValueError("device farm offline")
+
+    runner = CallableBackend(boom).load(chain_model())
+    with pytest.raises(BackendError, match="ValueError: device farm offline"):
+        runner.time(0, 1)
+    with pytest.raises(BackendError, match="cannot parse"):
+        CallableBackend(boom).load(b"\x00garbage")
+
+
+def test_load_callable_from_cwd(tmp_path, monkeypatch):
+    (tmp_path / "my_latency_mod.py").write_text(
+        textwrap.dedent(
+            """
+            def cost(model):
+                return 2.0 * len(model.graph.node)
+
+            class Holder:
+                @staticmethod
+                def cost(model):
+                    return 7.0
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_latency_mod", raising=False)
+    fn = load_callable("my_latency_mod:cost")
+    assert sys.path[0] == str(tmp_path)
+    assert fn(onnx.load_from_string(chain_model(layers=2))) == 8.0
+    assert load_callable("my_latency_mod:Holder.cost")(None) == 7.0
+    backend = make_backend("my_latency_mod:cost", deterministic=True)
+    assert isinstance(backend, CallableBackend) and backend.deterministic
+    assert backend.load(chain_model(layers=1)).time(0, 1) == [4.0]
+    with pytest.raises(OptionError, match="no attribute"):
+        load_callable("my_latency_mod:missing")
+    with pytest.raises(OptionError, match="no_such_module_xyz"):
+        make_backend("no_such_module_xyz:fn")
+    with pytest.raises(OptionError, match="only deterministic"):
+        make_backend("my_latency_mod:cost", threads=2)
+
+
+# -- factory ---------------------------------------------------------------------------------
+
+
+def test_make_backend_names():
+    for name in ("onnxruntime", "ort"):
+        backend = make_backend(name)
+        assert isinstance(backend, OnnxRuntimeBackend)
+        assert backend.name == "onnxruntime"
+        assert backend.providers == ("CPUExecutionProvider",)
+    assert make_backend("ort", threads=2).threads == 2
+    trt = make_backend("tensorrt", timing_cache="cache.bin")
+    assert isinstance(trt, IsolatedBackend) and trt.name == "tensorrt"
+    assert trt.factory[0] == "qdq_optuna.backends.tensorrt"
+    assert trt.load_timeout_s == 600
+    assert make_backend("tensorrt", build_timeout_s=30).load_timeout_s == 30
+    from qdq_optuna.backends.tensorrt import TensorRTBackend
+
+    assert isinstance(make_backend("tensorrt", isolate=False), TensorRTBackend)
+    assert "costmodel" in BACKEND_NAMES
+
+
+def test_make_backend_unknown_name_and_options():
+    with pytest.raises(OptionError) as info:
+        make_backend("tensorrtt")
+    text = str(info.value)
+    assert "--backend" in text and "tensorrtt" in text
+    for name in ("onnxruntime", "ort-cuda", "tensorrt", "trtexec", "costmodel"):
+        assert name in text
+    assert isinstance(info.value, UserError)
+    with pytest.raises(OptionError, match="--backend ort"):
+        make_backend("ort", thread=1)
+    with pytest.raises(OptionError, match="--backend tensorrt"):
+        make_backend("tensorrt", timing_cach="x")
+
+
+def test_make_backend_trtexec_missing():
+    with pytest.raises(BackendUnavailable, match="trtexec not found on PATH"):
+        make_backend("trtexec", trtexec="no-such-trtexec-binary")
+    with pytest.raises(BackendUnavailable, match="--trtexec PATH"):
+        TrtexecBackend(trtexec="no-such-trtexec-binary")
+
+
+def test_make_backend_costmodel_is_lazy():
+    try:
+        backend = make_backend("costmodel")
+    except BackendUnavailable as exc:
+        assert "costmodel" in str(exc)
+    except OptionError:
+        pass  # the cost model exists but needs options
+    else:
+        assert backend.load is not None
+
+
+# -- isolation -------------------------------------------------------------------------------
+
+
+CRASHY = ("_crashy_backend", "CrashyBackend", {"hang_s": 30.0})
+
+
+def test_isolated_runs_and_forwards():
+    backend = IsolatedBackend(CRASHY)
+    try:
+        assert backend.name == "crashy"
+        desc = backend.describe()
+        assert desc["isolated"] and desc["hang_s"] == 30.0
+        worker = backend.worker_pids()
+        assert worker and worker[0] != __import__("os").getpid()
+        with backend.load(b"abc") as runner:
+            assert runner.time(1, 3) == [3.0, 3.0, 3.0]
+        with pytest.raises(BackendError, match="refused the marker") as info:
+            backend.load(_crashy_backend.FAIL)
+        assert not isinstance(info.value, TransientBackendError)
+        assert backend.load(b"abcd").time(0, 1) == [4.0]  # same worker still serves
+        assert backend.restarts == 0
+    finally:
+        backend.close()
+    assert backend.worker_pids() == []
+
+
+def test_isolated_crash_is_transient_and_recovers():
+    backend = IsolatedBackend(CRASHY)
+    try:
+        survivor = backend.load(b"ab")
+        with pytest.raises(TransientBackendError, match=r"crashed \(signal 11") as info:
+            backend.load(_crashy_backend.CRASH)
+        assert "building" in str(info.value)
+        with pytest.raises(TransientBackendError, match="restarted"):
+            survivor.time(0, 1)  # its engine died with the worker
+        assert backend.load(b"abcde").time(0, 2) == [5.0, 5.0]
+        runner = backend.load(b"crash-on-time")
+        with pytest.raises(TransientBackendError, match="while timing"):
+            runner.time(0, 1)
+        assert backend.load(b"xy").time(0, 1) == [2.0]
+        assert backend.restarts == 2
+    finally:
+        backend.close()
+
+
+def test_isolated_timeout_kills_and_recovers():
+    backend = IsolatedBackend(CRASHY, load_timeout_s=1.0)
+    try:
+        backend.load(b"warm")  # start the worker outside the timed call
+        old = backend.worker_pids()
+        t0 = time.monotonic()
+        with pytest.raises(TransientBackendError, match="timed out after 1 s"):
+            backend.load(_crashy_backend.HANG)
+        assert time.monotonic() - t0 < 10
+        assert backend.load(b"abc").time(0, 1) == [3.0]
+        assert backend.worker_pids() != old
+    finally:
+        backend.close()
+
+
+def test_isolated_unavailable_backend_reports_cleanly():
+    backend = IsolatedBackend(("_crashy_backend", "BrokenBackend", {}))
+    with pytest.raises(BackendUnavailable, match="no such runtime"):
+        backend.load(b"x")
+    with pytest.raises(BackendUnavailable):  # and again, not a hang or a crash report
+        backend.describe()
+    backend.close()
+
+
+def test_isolated_onnxruntime_end_to_end(tmp_path):
+    backend = make_backend("ort", isolate=True)
+    try:
+        assert isinstance(backend, IsolatedBackend)
+        path = tmp_path / "m.onnx"
+        path.write_bytes(chain_model())
+        for source in (chain_model(), path):
+            with backend.load(source) as runner:
+                times = runner.time(1, 3)
+            assert len(times) == 3 and all(t > 0 for t in times)
+        with pytest.raises(BackendError, match="ONNX Runtime"):
+            backend.load(b"not a model")
+        assert backend.describe()["providers"] == ["CPUExecutionProvider"]
+    finally:
+        backend.close()

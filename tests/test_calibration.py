@@ -1,0 +1,374 @@
+"""Calibration: data loading, one-pass statistics, histogram growth, scales, cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qdq_optuna.calibration import (
+    METHODS,
+    MIN_SCALE,
+    QUANT_TYPES,
+    TensorStatistics,
+    activation_params,
+    activation_scales,
+    collect_statistics,
+    load_calibration_data,
+    load_statistics,
+    random_calibration_data,
+    save_statistics,
+)
+from qdq_optuna.errors import OptionError, UserError
+
+INTERMEDIATE = ["c1", "r1", "y"]
+
+
+def conv_model(batch: int | str = "N") -> onnx.ModelProto:
+    """x -> Conv -> Relu -> Conv -> y."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "W1")
+    w2 = numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "W2")
+    nodes = [
+        helper.make_node("Conv", ["x", "W1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "W2"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 2, 8, 8])],
+        [w1, w2],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def two_input_model() -> onnx.ModelProto:
+    """A float image input and an int64 id input with a symbolic length."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["y"]),
+            helper.make_node("Cast", ["ids"], ["z"], to=TensorProto.FLOAT),
+        ],
+        "two",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "L"]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def reference_outputs(model: onnx.ModelProto, data: dict, names: list[str]) -> dict:
+    """Every named tensor from one plain ORT run over all samples at once."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    existing = {o.name for o in copy.graph.output}
+    for name in names:
+        if name not in existing:
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(copy.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return dict(zip(names, sess.run(names, data)))
+
+
+@pytest.fixture
+def model() -> onnx.ModelProto:
+    return conv_model()
+
+
+@pytest.fixture
+def data(model) -> dict:
+    return random_calibration_data(model, samples=10, seed=1)
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+def test_statistics_match_numpy(model, data):
+    stats = collect_statistics(model, INTERMEDIATE + ["x"], data, batch_size=4)
+    ref = reference_outputs(model, data, INTERMEDIATE)
+    ref["x"] = data["x"]
+    assert set(stats) == set(ref)
+    for name, arr in ref.items():
+        s = stats[name]
+        assert s.min == pytest.approx(float(arr.min()), rel=1e-6)
+        assert s.max == pytest.approx(float(arr.max()), rel=1e-6)
+        assert s.count == arr.size == int(s.hist.sum())
+        assert s.hist_amax >= s.amax - 1e-6
+    assert stats["r1"].min == 0.0
+
+
+def test_caller_model_unchanged(model, data):
+    before = model.SerializeToString()
+    collect_statistics(model, INTERMEDIATE, data)
+    assert model.SerializeToString() == before
+
+
+def test_unknown_tensor_names_it(model, data):
+    with pytest.raises(UserError, match="'nope'"):
+        collect_statistics(model, ["c1", "nope"], data)
+
+
+def test_initializer_statistics(model, data):
+    stats = collect_statistics(model, ["W1"], data)
+    w1 = numpy_helper.to_array(model.graph.initializer[0])
+    assert stats["W1"].min == pytest.approx(float(w1.min()))
+    assert stats["W1"].count == w1.size
+
+
+def test_external_data_model_by_path(model, data, tmp_path):
+    path = tmp_path / "model.onnx"
+    on_disk = onnx.ModelProto()
+    on_disk.CopyFrom(model)  # saving with external data rewrites the proto in place
+    onnx.save(
+        on_disk,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
+    assert (tmp_path / "weights.bin").is_file()
+    from_path = collect_statistics(path, INTERMEDIATE, data, batch_size=3)
+    in_memory = collect_statistics(model, INTERMEDIATE, data, batch_size=3)
+    for name in INTERMEDIATE:
+        assert from_path[name].to_dict() == in_memory[name].to_dict()
+
+
+def test_fixed_batch_model_uses_its_batch_size():
+    model = conv_model(batch=2)
+    data = random_calibration_data(model, samples=5)
+    assert data["x"].shape[0] == 6  # rounded up to whole batches
+    stats = collect_statistics(model, ["r1"], data, batch_size=1)
+    assert stats["r1"].count == 6 * 4 * 8 * 8
+
+
+def test_histogram_rebinning_keeps_count_and_matches_one_shot():
+    rng = np.random.default_rng(3)
+    batches = [rng.standard_normal(5000) * scale for scale in (0.0, 0.5, 1.0, 3.0, 10.0, 2.0)]
+    stats = TensorStatistics.empty(bins=512)
+    for batch in batches:
+        stats.update(batch.astype(np.float32))
+    everything = np.concatenate(batches).astype(np.float32)
+    assert stats.count == everything.size == int(stats.hist.sum())
+    assert stats.min == pytest.approx(float(everything.min()))
+    assert stats.hist_amax >= float(np.abs(everything).max())
+    one_shot, _ = np.histogram(np.abs(everything), bins=512, range=(0.0, stats.hist_amax))
+    # growing by whole multiples merges bins exactly; only float rounding at edges may differ
+    assert np.abs(one_shot - stats.hist).sum() <= 0.001 * everything.size
+
+
+def test_statistics_ignore_non_finite_values():
+    stats = TensorStatistics.empty(bins=16)
+    stats.update(np.array([1.0, -2.0, np.inf, -np.inf, np.nan], dtype=np.float32))
+    assert (stats.min, stats.max, stats.count) == (-2.0, 1.0, 2)
+
+
+def test_statistics_dict_round_trip_is_json():
+    stats = TensorStatistics.empty(bins=32)
+    stats.update(np.linspace(-1, 3, 100))
+    again = TensorStatistics.from_dict(json.loads(json.dumps(stats.to_dict())))
+    assert again.to_dict() == stats.to_dict()
+    assert np.array_equal(again.hist, stats.hist)
+
+
+# ---------------------------------------------------------------------------------------- scales
+
+
+def heavy_tailed_stats(relu: bool = False) -> TensorStatistics:
+    rng = np.random.default_rng(5)
+    x = rng.laplace(size=50_000)
+    x[:5] *= 40.0  # a few outliers that clipping methods should cut
+    if relu:
+        x = np.maximum(x, 0.0)
+    stats = TensorStatistics.empty()
+    for chunk in np.array_split(x, 4):
+        stats.update(chunk)
+    return stats
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("relu", [False, True])
+def test_every_method_gives_sane_params(method, quant_type, relu):
+    stats = heavy_tailed_stats(relu)
+    scale, zp = activation_params(stats, method=method, quant_type=quant_type)
+    minmax, _ = activation_params(stats, method="minmax", quant_type=quant_type)
+    assert math.isfinite(scale) and scale > 0
+    assert scale <= minmax * (1 + 1e-6)
+    if quant_type == "uint8":
+        assert 0 <= zp <= 255
+        assert zp == 0 if relu else zp > 0
+    else:
+        assert zp == 0
+
+
+@pytest.mark.parametrize("method", ["entropy", "mse", "percentile"])
+def test_clipping_methods_cut_outliers(method):
+    stats = heavy_tailed_stats()
+    scale, _ = activation_params(stats, method=method, quant_type="int8", percentile=99.9)
+    assert 0 < scale * 127 < 0.8 * stats.amax
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_entropy_not_dragged_down_by_relu_zeros(quant_type):
+    stats = TensorStatistics.empty()
+    stats.update(np.maximum(np.random.default_rng(2).standard_normal(50_000), 0.0))
+    scale, _ = activation_params(stats, method="entropy", quant_type=quant_type)
+    qmax = {"int8": 127, "uint8": 255, "fp8": 448}[quant_type]
+    assert 0.8 * stats.amax < scale * qmax <= stats.amax * (1 + 1e-6)
+
+
+def test_minmax_formulas():
+    stats = TensorStatistics.empty()
+    stats.update(np.array([-2.0, 0.5, 6.0]))
+    assert activation_params(stats, method="minmax", quant_type="int8") == (
+        pytest.approx(6.0 / 127),
+        0,
+    )
+    assert activation_params(stats, method="minmax", quant_type="fp8") == (
+        pytest.approx(6.0 / 448),
+        0,
+    )
+    scale, zp = activation_params(stats, method="minmax", quant_type="uint8")
+    assert scale == pytest.approx(8.0 / 255)
+    assert zp == round(2.0 / scale)
+
+
+def test_uint8_range_always_contains_zero():
+    stats = TensorStatistics.empty()
+    stats.update(np.array([1.0, 3.0]))
+    scale, zp = activation_params(stats, method="minmax", quant_type="uint8")
+    assert (scale, zp) == (pytest.approx(3.0 / 255), 0)
+
+
+def test_percentile_never_exceeds_minmax():
+    stats = heavy_tailed_stats()
+    p_scale, _ = activation_params(stats, method="percentile", quant_type="int8", percentile=99.0)
+    hundred, _ = activation_params(stats, method="percentile", quant_type="int8", percentile=100)
+    minmax, _ = activation_params(stats, method="minmax", quant_type="int8")
+    assert p_scale < hundred == pytest.approx(minmax)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_all_zero_tensor_gets_floor_scale(method):
+    stats = TensorStatistics.empty()
+    stats.update(np.zeros(100))
+    for quant_type in QUANT_TYPES:
+        assert activation_params(stats, method=method, quant_type=quant_type) == (MIN_SCALE, 0)
+
+
+def test_bad_method_and_options_name_the_option():
+    stats = heavy_tailed_stats()
+    with pytest.raises(OptionError, match="--calibration-method.*'kl'"):
+        activation_params(stats, method="kl", quant_type="int8")
+    with pytest.raises(OptionError, match="'int4'"):
+        activation_params(stats, method="minmax", quant_type="int4")
+    with pytest.raises(OptionError, match="--percentile"):
+        activation_params(stats, method="percentile", quant_type="int8", percentile=0)
+
+
+def test_activation_scales_for_collected_tensors(model, data):
+    stats = collect_statistics(model, INTERMEDIATE, data)
+    scales = activation_scales(stats, method="entropy", quant_type="int8")
+    assert set(scales) == set(INTERMEDIATE)
+    assert all(s > 0 and zp == 0 for s, zp in scales.values())
+
+
+# ----------------------------------------------------------------------------------------- cache
+
+
+def test_cache_round_trip_and_fingerprint(model, data, tmp_path):
+    stats = collect_statistics(model, INTERMEDIATE, data)
+    path = tmp_path / "out" / "statistics.json"
+    save_statistics(path, stats, fingerprint="abc")
+    assert [p.name for p in path.parent.iterdir()] == ["statistics.json"]  # no temp left
+    loaded = load_statistics(path, fingerprint="abc")
+    assert loaded is not None
+    assert {n: s.to_dict() for n, s in loaded.items()} == {n: s.to_dict() for n, s in stats.items()}
+    assert load_statistics(path, fingerprint="other") is None
+    assert load_statistics(tmp_path / "missing.json", fingerprint="abc") is None
+    path.write_text("{not json")
+    assert load_statistics(path, fingerprint="abc") is None
+
+
+# ------------------------------------------------------------------------------ calibration data
+
+
+def test_load_calibration_data_casts_float64(tmp_path):
+    model = two_input_model()
+    path = tmp_path / "calib.npz"
+    np.savez(path, x=np.ones((4, 3, 4)), ids=np.zeros((4, 7), dtype=np.int32))
+    data = load_calibration_data(path, model)
+    assert data["x"].dtype == np.float32 and data["ids"].dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("arrays", "expected"),
+    [
+        ({"x": np.ones((4, 3, 4), np.float32)}, "'ids' is missing"),
+        (
+            {"x": np.ones((4, 3, 4), np.float32), "ids": np.zeros((4, 2)), "extra": np.ones(3)},
+            "'extra' is not a model input",
+        ),
+        ({"x": np.ones((4, 3, 4), np.int64), "ids": np.zeros((4, 2), np.int64)}, "'x' has dtype"),
+        ({"x": np.ones((4, 3, 4), np.float32), "ids": np.zeros((4, 2))}, "'ids' has dtype"),
+        ({"x": np.ones((4, 3), np.float32), "ids": np.zeros((4, 2), np.int64)}, "'x' has shape"),
+        ({"x": np.ones((4, 3, 5), np.float32), "ids": np.zeros((4, 2), np.int64)}, "axis 2"),
+        (
+            {"x": np.ones((4, 3, 4), np.float32), "ids": np.zeros((5, 2), np.int64)},
+            "different sample counts",
+        ),
+        ({"x": np.ones((0, 3, 4), np.float32), "ids": np.zeros((0, 2), np.int64)}, "no samples"),
+        ({}, "no arrays"),
+    ],
+)
+def test_load_calibration_data_errors_name_file_and_input(tmp_path, arrays, expected):
+    path = tmp_path / "calib.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(UserError) as err:
+        load_calibration_data(path, two_input_model())
+    message = str(err.value)
+    assert str(path) in message and expected in message
+    assert "\n" not in message
+
+
+def test_load_calibration_data_bad_files(tmp_path):
+    model = two_input_model()
+    with pytest.raises(UserError, match="missing.npz.*not found"):
+        load_calibration_data(tmp_path / "missing.npz", model)
+    text = tmp_path / "calib.npz"
+    text.write_text("hello")
+    with pytest.raises(UserError, match="calib.npz.*not a readable"):
+        load_calibration_data(text, model)
+    single = tmp_path / "single.npy"
+    np.save(single, np.ones((2, 3, 4), np.float32))
+    with pytest.raises(UserError, match="single.npy.*numpy.savez"):
+        load_calibration_data(single, model)
+
+
+def test_random_calibration_data_shapes():
+    model = two_input_model()
+    with pytest.raises(UserError, match="'ids'.*--input-shapes"):
+        random_calibration_data(model)
+    data = random_calibration_data(model, {"ids": (1, 6)}, samples=3)
+    assert data["x"].shape == (3, 3, 4) and data["x"].dtype == np.float32
+    assert data["ids"].shape == (3, 6) and not data["ids"].any()
+    with pytest.raises(UserError, match="--input-shapes.*'x'"):
+        random_calibration_data(model, {"ids": (1, 6), "x": (1, 3, 5)})
+    with pytest.raises(UserError, match="--input-shapes.*'nope'"):
+        random_calibration_data(model, {"nope": (1,)})
+    again = random_calibration_data(model, {"ids": (1, 6)}, samples=3)
+    assert np.array_equal(again["x"], data["x"])  # seeded

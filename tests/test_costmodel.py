@@ -1,0 +1,508 @@
+"""Tests of the analytical TensorRT-like cost model (no GPU needed)."""
+
+from __future__ import annotations
+
+import time
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from qdq_optuna.backends.base import BackendError
+from qdq_optuna.backends.costmodel import CostModelBackend, GpuSpec, estimate
+
+# ------------------------------------------------------------------------------------------
+# graph building helpers
+
+
+def _placeholder(name: str, dims: list[int], dtype: int = TensorProto.FLOAT) -> TensorProto:
+    """A weight with dims but its data 'elsewhere': the cost model must never need the data."""
+    t = TensorProto()
+    t.name = name
+    t.data_type = dtype
+    t.dims.extend(dims)
+    t.data_location = TensorProto.EXTERNAL
+    entry = t.external_data.add()
+    entry.key, entry.value = "location", "weights.bin"
+    return t
+
+
+class Builder:
+    """Float graphs with named nodes, so Q/DQ can be added afterwards by node/tensor name."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+
+    def input(self, name: str, dims: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+        return name
+
+    def node(self, op: str, inputs: list[str], name: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def conv(self, x: str, cin: int, cout: int, k: int, name: str, stride: int = 1) -> str:
+        self.inits.append(_placeholder(f"{name}.w", [cout, cin, k, k]))
+        self.inits.append(_placeholder(f"{name}.b", [cout]))
+        pad = k // 2
+        return self.node(
+            "Conv", [x, f"{name}.w", f"{name}.b"], name, kernel_shape=[k, k],
+            pads=[pad] * 4, strides=[stride, stride],
+        )  # fmt: skip
+
+    def bn(self, x: str, c: int, name: str) -> str:
+        names = [f"{name}.{p}" for p in ("scale", "bias", "mean", "var")]
+        self.inits.extend(_placeholder(n, [c]) for n in names)
+        return self.node("BatchNormalization", [x, *names], name)
+
+    def matmul(self, x: str, k: int, n: int, name: str) -> str:
+        self.inits.append(_placeholder(f"{name}.w", [k, n]))
+        return self.node("MatMul", [x, f"{name}.w"], name)
+
+    def model(self, outputs: list[str]) -> onnx.ModelProto:
+        outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+        graph = helper.make_graph(self.nodes, "g", self.inputs, outs, self.inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def with_qdq(
+    model: onnx.ModelProto,
+    *,
+    tensors: tuple[str, ...] = (),
+    edges: tuple[tuple[str, int], ...] = (),
+    weights: tuple[str, ...] = (),
+    weight_style: str = "qdq",
+) -> onnx.ModelProto:
+    """Insert Q->DQ: once per tensor (all consumers share it), per (node, input) edge, or on the
+    weight (input 1) of the named nodes, either as Q->DQ on the float initializer
+    (``weight_style="qdq"``) or as DQ on an INT8 initializer (``"int8"``)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    extra = [
+        helper.make_tensor("qs", TensorProto.FLOAT, [], [0.05]),
+        helper.make_tensor("qzp", TensorProto.INT8, [], [0]),
+    ]
+    counter = iter(range(1_000_000))
+
+    def pair(x: str) -> tuple[list[onnx.NodeProto], str]:
+        n = next(counter)
+        q = helper.make_node("QuantizeLinear", [x, "qs", "qzp"], [f"q{n}"], name=f"Q{n}_{x}")
+        dq = helper.make_node("DequantizeLinear", [f"q{n}", "qs", "qzp"], [f"dq{n}"],
+                              name=f"DQ{n}_{x}")  # fmt: skip
+        return [q, dq], f"dq{n}"
+
+    new_nodes: list[onnx.NodeProto] = []
+    renamed: dict[str, str] = {}
+    for vi in g.input:
+        if vi.name in tensors:
+            nodes, out = pair(vi.name)
+            new_nodes.extend(nodes)
+            renamed[vi.name] = out
+    for node in g.node:
+        for k, x in enumerate(node.input):
+            if x in renamed:
+                node.input[k] = renamed[x]
+        for _, k in [e for e in edges if e[0] == node.name]:
+            nodes, out = pair(node.input[k])
+            new_nodes.extend(nodes)
+            node.input[k] = out
+        if node.name in weights:
+            w = node.input[1]
+            if weight_style == "int8":
+                wq = _placeholder(f"{w}.int8", list(inits[w].dims), TensorProto.INT8)
+                extra.append(wq)
+                dq = helper.make_node("DequantizeLinear", [wq.name, "qs", "qzp"], [f"{w}.dq"],
+                                      name=f"DQW_{w}")  # fmt: skip
+                new_nodes.append(dq)
+                node.input[1] = f"{w}.dq"
+            else:
+                nodes, out = pair(w)
+                new_nodes.extend(nodes)
+                node.input[1] = out
+        new_nodes.append(node)
+        for out in node.output:
+            if out in tensors:
+                nodes, dq_out = pair(out)
+                new_nodes.extend(nodes)
+                renamed[out] = dq_out
+    del g.node[:]
+    g.node.extend(new_nodes)
+    g.initializer.extend(extra)
+    return m
+
+
+# ------------------------------------------------------------------------------------------
+# models
+
+
+def residual_block(c: int = 64, hw: int = 56) -> onnx.ModelProto:
+    """x -> Conv -> Relu -> Conv -> Add(x) -> Relu, preceded by a stem conv so x is produced by
+    a kernel (as inside a network)."""
+    b = Builder()
+    x = b.input("x", [1, c, hw, hw])
+    s = b.node("Relu", [b.conv(x, c, c, 3, "stem")], "stem_relu")
+    r = b.node("Relu", [b.conv(s, c, c, 3, "conv1")], "relu1")
+    a = b.node("Add", [b.conv(r, c, c, 3, "conv2"), s], "add")
+    return b.model([b.node("Relu", [a], "relu2")])
+
+
+BLOCK_CONVS = ("stem", "conv1", "conv2")
+
+
+def concat_model() -> onnx.ModelProto:
+    """Two conv branches -> Concat -> 1x1 Conv."""
+    b = Builder()
+    x = b.input("x", [1, 32, 56, 56])
+    left = b.node("Relu", [b.conv(x, 32, 32, 3, "left")], "left_relu")
+    right = b.node("Relu", [b.conv(x, 32, 32, 3, "right")], "right_relu")
+    cat = b.node("Concat", [left, right], "cat", axis=1)
+    return b.model([b.conv(cat, 64, 64, 1, "fuse")])
+
+
+def matmul_chain(seq: int = 512, hidden: int = 1024, norm: str = "Softmax") -> onnx.ModelProto:
+    """MatMul -> Softmax|LayerNormalization -> MatMul."""
+    b = Builder()
+    x = b.input("x", [1, seq, hidden])
+    h = b.matmul(x, hidden, hidden, "mm1")
+    if norm == "LayerNormalization":
+        b.inits += [_placeholder("ln.g", [hidden]), _placeholder("ln.b", [hidden])]
+        n = b.node(norm, [h, "ln.g", "ln.b"], "norm", axis=-1)
+    else:
+        n = b.node(norm, [h], "norm", axis=-1)
+    return b.model([b.matmul(n, hidden, hidden, "mm2")])
+
+
+def resnet18_like(hw: int = 224, bn: bool = False) -> onnx.ModelProto:
+    """ResNet-18 topology (stem, 4 stages x 2 basic blocks, GAP, FC); BatchNorm folded into the
+    convs as exporters do in eval mode, or kept as nodes with ``bn=True``."""
+    b = Builder()
+
+    def maybe_bn(t: str, c: int, name: str) -> str:
+        return b.bn(t, c, name) if bn else t
+
+    x = b.input("x", [1, 3, hw, hw])
+    t = b.node("Relu", [maybe_bn(b.conv(x, 3, 64, 7, "stem", 2), 64, "stem_bn")], "stem_relu")
+    t = b.node("MaxPool", [t], "pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)
+    cin = 64
+    for s, cout in enumerate((64, 128, 256, 512)):
+        for blk in range(2):
+            p = f"s{s}b{blk}"
+            stride = 2 if (blk == 0 and s > 0) else 1
+            h = b.conv(t, cin, cout, 3, f"{p}_conv1", stride)
+            h = b.node("Relu", [maybe_bn(h, cout, f"{p}_bn1")], f"{p}_relu1")
+            h = maybe_bn(b.conv(h, cout, cout, 3, f"{p}_conv2"), cout, f"{p}_bn2")
+            short = t
+            if stride != 1 or cin != cout:
+                short = maybe_bn(b.conv(t, cin, cout, 1, f"{p}_down", stride), cout, f"{p}_dbn")
+            t = b.node("Relu", [b.node("Add", [h, short], f"{p}_add")], f"{p}_relu2")
+            cin = cout
+    t = b.node("Flatten", [b.node("GlobalAveragePool", [t], "gap")], "flat")
+    b.inits += [_placeholder("fc.w", [1000, 512]), _placeholder("fc.b", [1000])]
+    return b.model([b.node("Gemm", [t, "fc.w", "fc.b"], "fc", transB=1)])
+
+
+def resnet_variants(bn: bool = False) -> dict[str, onnx.ModelProto]:
+    """The placements the docs compare."""
+    base = resnet18_like(bn=bn)
+    nodes = {n.name: n for n in base.graph.node}
+    convs = tuple(n for n, node in nodes.items() if node.op_type == "Conv")
+    conv_inputs = {nodes[c].input[0] for c in convs}
+    adds = [n for n, node in nodes.items() if node.op_type == "Add"]
+    # residual operand of each Add: the one not produced by the block's last BN
+    shortcuts = {nodes[a].input[1] for a in adds}
+    return {
+        "baseline": base,
+        # one shared Q/DQ per conv-input tensor, also feeding the residual Add (its producer then
+        # writes INT8 and the fused Add reads INT8)
+        "conv_inputs_weights": with_qdq(
+            base, tensors=tuple(conv_inputs | shortcuts) + ("flat",), weights=convs + ("fc",)
+        ),
+        # per-edge Q/DQ on conv inputs, weights quantized, outputs left float
+        "naive_conv_inputs": with_qdq(base, edges=tuple((c, 0) for c in convs), weights=convs),
+        "conv_inputs_outputs": with_qdq(
+            base, edges=tuple((c, 0) for c in convs), tensors=convs, weights=convs
+        ),
+        "memory_ops_only": with_qdq(
+            base,
+            edges=tuple((a, k) for a in adds for k in (0, 1)) + (("pool", 0), ("gap", 0)),
+        ),
+    }
+
+
+def _ms(model: onnx.ModelProto, **kw) -> float:
+    return estimate(model, **kw).total_ms
+
+
+# ------------------------------------------------------------------------------------------
+# tests
+
+
+def test_deterministic_across_calls_and_backends():
+    model = with_qdq(residual_block(), edges=(("conv1", 0), ("conv2", 0)), weights=BLOCK_CONVS)
+    data = model.SerializeToString()
+    first, second = CostModelBackend(), CostModelBackend()
+    a = first.load(data).time(5, 10)
+    b = second.load(data).time(0, 10)
+    assert a == b and len(set(a)) == 1
+    assert first.estimate(model) == second.estimate(data)
+
+
+def test_time_returns_iterations_copies_of_one_figure():
+    runner = CostModelBackend().load(residual_block().SerializeToString())
+    three = runner.time(0, 3)
+    assert len(three) == 3 and len(set(three)) == 1 and three[0] > 0
+    assert runner.time(2, 0) == three[:1]  # at least one figure, never an empty list
+
+
+def test_backend_metadata():
+    backend = CostModelBackend(device=GpuSpec(launch_us=2.0), input_shapes={"x": (1, 3, 8, 8)})
+    assert backend.name == "costmodel" and backend.deterministic
+    info = backend.describe()
+    assert info["device"]["launch_us"] == 2.0 and info["input_shapes"] == {"x": [1, 3, 8, 8]}
+
+
+def test_breakdown_sums_to_total_and_baseline_is_fp16():
+    bd = estimate(residual_block())
+    assert bd.total_ms == sum(n.ms for n in bd.nodes)
+    assert {n.precision for n in bd.nodes} == {"fp16"}
+    # Relu and the residual Add ride in the conv epilogues
+    assert {n.name: n.kind for n in bd.nodes} == {
+        "stem": "compute", "stem_relu": "fused", "conv1": "compute", "relu1": "fused",
+        "conv2": "compute", "add": "fused", "relu2": "fused",
+    }  # fmt: skip
+
+
+def test_good_placement_beats_baseline_and_runs_int8():
+    base = residual_block()
+    good = with_qdq(base, tensors=("stem_relu", "relu1"), weights=BLOCK_CONVS[1:])
+    bd = estimate(good)
+    assert bd.total_ms < estimate(base).total_ms
+    assert bd.node("conv1").precision == bd.node("conv2").precision == "int8"
+    assert bd.node("add").kind == "fused"
+    # every Q fuses into a producer epilogue, every DQ into its INT8 consumer
+    assert {n.kind for n in bd.nodes if "Q" in n.name} == {"qdq"}
+
+
+@pytest.mark.parametrize("style", ["qdq", "int8"])
+def test_conv_input_only_placement_runs_int8(style):
+    base = residual_block()
+    model = with_qdq(
+        base, edges=(("conv1", 0), ("conv2", 0)), weights=("conv1", "conv2"), weight_style=style
+    )
+    bd = estimate(model)
+    assert bd.node("conv1").precision == "int8" and bd.node("conv2").precision == "int8"
+    assert bd.node("stem").precision == "fp16"
+    assert bd.total_ms < estimate(base).total_ms
+    # the Q on conv1's input also has a float consumer (the residual Add): stand-alone reformat
+    assert [n.kind for n in bd.nodes if n.op == "QuantizeLinear" and "stem" in n.name] == [
+        "reformat"
+    ]
+
+
+def test_weight_styles_agree():
+    base = residual_block()
+    edges = (("conv1", 0), ("conv2", 0))
+    a = with_qdq(base, edges=edges, weights=("conv1", "conv2"), weight_style="qdq")
+    b = with_qdq(base, edges=edges, weights=("conv1", "conv2"), weight_style="int8")
+    assert _ms(a) == pytest.approx(_ms(b))
+
+
+def test_unquantized_weight_keeps_conv_fp16():
+    model = with_qdq(residual_block(), edges=(("conv1", 0),))
+    bd = estimate(model)
+    assert bd.node("conv1").precision == "fp16"
+    assert [n.kind for n in bd.nodes if n.op == "DequantizeLinear"] == ["reformat"]
+
+
+def test_qdq_between_conv_and_residual_add_breaks_fusion():
+    base = residual_block()
+    good = with_qdq(base, tensors=("stem_relu", "relu1"), weights=BLOCK_CONVS[1:])
+    broken = with_qdq(base, tensors=("stem_relu", "relu1", "conv2"), weights=BLOCK_CONVS[1:])
+    good_bd, broken_bd = estimate(good), estimate(broken)
+    assert good_bd.node("add").kind == "fused"
+    assert broken_bd.node("add").kind == "memory"
+    assert broken_bd.kernels > good_bd.kernels
+    assert broken_bd.total_ms > good_bd.total_ms
+
+
+def test_partial_concat_is_slower_than_all_or_nothing():
+    base = concat_model()
+    out = {"tensors": ("cat",), "weights": ("fuse",)}
+    none = _ms(base)
+    partial = with_qdq(base, edges=(("cat", 0),), **out)
+    full = with_qdq(base, edges=(("cat", 0), ("cat", 1)), **out)
+    full_bd, partial_bd = estimate(full), estimate(partial)
+    assert partial_bd.total_ms > none > full_bd.total_ms
+    assert full_bd.node("cat") == ("cat", "Concat", "int8", "fused", 0.0)
+    assert partial_bd.node("cat")[2:4] == ("fp16", "memory")
+    assert "reformat" in {n.kind for n in partial_bd.nodes if n.op == "DequantizeLinear"}
+
+
+def test_all_quantized_concat_feeds_int8_conv_without_output_qdq():
+    # Concat keeps its inputs' scale, so the INT8 conv can read it directly
+    model = with_qdq(concat_model(), edges=(("cat", 0), ("cat", 1)), weights=("fuse",))
+    bd = estimate(model)
+    assert bd.node("cat").kind == "fused" and bd.node("fuse").precision == "int8"
+    assert {n.kind for n in bd.nodes if n.op in ("QuantizeLinear", "DequantizeLinear")} == {"qdq"}
+
+
+def test_dq_moves_past_transpose_into_int8_matmul():
+    b = Builder()
+    x = b.input("x", [1, 256, 512])
+    t = b.node("Transpose", [b.node("Relu", [b.matmul(x, 512, 512, "mm1")], "act")], "tr",
+               perm=[0, 2, 1])  # fmt: skip
+    model = with_qdq(b.model([b.matmul(t, 256, 256, "mm2")]), tensors=("act",), weights=("mm2",))
+    bd = estimate(model)
+    assert bd.node("mm2").precision == "int8"
+    assert bd.node("tr")[2:4] == ("int8", "memory")
+
+
+def test_q_moves_back_over_maxpool():
+    b = Builder()
+    x = b.input("x", [1, 64, 112, 112])
+    c = b.node("Relu", [b.conv(x, 64, 64, 3, "c1")], "relu")
+    p = b.node("MaxPool", [c], "pool", kernel_shape=[2, 2], strides=[2, 2])
+    base = b.model([b.conv(p, 64, 64, 3, "c2")])
+    bd = estimate(with_qdq(base, tensors=("pool",), weights=("c2",)))
+    assert bd.node("pool")[2:4] == ("int8", "memory")
+    assert {n.kind for n in bd.nodes if n.op == "QuantizeLinear"} == {"qdq"}
+    assert bd.node("pool").ms < estimate(base).node("pool").ms
+
+
+@pytest.mark.parametrize("norm", ["Softmax", "LayerNormalization"])
+def test_qdq_around_fp16_only_ops_is_slower(norm):
+    base = matmul_chain(norm=norm)
+    model = with_qdq(base, edges=(("norm", 0),), tensors=("norm",))
+    bd = estimate(model)
+    assert bd.total_ms > _ms(base)
+    assert bd.node("norm").precision == "fp16"
+    assert [n.kind for n in bd.nodes if n.op == "DequantizeLinear"] == ["reformat", "reformat"]
+
+
+def test_matmul_chain_int8_when_both_sides_quantized():
+    base = matmul_chain(norm="Relu")
+    model = with_qdq(base, tensors=("x", "norm"), weights=("mm1", "mm2"))
+    bd = estimate(model)
+    assert bd.node("mm1").precision == bd.node("mm2").precision == "int8"
+    assert bd.total_ms < _ms(base)
+
+
+@pytest.mark.parametrize(("seq", "hidden", "pays"), [(8, 64, False), (1024, 1024, True)])
+def test_int8_pays_only_when_compute_dominates(seq, hidden, pays):
+    # the LayerNorm output cannot be written as INT8, so the Q is a stand-alone reformat that
+    # only a big enough MatMul earns back
+    base = matmul_chain(seq=seq, hidden=hidden, norm="LayerNormalization")
+    model = with_qdq(base, edges=(("mm2", 0),), weights=("mm2",))
+    bd = estimate(model)
+    assert bd.node("mm2").precision == "int8"
+    assert (bd.total_ms < _ms(base)) == pays
+
+
+def test_resnet_orderings():
+    ms = {k: _ms(m) for k, m in resnet_variants().items()}
+    speedup = ms["baseline"] / ms["conv_inputs_weights"]
+    assert 1.5 <= speedup <= 2.5, ms
+    assert ms["conv_inputs_weights"] < ms["naive_conv_inputs"] < 0.9 * ms["baseline"], ms
+    assert ms["conv_inputs_outputs"] < ms["baseline"], ms
+    assert ms["memory_ops_only"] > ms["baseline"], ms
+
+
+def test_depthwise_conv_is_memory_bound():
+    b = Builder()
+    x = b.input("x", [1, 256, 56, 56])
+    b.inits.append(_placeholder("dw.w", [256, 1, 3, 3]))
+    y = b.node("Conv", [x, "dw.w"], "dw", group=256, kernel_shape=[3, 3], pads=[1] * 4)
+    spec = GpuSpec()
+    ms = estimate(b.model([y]), device=spec).total_ms
+    nbytes = 2 * (256 * 56 * 56 * 2) + 256 * 9 * 2
+    assert ms == pytest.approx(nbytes / (spec.bandwidth_gbs * 1e9) * 1e3 + spec.launch_us * 1e-3)
+
+
+def test_silu_fuses_into_conv():
+    b = Builder()
+    x = b.input("x", [1, 64, 28, 28])
+    c = b.conv(x, 64, 64, 3, "conv")
+    s = b.node("Sigmoid", [c], "sig")
+    y = b.node("Mul", [c, s], "silu")
+    bd = estimate(b.model([y]))
+    assert bd.node("sig").kind == bd.node("silu").kind == "fused" and bd.kernels == 1
+
+
+def test_symbolic_batch_needs_input_shapes():
+    b = Builder()
+    x = b.input("x", ["N", 64, 28, 28])
+    model = b.model([b.node("Relu", [b.conv(x, 64, 64, 3, "conv")], "relu")])
+    with pytest.raises(BackendError, match="'x'.*'N'"):
+        estimate(model)
+    fixed = CostModelBackend(input_shapes={"x": (2, 64, 28, 28)}).estimate(model)
+    single = CostModelBackend(input_shapes={"x": (1, 64, 28, 28)}).estimate(model)
+    assert fixed.total_ms > single.total_ms
+    with pytest.raises(BackendError, match="'y'"):
+        CostModelBackend(input_shapes={"y": (1,)}).estimate(model)
+    with pytest.raises(BackendError, match="positive"):
+        CostModelBackend(input_shapes={"x": (-1, 64, 28, 28)}).estimate(model)
+    with pytest.raises(BackendError, match="rank"):
+        CostModelBackend(input_shapes={"x": (1, 64)}).estimate(model)
+
+
+def test_unknown_op_shape_is_named():
+    b = Builder()
+    x = b.input("x", [1, 8])
+    b.nodes.append(helper.make_node("Mystery", [x], ["m"], name="mystery", domain="custom"))
+    model = b.model([b.node("Relu", ["m"], "relu")])
+    model.opset_import.append(helper.make_opsetid("custom", 1))
+    with pytest.raises(BackendError, match="'m'"):
+        estimate(model)
+
+
+@pytest.mark.parametrize("data", [b"not a model", b""])
+def test_bad_model_bytes(data):
+    with pytest.raises(BackendError):
+        CostModelBackend().load(data)
+
+
+def test_bad_models(tmp_path):
+    with pytest.raises(BackendError, match="cannot read"):
+        CostModelBackend().load(tmp_path / "missing.onnx")
+    b = Builder()
+    x = b.input("x", [1, 8, 4, 4])
+    b.inits.append(_placeholder("w", [8, 3, 3, 3]))  # channel mismatch
+    bad = b.model([b.node("Conv", [x, "w"], "conv")])
+    with pytest.raises(BackendError, match="'conv'.*'w'"):
+        CostModelBackend().load(bad.SerializeToString())
+    unsorted = residual_block()
+    nodes = list(unsorted.graph.node)
+    del unsorted.graph.node[:]
+    unsorted.graph.node.extend(reversed(nodes))
+    with pytest.raises(BackendError, match="topologically"):
+        estimate(unsorted)
+
+
+def test_loads_path_without_external_data(tmp_path):
+    path = tmp_path / "block.onnx"
+    path.write_bytes(residual_block().SerializeToString())  # weights.bin does not exist
+    assert CostModelBackend().load(path).time(0, 1) == [_ms(residual_block())]
+    assert CostModelBackend().load(str(path)).time(0, 1) == [_ms(residual_block())]
+
+
+def test_fast_on_small_and_large_models():
+    small = resnet_variants()["conv_inputs_weights"]
+    assert len(small.graph.node) > 60
+    estimate(small)
+    t0 = time.perf_counter()
+    estimate(small)
+    assert time.perf_counter() - t0 < 0.03
+    b = Builder()
+    t = b.input("x", [1, 64, 14, 14])
+    for i in range(1250):  # 5000 nodes: conv, bn, relu, add
+        h = b.node("Relu", [b.bn(b.conv(t, 64, 64, 3, f"c{i}"), 64, f"bn{i}")], f"r{i}")
+        t = b.node("Add", [h, t], f"a{i}")
+    big = b.model([t])
+    assert len(big.graph.node) == 5000
+    t0 = time.perf_counter()
+    estimate(big)
+    assert time.perf_counter() - t0 < 1.0

@@ -1,0 +1,328 @@
+"""Timing protocol: statistics, adaptive A/B comparison, counters and quietness checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qdq_optuna import measure
+from qdq_optuna.backends import CallableBackend, OnnxRuntimeBackend
+from qdq_optuna.backends.base import Backend, BackendError, Runner
+from qdq_optuna.errors import OptionError
+from qdq_optuna.measure import (
+    Comparison,
+    Measurement,
+    Measurer,
+    QuietProbe,
+    TimingProtocol,
+    per_look_confidence,
+    ratio_interval,
+    t_quantile,
+)
+
+
+def chain_model(layers: int = 4, width: int = 128, rows: int = 32) -> bytes:
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [rows, width])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+FAST_MODEL = chain_model(width=128)
+SLOW_MODEL = chain_model(width=256)  # 4x the MatMul work
+
+
+class _FakeRunner(Runner):
+    def __init__(self, backend: FakeBackend, base: float) -> None:
+        self.backend, self.base = backend, base
+
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        self.backend.calls += 1
+        noise = self.backend.rng.lognormal(0.0, self.backend.sigma, iterations)
+        return list(self.base * noise)
+
+    def close(self) -> None:
+        self.backend.closed += 1
+
+
+class FakeBackend(Backend):
+    """Seeded log-normal timings around ``len(model)`` ms: exact, repeatable statistics."""
+
+    name = "fake"
+
+    def __init__(self, sigma: float = 0.03, seed: int = 0, fresh: bool = True) -> None:
+        self.sigma = sigma
+        self.rng = np.random.default_rng(seed)
+        self.fresh_sessions = fresh
+        self.loads = self.calls = self.closed = 0
+
+    def load(self, model):
+        self.loads += 1
+        # a per-session offset, like memory layout differences between real sessions
+        return _FakeRunner(self, len(model) * self.rng.lognormal(0.0, self.sigma))
+
+
+class NullProbe:
+    def __init__(self, answers=()):
+        self.answers = list(answers)
+        self.last_other_cores = 0.0
+
+    def start(self):
+        return object()
+
+    def stop(self, token):
+        return self.answers.pop(0) if self.answers else True
+
+
+# -- protocol and statistics ---------------------------------------------------------------
+
+
+def test_presets():
+    fast, robust = TimingProtocol.fast(), TimingProtocol.robust()
+    assert (fast.sessions, fast.warmup, fast.runs) == (1, 3, 15)
+    assert (robust.sessions, robust.warmup, robust.runs) == (5, 5, 20)
+    assert robust.max_rounds == 12 and robust.target == 0.015
+    assert robust.process_warmup_rounds == 2
+    assert TimingProtocol.from_name("fast") == fast
+    assert TimingProtocol.from_name("robust") == robust
+    with pytest.raises(OptionError, match="--timing"):
+        TimingProtocol.from_name("quick")
+    with pytest.raises(OptionError):
+        TimingProtocol(min_rounds=5, max_rounds=3)
+    assert json.dumps(robust.to_dict())
+
+
+def test_t_quantiles_match_tables():
+    table = {1: 12.706, 2: 4.303, 4: 2.776, 9: 2.262, 29: 2.045}
+    for df, value in table.items():
+        assert t_quantile(0.95, df) == pytest.approx(value, abs=1e-3)
+    assert t_quantile(0.99, 5) == pytest.approx(4.032, abs=1e-3)
+
+
+def test_per_look_confidence_is_stricter_with_more_looks():
+    levels = [per_look_confidence(0.95, k) for k in (1, 2, 5, 10, 30)]
+    assert levels[0] == 0.95
+    assert all(a < b for a, b in zip(levels, levels[1:]))
+    assert levels[3] == pytest.approx(0.9894, abs=2e-4)  # Pocock, 10 looks
+
+
+def test_ratio_interval():
+    center, lo, hi = ratio_interval([1.1, 1.1, 1.1])
+    assert center == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    center, lo, hi = ratio_interval([0.9, 1.1, 1.0, 1.02])
+    assert lo < 1.0 < hi and lo < center < hi
+    assert ratio_interval([1.2])[2] == math.inf
+
+
+# -- comparisons on a controlled backend ----------------------------------------------------
+
+
+def test_compare_decides_a_five_percent_difference_on_fake_timings():
+    backend = FakeBackend(sigma=0.01, seed=1)
+    m = Measurer(backend, TimingProtocol.robust())
+    m.probe = NullProbe()
+    c = m.compare(b"x" * 105, b"x" * 100)
+    assert c.decided and c.significant and c.verdict == "slower"
+    assert c.ci_low > 1.0 and c.ratio == pytest.approx(1.05, abs=0.02)
+    assert 3 <= c.rounds <= 12 and len(c.ratios) == c.rounds
+    assert c.candidate.sessions == c.reference.sessions == c.rounds
+    # fresh session per model per round, plus two warm-up rounds of both
+    assert backend.loads == 2 * c.rounds + 4 == m.loads
+    assert backend.closed == backend.loads
+
+
+def test_compare_same_model_on_fake_timings_is_not_significant():
+    undecided = 0
+    for seed in range(20):
+        m = Measurer(FakeBackend(sigma=0.01, seed=seed), TimingProtocol.robust())
+        m.probe = NullProbe()
+        c = m.compare(b"y" * 100, b"y" * 100)
+        assert not c.significant, (seed, c.ci_low, c.ci_high)
+        undecided += not c.decided
+    assert undecided < 20
+
+
+def test_non_fresh_backend_keeps_one_runner_per_model():
+    backend = FakeBackend(fresh=False)
+    m = Measurer(backend, TimingProtocol.robust())
+    m.probe = NullProbe()
+    c = m.compare(b"a" * 120, b"a" * 100)
+    assert backend.loads == 2 and backend.closed == 2
+    assert c.ratio == pytest.approx(1.2, abs=0.05)
+    ms = m.interleaved([b"a" * 10, b"a" * 30, b"a" * 20])
+    assert backend.loads == 5
+    assert [round(x.score_ms / 10) for x in ms] == [1, 3, 2]
+
+
+def test_noisy_rounds_are_remeasured_once():
+    m = Measurer(FakeBackend(), TimingProtocol.fast().with_(process_warmup_rounds=0))
+    m.probe = NullProbe([False, True])
+    r = m.screen(b"z" * 10)
+    assert r.quiet and r.remeasured == 1 and m.loads == 2
+    m.probe = NullProbe([False, False])
+    r = m.screen(b"z" * 10)
+    assert not r.quiet and m.remeasured == 2
+    m = Measurer(FakeBackend(), TimingProtocol.fast().with_(remeasure_noisy=False))
+    m.probe = NullProbe([False])
+    m.warm_up(b"z")
+    assert not m.screen(b"z" * 10).quiet and m.remeasured == 0
+
+
+def test_bad_timings_are_backend_errors():
+    class Liar(FakeBackend):
+        def load(self, model):
+            runner = super().load(model)
+            runner.time = lambda w, n: [float("nan")] * n  # type: ignore[method-assign]
+            return runner
+
+    m = Measurer(Liar(), TimingProtocol.fast())
+    with pytest.raises(BackendError, match="bad timings"):
+        m.screen(b"q")
+
+
+# -- deterministic backends -----------------------------------------------------------------
+
+
+def test_deterministic_backend_needs_one_load_per_model():
+    backend = CallableBackend(lambda model: float(len(model.graph.node)), deterministic=True)
+    m = Measurer(backend, TimingProtocol.robust())
+    small, big = chain_model(layers=2, width=8), chain_model(layers=4, width=8)
+    c = m.compare(big, small)
+    assert c.ratio == 2.0 and c.ci_low == c.ci_high == 2.0
+    assert c.decided and c.rounds == 1 and c.verdict == "slower"
+    assert (m.loads, m.timed_runs) == (2, 2)
+    r = m.measure(small)
+    assert (r.score_ms, r.sessions, r.runs, r.cv, r.quiet) == (4.0, 1, 1, 0.0, True)
+    assert [x.score_ms for x in m.interleaved([small, big])] == [4.0, 8.0]
+    assert m.screen(big).score_ms == 8.0
+    assert (m.loads, m.timed_runs) == (6, 6)
+    assert json.dumps(c.to_dict())
+
+
+# -- real ONNX Runtime timings --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ort_measurer():
+    return Measurer(OnnxRuntimeBackend(), TimingProtocol.robust())
+
+
+def test_compare_clearly_slower_model_is_decided(ort_measurer):
+    c = ort_measurer.compare(SLOW_MODEL, FAST_MODEL)
+    assert isinstance(c, Comparison)
+    assert c.decided and c.significant
+    assert c.ratio > 1.5 and c.ci_low > 1.0
+    assert c.candidate.score_ms > c.reference.score_ms
+    flipped = ort_measurer.compare(FAST_MODEL, SLOW_MODEL)
+    assert flipped.ci_high < 1.0 and flipped.verdict == "faster"
+    d = c.to_dict()
+    assert json.loads(json.dumps(d))["candidate"]["sessions"] == c.rounds
+
+
+def test_compare_model_with_itself_contains_one():
+    # 99 % overall (Bonferroni over the looks): a spurious verdict here is a ~1 % event
+    m = Measurer(OnnxRuntimeBackend(), TimingProtocol.robust().with_(confidence=0.99))
+    c = m.compare(FAST_MODEL, FAST_MODEL)
+    assert c.ci_low <= 1.0 <= c.ci_high, c.to_dict()
+    assert 0.9 < c.ratio < 1.1
+
+
+def test_measure_screen_interleaved_and_counters():
+    protocol = TimingProtocol.robust().with_(sessions=3, runs=10, final_sessions=3)
+    m = Measurer(OnnxRuntimeBackend(), protocol)
+    r = m.measure(onnx.load_from_string(FAST_MODEL))  # a ModelProto is accepted too
+    assert isinstance(r, Measurement)
+    assert r.sessions == 3 and r.runs == 30 and len(r.samples_ms) == 3
+    assert r.min_ms <= r.score_ms <= max(r.samples_ms)
+    assert r.cv >= 0 and r.seconds > 0
+    warm = protocol.process_warmup_rounds
+    assert m.loads == warm + 3 + r.remeasured * 1
+    assert m.timed_runs == (warm + 3 + r.remeasured) * 10
+    s = m.screen(FAST_MODEL)
+    assert s.sessions == 1 and s.runs == protocol.screen_runs
+    before = m.loads
+    ranked = m.interleaved([SLOW_MODEL, FAST_MODEL, chain_model(width=64)])
+    assert [x.sessions for x in ranked] == [3, 3, 3]
+    assert ranked[2].score_ms < ranked[1].score_ms < ranked[0].score_ms
+    assert m.loads - before >= 9
+    assert m.counters()["loads"] == m.loads
+
+
+def test_warm_up_runs_once_then_again_after_idle():
+    protocol = TimingProtocol.fast().with_(process_warmup_rounds=2, rewarm_after_s=0.05)
+    m = Measurer(FakeBackend(), protocol)
+    m.probe = NullProbe()
+    assert m.warm_up() is False  # nothing to warm up with yet
+    assert m.warm_up(b"w") is True and m.loads == 2
+    assert m.warm_up(b"w") is False
+    time.sleep(0.1)
+    assert m.warm_up(b"w") is True and m.loads == 3  # one round after an idle spell
+
+
+# -- quietness ------------------------------------------------------------------------------
+
+
+def test_quiet_probe_arithmetic(monkeypatch):
+    busy = iter([1000, 1000 + 60])
+    own = {"self": iter([500, 500 + 10])}
+    monkeypatch.setattr(measure, "_read_proc_stat_busy", lambda: next(busy))
+    monkeypatch.setattr(measure, "_proc_cpu_jiffies", lambda pid, children: next(own[pid]))
+    probe = QuietProbe(0.25)
+    probe.available, probe.hz = True, 100
+    token = probe.start()
+    token = (token[0] - 1.0, token[1], token[2])  # pretend one second passed
+    assert probe.stop(token) is False
+    assert probe.last_other_cores == pytest.approx(0.48, abs=0.02)
+    # the same load, but from our own worker process: quiet
+    busy = iter([1000, 1060])
+    own = {"self": iter([500, 510]), 4242: iter([0, 50])}
+    probe = QuietProbe(0.25, pids=lambda: [4242])
+    probe.available, probe.hz = True, 100
+    token = probe.start()
+    assert probe.stop((token[0] - 1.0, token[1], token[2])) is True
+
+
+def test_quiet_probe_sees_a_busy_neighbour():
+    probe = QuietProbe(0.25)
+    if not probe.available:
+        pytest.skip("no /proc/stat here")
+    hog = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
+    )
+    try:
+        time.sleep(0.2)
+        token = probe.start()
+        time.sleep(0.5)
+        assert probe.stop(token) is False
+        assert probe.last_other_cores > 0.5
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_quiet_probe_without_proc_is_a_no_op():
+    probe = QuietProbe()
+    probe.available = False
+    assert probe.start() is None and probe.stop(None) is True
