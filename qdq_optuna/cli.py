@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .backends.base import BackendUnavailable
 from .errors import OptionError, UserError
 
 EXIT_USAGE = 2
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
+
+    d = sub.add_parser("dashboard", help="open a run's studies in optuna-dashboard")
+    d.add_argument("output", help="the run's output folder")
+    d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    d.add_argument("--port", type=_positive_int, default=8080)
+    d.add_argument("--storage", help="storage URL when the run did not use OUTPUT/studies.db")
 
     e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, transformer, ...)")
     e.add_argument("name")
@@ -195,7 +202,15 @@ def cmd_example(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example}
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve
+
+    serve(args.output, host=args.host, port=args.port, storage=args.storage)
+    return 0
+
+
+COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
+            "dashboard": cmd_dashboard}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except UserError as exc:
+        print(f"qdq-optuna: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BackendUnavailable as exc:
         print(f"qdq-optuna: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. piped into head

@@ -139,6 +139,15 @@ class QDQExporter:
         if not (default_scale > 0 and np.isfinite(default_scale)):
             raise OptionError(f"default_q_scale must be a positive number, got {default_scale}")
         self.default_scale = float(default_scale)
+        if default_zero_point is not None:
+            low, high = (0, 255) if self.quant_type == "uint8" else (-128, 127)
+            if self.quant_type == "fp8" and default_zero_point != 0:
+                raise OptionError("default_q_zero_point must be 0 for fp8")
+            if not low <= int(default_zero_point) <= high:
+                raise OptionError(
+                    f"default_q_zero_point {default_zero_point} is outside [{low}, {high}] "
+                    f"for {self.quant_type}"
+                )
         self.default_zero_point = default_zero_point
         model = graph.model
         prefix = onnx.ModelProto()
@@ -155,7 +164,10 @@ class QDQExporter:
         self._init_bytes = {t.name: _field(_GRAPH_INIT, t.SerializeToString()) for t in model.graph.initializer}
         self._listed_inputs = {i.name for i in model.graph.input}
         self._node_bytes = [_field(_GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
-        self._names: set[str] = set(graph.producer) | graph.initializers | set(graph.graph_inputs)
+        # generated names are the tensor's own name plus a suffix, made unique against every
+        # tensor and node name of the model, so a plan always exports to the same bytes
+        self._names: set[str] = (set(graph.producer) | graph.initializers | set(graph.graph_inputs)
+                                 | {n.name for n in graph.nodes if n.name})
         self._act_cache: dict[tuple[str, str], tuple[str, bytes, bytes]] = {}
         self._weight_cache: dict[tuple[str, int | None, str], tuple[str, bytes, bytes, np.ndarray]] = {}
         self._bias_cache: dict[tuple, tuple[str, bytes, bytes]] = {}
@@ -248,7 +260,7 @@ class QDQExporter:
         if key not in self._act_cache:
             elem = self.graph.elem_types.get(tensor, TensorProto.FLOAT)
             scale, zp = self.activation_params(tensor, qtype)
-            base = tensor.replace("/", "_").strip("_") or "t"
+            base = tensor
             s_name = self._unique(f"{base}_scale")
             z_name = self._unique(f"{base}_zero_point")
             q_out = self._unique(f"{base}_quantized")
@@ -275,7 +287,7 @@ class QDQExporter:
             if axis is not None and w.ndim:
                 shape[axis] = -1
             scaled = w / scales.reshape(shape) if axis is not None and w.ndim else w / scales
-            base = name.replace("/", "_").strip("_") or "w"
+            base = name
             q_name = self._unique(f"{base}_quantized")
             s_name = self._unique(f"{base}_scale")
             z_name = self._unique(f"{base}_zero_point")
@@ -315,7 +327,7 @@ class QDQExporter:
                 return None
             scales = (a_scale * np.broadcast_to(w_scales, b.shape)).astype(np.float32)
             qb = np.clip(np.rint(b / scales), -(2**31), 2**31 - 1).astype(np.int32)
-            base = bias.replace("/", "_").strip("_") or "b"
+            base = bias
             q_name, s_name, z_name = (self._unique(f"{base}_{s}") for s in ("quantized", "scale", "zero_point"))
             dq_out = self._unique(f"{base}_dequantized")
             inits = b"".join(

@@ -121,17 +121,13 @@ def _backend_from(options: TuneOptions) -> Backend:
         return CallableBackend(b)
     shapes = InputShapes.parse(options.input_shapes).shapes or None
     kwargs: dict = {}
-    if b in ("onnxruntime", "ort"):
+    if b in ("onnxruntime", "ort", "ort-cuda", "ort-trt"):
         kwargs = {"threads": options.threads, "input_shapes": shapes}
-    elif b in ("costmodel",):
+    elif b in ("costmodel", "tensorrt", "trtexec"):
         kwargs = {"input_shapes": shapes}
-    backend = make_backend(b, **kwargs)
-    if options.isolate and not backend.deterministic and ":" not in b:
-        from .backends.isolated import IsolatedBackend
-
-        mod, cls = type(backend).__module__, type(backend).__name__
-        backend = IsolatedBackend((mod, cls, kwargs))
-    return backend
+    if options.isolate and ":" not in b:
+        kwargs["isolate"] = True
+    return make_backend(b, **kwargs)
 
 
 def _backend_name(options: TuneOptions, backend: Backend) -> str:
@@ -481,6 +477,9 @@ class Tuner:
                                       f"faster than reference {ref_ms:.4f} ms")
         for k, v in decision.items():
             study.set_user_attr(k if k != "reason" else "commit_reason", v)
+        from .dashboard import save_pattern_note
+
+        save_pattern_note(study)
         return dict(study.user_attrs)
 
     def _remaining(self) -> float | None:

@@ -11,6 +11,7 @@ the same pattern signatures.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -26,11 +27,11 @@ SPATIAL = 8
 OP_KINDS = (
     "Conv", "Relu", "Add", "Mul", "MulConst", "Sigmoid", "Concat", "MaxPool", "BatchNormalization",
 )
-COMMUTATIVE = frozenset({"Add", "Mul"})
 
-#: settings for the property tests (models are small; ORT sessions dominate the run time)
+#: settings for the property tests (models are small; ORT sessions dominate the run time);
+#: QDQ_PROPERTY_EXAMPLES=1000 runs a deeper search
 PROPERTY = settings(
-    max_examples=50,
+    max_examples=int(os.environ.get("QDQ_PROPERTY_EXAMPLES", "50")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -164,9 +165,8 @@ def _expand(spec: DagSpec, swapped: frozenset[int] = frozenset()):
             cat = f"t{k + 1}_cat"
             add("Concat", ins, cat, f"{name}_cat" if name else "", dict(axis=1), k)
             w = f"w{k}"
-            inits[w] = (rng.standard_normal((c, c * len(ins), 1, 1)) / np.sqrt(c * len(ins))).astype(
-                np.float32
-            )
+            fan_in = c * len(ins)
+            inits[w] = (rng.standard_normal((c, fan_in, 1, 1)) / np.sqrt(fan_in)).astype(np.float32)
             add("Conv", [cat, w], out, name, dict(kernel_shape=[1, 1]), k)
         else:  # pragma: no cover - OP_KINDS is closed
             raise ValueError(op.kind)
@@ -261,12 +261,16 @@ def _arity(draw, kind: str) -> int:
 
 
 @st.composite
-def dag_specs(draw, min_ops: int = 3, max_ops: int = 30, repeated: bool | None = None) -> DagSpec:
-    """A random DAG of 3-30 ops (a Concat op is two nodes: Concat, then a 1x1 Conv).
+def dag_specs(
+    draw, min_nodes: int = 3, max_nodes: int = 30, repeated: bool | None = None
+) -> DagSpec:
+    """A random DAG of 3-30 ONNX nodes (a Concat op is two: Concat, then a 1x1 Conv back to C
+    channels; a MulConst whose factor is a Constant node is two as well).
 
-    Half of the specs (``repeated=False``) are free-form (every input drawn among all earlier tensors); the other
-    half (``repeated=True``) repeat one random *motif* 2-4 times in a chain (as networks repeat blocks), with its
-    Add/Mul inputs swapped independently per repetition, so patterns get several members.
+    Half of the specs (``repeated=False``) are free-form (every input drawn among all earlier
+    tensors); the other half (``repeated=True``) repeat one random *motif* 2-4 times in a chain
+    (as networks repeat blocks), with names and Add/Mul input order drawn per repetition, so
+    patterns get several members and non-trivial slot maps.
     """
     channels = draw(st.integers(2, 4))
     ops: list[OpSpec] = []
@@ -286,7 +290,7 @@ def dag_specs(draw, min_ops: int = 3, max_ops: int = 30, repeated: bool | None =
     if repeated is None:
         repeated = draw(st.booleans())
     if not repeated:
-        free(draw(st.integers(min_ops, max_ops)))
+        free(draw(st.integers(min_nodes, max_nodes)))
     else:
         free(draw(st.integers(0, 3)))
         size = draw(st.integers(2, 6))
@@ -304,7 +308,7 @@ def dag_specs(draw, min_ops: int = 3, max_ops: int = 30, repeated: bool | None =
             motif.append(_draw_op(draw, kind, tuple(rel), [], j))
         if residual:
             motif.append(OpSpec("Add", (size - 1, -1)))
-        repeats = draw(st.integers(2, max(2, min(4, (max_ops - len(ops)) // len(motif)))))
+        repeats = draw(st.integers(2, max(2, min(4, (max_nodes - len(ops)) // len(motif)))))
         for _ in range(repeats):
             base = len(ops)  # pool index of the block input
             for template in motif:
@@ -319,6 +323,9 @@ def dag_specs(draw, min_ops: int = 3, max_ops: int = 30, repeated: bool | None =
                     shared_weight=drawn.shared_weight,
                 ))
         free(draw(st.integers(0, 2)), lo=base)
+    # ops only read earlier ops: dropping the last ones keeps a valid graph
+    while len(ops) > 3 and sum(node_count(op) for op in ops) > max_nodes:
+        ops.pop()
     return DagSpec(
         channels=channels,
         ops=tuple(ops),
@@ -360,9 +367,9 @@ def relabelings(draw, spec: DagSpec, *, reorder: bool = True, swap: bool = True)
     return Relabel(order=order, prefix=prefix, numbering=numbering, swapped=swapped)
 
 
-def dag_models(min_ops: int = 3, max_ops: int = 30) -> st.SearchStrategy[onnx.ModelProto]:
+def dag_models(min_nodes: int = 3, max_nodes: int = 30) -> st.SearchStrategy[onnx.ModelProto]:
     """Random valid ONNX DAG models (opset 17, input ``x`` [1, C, 8, 8])."""
-    return dag_specs(min_ops, max_ops).map(build_model)
+    return dag_specs(min_nodes, max_nodes).map(build_model)
 
 
 @st.composite
@@ -375,7 +382,13 @@ def isomorphic_pairs(draw, *, reorder: bool = True, swap: bool = True):
 
 def spec_summary(spec: DagSpec) -> Sequence[str]:
     """A readable listing of a spec (for failure messages)."""
-    return [f"{k}: {op.kind}{op.inputs}" for k, op in enumerate(spec.ops)]
+    flags = {"named": "", "bias": "+bias", "constant_node": "+Constant", "swap": "+swap"}
+    out = []
+    for k, op in enumerate(spec.ops):
+        extra = "".join(v for f, v in flags.items() if v and getattr(op, f))
+        shared = f"+w{op.shared_weight}" if op.shared_weight is not None else ""
+        out.append(f"{k}: {op.kind}{op.inputs}{extra}{shared}{'' if op.named else ' (unnamed)'}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +486,8 @@ def check_tree(graph, tree) -> None:
     leaves = tree.leaves
     count = Counter(x for leaf in leaves for x in leaf.nodes)
     assert sorted(count) == everything, "a node is in no leaf"
-    assert set(count.values()) <= {1}, f"nodes in several leaves: {[k for k, v in count.items() if v > 1]}"
+    shared = [k for k, v in count.items() if v > 1]
+    assert not shared, f"nodes in several leaves: {shared}"
     for leaf in leaves:
         assert leaf.nodes and leaf.nodes == leaf.all_nodes == sorted(leaf.nodes)
         assert not leaf.children and leaf.kind in ("compute", "glue")

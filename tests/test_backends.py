@@ -285,7 +285,7 @@ def test_make_backend_unknown_name_and_options():
 def test_make_backend_trtexec_missing():
     with pytest.raises(BackendUnavailable, match="trtexec not found on PATH"):
         make_backend("trtexec", trtexec="no-such-trtexec-binary")
-    with pytest.raises(BackendUnavailable, match="--trtexec PATH"):
+    with pytest.raises(BackendUnavailable, match="add its bin folder to PATH"):
         TrtexecBackend(trtexec="no-such-trtexec-binary")
 
 

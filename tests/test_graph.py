@@ -232,7 +232,8 @@ def test_symbolic_dims_in_memory_model_untouched():
 
 @pytest.mark.parametrize(
     "spec",
-    ["input", "input=1x3x32x32", "input:1x3x", "input:1,3", ":1x3x32x32", "input:axb", "input:-1x3"],
+    ["input", "input=1x3x32x32", "input:1x3x", "input:1,3", ":1x3x32x32", "input:axb",
+     "input:-1x3"],
 )
 def test_input_shapes_bad_syntax(spec):
     with pytest.raises(OptionError) as info:
@@ -312,7 +313,8 @@ def test_external_data_loads(tmp_path, chain):
     graph = load_model(path)
     weight = graph.initializer("conv1.weight")
     assert weight is not None and weight.data_location == TensorProto.DEFAULT
-    expected = numpy_helper.to_array(next(t for t in chain.graph.initializer if t.name == "conv1.weight"))
+    original = next(t for t in chain.graph.initializer if t.name == "conv1.weight")
+    expected = numpy_helper.to_array(original)
     np.testing.assert_array_equal(numpy_helper.to_array(weight), expected)
 
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from onnx import AttributeProto, helper
 from hypothesis import given
 from hypothesis import strategies as st
+from onnx import AttributeProto, helper
 from strategies import (
     PROPERTY,
     analyze,

@@ -105,7 +105,8 @@ def check_points(a, rules) -> None:
                     producer = graph.producer[tensor][0]
                     assert producer in set(tree[r].all_nodes)
                     # a tensor-level point: every quantizable use of the tensor, anywhere
-                    assert set(uses) == {u for u in graph.uses(tensor) if rules.quantizable(graph, u)}
+                    whole = {u for u in graph.uses(tensor) if rules.quantizable(graph, u)}
+                    assert set(uses) == whole
         for group in pp.concat_groups + pp.fusion_groups:
             assert len(group) >= 2 and set(group) <= set(pp.ids) and group == sorted(group)
         for group in pp.concat_groups:
@@ -178,7 +179,8 @@ def test_tensorrt_never_offers_conv_bn_into_add_relu(analyzed, tensor, add):
     slot = list(graph.nodes[node].input).index(tensor)
     use = (tensor, node, slot)
     assert graph.producer_op(tensor) == "BatchNormalization"
-    assert any(graph.nodes[c].op_type == "Relu" for c, _ in graph.consumers[graph.nodes[node].output[0]])
+    add_out = graph.nodes[node].output[0]
+    assert any(graph.nodes[c].op_type == "Relu" for c, _ in graph.consumers[add_out])
     assert use not in trt.all_uses()
     assert "Conv+Add+Relu" in TENSORRT.use_reason(graph, use)
     # ONNX Runtime has no such fusion: the same use is offered there

@@ -113,7 +113,7 @@ def test_trtexec_missing_binary():
     with pytest.raises(BackendUnavailable) as info:
         TrtexecBackend(trtexec="bogus-trtexec-does-not-exist")
     assert NOT_FOUND in str(info.value)
-    assert "trtexec not found on PATH; install TensorRT or pass --trtexec PATH" in str(info.value)
+    assert "trtexec not found on PATH; install TensorRT or add its bin folder to PATH" in str(info.value)
 
 
 # -- a stand-in trtexec ----------------------------------------------------------------------

@@ -269,7 +269,7 @@ def test_build_and_small_errors() -> None:
     with pytest.raises(ValueError, match="'nope'"):
         zoo.small("nope")
     with pytest.raises(ValueError, match="size"):
-        zoo.build("resnet", "medium")
+        zoo.build("resnet", "huge")
     assert set(zoo.EXAMPLES) == set(ALL_NAMES)
     assert zoo.build("tiny_chain").SerializeToString() == zoo.tiny_chain().SerializeToString()
 

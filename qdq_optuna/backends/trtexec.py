@@ -30,7 +30,7 @@ from qdq_optuna.backends.base import (
 )
 from qdq_optuna.errors import OptionError
 
-NOT_FOUND = "trtexec not found on PATH; install TensorRT or pass --trtexec PATH"
+NOT_FOUND = "trtexec not found on PATH; install TensorRT or add its bin folder to PATH"
 
 _SECTIONS = {
     "GPU Compute Time": "gpu_compute_ms",

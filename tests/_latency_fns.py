@@ -1,0 +1,82 @@
+"""Deterministic latency functions ``fn(model: onnx.ModelProto) -> ms`` for search tests.
+
+They are importable by module path, so the CLI can load them with
+``--backend tests._latency_fns:NAME`` when run from the repository root.
+
+* :func:`rewards_groups`: a real optimum. A *full group* is a Conv whose activation input and
+  weight both come from DequantizeLinear (the activation through a Q -> DQ pair) and whose
+  output, directly or through one Relu, feeds a QuantizeLinear.
+  ``latency = 10 - 0.5 * full groups + 0.2 * stray activation Q nodes`` (a stray Q belongs to
+  no full group).
+* :func:`every_qdq_slower`: each Q/DQ node only costs time; the float model is optimal.
+* :func:`sleepy`: :func:`rewards_groups` after a sleep of ``QDQ_TEST_SLEEP_S`` seconds
+  (default 0.2), to make a run slow enough to kill it part way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+Q, DQ = "QuantizeLinear", "DequantizeLinear"
+
+
+def _maps(model):
+    producer = {}
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for out in node.output:
+            producer[out] = node
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return producer, consumers
+
+
+def activation_qs(model) -> list:
+    """QuantizeLinear nodes that quantize an activation (not an initializer)."""
+    inits = {i.name for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == Q and n.input[0] not in inits]
+
+
+def full_groups(model) -> tuple[int, set[str]]:
+    """Number of full DQ -> Conv -> Q groups and the names of the Q nodes they use."""
+    producer, consumers = _maps(model)
+    inits = {i.name for i in model.graph.initializer}
+    used: set[str] = set()
+    groups = 0
+    for node in model.graph.node:
+        if node.op_type != "Conv" or len(node.input) < 2:
+            continue
+        x_dq, w_dq = producer.get(node.input[0]), producer.get(node.input[1])
+        if x_dq is None or w_dq is None or x_dq.op_type != DQ or w_dq.op_type != DQ:
+            continue
+        x_q = producer.get(x_dq.input[0])
+        if x_q is None or x_q.op_type != Q or x_q.input[0] in inits:
+            continue
+        tails = [node.output[0]]
+        for c in consumers.get(node.output[0], []):
+            if c.op_type == "Relu":
+                tails.append(c.output[0])
+        out_qs = [c for t in tails for c in consumers.get(t, []) if c.op_type == Q]
+        if not out_qs:
+            continue
+        groups += 1
+        used.add(x_q.name or x_q.output[0])
+        used.update(q.name or q.output[0] for q in out_qs)
+    return groups, used
+
+
+def rewards_groups(model) -> float:
+    groups, used = full_groups(model)
+    stray = sum(1 for q in activation_qs(model) if (q.name or q.output[0]) not in used)
+    return 10.0 - 0.5 * groups + 0.2 * stray
+
+
+def every_qdq_slower(model) -> float:
+    nodes = sum(1 for n in model.graph.node if n.op_type in (Q, DQ))
+    return 10.0 + 0.5 * nodes
+
+
+def sleepy(model) -> float:
+    time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.2")))
+    return rewards_groups(model)

@@ -1,0 +1,532 @@
+"""QDQExporter: plans merge uses into one Q/DQ pair per tensor, every export is a valid model
+that ONNX Runtime runs, scales have the right shapes, and nothing the user passed is modified."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from onnx import TensorProto, numpy_helper
+from strategies import (
+    PROPERTY,
+    analyze,
+    build_model,
+    dag_specs,
+    random_feeds,
+    run_ort,
+    spec_summary,
+)
+
+from qdq_optuna import zoo
+from qdq_optuna.errors import ModelError, OptionError
+from qdq_optuna.export import (
+    QDQExporter,
+    QuantPlan,
+    check_quant_type,
+    dequantized_weights,
+    quantized_tensors,
+    required_opset,
+    upgrade_for,
+    weight_scales,
+)
+from qdq_optuna.graph import load_model, opset_of
+from qdq_optuna.insertion.rules import ONNXRUNTIME_CPU, TENSORRT, WEIGHTED_OPS
+
+RULES = [TENSORRT, ONNXRUNTIME_CPU]
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+ZP_TYPE = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
+           "fp8": TensorProto.FLOAT8E4M3FN}
+
+
+def original_nodes(exported: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The exported model's nodes minus the Q/DQ it added, in order (the float model has no
+    Q/DQ, so these are the original nodes, same order, same indices)."""
+    return [n for n in exported.graph.node if n.op_type not in QDQ]
+
+
+def check_export(graph, plan: QuantPlan, exported: onnx.ModelProto) -> None:
+    """Structural checks of one export against its plan."""
+    inits = {t.name: t for t in exported.graph.initializer}
+    producers = {o: n for n in exported.graph.node for o in n.output}
+    nodes = original_nodes(exported)
+    assert len(nodes) == len(graph.nodes)
+    for mine, theirs in zip(nodes, graph.nodes):
+        assert mine.op_type == theirs.op_type and mine.name == theirs.name
+        assert list(mine.output) == list(theirs.output)
+
+    assert quantized_tensors(exported) == set(plan.tensors)
+    qs = [n for n in exported.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(qs) == len(plan.activations), "one QuantizeLinear per quantized tensor"
+
+    covered: dict[tuple[int, int], str] = {}
+    for tensor, consumers, qtype in plan.activations:
+        (q,) = [n for n in qs if n.input[0] == tensor]
+        scale, zp = inits[q.input[1]], inits[q.input[2]]
+        # activations: per-tensor scalars
+        assert list(scale.dims) == [] and list(zp.dims) == [], tensor
+        assert scale.data_type == graph.elem_types[tensor]
+        assert zp.data_type == ZP_TYPE[qtype]
+        assert float(numpy_helper.to_array(scale)) > 0
+        dqs = [n for n in exported.graph.node if n.op_type == "DequantizeLinear"
+               and n.input[0] == q.output[0]]
+        assert len(dqs) == 1
+        dq = dqs[0]
+        assert list(dq.input[1:]) == list(q.input[1:])
+        assert graph.is_activation(tensor)
+        for n, s in consumers:
+            assert graph.nodes[n].input[s] == tensor
+            assert nodes[n].input[s] == dq.output[0], "covered use not rewired"
+            covered[(n, s)] = tensor
+        # every other consumer still reads the float tensor
+        readers = [(n, s) for n, node in enumerate(nodes) for s, t in enumerate(node.input)
+                   if t == dq.output[0]]
+        assert sorted(readers) == sorted(consumers)
+
+    weights = {(n, s): q for n, s, q in plan.weights}
+    for n, s, wq in plan.weights:
+        dq = producers[nodes[n].input[s]]
+        assert dq.op_type == "DequantizeLinear"
+        w, w_scale, w_zp = (inits[i] for i in dq.input)
+        original = graph.initializer(graph.nodes[n].input[s])
+        assert list(w.dims) == list(original.dims)
+        assert w.data_type == ZP_TYPE[wq] and w_zp.data_type == ZP_TYPE[wq]
+        spec = WEIGHTED_OPS[graph.nodes[n].op_type]
+        axis = spec.axis(graph, n)
+        # weights: per channel along the right axis
+        assert [a.i for a in dq.attribute if a.name == "axis"] == [axis]
+        assert list(w_scale.dims) == [original.dims[axis]]
+        assert list(w_zp.dims) == [original.dims[axis]]
+        assert (numpy_helper.to_array(w_scale) > 0).all()
+        # a weight is quantized only with its activation
+        assert any((n, a) in covered for a in spec.activation_slots)
+    for (n, s) in covered:
+        spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
+        if spec and s in spec.activation_slots and graph.nodes[n].input[spec.weight_slot] in \
+                graph.initializers:
+            assert (n, spec.weight_slot) in weights
+    # every other input is the original one
+    for n, node in enumerate(nodes):
+        for s, t in enumerate(node.input):
+            if (n, s) not in covered and (n, s) not in weights and not (
+                    s == 2 and (n, 1) in weights and t.endswith("_dequantized")):
+                assert t == graph.nodes[n].input[s], (n, s)
+    # no initializer is left behind unused
+    used = {t for n in exported.graph.node for t in n.input}
+    assert set(inits) <= used | {i.name for i in exported.graph.input}
+
+
+# -- properties on random DAGs ----------------------------------------------------------------
+
+
+@PROPERTY
+@given(
+    st.one_of(dag_specs(), dag_specs(repeated=True)),
+    st.sampled_from(RULES),
+    st.sampled_from(["int8", "uint8"]),
+    st.data(),
+)
+def test_random_exports_are_valid(spec, rules, qtype, data):
+    model = build_model(spec)
+    before = model.SerializeToString()
+    a = analyze(model, rules)
+    refs = a.point_refs()
+    chosen = data.draw(st.sets(st.sampled_from(range(len(refs)))) if refs else st.just(set()))
+    uses = set()
+    for i in chosen:
+        pp, pid = refs[i]
+        uses |= pp.uses([pid])
+    graph_before = a.graph.model.SerializeToString()
+    exporter = QDQExporter(a.graph, rules, qtype)
+    plan = exporter.plan(uses)
+    blob = exporter.to_bytes(plan)
+    exported = onnx.load_from_string(blob)
+    try:
+        onnx.checker.check_model(exported, full_check=True)
+        check_export(a.graph, plan, exported)
+        feeds = {"x": np.random.default_rng(0).standard_normal((1, spec.channels, 8, 8),
+                                                                 dtype=np.float32)}
+        outputs = run_ort(blob, feeds)
+        assert len(outputs) == len(model.graph.output)
+        assert all(np.isfinite(o).all() for o in outputs)
+    except Exception as exc:
+        raise AssertionError(f"{exc}\nspec: {spec_summary(spec)}\nplan: {plan}") from exc
+    # (g) nothing the user (or the Graph) holds was modified
+    assert model.SerializeToString() == before
+    assert a.graph.model.SerializeToString() == graph_before
+    # the plan is the identity of the model
+    assert exporter.to_bytes(exporter.plan(uses)) == blob
+    assert exporter.plan(sorted(uses)).key == plan.key
+    # covering at least the planned uses; never anything the plan did not ask for
+    planned = {(t, n, s) for t, cons, _ in plan.activations for n, s in cons}
+    assert uses <= planned
+    if rules is ONNXRUNTIME_CPU:
+        assert planned == uses  # no promotions on ONNX Runtime
+    else:  # TensorRT promotes Concat consumers of a tensor whose other uses are covered
+        for t, n, _ in planned - uses:
+            assert a.graph.nodes[n].op_type == "Concat"
+            assert all((t, c, s) in planned for c, s in a.graph.consumers[t]
+                       if a.graph.nodes[c].op_type != "Concat")
+
+
+@PROPERTY
+@given(dag_specs(), st.sampled_from(RULES))
+def test_empty_plan_is_the_float_model(spec, rules):
+    a = analyze(build_model(spec), rules)
+    exporter = QDQExporter(a.graph, rules, rules.default_quant_type)
+    plan = exporter.plan([])
+    assert len(plan) == 0 and plan.qdq_pairs == 0 and plan.tensors == []
+    exported = exporter.to_model(plan)
+    assert exported.SerializeToString() == a.graph.model.SerializeToString()
+
+
+@PROPERTY
+@given(dag_specs(), st.sampled_from(RULES), st.sampled_from(["int8", "uint8"]))
+def test_everything_quantized_runs(spec, rules, qtype):
+    model = build_model(spec)
+    before = model.SerializeToString()
+    a = analyze(model, rules)
+    exporter = QDQExporter(a.graph, rules, qtype)
+    plan = exporter.plan(a.all_uses())
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(a.graph, plan, exported)
+    run_ort(exported, {"x": np.ones((1, spec.channels, 8, 8), np.float32)})
+    assert model.SerializeToString() == before
+
+
+# -- merging and promotion -------------------------------------------------------------------
+
+
+def test_partial_cover_of_fanned_out_tensor(analyzed):
+    """Covering one of two consumers: one Q/DQ pair feeding only that consumer."""
+    a = analyzed("tiny_concat", TENSORRT)
+    graph = a.graph
+    tensor = "stem/relu_out"
+    branch_a, branch_b = a.node("branch_a/conv"), a.node("branch_b/conv")
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    plan = exporter.plan({(tensor, branch_a, 0)})
+    assert plan.activations == ((tensor, ((branch_a, 0),), "int8"),)
+    assert plan.weights == ((branch_a, 1, "int8"),)
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(graph, plan, exported)
+    nodes = original_nodes(exported)
+    qs = [n for n in exported.graph.node if n.op_type == "QuantizeLinear"]
+    assert [q.input[0] for q in qs] == [tensor]
+    assert nodes[branch_a].input[0].endswith("_dequantized")
+    assert nodes[branch_b].input[0] == tensor
+    assert nodes[branch_b].input[1] == "branch_b/conv.weight"
+    assert "branch_b/conv.weight" in {t.name for t in exported.graph.initializer}
+    assert "branch_a/conv.weight" not in {t.name for t in exported.graph.initializer}
+    run_ort(exported)
+
+
+def test_uses_of_one_tensor_merge_into_one_pair(analyzed):
+    """q/k/v MatMuls share their input: covering all three gives one QuantizeLinear for it,
+    and the residual Add still reads the float tensor."""
+    a = analyzed("transformer", TENSORRT)
+    graph = a.graph
+    tensor = "embeddings/layernorm_out"
+    qkv = [a.node(f"layer0/attention/{x}/matmul") for x in ("query", "key", "value")]
+    residual = a.node("layer0/attention/residual")
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    plan = exporter.plan({(tensor, n, 0) for n in qkv})
+    assert plan.tensors == [tensor] and len(plan) == 1 and plan.qdq_pairs == 4
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(graph, plan, exported)
+    qs = [n for n in exported.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(qs) == 1 and qs[0].input[0] == tensor
+    (dq,) = [n for n in exported.graph.node if n.op_type == "DequantizeLinear"
+             and n.input[0] == qs[0].output[0]]
+    nodes = original_nodes(exported)
+    assert sorted(n for n, node in enumerate(nodes) if dq.output[0] in node.input) == sorted(qkv)
+    assert nodes[residual].input[1] == tensor
+    # MatMul weights [hidden, hidden]: per channel along the last axis
+    inits = {t.name: t for t in exported.graph.initializer}
+    for n in qkv:
+        w_dq = next(x for x in exported.graph.node if x.output[0] == nodes[n].input[1])
+        assert [x.i for x in w_dq.attribute if x.name == "axis"] == [1]
+        assert list(inits[w_dq.input[1]].dims) == [32]
+    out = run_ort(exported)
+    assert out[0].shape == (1, 16, 32)
+
+
+def test_tensorrt_promotes_concat_consumers(analyzed):
+    a = analyzed("yolo", TENSORRT)
+    graph = a.graph
+    tensor = "model.9/pool0_out"
+    pool1, concat = a.node("model.9/pool1"), a.node("model.9/concat")
+    assert sorted(graph.consumers[tensor]) == sorted([(pool1, 0), (concat, 1)])
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    plan = exporter.plan({(tensor, pool1, 0)})
+    assert plan.activations == ((tensor, tuple(sorted([(pool1, 0), (concat, 1)])), "int8"),)
+    exported = exporter.to_model(plan)
+    check_export(graph, plan, exported)
+    nodes = original_nodes(exported)
+    assert nodes[concat].input[1].endswith("_dequantized")
+    # not when a non-Concat consumer stays uncovered
+    split = "model.4/split_out1"
+    conv, add = a.node("model.4/m.0/cv1/conv"), a.node("model.4/m.0/add")
+    plan = exporter.plan({(split, conv, 0)})
+    assert plan.activations == ((split, ((conv, 0),), "int8"),)
+    plan = exporter.plan({(split, conv, 0), (split, add, 0)})
+    assert len(plan.activations[0][1]) == 3
+    # and never on ONNX Runtime
+    ort_a = QDQExporter(graph, ONNXRUNTIME_CPU, "uint8")
+    assert ort_a.plan({(tensor, pool1, 0)}).activations == ((tensor, ((pool1, 0),), "uint8"),)
+
+
+# -- runtime specifics -------------------------------------------------------------------------
+
+
+def test_onnxruntime_gemm_bias_is_int32(analyzed):
+    a = analyzed("resnet", ONNXRUNTIME_CPU)
+    graph = a.graph
+    fc = a.node("fc")
+    exporter = QDQExporter(graph, ONNXRUNTIME_CPU, "uint8")
+    plan = exporter.plan({("flatten_out", fc, 0)})
+    assert plan.weights == ((fc, 1, "int8"),)
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    inits = {t.name: t for t in exported.graph.initializer}
+    producers = {o: n for n in exported.graph.node for o in n.output}
+    gemm = original_nodes(exported)[fc]
+    bias_dq = producers[gemm.input[2]]
+    assert bias_dq.op_type == "DequantizeLinear"
+    q_bias, b_scale, b_zp = (inits[i] for i in bias_dq.input)
+    assert q_bias.data_type == TensorProto.INT32 and b_zp.data_type == TensorProto.INT32
+    assert list(q_bias.dims) == [10] and list(b_scale.dims) == [10]
+    # bias scale = activation scale x weight scale (what ORT's QGemm requires)
+    act_scale, _ = exporter.activation_params("flatten_out", "uint8")
+    w_dq = producers[gemm.input[1]]
+    w_scale = numpy_helper.to_array(inits[w_dq.input[1]])
+    np.testing.assert_allclose(numpy_helper.to_array(b_scale), act_scale * w_scale, rtol=1e-6)
+    bias = numpy_helper.to_array(graph.initializer("fc.bias"))
+    np.testing.assert_allclose(
+        numpy_helper.to_array(q_bias) * numpy_helper.to_array(b_scale), bias,
+        atol=float(numpy_helper.to_array(b_scale).max()))
+    assert "fc.bias" not in inits and "fc.weight" not in inits
+    assert dequantized_weights(exported) == {q_bias.name, w_dq.input[0]}
+    run_ort(exported)
+    # TensorRT keeps the float bias
+    trt = QDQExporter(load_model(graph.model), TENSORRT, "int8")
+    gemm_trt = original_nodes(trt.to_model(trt.plan({("flatten_out", fc, 0)})))[fc]
+    assert gemm_trt.input[2] == "fc.bias"
+
+
+def test_fp8_export_after_upgrade(zoo_model):
+    model = zoo_model("resnet")
+    before = model.SerializeToString()
+    graph = load_model(model)
+    assert required_opset(graph, ["fp8"]) == 19 and required_opset(graph, ["int8"]) == 13
+    assert upgrade_for(graph, ["int8"]) is graph
+    a = analyze(graph, TENSORRT, quant_types=["fp8"])
+    assert a.graph.opset == 19 and opset_of(a.graph.model) == 19
+    exporter = QDQExporter(a.graph, TENSORRT, "fp8")
+    plan = exporter.plan(a.all_uses())
+    assert {q for _, _, q in plan.activations} == {"fp8"}
+    assert {q for _, _, q in plan.weights} == {"fp8"}
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(a.graph, plan, exported)
+    inits = {t.name: t for t in exported.graph.initializer}
+    zps = [inits[n.input[2]] for n in exported.graph.node if n.op_type in QDQ]
+    assert zps and all(z.data_type == TensorProto.FLOAT8E4M3FN for z in zps)
+    assert opset_of(exported) == 19
+    run_ort(exported)
+    assert model.SerializeToString() == before
+
+
+@pytest.mark.parametrize("opset, qtype, target", [(10, "int8", 13), (11, "int8", 13),
+                                                  (13, "fp8", 19), (13, "int8", 13)])
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: r.name)
+def test_pipeline_on_older_opset(zoo_model, opset, qtype, target, rules):
+    model = zoo_model("resnet")
+    model.opset_import[0].version = opset  # the ResNet's ops read the same at opset 10-17
+    before = model.SerializeToString()
+    a = analyze(model, rules, quant_types=[qtype])
+    assert a.graph.opset == target
+    exporter = QDQExporter(a.graph, rules, qtype)
+    plan = exporter.plan(a.all_uses())
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(a.graph, plan, exported)
+    assert opset_of(exported) == target
+    run_ort(exported)
+    assert model.SerializeToString() == before
+
+
+def test_upgrade_failure_is_a_model_error():
+    # a Clip with min/max inputs is only valid from opset 11; at "opset 10" the converter fails
+    model = zoo.small("mobilenet")
+    model.opset_import[0].version = 10
+    with pytest.raises(ModelError):
+        analyze(model, TENSORRT)
+
+
+def test_uint8_zero_points(analyzed):
+    a = analyzed("tiny_chain", ONNXRUNTIME_CPU)
+    exporter = QDQExporter(a.graph, ONNXRUNTIME_CPU, "uint8")
+    assert exporter.activation_params("relu1_out", "uint8") == (0.1, 0)  # after Relu
+    assert exporter.activation_params("input", "uint8") == (0.1, 128)
+    assert exporter.activation_params("input", "int8") == (0.1, 0)
+    custom = QDQExporter(a.graph, ONNXRUNTIME_CPU, "uint8", scales={"input": (0.02, 7)},
+                         default_scale=0.5)
+    assert custom.activation_params("input", "uint8") == (0.02, 7)
+    assert custom.activation_params("relu1_out", "uint8") == (0.5, 0)
+    exported = custom.to_model(custom.plan(a.graph.uses("input")))
+    inits = {t.name: t for t in exported.graph.initializer}
+    (q,) = [n for n in exported.graph.node if n.op_type == "QuantizeLinear"]
+    assert float(numpy_helper.to_array(inits[q.input[1]])) == pytest.approx(0.02)
+    assert int(numpy_helper.to_array(inits[q.input[2]])) == 7
+
+
+def test_mixed_quant_types_per_use(analyzed):
+    a = analyzed("tiny_concat", TENSORRT)
+    exporter = QDQExporter(a.graph, TENSORRT, "int8")
+    uses = {u: "int8" for u in a.graph.uses("stem/relu_out")}
+    uses.update({u: "none" for u in a.graph.uses("fuse/relu_out")})
+    plan = exporter.plan(uses)
+    assert plan.tensors == ["stem/relu_out"]
+
+
+def test_weight_scales():
+    w = np.arange(24, dtype=np.float32).reshape(2, 3, 2, 2) - 12
+    per_channel = weight_scales(w, 0, "int8")
+    assert per_channel.shape == (2,)
+    np.testing.assert_allclose(per_channel, np.abs(w).reshape(2, -1).max(1) / 127)
+    assert weight_scales(w, 1, "fp8").shape == (3,)
+    assert weight_scales(w, None, "int8").shape == ()
+    assert float(weight_scales(np.zeros((4, 4), np.float32), 0, "int8").min()) > 0
+
+
+def test_options_are_checked(analyzed):
+    a = analyzed("tiny_chain", TENSORRT)
+    assert check_quant_type("fp8") == "fp8"
+    with pytest.raises(OptionError, match="--quant-type"):
+        check_quant_type("int4")
+    with pytest.raises(OptionError, match="--quant-type"):
+        QDQExporter(a.graph, TENSORRT, "int16")
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(OptionError, match="default_q_scale"):
+            QDQExporter(a.graph, TENSORRT, "int8", default_scale=bad)
+
+
+@pytest.mark.parametrize("qtype, zero_point", [("int8", 128), ("uint8", -1), ("uint8", 256)])
+def test_default_zero_point_out_of_range_is_an_option_error(analyzed, qtype, zero_point):
+    a = analyzed("tiny_chain", TENSORRT)
+    with pytest.raises(OptionError, match="zero"):
+        exporter = QDQExporter(a.graph, TENSORRT, qtype, default_zero_point=zero_point)
+        exporter.to_bytes(exporter.plan(a.graph.uses("relu1_out")))
+
+
+def test_save_and_reload(tmp_path, analyzed):
+    a = analyzed("tiny_residual", TENSORRT)
+    exporter = QDQExporter(a.graph, TENSORRT, "int8")
+    plan = exporter.plan(a.all_uses())
+    path = exporter.save(plan, tmp_path / "out" / "model.onnx")
+    assert path.is_file() and not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    again = load_model(path, allow_qdq=True)
+    assert quantized_tensors(again.model) == set(plan.tensors)
+    with pytest.raises(ModelError):
+        load_model(path)
+
+
+def test_exported_node_names_are_unique():
+    """Q/DQ node names must not collide with the model's own node names (load_model refuses
+    duplicate names, so the export could not be read back, e.g. as a --qdq-baseline)."""
+    model = zoo.tiny_chain()
+    model.graph.node[2].name = "conv2_in"
+    graph = load_model(model)
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    exported = exporter.to_model(exporter.plan(graph.uses("relu1_out")))
+    names = [n.name for n in exported.graph.node]
+    assert len(names) == len(set(names))
+    load_model(exported, allow_qdq=True)
+
+
+def test_exported_node_names_do_not_collide_with_model_node_names():
+    model = zoo.tiny_chain()
+    conv2 = next(n for n in model.graph.node if n.name == "conv2")
+    conv2.name = "relu1_out_QuantizeLinear"
+    graph = load_model(model)
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    exported = exporter.to_model(exporter.plan(graph.uses("relu1_out")))
+    names = [n.name for n in exported.graph.node]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def _colliding_names_model() -> onnx.ModelProto:
+    """tiny_chain with tensors called 'a/b' and 'a_b' (both sanitize to 'a_b')."""
+    model = zoo.tiny_chain()
+    rename = {"relu1_out": "a/b", "relu2_out": "a_b"}
+    for node in model.graph.node:
+        node.input[:] = [rename.get(t, t) for t in node.input]
+        node.output[:] = [rename.get(t, t) for t in node.output]
+    for vi in model.graph.value_info:
+        vi.name = rename.get(vi.name, vi.name)
+    return model
+
+
+def test_colliding_sanitized_names_stay_unique():
+    graph = load_model(_colliding_names_model())
+    exporter = QDQExporter(graph, TENSORRT, "int8")
+    plan = exporter.plan(graph.uses("a/b") + graph.uses("a_b"))
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(graph, plan, exported)
+    run_ort(exported)
+
+
+def test_same_plan_same_bytes_whatever_was_exported_before():
+    graph = load_model(_colliding_names_model())
+    first, second = QDQExporter(graph, TENSORRT, "int8"), QDQExporter(graph, TENSORRT, "int8")
+    plan_a, plan_b = first.plan(graph.uses("a_b")), first.plan(graph.uses("a/b"))
+    assert second.plan(graph.uses("a_b")).key == plan_a.key
+    a_first = first.to_bytes(plan_a)
+    second.to_bytes(plan_b)
+    assert second.to_bytes(plan_a) == a_first
+
+
+def test_quant_plan_key_and_sizes(analyzed):
+    a = analyzed("tiny_residual", TENSORRT)
+    exporter = QDQExporter(a.graph, TENSORRT, "int8")
+    uses = sorted(a.all_uses())
+    plan = exporter.plan(uses)
+    assert plan.key == exporter.plan(list(reversed(uses))).key == QDQExporter(
+        a.graph, TENSORRT, "int8").plan(uses).key
+    assert plan.key != exporter.plan(uses[1:]).key
+    assert len(plan.key) == 24
+    assert plan.qdq_pairs == len(plan.activations) + len({(n, s) for n, s, _ in plan.weights})
+    assert plan.tensors == sorted({t for t, _, _ in plan.activations})
+
+
+def test_export_accepts_a_graph_input_tensor(analyzed):
+    a = analyzed("tiny_chain", TENSORRT)
+    exporter = QDQExporter(a.graph, TENSORRT, "int8")
+    plan = exporter.plan(a.graph.uses("input"))
+    exported = exporter.to_model(plan)
+    onnx.checker.check_model(exported, full_check=True)
+    check_export(a.graph, plan, exported)
+    assert exported.graph.node[0].op_type in QDQ  # Q/DQ of a graph input come first
+    out_q = run_ort(exported, random_feeds(exported))
+    out_f = run_ort(a.graph.model, random_feeds(exported))
+    assert out_q[0].shape == out_f[0].shape
+
+
+def test_untouched_zoo_models_through_everything(zoo_model):
+    for name in ("yolo", "transformer"):
+        model = zoo_model(name)
+        before = model.SerializeToString()
+        for rules in RULES:
+            a = analyze(model, rules)
+            exporter = QDQExporter(a.graph, rules, rules.default_quant_type)
+            plan = exporter.plan(a.all_uses())
+            exported = exporter.to_model(plan)
+            onnx.checker.check_model(exported, full_check=True)
+            check_export(a.graph, plan, exported)
+            run_ort(exported)
+        assert model.SerializeToString() == before
