@@ -132,6 +132,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.model and Path(args.output).resolve() == Path(args.model).resolve():
         raise OptionError("--output must be a folder, not the model file")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise OptionError(f"--output {args.output}: exists and is not a folder")
     opts = TuneOptions(
         model=args.model, output_dir=args.output, backend=args.backend, runtime=args.runtime,
         quant_type=args.quant_type, input_shapes=args.input_shapes, config=_config_from(args),
@@ -156,9 +158,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .model import PreparedModel
-
     from .config import Config
+    from .model import PreparedModel
 
     cfg = Config(
         maximum_sequence_region_size=args.maximum_sequence_region_size or 10,
@@ -226,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
-    except UserError as exc:
-        print(f"qdq-optuna: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # one line even if a file or tensor name holds a line break
+        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"qdq-optuna: error: {message or type(exc).__name__}", file=sys.stderr)
         return EXIT_USAGE
     except BackendUnavailable as exc:
         print(f"qdq-optuna: error: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ _QTYPE_PROTO = {
 }
 _QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _MIN_SCALE = 1e-8
+_RECENT_EXPORTS = 3
 _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
 
 
@@ -171,6 +172,7 @@ class QDQExporter:
         self._act_cache: dict[tuple[str, str], tuple[str, bytes, bytes]] = {}
         self._weight_cache: dict[tuple[str, int | None, str], tuple[str, bytes, bytes, np.ndarray]] = {}
         self._bias_cache: dict[tuple, tuple[str, bytes, bytes]] = {}
+        self._recent: dict[str, bytes] = {}
 
     # -- planning ----------------------------------------------------------------------------
     def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
@@ -341,6 +343,17 @@ class QDQExporter:
 
     # -- export --------------------------------------------------------------------------------
     def to_bytes(self, plan: QuantPlan) -> bytes:
+        # the same plan is exported again for references and confirmations: keep the last few
+        cached = self._recent.get(plan.key)
+        if cached is not None:
+            return cached
+        data = self._serialize(plan)
+        self._recent[plan.key] = data
+        while len(self._recent) > _RECENT_EXPORTS:
+            self._recent.pop(next(iter(self._recent)))
+        return data
+
+    def _serialize(self, plan: QuantPlan) -> bytes:
         graph = self.graph
         inits: list[bytes] = []
         head: list[bytes] = []

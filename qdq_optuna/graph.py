@@ -25,6 +25,13 @@ CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 MINIMUM_OPSET = 10
 MAXIMUM_OPSET = 23
 PROTOBUF_LIMIT = 2**31 - 1
+#: bytes per element of the fixed-size tensor types (packed 4-bit and string types not checked)
+_ITEMSIZE = {
+    TensorProto.FLOAT: 4, TensorProto.UINT8: 1, TensorProto.INT8: 1, TensorProto.UINT16: 2,
+    TensorProto.INT16: 2, TensorProto.INT32: 4, TensorProto.INT64: 8, TensorProto.BOOL: 1,
+    TensorProto.FLOAT16: 2, TensorProto.DOUBLE: 8, TensorProto.UINT32: 4, TensorProto.UINT64: 8,
+    TensorProto.COMPLEX64: 8, TensorProto.COMPLEX128: 16, TensorProto.BFLOAT16: 2,
+}
 
 Use = tuple[str, int, int]
 """One use of a tensor: (tensor name, consumer node index, consumer input slot)."""
@@ -182,16 +189,90 @@ def _check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> 
             continue
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
-        target = (base / location).resolve()
-        if os.path.isabs(location) or not target.is_relative_to(base):
+        try:
+            target = (base / location).resolve()
+            inside = not os.path.isabs(location) and target.is_relative_to(base)
+            is_file = inside and target.is_file()
+        except (OSError, ValueError, RuntimeError) as exc:  # NUL byte, name too long, loop
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r} has an unusable external data location "
+                f"{location!r} ({exc})"
+            ) from None
+        if not inside:
             raise ModelError(
                 f"{path}: initializer {tensor.name!r} points to external data {location!r} "
                 "outside the model's folder; refusing to read it"
             )
-        if not target.is_file():
+        if not is_file:
             raise ModelError(
                 f"{path}: external data file {location!r} of initializer {tensor.name!r} is missing"
             )
+        try:
+            offset = int(info.get("offset") or 0)
+            length = int(info["length"]) if info.get("length") else None
+            if offset < 0 or (length is not None and length < 0):
+                raise ValueError
+        except ValueError:
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r} has a malformed offset/length for external "
+                f"data file {location!r}"
+            ) from None
+        size = target.stat().st_size
+        end = offset + (length if length is not None else 0)
+        if end > size:
+            raise ModelError(
+                f"{path}: external data file {location!r} of initializer {tensor.name!r} is too "
+                f"short (needs bytes {offset}-{end}, has {size})"
+            )
+
+
+def _check_order(model: onnx.ModelProto, label: object) -> None:
+    """Each top-level node reads only tensors that exist before it: a clearer message than the
+    checker's for cycles, unsorted graphs and missing initializers."""
+    graph = model.graph
+    producer: dict[str, int] = {}
+    for idx, node in enumerate(graph.node):
+        for name in node.output:
+            producer.setdefault(name, idx)
+    known = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {""}
+    known |= {t.values.name for t in graph.sparse_initializer}
+    for idx, node in enumerate(graph.node):
+        for name in node.input:
+            if name in known:
+                continue
+            reader = node_label(node, idx)
+            if name in producer:
+                later = node_label(graph.node[producer[name]], producer[name])
+                raise ModelError(
+                    f"{label}: node {reader!r} reads tensor {name!r} before node {later!r} "
+                    "produces it (nodes not topologically sorted, or a cycle)"
+                )
+            raise ModelError(
+                f"{label}: node {reader!r} reads tensor {name!r}, which no node, initializer or "
+                "graph input provides (a missing initializer?)"
+            )
+        known.update(node.output)
+
+
+def _check_raw_data(model: onnx.ModelProto, label: object) -> None:
+    """An initializer's raw bytes must match its shape exactly (the checker only notices too
+    few bytes; ONNX Runtime refuses too many, loudly)."""
+    for t in model.graph.initializer:
+        if not t.HasField("raw_data") or t.data_type not in _ITEMSIZE:
+            continue
+        need = _product(t.dims) * _ITEMSIZE[t.data_type]
+        if len(t.raw_data) != need:
+            raise ModelError(
+                f"{label}: initializer {t.name!r} holds {len(t.raw_data)} bytes, but its shape "
+                f"{list(t.dims)} and type {TensorProto.DataType.Name(t.data_type)} need {need}"
+            )
+
+
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's message as one line (onnx's checker messages span several)."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    text = text or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object) -> None:
@@ -310,6 +391,8 @@ def load_model(
     if len(names) != len(set(names)):
         dup = sorted({n for n in names if names.count(n) > 1})[0]
         raise ModelError(f"{label}: node name {dup!r} is used more than once")
+    _check_order(model, label)
+    _check_raw_data(model, label)
     apply_input_shapes(model, shapes, label)
     too_big = model.ByteSize() > PROTOBUF_LIMIT if hasattr(model, "ByteSize") else False
     try:
@@ -318,11 +401,10 @@ def load_model(
         else:
             onnx.checker.check_model(model)
     except Exception as exc:
-        msg = str(exc).strip().splitlines()
-        raise ModelError(f"{label}: invalid ONNX graph: {msg[0] if msg else type(exc).__name__}") from None
+        raise ModelError(f"{label}: invalid ONNX graph: {_one_line(exc)}") from None
     try:
         if not too_big:
-            model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+            model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ModelError(f"{label}: shape inference failed: {msg[0] if msg else exc}") from None
@@ -342,15 +424,32 @@ def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         so.optimized_model_filepath = out
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # only fatal: a failure is reported below, as one line
         try:
             ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as exc:
             msg = str(exc).strip().splitlines()
             raise ModelError(f"ONNX Runtime cannot load the model: {msg[0] if msg else exc}") from None
         optimized = onnx.load(out)
-    # ORT may drop value_info and reorder nothing else; give nodes without names stable ones
+    # Initializers ORT created (e.g. "gemm_input_shape") would be created again under the same
+    # name when ORT optimizes this model a second time, which it refuses: give them our prefix.
+    original = {t.name for t in model.graph.initializer} | {
+        o for n in model.graph.node for o in n.output
+    } | {i.name for i in model.graph.input}
+    rename = {t.name: f"preprocessed/{t.name}" for t in optimized.graph.initializer
+              if t.name not in original}
+    if rename:
+        for t in optimized.graph.initializer:
+            t.name = rename.get(t.name, t.name)
+        for node in optimized.graph.node:
+            node.input[:] = [rename.get(x, x) for x in node.input]
+    # give nodes without names stable ones that no other node already uses
+    taken = {n.name for n in optimized.graph.node if n.name}
     for idx, node in enumerate(optimized.graph.node):
         if not node.name:
-            node.name = f"{node.op_type}_{idx}"
+            name, k = f"{node.op_type}_{idx}", 1
+            while name in taken:
+                name, k = f"{node.op_type}_{idx}_{k}", k + 1
+            node.name = name
+            taken.add(name)
     return onnx.shape_inference.infer_shapes(optimized, strict_mode=False, data_prop=True)

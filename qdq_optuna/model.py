@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from .patterns import PatternIndex
 from .regions import RegionConfig, RegionTree, discover_regions
 
 PREPROCESS = ("auto", "none", "ort-basic")
+log = logging.getLogger("qdq_optuna")
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -57,6 +59,13 @@ class PreparedModel:
         cfg = config or Config()
         rules = rules_for(runtime)
         qtype = check_quant_type(quant_type or cfg.default_quant_type or rules.default_quant_type)
+        if qtype not in rules.quant_types:
+            from .errors import OptionError
+
+            raise OptionError(
+                f"--quant-type {qtype} is not supported by the {rules.name} rules "
+                f"(choose from {', '.join(rules.quant_types)})"
+            )
         shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
         if preprocess not in PREPROCESS:
             from .errors import OptionError
@@ -69,7 +78,13 @@ class PreparedModel:
             source, digest = str(model), file_sha256(model)
         mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
         if mode == "ort-basic":
-            graph = Graph.from_model(ort_basic_optimize(graph.model), graph.path)
+            pre = ort_basic_optimize(graph.model)
+            if _loads_in_ort(pre):
+                graph = Graph.from_model(pre, graph.path)
+            else:  # never trade a working model for a preprocessed one ORT cannot load
+                log.warning("ONNX Runtime cannot reload its own preprocessed model; "
+                            "tuning the model as given (--preprocess none)")
+                mode = "none"
         graph = upgrade_for(graph, [qtype])
         tree = discover_regions(
             graph,
@@ -150,6 +165,18 @@ class PreparedModel:
             "regions": regions,
             "patterns": patterns,
         }
+
+
+def _loads_in_ort(model: onnx.ModelProto) -> bool:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception:
+        return False
+    return True
 
 
 def output_path(path: str | os.PathLike) -> Path:

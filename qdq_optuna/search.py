@@ -54,6 +54,8 @@ log = logging.getLogger("qdq_optuna")
 TENSORRT_BACKENDS = frozenset({"tensorrt", "trtexec", "costmodel", "ort-trt"})
 METRIC = "latency_ms"
 SCREEN_DISCARD_RATIO = 1.3
+#: seconds between looks while a worker waits for other workers' trials to free a slot
+SLOT_POLL_S = 0.25
 
 
 def runtime_for_backend(name: str) -> str:
@@ -180,7 +182,7 @@ class Tuner:
         quiet_optuna(self.cfg.verbose)
         self.out.mkdir(parents=True, exist_ok=True)
         self.storage_url = self.o.storage or default_storage_url(self.out)
-        self.storage = open_storage(self.storage_url)
+        self.storage = open_storage(self.storage_url, heartbeat=self.o.worker)
         fp = self.fingerprint()
         digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]
         if self.o.fresh and not self.o.worker:
@@ -342,6 +344,7 @@ class Tuner:
                                       for pid in pp.ids},
                 "run_id": self.run_id,
                 "order": idx,
+                "baseline_latency_ms": self.baseline_ms,
             }
             uses_index = {u: i for i, u in enumerate(sorted(pp.uses(pp.ids)))}
             attrs["qdq_point_uses"] = {
@@ -352,12 +355,12 @@ class Tuner:
                 study.set_user_attr(k, v)
         if not self.o.worker:
             for params in fail_running_trials(study):
-                study.enqueue_trial(params, skip_if_exists=True)
+                _enqueue_redo(study, params)
         # transient failures of an earlier process are retried once
         for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
             if t.user_attrs.get("transient") and not t.system_attrs.get("qdq:retried"):
                 study._storage.set_trial_system_attr(t._trial_id, "qdq:retried", True)
-                study.enqueue_trial(dict(t.params), skip_if_exists=True)
+                _enqueue_redo(study, dict(t.params))
         empty = dict.fromkeys(pp.ids, 0)
         if self.o.sampler != "qdq":
             study.enqueue_trial(empty, skip_if_exists=True)
@@ -392,6 +395,10 @@ class Tuner:
             budget = min(budget, distinct)
 
         def objective(trial: optuna.Trial) -> float:
+            if not self._claim_slot(study, trial.number, budget):
+                trial.set_user_attr("skipped", "the budget was filled by other workers")
+                study.stop()
+                raise optuna.TrialPruned("the budget was filled by other workers")
             params = {pid: trial.suggest_int(pid, 0, 1) for pid in pp.ids}
             on = [p for p, v in params.items() if v]
             plan = exporter.plan(base | pp.uses(on))
@@ -446,7 +453,27 @@ class Tuner:
                 raise _OutOfTime()
         return self._commit(study, pp, exporter, base, ref_plan, ref_bytes, ref_ms)
 
+    def _claim_slot(self, study: optuna.Study, number: int, budget: int) -> bool:
+        """Whether trial ``number`` may be measured: fewer than ``budget`` trials are COMPLETE or
+        RUNNING ahead of it (lower number). Without this, workers sharing a study each finish
+        their running trial after the last slot was taken and the study overshoots its budget.
+        A trial without a slot waits while a trial ahead of it may still fail and free one."""
+        while True:
+            trials = study.get_trials(deepcopy=False,
+                                      states=(TrialState.COMPLETE, TrialState.RUNNING))
+            done = sum(1 for t in trials if t.state == TrialState.COMPLETE)
+            ahead = sum(1 for t in trials if t.state == TrialState.RUNNING and t.number < number)
+            if done + ahead < budget:
+                return True
+            remaining = self._remaining()
+            if done >= budget or (remaining is not None and remaining <= 0):
+                return False
+            optuna.storages.fail_stale_trials(study)  # a dead worker's trial frees its slot
+            time.sleep(SLOT_POLL_S)
+
     def _commit(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms) -> dict:
+        if "committed" in study.user_attrs:  # another worker committed this pattern already
+            return dict(study.user_attrs)
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         empty = dict.fromkeys(pp.ids, 0)
         decision = {"committed": empty, "gain": 1.0, "reason": "no trial beat the reference"}
@@ -491,7 +518,6 @@ class Tuner:
     def run(self) -> TuneResult:
         quiet_optuna(self.cfg.verbose)
         self._open()
-        out = self.out
         cache = None
         if self.o.pattern_cache:
             cache = PatternCache.load(self.o.pattern_cache)
@@ -602,6 +628,19 @@ class Tuner:
 
 class _OutOfTime(Exception):
     pass
+
+
+def _enqueue_redo(study: optuna.Study, params: dict) -> None:
+    """Enqueue a failed trial's scheme again. ``enqueue_trial(skip_if_exists=True)`` would
+    match the failed trial itself and never redo it; only a live or finished trial with the
+    same params makes the redo unnecessary."""
+    if not params:
+        return
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
+                                                      TrialState.COMPLETE)):
+        if t.system_attrs.get("fixed_params", t.params) == params:
+            return
+    study.enqueue_trial(params)
 
 
 def _sha_file(path: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -18,13 +19,31 @@ from optuna.trial import TrialState
 
 from .errors import OptionError
 
-HEARTBEAT_INTERVAL_S = 10
-GRACE_PERIOD_S = 30
+HEARTBEAT_INTERVAL_S = 15
+#: a trial (session builds + interleaved timing) can take minutes on a busy machine
+GRACE_PERIOD_S = 180
 MAX_RETRY = 2
+#: tries to open a storage (concurrent first opens of a new database can collide)
+OPEN_ATTEMPTS = 3
 
 
 def default_storage_url(output_dir: Path) -> str:
     return f"sqlite:///{(Path(output_dir) / 'studies.db').resolve()}"
+
+
+def _with_driver(url: str) -> str:
+    """``postgresql://`` with the PostgreSQL driver that is installed.
+
+    SQLAlchemy 2.1 maps a bare ``postgresql://`` to psycopg 3, while the ``postgres`` extra
+    installs psycopg2: name psycopg2 explicitly when only it is there.
+    """
+    if not url.startswith("postgresql://"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2"):
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def open_storage(url: str, *, heartbeat: bool = True) -> RDBStorage:
@@ -43,11 +62,20 @@ def open_storage(url: str, *, heartbeat: bool = True) -> RDBStorage:
             ),
         )
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    try:
-        return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
-    except Exception as exc:
-        msg = str(exc).strip().splitlines()
-        raise OptionError(f"--storage {url}: cannot open ({msg[0] if msg else type(exc).__name__})") from None
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            return RDBStorage(_with_driver(url), engine_kwargs=engine_kwargs, **kwargs)
+        except (IntegrityError, OperationalError) as exc:
+            # workers starting together on a new database race to create its tables
+            error = exc
+            time.sleep(0.2 * (attempt + 1))
+        except Exception as exc:
+            error = exc
+            break
+    msg = str(error).strip().splitlines()
+    raise OptionError(f"--storage {url}: cannot open ({msg[0] if msg else type(error).__name__})") from None
 
 
 def quiet_optuna(verbose: bool) -> None:

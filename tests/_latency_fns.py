@@ -10,7 +10,8 @@ They are importable by module path, so the CLI can load them with
   no full group).
 * :func:`every_qdq_slower`: each Q/DQ node only costs time; the float model is optimal.
 * :func:`sleepy`: :func:`rewards_groups` after a sleep of ``QDQ_TEST_SLEEP_S`` seconds
-  (default 0.2), to make a run slow enough to kill it part way.
+  (default 0.2), to make a run slow enough to kill it part way. While the file named by
+  ``QDQ_TEST_HOLD_FILE`` exists it does not return, so a test can freeze a run mid-trial.
 """
 
 from __future__ import annotations
@@ -79,4 +80,7 @@ def every_qdq_slower(model) -> float:
 
 def sleepy(model) -> float:
     time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.2")))
+    hold = os.environ.get("QDQ_TEST_HOLD_FILE")
+    while hold and os.path.exists(hold):
+        time.sleep(0.02)
     return rewards_groups(model)

@@ -518,7 +518,7 @@ def test_export_accepts_a_graph_input_tensor(analyzed):
 
 
 def test_untouched_zoo_models_through_everything(zoo_model):
-    for name in ("yolo", "transformer"):
+    for name in ("yolo", "transformer", "mobilenet", "tiny_attention"):
         model = zoo_model(name)
         before = model.SerializeToString()
         for rules in RULES:

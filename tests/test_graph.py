@@ -432,3 +432,34 @@ def test_ort_basic_optimize_names_every_node():
 def test_paths_accept_strings_and_pathlike(chain_file):
     assert load_model(str(chain_file)).path == chain_file
     assert load_model(os.fspath(chain_file)).graph_outputs == ["output"]
+
+
+def test_ort_basic_optimize_names_do_not_collide():
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["a"]),  # unnamed: becomes "Relu_0"
+         helper.make_node("Sigmoid", ["a"], ["y"], name="Relu_0")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    optimized = ort_basic_optimize(model)
+    names = [n.name for n in optimized.graph.node]
+    assert len(names) == len(set(names)), names
+    load_model(optimized)
+
+
+@PROPERTY
+@given(dag_models())
+def test_ort_basic_optimize_random_dags(model):
+    before = model.SerializeToString()
+    optimized = ort_basic_optimize(model)
+    assert model.SerializeToString() == before
+    names = [n.name for n in optimized.graph.node]
+    assert all(names) and len(names) == len(set(names))
+    graph = load_model(optimized)
+    assert graph.graph_outputs == [o.name for o in model.graph.output]
+    feeds = {"x": np.random.default_rng(1).standard_normal(
+        [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)}
+    for a, b in zip(run_ort(model, feeds), run_ort(optimized, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

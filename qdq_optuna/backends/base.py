@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Union
 
 #: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
 #: (needed when weights live in external data files next to it).
-ModelSource = Union[bytes, str, os.PathLike]
+ModelSource = bytes | str | os.PathLike
 
 
 class BackendError(RuntimeError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..graph import Graph, Use
 from ..patterns import Pattern, PatternIndex
-from ..regions import RegionTree, RegionType
+from ..regions import RegionTree
 from .rules import RuntimeRules
 
 NODE_INPUT = "NodeInput"
@@ -124,7 +124,6 @@ def enumerate_points(
 
     rep_region = tree[rep]
     children = sorted(rep_region.children, key=lambda c: tree[c].all_nodes[0])
-    member_children = {r: _children_in_order(tree, pattern, r) for r in pattern.regions} if children else {}
     # ChildRegionInput
     for j, child in enumerate(children):
         child_nodes = set(tree[child].all_nodes)

@@ -188,7 +188,7 @@ def missing_file(ctx: Ctx) -> list[str]:
 # -- broken graphs ---------------------------------------------------------------------------
 
 
-@case("cycle.onnx", "relu2_out")
+@case("cycle.onnx", "relu2_out", "cycle")
 def cycle(ctx: Ctx) -> list[str]:
     """relu1 reads relu2's output while conv2 -> relu2 read relu1's."""
     model = chain()
@@ -196,7 +196,7 @@ def cycle(ctx: Ctx) -> list[str]:
     return inspect(save(ctx.root / "cycle.onnx", model))
 
 
-@case("unsorted.onnx")
+@case("unsorted.onnx", "sorted")
 def unsorted_nodes(ctx: Ctx) -> list[str]:
     model = chain()
     nodes = list(model.graph.node)
@@ -205,7 +205,7 @@ def unsorted_nodes(ctx: Ctx) -> list[str]:
     return inspect(save(ctx.root / "unsorted.onnx", model))
 
 
-@case("noinit.onnx", "conv2.weight")
+@case("noinit.onnx", "conv2.weight", "missing initializer")
 def missing_initializer(ctx: Ctx) -> list[str]:
     model = chain()
     keep = [t for t in model.graph.initializer if t.name != "conv2.weight"]
@@ -404,6 +404,17 @@ def external_data_short_file(ctx: Ctx) -> list[str]:
     return inspect(path)
 
 
+@case("model.onnx", "conv1.weight", "unusable")
+def external_data_nul_byte(ctx: Ctx) -> list[str]:
+    """A location with a NUL byte (found by benchmarks/fuzz_loading.py)."""
+    return inspect(external_chain(ctx.root / "m", "weights.bin\x00x"))
+
+
+@case("model.onnx", "conv1.weight", "unusable")
+def external_data_name_too_long(ctx: Ctx) -> list[str]:
+    return inspect(external_chain(ctx.root / "m", "w" * 5000))
+
+
 # -- tune: pattern cache ---------------------------------------------------------------------
 
 
@@ -469,7 +480,7 @@ def cache_missing(ctx: Ctx) -> list[str]:
 # -- tune: other files -----------------------------------------------------------------------
 
 
-@case("--qdq-baseline", "baseline.onnx")
+@case("baseline.onnx", "not a readable ONNX model")
 def baseline_random_bytes(ctx: Ctx) -> list[str]:
     path = ctx.root / "baseline.onnx"
     path.write_bytes(random.Random(99).randbytes(1024))
@@ -496,7 +507,7 @@ def output_is_a_file(ctx: Ctx) -> list[str]:
             "--mode", "quick", "--timing", "fast"]
 
 
-@case("--model", "nomodel.onnx")
+@case("nomodel.onnx", "no such file")
 def tune_missing_model(ctx: Ctx) -> list[str]:
     return tune(ctx, model=ctx.root / "nomodel.onnx")
 
@@ -554,3 +565,39 @@ def inspect_zero_region_size(ctx: Ctx) -> list[str]:
 @case("nosuchnet")
 def example_unknown_name(ctx: Ctx) -> list[str]:
     return ["example", "nosuchnet", str(ctx.root / "x.onnx")]
+
+
+@case("name.onnx")
+def newline_in_file_name(ctx: Ctx) -> list[str]:
+    """A file name with a line break still gives one error line."""
+    path = ctx.root / "bad\nname.onnx"
+    path.write_bytes(random.Random(5).randbytes(256))
+    return inspect(path)
+
+
+@case("self.onnx", "relu1_out")
+def node_reads_own_output(ctx: Ctx) -> list[str]:
+    model = chain()
+    node(model, "relu1").input[0] = "relu1_out"
+    return inspect(save(ctx.root / "self.onnx", model))
+
+
+@case("bigraw.onnx", "conv1.bias")
+def oversized_raw_data(ctx: Ctx) -> list[str]:
+    """More weight bytes than the shape needs: the checker lets it pass, ONNX Runtime would not."""
+    model = chain()
+    tensor = next(t for t in model.graph.initializer if t.name == "conv1.bias")
+    tensor.raw_data = tensor.raw_data + b"\x00" * 8
+    return inspect(save(ctx.root / "bigraw.onnx", model))
+
+
+@case("ONNX Runtime", "odd_relu")
+def no_onnxruntime_kernel(ctx: Ctx) -> list[str]:
+    """A valid ONNX graph that ONNX Runtime has no kernel for (Relu on int16)."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="odd_relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT16, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT16, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return inspect(save(ctx.root / "int16.onnx", model))

@@ -1,0 +1,144 @@
+"""Runs in a shared RDB storage: PostgreSQL (CI) and several ``--worker`` processes on one run.
+
+The PostgreSQL tests need ``QDQ_OPTUNA_TEST_POSTGRES_URL`` (e.g.
+``postgresql://qdq:qdq@127.0.0.1:5432/qdq_test``); CI starts a server and sets it. The
+two-worker test also runs on a shared SQLite file, so it is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import onnx
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from qdq_optuna import Config, zoo
+from qdq_optuna.model import PreparedModel
+from qdq_optuna.search import tune
+from qdq_optuna.storage import delete_run, open_storage
+
+REPO = Path(__file__).resolve().parent.parent
+URL_ENV = "QDQ_OPTUNA_TEST_POSTGRES_URL"
+POSTGRES_URL = os.environ.get(URL_ENV)
+BUDGET = 6
+
+needs_postgres = pytest.mark.skipif(
+    not POSTGRES_URL, reason=f"set {URL_ENV} to a PostgreSQL URL to run the PostgreSQL tests"
+)
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(path))
+    return path
+
+
+@pytest.fixture
+def run_id():
+    rid = f"test-{uuid.uuid4().hex[:12]}"
+    yield rid
+    if POSTGRES_URL:  # leave the shared database as it was
+        try:
+            delete_run(open_storage(POSTGRES_URL, heartbeat=False), rid)
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+
+def run_studies(url: str, run_id: str) -> dict[str, optuna.Study]:
+    storage = open_storage(url, heartbeat=False)
+    return {s.study_name: optuna.load_study(study_name=s.study_name, storage=storage)
+            for s in storage.get_all_studies() if s.study_name.startswith(f"{run_id}/")}
+
+
+def expected_trials(model: Path, report: dict, budget: int) -> dict[str, int]:
+    pm = PreparedModel.prepare(str(model), runtime=report["runtime"],
+                               quant_type=report["quant_type"])
+    exporter = pm.exporter()
+    by_id = {pp.pattern.id: pp for pp in pm.tunable}
+    base: set = set()
+    out = {}
+    for row in report["patterns"]:
+        pp = by_id[row["id"]]
+        keys = {exporter.plan(base | pp.uses([p for p, b in zip(pp.ids, bits) if b])).key
+                for bits in itertools.product((0, 1), repeat=len(pp.ids))}
+        out[row["id"]] = min(budget, len(keys))
+        base |= pp.uses(row["committed_scheme"])
+    return out
+
+
+@needs_postgres
+def test_tune_into_postgres(residual, tmp_path, run_id):
+    result = tune(residual, tmp_path / "pg", benchmark="costmodel", storage=POSTGRES_URL,
+                  run_id=run_id, config=Config(schemes_per_region=4), progress=False)
+    report = result.report
+    assert report["complete"] and report["run_id"] == run_id
+    assert report["storage"] == POSTGRES_URL
+    assert not (tmp_path / "pg" / "studies.db").exists()
+    found = run_studies(POSTGRES_URL, run_id)
+    assert set(found) == {f"{run_id}/_run"} | {f"{run_id}/{p['id']}" for p in report["patterns"]}
+    want = expected_trials(residual, report, 4)
+    for p in report["patterns"]:
+        s = found[f"{run_id}/{p['id']}"]
+        assert s.user_attrs["signature"] == p["signature"]
+        assert len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) == want[p["id"]]
+
+
+def _two_workers(model: Path, url: str, run_id: str, tmp_path: Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    procs = []
+    for w in range(2):
+        argv = [sys.executable, "-m", "qdq_optuna", "tune", "--model", str(model),
+                "--output", str(tmp_path / f"worker{w}"), "--backend", "costmodel",
+                "--storage", url, "--worker", "--run-id", run_id,
+                "--schemes-per-region", str(BUDGET), "-q"]
+        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    reports = []
+    for w, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a worker hung")
+        assert p.returncode == 0, err
+        reports.append(json.loads((tmp_path / f"worker{w}" / "report.json").read_text()))
+    return reports
+
+
+def _check_worker_run(model: Path, url: str, run_id: str, reports: list[dict]) -> None:
+    assert all(r["complete"] for r in reports)
+    # both workers end with the same commits
+    schemes = [[(p["id"], p["committed_scheme"]) for p in r["patterns"]] for r in reports]
+    assert schemes[0] == schemes[1]
+    found = run_studies(url, run_id)
+    want = expected_trials(model, reports[0], BUDGET)
+    for p in reports[0]["patterns"]:
+        s = found[f"{run_id}/{p['id']}"]
+        done = s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        assert len(done) == want[p["id"]], (p["id"], len(done), want[p["id"]])
+        assert not s.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.FAIL))
+        assert "committed" in s.user_attrs
+
+
+@needs_postgres
+def test_two_workers_share_a_postgres_run(residual, tmp_path, run_id):
+    reports = _two_workers(residual, POSTGRES_URL, run_id, tmp_path)
+    _check_worker_run(residual, POSTGRES_URL, run_id, reports)
+
+
+def test_two_workers_share_a_sqlite_run(residual, tmp_path, run_id):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    reports = _two_workers(residual, url, run_id, tmp_path)
+    _check_worker_run(residual, url, run_id, reports)

@@ -1,0 +1,249 @@
+"""Stopping and resuming a run: ``--timeout``, a killed process, changed settings, ``--fresh``.
+
+The storage is the truth of a run: a rerun of the same command must keep every finished trial,
+redo the trial the dead process was running, and finish each study with exactly its budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _latency_fns as fns
+import onnx
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from qdq_optuna import Config, zoo
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.model import PreparedModel
+from qdq_optuna.search import tune
+from qdq_optuna.storage import open_storage
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGET = 6
+DUPLICATE = "qdq:duplicate"
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(path))
+    return path
+
+
+def cli_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "qdq_optuna", *map(str, args)]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]]
+                                          if os.environ.get("PYTHONPATH") else []))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def pattern_studies(out: Path, run_id: str) -> dict[str, optuna.Study]:
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    return {s.study_name.split("/", 1)[1]: optuna.load_study(study_name=s.study_name,
+                                                             storage=storage)
+            for s in storage.get_all_studies()
+            if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"}
+
+
+def snapshot(out: Path, run_id: str) -> dict[str, dict[int, tuple]]:
+    """study -> trial number -> (state, params, value)."""
+    return {pid: {t.number: (t.state.name, dict(t.params), t.value)
+                  for t in s.get_trials(deepcopy=False)}
+            for pid, s in pattern_studies(out, run_id).items()}
+
+
+def expected_trials(model: Path, report: dict, budget: int) -> dict[str, int]:
+    """min(budget, distinct models the pattern's schemes build on top of earlier commits)."""
+    pm = PreparedModel.prepare(str(model), runtime=report["runtime"],
+                               quant_type=report["quant_type"])
+    exporter = pm.exporter()
+    by_id = {pp.pattern.id: pp for pp in pm.tunable}
+    base: set = set()
+    out = {}
+    for row in report["patterns"]:
+        pp = by_id[row["id"]]
+        keys = {exporter.plan(base | pp.uses([p for p, b in zip(pp.ids, bits) if b])).key
+                for bits in itertools.product((0, 1), repeat=len(pp.ids))}
+        out[row["id"]] = min(budget, len(keys))
+        base |= pp.uses(row["committed_scheme"])
+    return out
+
+
+def assert_finished_exactly(out: Path, run_id: str, model: Path, budget: int) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is True
+    want = expected_trials(model, report, budget)
+    for pid, s in pattern_studies(out, run_id).items():
+        done = s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        assert len(done) == want[pid], (pid, len(done), want[pid])
+        keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)]
+        assert len(keys) == len(set(keys)), f"{pid}: a finished scheme was measured twice"
+        assert "committed" in s.user_attrs
+        assert not s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return report
+
+
+def assert_kept(before: dict, after: dict) -> None:
+    for pid, trials in before.items():
+        for number, (state, params, value) in trials.items():
+            if state == "COMPLETE":
+                assert after[pid][number] == (state, params, value), (pid, number)
+
+
+# -- --timeout -------------------------------------------------------------------------------
+def test_timeout_stops_part_way_and_rerun_completes(residual, tmp_path, monkeypatch):
+    out = tmp_path / "timed"
+    monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0.25")
+    first = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+                 timeout=3.0, config=Config(schemes_per_region=BUDGET), progress=False)
+    assert first.report["complete"] is False
+    assert (out / "optimized.onnx").is_file()
+    state = (out / "state.yaml").read_text()
+    assert "status: timeout" in state
+    before = snapshot(out, "timed")
+    finished = sum(s == "COMPLETE" for t in before.values() for s, _, _ in t.values())
+    assert finished >= 1, "no trial finished within the timeout"
+    assert any(p["status"] != "committed" for p in first.report["patterns"]) or \
+        len(before) < len(first.report["patterns"])
+
+    monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0")
+    second = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+                  config=Config(schemes_per_region=BUDGET), progress=False)
+    assert second.report["complete"] is True
+    assert "status: done" in (out / "state.yaml").read_text()
+    assert_kept(before, snapshot(out, "timed"))
+    assert_finished_exactly(out, "timed", residual, BUDGET)
+    assert second.report["speedup"] > 1.0
+
+
+# -- a killed process ------------------------------------------------------------------------
+def _db_trials(db: Path) -> list[tuple[str, int, str]]:
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    except sqlite3.OperationalError:
+        return []
+    try:
+        return con.execute(
+            "SELECT s.study_name, t.number, t.state FROM trials t "
+            "JOIN studies s ON s.study_id = t.study_id").fetchall()
+    except sqlite3.OperationalError:  # not created yet, or locked for a moment
+        return []
+    finally:
+        con.close()
+
+
+def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
+                       deadline: float) -> tuple[str, int]:
+    """Wait until some trials finished and one is running, then hold that one in its
+    measurement (the latency function does not return while ``hold`` exists)."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be killed: {err}")
+        rows = _db_trials(db)
+        done = sum(1 for _, _, s in rows if s == "COMPLETE")
+        running = [(n, k) for n, k, s in rows if s == "RUNNING" and not n.endswith("/_run")]
+        if done >= 3 and running:
+            hold.touch()
+            time.sleep(0.8)
+            still = {(n, k) for n, k, s in _db_trials(db) if s == "RUNNING"}
+            held = [r for r in running if r in still]
+            if held:
+                return held[0]
+            hold.unlink()  # the trial finished just before the hold: try the next one
+        time.sleep(0.05)
+    pytest.fail("no running trial to kill")
+
+
+def test_killed_run_resumes_redoing_the_running_trial(residual, tmp_path):
+    out = tmp_path / "killed"
+    hold = tmp_path / "hold"
+    argv = cli_cmd("tune", "--model", residual, "--output", out,
+                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
+                   "--schemes-per-region", BUDGET, "-q")
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.05",
+                                                   QDQ_TEST_HOLD_FILE=str(hold)))
+    try:
+        study_name, number = _freeze_in_a_trial(proc, out / "studies.db", hold,
+                                                time.monotonic() + 90)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.communicate()
+        hold.unlink(missing_ok=True)
+    assert proc.returncode == -signal.SIGKILL
+
+    pid = study_name.split("/", 1)[1]
+    before = snapshot(out, "killed")
+    killed_state, killed_params, _ = before[pid][number]
+    assert killed_state == "RUNNING" and killed_params
+
+    rerun = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env=cli_env(QDQ_TEST_SLEEP_S="0"))
+    assert rerun.returncode == 0, rerun.stderr
+    after = snapshot(out, "killed")
+    assert_kept(before, after)
+
+    study = pattern_studies(out, "killed")[pid]
+    killed = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    assert killed.state == TrialState.FAIL
+    assert "process died" in killed.user_attrs.get("failure", "")
+    redo = [t for t in study.get_trials(deepcopy=False)
+            if t.number > number and t.system_attrs.get("fixed_params") == killed_params]
+    assert redo and redo[0].state == TrialState.COMPLETE, "the killed trial was not redone"
+    assert_finished_exactly(out, "killed", residual, BUDGET)
+
+
+# -- changed settings, --fresh -----------------------------------------------------------------
+def test_resume_with_other_settings_is_refused_and_fresh_starts_over(residual, tmp_path):
+    out = tmp_path / "settings"
+    base = ["tune", "--model", residual, "--output", out, "--backend", "costmodel", "-q"]
+
+    def run(*extra):
+        return subprocess.run(cli_cmd(*base, *extra), cwd=REPO, capture_output=True, text=True,
+                              timeout=120, env=cli_env())
+
+    first = run("--schemes-per-region", "4")
+    assert first.returncode == 0, first.stderr
+    report = (out / "report.json").read_bytes()
+    trials = snapshot(out, "settings")
+
+    for extra in (["--schemes-per-region", "5"], ["--schemes-per-region", "4",
+                                                  "--quant-type", "fp8"]):
+        proc = run(*extra)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, proc.stderr
+        assert len(lines) == 1 and lines[0].startswith("qdq-optuna: error:"), proc.stderr
+        assert "--fresh" in lines[0] and "Traceback" not in proc.stderr
+        assert (out / "report.json").read_bytes() == report
+        assert snapshot(out, "settings") == trials
+
+    # the same settings again: nothing left to do, nothing re-measured
+    again = run("--schemes-per-region", "4")
+    assert again.returncode == 0, again.stderr
+    assert snapshot(out, "settings") == trials
+
+    fresh = run("--schemes-per-region", "5", "--fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    assert_finished_exactly(out, "settings", residual, 5)
+    new = json.loads((out / "report.json").read_text())
+    assert max(p["trials"] for p in new["patterns"]) == 5
