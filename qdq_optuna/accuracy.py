@@ -40,11 +40,15 @@ def run_model(
     *,
     batch_size: int = 1,
     threads: int = 1,
+    optimize: bool = True,
 ) -> dict[str, np.ndarray]:
     """All outputs of ``model`` over ``data``, batches concatenated on axis 0.
 
-    Runs with all ORT optimizations so a Q/DQ model executes with the fused integer kernels a
-    deployment would use. A path keeps external weights next to the model loadable.
+    By default runs with all ORT optimizations so a Q/DQ model executes with the fused integer
+    kernels an ONNX Runtime deployment would use; ``optimize=False`` runs the model's ONNX
+    semantics node by node (the better proxy for other runtimes, and the only correct one for
+    FP8 Q/DQ: ONNX Runtime's Relu->QuantizeLinear fusion drops a Relu in front of a float8 Q).
+    A path keeps external weights next to the model loadable.
     """
     if isinstance(model, onnx.ModelProto):
         try:
@@ -53,7 +57,7 @@ def run_model(
             raise ModelError(
                 f"model too large to serialize in memory; pass its path ({one_line(exc)})"
             ) from exc
-    session = make_session(model, optimize=True, threads=threads)
+    session = make_session(model, optimize=optimize, threads=threads)
     names = [o.name for o in session.get_outputs()]
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in iter_batches(session, data, batch_size):
@@ -165,7 +169,8 @@ def load_metric(spec: str) -> Metric:
         module = _import_metric_module(module_name)
     except Exception as exc:  # the user's module may raise anything while importing
         raise OptionError(
-            f"--metric {spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {one_line(exc)})"
+            f"--metric {spec!r}: cannot import {module_name!r} "
+            f"({type(exc).__name__}: {one_line(exc)})"
         ) from exc
     func = getattr(module, func_name, None)
     if func is None:
@@ -213,6 +218,7 @@ class AccuracyEvaluator:
         batch_size: int = 1,
         error_measure: str = "relative_l2",
         threads: int = 1,
+        optimize: bool = True,
     ) -> None:
         if error_measure not in ERROR_MEASURES:
             raise OptionError(
@@ -225,9 +231,11 @@ class AccuracyEvaluator:
         self.batch_size = batch_size
         self.error_measure = error_measure
         self.threads = threads
+        self.optimize = optimize
         try:
             self.reference = run_model(
-                reference_model, self.data, batch_size=batch_size, threads=threads
+                reference_model, self.data, batch_size=batch_size, threads=threads,
+                optimize=optimize,
             )
         except UserError:
             raise
@@ -238,7 +246,8 @@ class AccuracyEvaluator:
         """``(error, details)``; details hold per-output errors and their worst values."""
         try:
             outputs = run_model(
-                candidate_model, self.data, batch_size=self.batch_size, threads=self.threads
+                candidate_model, self.data, batch_size=self.batch_size, threads=self.threads,
+                optimize=self.optimize,
             )
         except UserError:
             raise

@@ -453,15 +453,19 @@ def collect_statistics(
     bins: int = 2048,
     batch_size: int = 1,
     providers: Sequence[str] = ("CPUExecutionProvider",),
+    external_data_dir: str | os.PathLike | None = None,
 ) -> dict[str, TensorStatistics]:
     """Statistics of every requested tensor from one ONNX Runtime pass over ``data``.
 
     The model is copied and each requested intermediate tensor made a graph output; graph
     optimizations are off so that every tensor still exists. Graph inputs come straight from
-    ``data`` and initializers from their values. Pass a path for models with external data.
+    ``data`` and initializers from their values. Pass a path for models with external data
+    (or a proto and ``external_data_dir``, the folder its external locations are relative to).
     """
     proto, external_dir = _load_proto(model)
-    label = f"model {model}" if external_dir is not None else "model"
+    if external_dir is None and external_data_dir is not None:  # a proto whose weights are on disk
+        external_dir = str(external_data_dir)
+    label = f"model {model}" if isinstance(model, (str, os.PathLike)) else "model"
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = set(_input_specs(proto))
@@ -480,7 +484,8 @@ def collect_statistics(
             serialized = copy.SerializeToString()
         except ValueError as exc:
             raise ModelError(
-                f"{label}: too large to serialize in memory; pass the model's path ({one_line(exc)})"
+                f"{label}: too large to serialize in memory; pass the model's path "
+                f"({one_line(exc)})"
             ) from exc
         del copy
         try:
@@ -542,7 +547,9 @@ def save_statistics(
         "fingerprint": fingerprint,
         "tensors": {name: s.to_dict() for name, s in stats.items()},
     }
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    # the writer's pid in the name lets a resumed run remove what a killed one left
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.pid{os.getpid()}.",
+                               suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(payload, fh)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .backends.base import BackendUnavailable
+from .backends.base import BackendError, BackendUnavailable
 from .errors import OptionError, UserError
 
 EXIT_USAGE = 2
@@ -19,6 +19,16 @@ EXIT_INTERRUPTED = 130
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         raise OptionError(message)
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535 (0: any free port), got {text!r}")
+    return v
 
 
 def _positive_int(text: str) -> int:
@@ -41,11 +51,29 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _add_accuracy_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--validation-data", metavar="FILE.npz",
+                   help="inputs the output errors are measured on (default: the calibration "
+                        "data; random inputs with a warning otherwise)")
+    t.add_argument("--metric", metavar="MODULE:FUNCTION",
+                   help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is "
+                        "better (replaces --error-measure)")
+    t.add_argument("--error-measure", choices=["relative_l2", "1-cosine", "max_abs"],
+                   default="relative_l2", help="error of a trial's model vs FP32 (worst output)")
+    t.add_argument("--max-output-error", type=_positive_float, metavar="X",
+                   help="error budget: trials above it are infeasible; commits take the fastest "
+                        "feasible scheme")
+    t.add_argument("--objectives", default="latency", metavar="latency[,error]",
+                   help="latency (default) or latency,error (two-objective studies, Pareto "
+                        "front of the whole model in OUTPUT/pareto/)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shapes", metavar="NAME:DxD,...",
                    help="fix symbolic input dims, e.g. input:1x3x224x224")
-    p.add_argument("--quant-type", choices=["int8", "uint8", "fp8"],
-                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT)")
+    p.add_argument("--quant-type", choices=["int8", "uint8", "fp8", "mixed"],
+                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT); "
+                        "mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
     p.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
                    help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
                         "ONNX Runtime rules, none for TensorRT")
@@ -80,12 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--timing", choices=["fast", "robust"], default="robust")
     t.add_argument("--threads", type=_positive_int, default=1, help="ONNX Runtime intra-op threads")
-    t.add_argument("--isolate", action="store_true", help="build and time in a worker subprocess")
+    t.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="build and time in a worker subprocess, so a crash or hang fails only "
+                        "that trial (default; --no-isolate runs the backend in this process)")
     t.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
                    help="scales used in trials (auto: calibrated for ONNX Runtime, default for TensorRT)")
     t.add_argument("--calibration-data", help=".npz of input name -> array (batch on axis 0)")
     t.add_argument("--calibration-method", default="minmax",
                    choices=["minmax", "percentile", "entropy", "mse"])
+    _add_accuracy_args(t)
     t.add_argument("--pattern-cache", help="YAML pattern cache of an earlier run (warm start)")
     t.add_argument("--qdq-baseline", help="Q/DQ model whose placement seeds the search")
     t.add_argument("--performance-threshold", type=_positive_float)
@@ -103,13 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dashboard", help="open a run's studies in optuna-dashboard")
     d.add_argument("output", help="the run's output folder")
     d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    d.add_argument("--port", type=_positive_int, default=8080)
+    d.add_argument("--port", type=_port, default=8080,
+                   help="TCP port (default 8080; 0 picks a free one, printed at start)")
     d.add_argument("--storage", help="storage URL when the run did not use OUTPUT/studies.db")
 
     e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, transformer, ...)")
     e.add_argument("name")
     e.add_argument("output")
     e.add_argument("--size", choices=["full", "medium", "small"], default="medium")
+
+    b = sub.add_parser("bench", help="run a sampler-comparison recipe (studies/*.yaml); resumes")
+    b.add_argument("recipe", help="YAML recipe: models x samplers x seeds x budgets x backend")
+    b.add_argument("--output", help="results folder (default: the recipe's output, or runs/NAME)")
+    b.add_argument("--only", metavar="SUBSTRING",
+                   help="run only the runs whose name (MODEL-SAMPLER-sSEED-bBUDGET) contains it")
+    b.add_argument("-q", "--quiet", action="store_true")
     return parser
 
 
@@ -143,6 +182,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         qdq_baseline=args.qdq_baseline, fresh=args.fresh, timeout=args.timeout,
         run_id=args.run_id, worker=args.worker, preprocess=args.preprocess,
         threads=args.threads, isolate=args.isolate, progress=not args.quiet,
+        validation_data=args.validation_data, metric=args.metric,
+        error_measure=args.error_measure, max_output_error=args.max_output_error,
+        objectives=args.objectives,
     )
     result = Tuner(opts).run()
     r = result.report
@@ -153,6 +195,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
             f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements"
         )
+        if "final_output_error" in r:
+            print(f"output error vs FP32 ({r['error_measure']}): {r['final_output_error']:.4g}"
+                  + (f" (budget {r['max_output_error']:g})" if r.get("max_output_error") else ""))
+        if r.get("pareto"):
+            print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
+                  f"in {result.output_dir}/pareto/")
         print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
     return 0
 
@@ -210,8 +258,19 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench
+
+    echo = None if args.quiet else (lambda line: print(line, flush=True))
+    records, paths = bench(args.recipe, output=args.output, only=args.only, echo=echo)
+    if not args.quiet:
+        print(paths["summary"].read_text(), end="")
+        print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}")
+    return 0
+
+
 COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
-            "dashboard": cmd_dashboard}
+            "dashboard": cmd_dashboard, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as exc:
         print(f"qdq-optuna: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BackendError as exc:  # outside a trial (a reference or the final measurement)
+        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"qdq-optuna: error: measuring failed: {message}; finished trials are saved, "
+              "rerun the same command to resume", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. piped into head
         return 0
     except KeyboardInterrupt:

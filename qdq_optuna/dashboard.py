@@ -1,35 +1,154 @@
-"""optuna-dashboard for a run: Markdown notes on every pattern study, and the server launcher."""
+"""optuna-dashboard for a run: notes and pictures on every pattern study, and the server.
+
+Each pattern study gets, when its scheme is committed:
+
+* a Markdown note (:func:`pattern_note`): the pattern's ops, its member regions with their
+  nodes, a legend of its insertion points, the committed scheme, its gain and the reference;
+* two study artifacts in the run's artifact store (``OUTPUT/artifacts``): a convergence curve
+  (PNG, best-so-far latency per trial against the reference) and a picture of the pattern's
+  representative region with the best trial's Q/DQ marked (SVG, drawn here, no graphviz).
+
+Pictures are a convenience: any error while drawing or uploading them is logged and the run
+goes on. ``qdq-optuna dashboard OUTPUT`` (:func:`serve`) serves the storage and the artifact
+store together.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import html
+import logging
+import math
+import socket
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import optuna
+from optuna.trial import TrialState
 
 from .errors import UserError
 
+if TYPE_CHECKING:
+    from .insertion.points import PatternPoints
+    from .model import PreparedModel
 
-def pattern_note(attrs: dict) -> str:
-    """The Markdown note shown on a pattern study's page."""
+log = logging.getLogger("qdq_optuna")
+
+#: the run's artifact store, relative to the output folder
+ARTIFACT_DIR = "artifacts"
+#: study user attr that lists a pattern's uploaded artifacts
+ARTIFACTS_ATTR = "artifacts"
+#: member regions listed by name in a note (the rest are counted)
+NOTE_MAX_REGIONS = 12
+NOTE_MAX_TENSORS = 4
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def artifact_store(output_dir: str | Path) -> optuna.artifacts.FileSystemArtifactStore:
+    """The run's artifact store, ``OUTPUT/artifacts`` (created when missing)."""
+    path = Path(output_dir) / ARTIFACT_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return optuna.artifacts.FileSystemArtifactStore(str(path))
+
+
+# -- the note -------------------------------------------------------------------------------
+def _code(text: object) -> str:
+    """``text`` as inline Markdown code that survives a table cell."""
+    return "`" + str(text).replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _tensors(tensors: list[str]) -> str:
+    shown = ", ".join(_code(t) for t in tensors[:NOTE_MAX_TENSORS])
+    more = len(tensors) - NOTE_MAX_TENSORS
+    return shown + (f" … (+{more})" if more > 0 else "")
+
+
+def _on(value: object) -> bool:
+    """Whether a point's parameter value puts Q/DQ there (0/"none" is off; a mixed-precision
+    study may use type indices or type names)."""
+    return value not in (0, None, False, "none", "0", "")
+
+
+def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
+    """The Markdown note shown on a pattern study's page (from the study's user attrs)."""
+    pid = attrs.get("pattern_id", "?")
+    regions = list(attrs.get("regions", []))
+    region_nodes = attrs.get("region_nodes") or {}
+    ops = attrs.get("ops", [])
+    metrics = ", ".join(f"`{m}`" for m in (metric_names or ["latency_ms"]))
     lines = [
-        f"## Pattern {attrs.get('pattern_id', '?')}",
+        f"## Pattern {pid}",
         "",
-        f"- signature `{attrs.get('signature', '')}`",
-        f"- ops: {' → '.join(attrs.get('ops', []))}",
-        f"- member regions: {', '.join(map(str, attrs.get('regions', [])))}",
+        f"- metric: {metrics} (minimize), one trial = one Q/DQ scheme applied to all "
+        f"{len(regions)} member region(s)",
+        f"- ops ({len(ops)}): {' → '.join(ops) or '—'}",
+        f"- signature {_code(attrs.get('signature', ''))}",
     ]
     if "reference_ms" in attrs:
-        lines.append(f"- reference (before this pattern): {attrs['reference_ms']:.4f} ms")
-    committed = sorted(p for p, v in (attrs.get("committed") or {}).items() if v)
+        lines.append(f"- reference (everything committed before this pattern): "
+                     f"**{float(attrs['reference_ms']):.4f} ms**")
+    if "baseline_latency_ms" in attrs:
+        base = float(attrs["baseline_latency_ms"])
+        lines.append(f"- float baseline of the whole model: {base:.4f} ms")
+    types = attrs.get("committed_types") or {}
     if "committed" in attrs:
-        lines.append(f"- committed: {', '.join(committed) or 'empty scheme'} "
-                     f"(gain {float(attrs.get('gain', 1.0)):.3f}x; {attrs.get('commit_reason', '')})")
-    lines += ["", "| point | kind | tensors |", "|---|---|---|"]
+        on = [p for p, v in (attrs.get("committed") or {}).items() if _on(v)]
+        gain = float(attrs.get("gain", 1.0))
+        scheme = ", ".join(_code(p) + (f" ({types[p]})" if p in types else "") for p in on)
+        scheme = scheme or "the empty scheme (no Q/DQ)"
+        lines.append(f"- **committed**: {scheme}")
+        reason = attrs.get("commit_reason", "")
+        lines.append(f"- gain over the reference: **{gain:.3f}x** ({reason})")
+        if "candidate_trial" in attrs:
+            lines.append(f"- candidate: trial #{attrs['candidate_trial']}")
+        if isinstance(attrs.get("committed_error"), (int, float)):
+            lines.append(f"- output error after this commit: {attrs['committed_error']:.4g}")
+    else:
+        lines.append("- not committed yet (the search of this pattern is running or was cut off)")
+
+    lines += ["", f"### Member regions ({len(regions)})", ""]
+    for r in regions[:NOTE_MAX_REGIONS]:
+        nodes = region_nodes.get(str(r), region_nodes.get(r, []))
+        lines.append(f"- region {r}: {', '.join(_code(n) for n in nodes) or '—'}")
+    if len(regions) > NOTE_MAX_REGIONS:
+        lines.append(f"- … and {len(regions) - NOTE_MAX_REGIONS} more")
+
     kinds = attrs.get("qdq_point_kinds", {})
-    for pid, tensors in attrs.get("qdq_point_tensors", {}).items():
-        shown = ", ".join(f"`{t}`" for t in tensors[:4]) + (" …" if len(tensors) > 4 else "")
-        lines.append(f"| `{pid}` | {kinds.get(pid, '')} | {shown} |")
+    committed = attrs.get("committed") or {}
+    point_tensors = attrs.get("qdq_point_tensors", {})
+    points = attrs.get("qdq_points") or list(point_tensors)
+    lines += ["", f"### Insertion points ({len(points)})", "",
+              "Parameters of this study, one `IntDistribution(0, 1)` each; tensors over all "
+              "member regions.", "",
+              "| # | point | kind | tensors | committed |", "|---|---|---|---|---|"]
+    for i, p in enumerate(points):
+        mark = "—" if "committed" in attrs else ""
+        if _on(committed.get(p, 0)):
+            mark = "**Q/DQ**" + (f" {types[p]}" if p in types else "")
+        lines.append(f"| p{i} | {_code(p)} | {kinds.get(p, '')} | "
+                     f"{_tensors(point_tensors.get(p, []))} | {mark} |")
+
+    artifacts = attrs.get(ARTIFACTS_ATTR) or []
+    if artifacts:
+        lines += ["", "### Artifacts", "",
+                  "Shown below and under *Study Artifacts* on the study's main page (files of "
+                  f"the run's `{ARTIFACT_DIR}/` store):", ""]
+        for a in artifacts:
+            lines.append(f"- {_code(a.get('file', ''))}: {a.get('what', '')}")
+        for a in artifacts:
+            if a.get("url"):
+                lines += ["", f"![{a.get('what', a.get('file', ''))}]({a['url']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -37,22 +156,440 @@ def save_pattern_note(study: optuna.Study) -> None:
     with contextlib.suppress(ImportError):
         from optuna_dashboard import save_note
 
-        save_note(study, pattern_note(study.user_attrs))
+        save_note(study, pattern_note(study.user_attrs, study.metric_names))
+
+
+# -- artifacts ------------------------------------------------------------------------------
+def _complete(study: optuna.Study) -> list:
+    """COMPLETE trials with a finite latency (the first objective), by number."""
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return sorted((t for t in trials if t.values and math.isfinite(t.values[0])),
+                  key=lambda t: t.number)
+
+
+def convergence_png(path: str | Path, trials: list[tuple[int, float]], *,
+                    reference_ms: float | None, title: str) -> None:
+    """Best-so-far latency against trial number, every trial as a dot, the reference dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if trials:
+        xs = [n for n, _ in trials]
+        ys = [v for _, v in trials]
+        best, b = [], math.inf
+        for v in ys:
+            b = min(b, v)
+            best.append(b)
+        ax.scatter(xs, ys, s=14, color="#9aa5b1", label="trial", zorder=2)
+        ax.step(xs, best, where="post", color="#1f6feb", linewidth=2, label="best so far", zorder=3)
+    if reference_ms is not None:
+        ax.axhline(reference_ms, color="#d1242f", linestyle="--", linewidth=1.2,
+                   label=f"reference {reference_ms:.3f} ms")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("trial")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if trials or reference_ms is not None:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
+
+
+def _bezier(p0, c0, c1, p1, t: float) -> tuple[float, float]:
+    u = 1 - t
+    return tuple(u**3 * a + 3 * u * u * t * b + 3 * u * t * t * c + t**3 * d
+                 for a, b, c, d in zip(p0, c0, c1, p1))
+
+
+def region_svg(graph, nodes: list[int], point_uses: dict[str, list[tuple[str, int, int]]], *,
+               chosen: set[str], committed: set[str], kinds: dict[str, str] | None = None,
+               types: dict[str, str] | None = None, title: str = "") -> str:
+    """An SVG picture of one region: its nodes as boxes in layers (topological order), the
+    activation edges between them, the tensors entering and leaving it, and every insertion
+    point as a marker on the edge(s) it covers: filled red for the points of ``chosen`` (the
+    best trial), outlined for points that are offered but off. A legend lists the points."""
+    kinds = kinds or {}
+    types = types or {}
+    members = list(dict.fromkeys(nodes))
+    inside = set(members)
+    producer = graph.producer
+    order = {n: i for i, n in enumerate(members)}
+
+    # layers: a node sits one below its lowest in-region producer; inputs are layer 0
+    layer: dict[int, int] = {}
+    ext_in: list[str] = []
+    for n in members:
+        lv = 1
+        for t in graph.nodes[n].input:
+            if not t or not graph.is_activation(t):
+                continue
+            p = producer.get(t)
+            if p is not None and p[0] in inside:
+                lv = max(lv, layer[p[0]] + 1)
+            elif t not in ext_in:
+                ext_in.append(t)
+        layer[n] = lv
+    ext_out: list[str] = []
+    for n in members:
+        for t in graph.nodes[n].output:
+            if t and (t in graph.graph_outputs
+                      or any(c not in inside for c, _ in graph.consumers.get(t, []))):
+                ext_out.append(t)
+    last = max(layer.values(), default=0) + 1
+
+    # items by row: ("in", tensor) | ("node", index) | ("out", tensor)
+    rows: dict[int, list[tuple[str, object]]] = {0: [("in", t) for t in ext_in]}
+    for n in members:
+        rows.setdefault(layer[n], []).append(("node", n))
+    rows[last] = [("out", t) for t in ext_out]
+    row_of: dict[tuple[str, object], int] = {it: r for r, its in rows.items() for it in its}
+
+    def source(t: str) -> tuple[str, object]:
+        p = producer.get(t)
+        return ("node", p[0]) if p is not None and p[0] in inside else ("in", t)
+
+    box_w, box_h, gap_x, gap_y, margin = 168, 42, 30, 50, 24
+    widest = max((len(v) for v in rows.values()), default=1)
+    width = max(margin * 2 + widest * box_w + (widest - 1) * gap_x + 120, 720)
+    title_lines = _wrap(title, int((width - 2 * margin) / 7.6)) if title else []
+    top = margin + 18 * len(title_lines) + (10 if title_lines else 0)
+    pos: dict[tuple[str, object], tuple[float, float]] = {}
+    for r in sorted(rows):
+        items = rows[r]
+        if r > 0:  # one barycentre pass (mean x of the sources) keeps crossings down
+            def bary(item) -> float:
+                kind, key = item
+                if kind == "node":
+                    srcs = [source(t) for t in graph.nodes[key].input if t]
+                else:
+                    srcs = [source(key)]
+                xs = [pos[s][0] for s in srcs if s in pos]
+                return sum(xs) / len(xs) if xs else order.get(key, 0) * 1e-3
+
+            items.sort(key=bary)
+        row_w = len(items) * box_w + (len(items) - 1) * gap_x
+        x0 = (width - row_w) / 2
+        for i, item in enumerate(items):
+            pos[item] = (x0 + i * (box_w + gap_x) + box_w / 2, top + r * (box_h + gap_y))
+    graph_h = top + last * (box_h + gap_y) + box_h + 16
+
+    def row_extent(r: int) -> tuple[float, float]:
+        xs = [pos[it][0] for it in rows.get(r, [])]
+        if not xs:
+            return width / 2, width / 2
+        return min(xs) - box_w / 2, max(xs) + box_w / 2
+
+    pid_of_use: dict[tuple[str, int, int], list[str]] = {}
+    for pid, uses in point_uses.items():
+        for u in uses:
+            pid_of_use.setdefault(tuple(u), []).append(pid)
+    index = {pid: i for i, pid in enumerate(point_uses)}
+
+    def esc(s: object) -> str:
+        return html.escape(str(s), quote=True)
+
+    parts: list[str] = []
+    marks: list[str] = []
+    lanes = {"left": 0, "right": 0}
+
+    def mark(x: float, y: float, pids: list[str]) -> None:
+        on = [p for p in pids if p in chosen]
+        label = ",".join(f"p{index[p]}" for p in pids)
+        tip = "; ".join(f"p{index[p]} {p}: {'Q/DQ' if p in chosen else 'off'}" for p in pids)
+        w = max(30, 7 * len(label) + 10)
+        if on:
+            style, text_fill, cls = 'fill="#d1242f" stroke="#82071e"', "#ffffff", "qdq on"
+        else:
+            style = 'fill="#ffffff" stroke="#8c959f" stroke-dasharray="3,2"'
+            text_fill, cls = "#57606a", "qdq off"
+        marks.append(
+            f'<g class="{cls}"><title>{esc(tip)}</title>'
+            f'<rect x="{x - w / 2:.1f}" y="{y - 9:.1f}" width="{w}" height="18" rx="9" {style}/>'
+            f'<text x="{x:.1f}" y="{y + 4:.1f}" text-anchor="middle" font-size="11" '
+            f'fill="{text_fill}">{esc(label)}</text></g>')
+
+    def edge(src: tuple, dst: tuple, dx: float, tensor: str, pids: list[str]) -> None:
+        x1, y1 = pos[src]
+        x2, y2 = pos[dst]
+        y1 += box_h / 2
+        y2 -= box_h / 2
+        x2 += dx
+        r1, r2 = row_of[src], row_of[dst]
+        if r2 - r1 > 1:  # around the rows in between, in a lane of its own
+            lo = min(row_extent(r)[0] for r in range(r1 + 1, r2))
+            hi = max(row_extent(r)[1] for r in range(r1 + 1, r2))
+            side = "left" if (x1 + x2) / 2 < width / 2 else "right"
+            lanes[side] += 1
+            lane = lo - 16 * lanes[side] if side == "left" else hi + 16 * lanes[side]
+            ya, yb = y1 + gap_y / 2, y2 - gap_y / 2
+            d = (f"M{x1:.1f},{y1:.1f} C{x1:.1f},{ya:.1f} {lane:.1f},{y1:.1f} {lane:.1f},{ya:.1f} "
+                 f"L{lane:.1f},{yb:.1f} ")
+            last_seg = ((lane, yb), (lane, y2), (x2, yb), (x2, y2))
+        else:
+            cy = (y2 - y1) * 0.5
+            d = f"M{x1:.1f},{y1:.1f} "
+            last_seg = ((x1, y1), (x1, y1 + cy), (x2, y2 - cy), (x2, y2))
+        _, c0, c1, p1 = last_seg
+        d += f"C{c0[0]:.1f},{c0[1]:.1f} {c1[0]:.1f},{c1[1]:.1f} {p1[0]:.1f},{p1[1]:.1f}"
+        on = any(p in chosen for p in pids)
+        color, w, arrow = ("#d1242f", 2.6, "arrow-on") if on else ("#57606a", 1.3, "arrow")
+        parts.append(
+            f'<path class="edge{" qdq-edge" if on else ""}" d="{d}" fill="none" '
+            f'stroke="{color}" stroke-width="{w}" marker-end="url(#{arrow})">'
+            f"<title>{esc(tensor)}</title></path>")
+        if pids:  # the pair sits on the tensor just before the consumer
+            if r2 - r1 > 1:  # on the lane, staggered: neighbouring lanes' marks don't collide
+                bx, by = last_seg[0][0], last_seg[0][1] - 8 - 22 * ((lanes[side] - 1) % 3)
+            else:
+                bx, by = _bezier(*last_seg, 0.6)
+            mark(bx, by, pids)
+
+    for n in members:  # one edge per activation input slot of each node
+        ins = [(s, t) for s, t in enumerate(graph.nodes[n].input) if t and graph.is_activation(t)]
+        ins.sort(key=lambda st: pos[source(st[1])][0])  # entry points ordered like the sources
+        for k, (slot, t) in enumerate(ins):
+            dx = (k - (len(ins) - 1) / 2) * 44
+            edge(source(t), ("node", n), dx, t, pid_of_use.get((t, n, slot), []))
+    for t in ext_out:  # tensors leaving the region: their outside uses carry RegionOutput points
+        outside = [(t, c, s) for c, s in graph.consumers.get(t, []) if c not in inside]
+        pids = sorted({pid for u in outside for pid in pid_of_use.get(u, [])}, key=index.get)
+        edge(source(t), ("out", t), 0.0, t, pids)
+
+    boxes: list[str] = []
+    for item, (cx, cy) in pos.items():
+        kind, key = item
+        x, y = cx - box_w / 2, cy - box_h / 2
+        if kind == "node":
+            nd = graph.nodes[key]
+            name = graph.name_of(key)
+            boxes.append(
+                f'<g class="node"><title>{esc(name)} ({esc(nd.op_type)})</title>'
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{box_w}" height="{box_h}" rx="5" '
+                f'fill="#ddf4ff" stroke="#0969da"/>'
+                f'<text x="{cx:.1f}" y="{cy - 3:.1f}" text-anchor="middle" font-size="13" '
+                f'font-weight="bold" fill="#0a3069">{esc(nd.op_type)}</text>'
+                f'<text x="{cx:.1f}" y="{cy + 13:.1f}" text-anchor="middle" font-size="10" '
+                f'fill="#57606a">{esc(_short(name, 28))}</text></g>')
+        else:
+            label = ("in: " if kind == "in" else "out: ") + _short(str(key), 22)
+            boxes.append(
+                f'<g class="tensor {kind}"><title>{esc(key)}</title>'
+                f'<rect x="{x + 8:.1f}" y="{y + 8:.1f}" width="{box_w - 16}" '
+                f'height="{box_h - 16}" rx="13" fill="#f6f8fa" stroke="#8c959f"/>'
+                f'<text x="{cx:.1f}" y="{cy + 4:.1f}" text-anchor="middle" font-size="11" '
+                f'fill="#24292f">{esc(label)}</text></g>')
+
+    pre = 'xml:space="preserve" style="white-space:pre"'
+    legend = [f'<text x="{margin}" y="{graph_h:.1f}" font-size="13" font-weight="bold" '
+              f'fill="#24292f">Insertion points: red = Q/DQ in the trial shown, '
+              f'* = committed, grey = off</text>']
+    y = graph_h + 20
+    state_w = 7 + max((len(types.get(p, "")) + 1 for p in chosen), default=0)
+    for pid, uses in point_uses.items():
+        tensors = sorted({u[0] for u in uses})
+        state = "off"
+        if pid in chosen:
+            state = " ".join(x for x in ("Q/DQ", types.get(pid, ""),
+                                         "*" if pid in committed else "") if x)
+        color = "#d1242f" if pid in chosen else "#57606a"
+        text = (f"{'p' + str(index[pid]):<4}{state:<{state_w}} {pid}  [{kinds.get(pid, '')}]  "
+                f"{_short(', '.join(tensors), 70)}")
+        legend.append(f'<text x="{margin}" y="{y:.1f}" font-size="11" fill="{color}" '
+                      f'font-family="monospace" {pre}>{esc(text)}</text>')
+        y += 16
+    height = y + margin - 10
+    head = "".join(
+        f'<text x="{margin}" y="{margin + 8 + 18 * i}" font-size="13" font-weight="bold" '
+        f'fill="#24292f">{esc(line)}</text>' for i, line in enumerate(title_lines))
+    arrow = ('<marker id="{id}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" '
+             'markerHeight="9" markerUnits="userSpaceOnUse" orient="auto">'
+             '<path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">'
+        f'<defs>{arrow.format(id="arrow", c="#57606a")}{arrow.format(id="arrow-on", c="#d1242f")}'
+        f'</defs><rect width="100%" height="100%" fill="#ffffff"/>{head}'
+        + "".join(parts) + "".join(boxes) + "".join(marks) + "".join(legend) + "</svg>\n"
+    )
+
+
+def save_pattern_artifacts(study: optuna.Study, output_dir: str | Path, pp: PatternPoints,
+                           prepared: PreparedModel) -> list[dict]:
+    """Draw and upload a pattern's convergence curve and region picture to the run's artifact
+    store, and list them in the study's ``artifacts`` user attr. Never raises: a failure is
+    logged as a warning and the run goes on (each picture on its own)."""
+    try:
+        return _save_pattern_artifacts(study, Path(output_dir), pp, prepared)
+    except Exception as exc:  # the pictures must never cost a run
+        log.warning("dashboard artifacts for %s not saved: %s: %s", study.study_name,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return []
+
+
+def _warn(study: optuna.Study, what: str, exc: BaseException) -> None:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    log.warning("dashboard artifact %s for %s not saved: %s: %s", what, study.study_name,
+                type(exc).__name__, first)
+
+
+def _best_trial(study: optuna.Study, complete: list):
+    """The trial whose scheme the picture shows: the commit rule's candidate, else the fastest."""
+    if not complete:
+        return None
+    by_number = {t.number: t for t in complete}
+    candidate = study.user_attrs.get("candidate_trial")
+    if candidate in by_number:
+        return by_number[candidate]
+    return min(complete, key=lambda t: (t.values[0], t.number))
+
+
+def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
+    from optuna.artifacts import upload_artifact
+
+    started = time.perf_counter()
+    attrs = study.user_attrs
+    pid = pp.pattern.id
+    complete = _complete(study)
+    best = _best_trial(study, complete)
+    ref = attrs.get("reference_ms")
+    committed = {p for p, v in (attrs.get("committed") or {}).items() if _on(v)}
+    chosen = {p for p, v in best.params.items() if _on(v)} if best is not None else set()
+    types = dict(attrs.get("committed_types") or {})
+    if best is not None:  # a mixed-precision study names the type in the parameter
+        types.update({p: v for p, v in best.params.items() if isinstance(v, str) and _on(v)})
+    store = artifact_store(out)
+    made: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="qdq-artifacts-") as tmp:
+        files: list[tuple[Path, str]] = []
+        png = Path(tmp) / f"{pid}_convergence.png"
+        try:
+            best_txt = (f"trial #{best.number}: {best.values[0]:.4f} ms" if best is not None
+                        else "no trial finished")
+            convergence_png(png, [(t.number, float(t.values[0])) for t in complete],
+                            reference_ms=ref, title=f"{study.study_name}, {best_txt}")
+            files.append((png, "convergence: best-so-far latency per trial vs the reference"))
+        except ImportError:
+            _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
+                       "the dashboard (pip install 'qdq-optuna[dashboard]')")
+        except Exception as exc:
+            _warn(study, png.name, exc)
+        rep = pp.pattern.representative
+        svg = Path(tmp) / f"{pid}_region.svg"
+        who = f"trial #{best.number}" if best is not None else "no trial"
+        try:
+            svg.write_text(region_svg(
+                prepared.graph, prepared.tree[rep].all_nodes,
+                {p: pp.resolved[p].get(rep, []) for p in pp.ids},
+                chosen=chosen, committed=committed, kinds={p.id: p.kind for p in pp.points},
+                types=types,
+                title=f"{study.study_name}: region {rep} (1 of {len(pp.pattern.regions)} "
+                      f"members), Q/DQ of {who}. Committed: "
+                      f"{', '.join(sorted(committed)) or 'the empty scheme'}.",
+            ), encoding="utf-8")
+            files.append((svg, f"region {rep} with the Q/DQ of {who} marked"))
+        except Exception as exc:
+            _warn(study, svg.name, exc)
+        for path, what in files:
+            try:
+                artifact_id = upload_artifact(artifact_store=store, file_path=str(path),
+                                              study_or_trial=study)
+            except Exception as exc:
+                _warn(study, path.name, exc)
+                continue
+            made.append({"file": path.name, "artifact_id": artifact_id, "what": what,
+                         "url": f"/artifacts/{study._study_id}/{artifact_id}"})
+    if made:
+        study.set_user_attr(ARTIFACTS_ATTR, made)
+    log.debug("%s: artifacts in %.3f s", study.study_name, time.perf_counter() - started)
+    return made
+
+
+# -- the server -----------------------------------------------------------------------------
+def _server_classes(host: str):
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's name
+            pass
+
+    return Server, QuietHandler
 
 
 def serve(output_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8080,
           storage: str | None = None) -> None:
+    """Serve the run's studies and artifacts with optuna-dashboard until Ctrl-C.
+
+    ``port=0`` picks a free port; the URL printed names the port actually bound."""
     try:
-        from optuna_dashboard import run_server
+        from optuna_dashboard import wsgi
     except ImportError:
-        raise UserError("the dashboard needs optuna-dashboard: pip install 'qdq-optuna[dashboard]'") from None
+        raise UserError("the dashboard needs optuna-dashboard: "
+                        "pip install 'qdq-optuna[dashboard]'") from None
+    from wsgiref.simple_server import make_server
+
+    from .storage import open_storage, quiet_optuna
+
     out = Path(output_dir)
+    if not out.is_dir():
+        raise UserError(f"{out}: no such output folder")
     if storage is None:
         db = out / "studies.db"
         if not db.is_file():
             raise UserError(f"{out}: no studies.db here (pass --storage URL for another storage)")
         storage = f"sqlite:///{db.resolve()}"
-    from .storage import open_storage
-
-    print(f"optuna-dashboard: http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
-    run_server(open_storage(storage, heartbeat=False), host=host, port=port)
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: expected 0 (any free port) to 65535")
+    quiet_optuna(False)
+    rdb = open_storage(storage, heartbeat=False)
+    try:
+        store = artifact_store(out)
+    except OSError as exc:
+        log.warning("%s: no artifact store (%s); pictures will not show", out / ARTIFACT_DIR,
+                    exc.strerror or exc)
+        store = None
+    app = wsgi(rdb, artifact_store=store)
+    server_cls, handler_cls = _server_classes(host)
+    try:
+        httpd = make_server(host, port, app, server_class=server_cls, handler_class=handler_cls)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"--port {port}: {host}:{port} is already in use (pick another "
+                            "--port, or --port 0 for any free one)") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UserError(f"--port {port}: not allowed to bind {host}:{port} "
+                            "(ports below 1024 need privileges)") from None
+        raise UserError(f"--host {host}: cannot listen on {host}:{port} "
+                        f"({exc.strerror or exc})") from None
+    bound = httpd.server_port
+    shown = f"[{host}]" if ":" in host else host
+    print(f"optuna-dashboard: http://{shown}:{bound}/dashboard  (Ctrl-C to stop)", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"qdq-optuna: note: listening on {host}, reachable from other machines; "
+              "optuna-dashboard has no authentication", file=sys.stderr, flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()

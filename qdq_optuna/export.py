@@ -13,11 +13,17 @@ split across the wire, so this is the same message ``SerializeToString`` would w
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
+import logging
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+import uuid
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +44,9 @@ _QTYPE_PROTO = {
 _QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _MIN_SCALE = 1e-8
 _RECENT_EXPORTS = 3
+#: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
+#: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
+_MEMO_PER_NODE = 2
 _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
 
 
@@ -79,8 +88,8 @@ class QuantPlan:
     #: (consumer node, weight slot, quant type), sorted
     weights: tuple[tuple[int, int, str], ...]
 
-    @property
-    def key(self) -> str:
+    @functools.cached_property
+    def key(self) -> str:  # computed once per plan (a trial asks several times)
         return hashlib.sha256(
             json.dumps([self.activations, self.weights], separators=(",", ":")).encode()
         ).hexdigest()[:24]
@@ -132,8 +141,15 @@ class QDQExporter:
         scales: Mapping[str, tuple[float, int]] | None = None,
         default_scale: float = 0.1,
         default_zero_point: int | None = None,
+        data_dir: str | os.PathLike | None = None,
     ) -> None:
         self.graph = graph
+        #: external mode (the model's big weights stay on disk, see graph.INLINE_EXTERNAL_LIMIT):
+        #: exports are files in a work folder under ``data_dir`` (a temporary folder if None),
+        #: next to links to the weight files and one file of quantized weights
+        self.external = graph.external_dir is not None
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self._store_obj: _ExternalStore | None = None
         self.rules = rules
         self.quant_type = check_quant_type(quant_type)
         self.scales = dict(scales or {})
@@ -173,12 +189,15 @@ class QDQExporter:
         self._weight_cache: dict[tuple[str, int | None, str], tuple[str, bytes, bytes, np.ndarray]] = {}
         self._bias_cache: dict[tuple, tuple[str, bytes, bytes]] = {}
         self._recent: dict[str, bytes] = {}
+        #: per-tensor planning results and rewired node bytes, by their inputs: trials of one
+        #: pattern differ from each other in a few tensors, and the committed ones repeat
+        self._tensor_plans: dict[tuple, tuple[list, list]] = {}
+        self._rewired: dict[tuple, bytes] = {}
 
     # -- planning ----------------------------------------------------------------------------
     def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
         """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
         typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
-        graph = self.graph
         by_tensor: dict[str, dict[tuple[int, int], str]] = {}
         for (t, n, s), q in typed.items():
             if q in (None, "none", 0):
@@ -186,30 +205,48 @@ class QDQExporter:
             by_tensor.setdefault(t, {})[(n, s)] = q
         activations = []
         weights: dict[tuple[int, int], str] = {}
+        memo = self._tensor_plans
+        if len(memo) > _MEMO_PER_NODE * len(self.graph.nodes) + 1000:
+            memo.clear()
         for t in sorted(by_tensor):
-            covered = by_tensor[t]
-            qtypes = sorted(set(covered.values()))
-            qtype = qtypes[0] if len(qtypes) == 1 else max(qtypes, key=list(covered.values()).count)
-            uncovered = [c for c in graph.consumers.get(t, []) if c not in covered]
-            for promote in self.rules.promotions:
-                if promote(graph, t, uncovered):
-                    covered.update(dict.fromkeys(uncovered, qtype))
-                    break
-            activations.append((t, tuple(sorted(covered)), qtype))
-            for n, s in covered:
-                spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
-                if spec is None or s not in spec.activation_slots:
-                    continue
-                inputs = graph.nodes[n].input
-                if len(inputs) > spec.weight_slot and graph.is_constant(inputs[spec.weight_slot]) \
-                        and inputs[spec.weight_slot] in graph.initializers \
-                        and graph.is_float(inputs[spec.weight_slot]):
-                    wq = "fp8" if qtype == "fp8" else "int8"
-                    weights[(n, spec.weight_slot)] = wq
+            key = (t, tuple(sorted(by_tensor[t].items())))
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._plan_tensor(t, by_tensor[t])
+            activations.extend(found[0])
+            weights.update(found[1])
         return QuantPlan(
             activations=tuple(activations),
             weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
         )
+
+    def _plan_tensor(self, t: str, covered: dict[tuple[int, int], str]) -> tuple[list, list]:
+        """One tensor's Q/DQ pairs and the weights that come with them (see :meth:`plan`)."""
+        graph = self.graph
+        covered = dict(sorted(covered.items()))  # the memo's key order
+        activations: list = []
+        weights: list = []
+        qtypes = sorted(set(covered.values()))
+        qtype = qtypes[0] if len(qtypes) == 1 else max(qtypes, key=list(covered.values()).count)
+        uncovered = [c for c in graph.consumers.get(t, []) if c not in covered]
+        for promote in self.rules.promotions:
+            if promote(graph, t, uncovered):
+                covered.update(dict.fromkeys(uncovered, qtype))
+                break
+        # one Q/DQ pair per (tensor, type): mixed precision keeps every use's chosen type
+        for q in sorted(set(covered.values())):
+            activations.append((t, tuple(sorted(c for c, v in covered.items() if v == q)), q))
+        for (n, s), use_q in covered.items():
+            spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
+            if spec is None or s not in spec.activation_slots:
+                continue
+            inputs = graph.nodes[n].input
+            if len(inputs) > spec.weight_slot and graph.is_constant(inputs[spec.weight_slot]) \
+                    and inputs[spec.weight_slot] in graph.initializers \
+                    and graph.is_float(inputs[spec.weight_slot]):
+                wq = "fp8" if use_q == "fp8" else "int8"
+                weights.append(((n, spec.weight_slot), wq))
+        return activations, weights
 
     # -- naming and cached pieces ---------------------------------------------------------------
     def _unique(self, base: str) -> str:
@@ -220,8 +257,13 @@ class QDQExporter:
         return name
 
     def activation_params(self, tensor: str, qtype: str) -> tuple[float, int]:
-        if tensor in self.scales:
-            scale, zp = self.scales[tensor]
+        # ``scales`` keys are a tensor name (for the exporter's own quant type) or a
+        # (tensor, quant type) pair (mixed precision: one calibration per type)
+        found = self.scales.get((tensor, qtype))
+        if found is None and qtype == self.quant_type:
+            found = self.scales.get(tensor)
+        if found is not None:
+            scale, zp = found
             return max(float(scale), _MIN_SCALE), int(zp)
         if self.default_zero_point is not None and qtype != "fp8":
             return self.default_scale, int(self.default_zero_point)
@@ -240,7 +282,7 @@ class QDQExporter:
         node = self.graph.nodes[self.graph.producer[tensor][0]]
         low = node.input[1] if len(node.input) > 1 else ""
         if low in self.graph.initializers:
-            return float(numpy_helper.to_array(self.graph.initializer(low)).min()) >= 0
+            return float(np.min(self.graph.array(low))) >= 0
         return any(a.name == "min" and a.f >= 0 for a in node.attribute)
 
     def _scalar(self, name: str, value: float, elem_type: int) -> bytes:
@@ -282,8 +324,11 @@ class QDQExporter:
         spec = WEIGHTED_OPS[graph.nodes[node].op_type]
         axis = None if graph.nodes[node].op_type in self.rules.per_tensor_weight_ops else spec.axis(graph, node)
         key = (name, axis, qtype)
+        if key not in self._weight_cache and self.external \
+                and graph.initializer(name).data_location == TensorProto.EXTERNAL:
+            self._weight_cache[key] = self._external_weight(name, axis, qtype)
         if key not in self._weight_cache:
-            w = numpy_helper.to_array(graph.initializer(name)).astype(np.float32)
+            w = graph.array(name).astype(np.float32)
             scales = weight_scales(w, axis, qtype)
             shape = [1] * w.ndim
             if axis is not None and w.ndim:
@@ -324,7 +369,7 @@ class QDQExporter:
         a_scale, _ = self.activation_params(act, act_qtype)
         key = (bias, act, act_qtype)
         if key not in self._bias_cache:
-            b = numpy_helper.to_array(graph.initializer(bias)).astype(np.float64)
+            b = np.asarray(graph.array(bias)).astype(np.float64)
             if b.ndim != 1:
                 return None
             scales = (a_scale * np.broadcast_to(w_scales, b.shape)).astype(np.float32)
@@ -392,13 +437,20 @@ class QDQExporter:
             or any(rewire.get(n, {}).get(s) is None for n, s in graph.consumers.get(name, []))
         ]
         body: list[bytes] = []
+        rewired = self._rewired
+        if len(rewired) > _MEMO_PER_NODE * len(self.graph.nodes) + 1000:
+            rewired.clear()
         for idx, cached in enumerate(self._node_bytes):
             if idx in rewire:
-                node = onnx.NodeProto()
-                node.CopyFrom(graph.nodes[idx])
-                for s, name in rewire[idx].items():
-                    node.input[s] = name
-                body.append(_field(_GRAPH_NODE, node.SerializeToString()))
+                key = (idx, tuple(sorted(rewire[idx].items())))
+                node_bytes = rewired.get(key)
+                if node_bytes is None:
+                    node = onnx.NodeProto()
+                    node.CopyFrom(graph.nodes[idx])
+                    for s, name in rewire[idx].items():
+                        node.input[s] = name
+                    node_bytes = rewired[key] = _field(_GRAPH_NODE, node.SerializeToString())
+                body.append(node_bytes)
             else:
                 body.append(cached)
             if idx in after:
@@ -408,13 +460,307 @@ class QDQExporter:
         return b"".join([self._prefix, bytes([_MODEL_GRAPH]), _varint(payload_len), *parts])
 
     def to_model(self, plan: QuantPlan) -> onnx.ModelProto:
-        """The exported model as a ``ModelProto`` (for saving and for user callables)."""
+        """The exported model as a ``ModelProto`` (for saving and for user callables). In
+        external mode its big tensors reference files in :attr:`work_folder`."""
         return onnx.load_from_string(self.to_bytes(plan))
 
+    def source(self, plan: QuantPlan) -> bytes | ExportedModel:
+        """What a backend measures: the model bytes, or in external mode a path (a file in the
+        work folder, loadable with its external data; written when a backend opens it)."""
+        return ExportedModel(self, plan) if self.external else self.to_bytes(plan)
+
     def save(self, plan: QuantPlan, path: str | os.PathLike) -> Path:
+        if self.external:
+            return self._save_external(plan, Path(path))
         model = self.to_model(plan)
         onnx.checker.check_model(model)
         return atomic_write_bytes(path, model.SerializeToString())
+
+    # -- external mode -----------------------------------------------------------------------
+    @property
+    def work_folder(self) -> Path:
+        return self._store().folder
+
+    def _store(self) -> _ExternalStore:
+        if self._store_obj is None:
+            self._store_obj = _ExternalStore(self.graph, self.data_dir)
+        return self._store_obj
+
+    def materialize(self, plan: QuantPlan) -> Path:
+        """The exported model as a file in the work folder (external mode)."""
+        return self._store().model_file(plan.key, lambda: self.to_bytes(plan))
+
+    def _external_weight(self, name: str, axis: int | None,
+                         qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
+        """A weight that stays on disk: scales and quantized values computed in chunks of a
+        memory map, the quantized values appended once to the work folder's weight file."""
+        w = self.graph.array(name)
+        scales = chunked_weight_scales(w, axis, qtype)
+        q_name = self._unique(f"{name}_quantized")
+        s_name = self._unique(f"{name}_scale")
+        z_name = self._unique(f"{name}_zero_point")
+        dq_out = self._unique(f"{name}_dequantized")
+        offset, length = self._store().append(_quantized_chunks(w, scales, axis, qtype))
+        qt = TensorProto()
+        qt.name = q_name
+        qt.data_type = TensorProto.FLOAT8E4M3FN if qtype == "fp8" else TensorProto.INT8
+        qt.dims.extend(w.shape)
+        _set_external(qt, _ExternalStore.WEIGHTS, offset, length)
+        st = numpy_helper.from_array(scales.astype(np.float32), s_name)
+        inits = (_field(_GRAPH_INIT, qt.SerializeToString()) + _field(_GRAPH_INIT, st.SerializeToString())
+                 + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", tuple(scales.shape)))
+        attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
+        dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                              name=self._unique(f"{name}_DequantizeLinear"), **attrs)
+        return dq_out, inits, _field(_GRAPH_NODE, dq.SerializeToString()), scales
+
+    def _save_external(self, plan: QuantPlan, path: Path) -> Path:
+        """``path`` and one data file beside it (``<name>.<id>.data``) with every tensor the
+        model keeps outside: the float weights it still uses, copied from the input's files,
+        and its quantized weights. A self-contained model that ``onnx.load`` and ONNX Runtime
+        open. The data file is complete before ``path`` is (atomically) replaced, then older
+        data files are removed, so a kill at any moment leaves a loadable pair."""
+        store = self._store()
+        model = self.to_model(plan)
+        name = f"{path.name}.{uuid.uuid4().hex[:8]}.data"
+        tmp = path.parent / f".{name}.pid{os.getpid()}.tmp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store.flush()
+        try:
+            with open(tmp, "wb") as out:
+                for t in model.graph.initializer:
+                    if t.data_location != TensorProto.EXTERNAL:
+                        continue
+                    info = {e.key: e.value for e in t.external_data}
+                    location = info["location"]
+                    src = store.folder / location if location == _ExternalStore.WEIGHTS \
+                        else self.graph.external_dir / location
+                    offset = out.seek(0, os.SEEK_END)
+                    offset += -offset % _ExternalStore.ALIGN
+                    out.seek(offset)
+                    length = int(info.get("length") or 0)
+                    _copy_range(src, int(info.get("offset") or 0), length, out)
+                    _set_external(t, name, offset, length)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path.parent / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        atomic_write_bytes(path, model.SerializeToString())
+        onnx.checker.check_model(str(path))  # with its external data file
+        for old in path.parent.glob(f"{path.name}.*.data"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+        return path
+
+
+class ExportedModel(os.PathLike):
+    """An export of a model in external mode, as the path of a file that backends load with
+    its external data. The file is written (again, if it was evicted) when a backend asks for
+    the path, so holding one costs nothing."""
+
+    def __init__(self, exporter: QDQExporter, plan: QuantPlan) -> None:
+        self.exporter = exporter
+        self.plan = plan
+
+    def __fspath__(self) -> str:
+        return str(self.exporter.materialize(self.plan))
+
+    def __repr__(self) -> str:
+        return f"ExportedModel({self.plan.key})"
+
+
+log = logging.getLogger("qdq_optuna")
+#: weights are read and quantized in slices of about this many bytes
+_CHUNK_BYTES = 64 << 20
+_WORK_IDS = itertools.count()
+
+
+class _ExternalStore:
+    """The work folder of one exporter in external mode (``.qdq_work.pidN.K.tmp``).
+
+    It holds the exported models, the quantized weights (``qdq_weights.bin``, each written
+    once) and ``external_sources.json``: where the input's weight files are, which the models
+    reference under their own relative locations. Nothing is linked or copied (ONNX and ONNX
+    Runtime refuse symlinks, and ``onnx.load`` refuses files with several hard links, so a link
+    would break the input model itself): the ONNX Runtime backend maps those files into memory
+    for its sessions, and the cost model reads no weights. The folder is removed when the
+    exporter goes away; a killed process's folder by the next run (:func:`remove_stale_temps`)."""
+
+    WEIGHTS = "qdq_weights.bin"
+    SOURCES = "external_sources.json"
+    #: quantized tensors start at multiples of this (memory-mapping loaders want pages)
+    ALIGN = 4096
+    #: exported model files kept at once (older ones are written again when needed)
+    KEEP = 16
+
+    def __init__(self, graph: Graph, data_dir: Path | None) -> None:
+        if data_dir is None:
+            data_dir = Path(tempfile.mkdtemp(prefix="qdq-optuna-"))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(data_dir), True)
+        else:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        self.folder = data_dir / f".qdq_work.pid{os.getpid()}.{next(_WORK_IDS)}.tmp"
+        self.folder.mkdir()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
+        sources = {}
+        for t in graph.model.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL:
+                location = next(e.value for e in t.external_data if e.key == "location")
+                sources[location] = str((graph.external_dir / location).resolve())
+        (self.folder / self.SOURCES).write_text(json.dumps(sources, indent=1))
+        self._fh = open(self.folder / self.WEIGHTS, "ab")  # noqa: SIM115 - closed by finalize
+        weakref.finalize(self, self._fh.close)
+        self._models: dict[str, Path] = {}
+
+    def append(self, chunks: Iterable[bytes]) -> tuple[int, int]:
+        """Append one tensor's bytes; (offset, length) in :attr:`WEIGHTS`."""
+        fh = self._fh
+        fh.seek(0, os.SEEK_END)
+        offset = fh.tell()
+        pad = -offset % self.ALIGN
+        if pad:
+            fh.write(b"\0" * pad)
+            offset += pad
+        length = 0
+        for chunk in chunks:
+            fh.write(chunk)
+            length += len(chunk)
+        return offset, length
+
+    def flush(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def model_file(self, key: str, data) -> Path:
+        path = self._models.get(key)
+        if path is None or not path.exists():
+            body = data()
+            self._fh.flush()  # the weights it references are readable before it is
+            path = self.folder / f"model-{key}.onnx"
+            path.write_bytes(body)
+            self._models.pop(key, None)
+            self._models[key] = path
+            while len(self._models) > self.KEEP:
+                old = self._models.pop(next(iter(self._models)))
+                old.unlink(missing_ok=True)
+        return path
+
+
+def external_sources(model_path: str | os.PathLike) -> dict[str, str]:
+    """Location -> file of every external data file a model in a work folder may reference:
+    the input model's weight files where they are (``external_sources.json``) and the folder's
+    quantized weights; {} for any other model. Backends that load such a model by path give
+    these files to their runtime (ONNX Runtime: from memory maps, which must then cover all)."""
+    folder = Path(model_path).parent
+    manifest = folder / _ExternalStore.SOURCES
+    if not manifest.is_file():
+        return {}
+    try:
+        sources = dict(json.loads(manifest.read_text()))
+    except (OSError, ValueError):
+        return {}
+    weights = folder / _ExternalStore.WEIGHTS
+    if weights.is_file() and weights.stat().st_size:
+        sources[_ExternalStore.WEIGHTS] = str(weights)
+    return sources
+
+
+def _copy_range(src: Path, offset: int, length: int, out) -> None:
+    """Copy ``length`` bytes of ``src`` from ``offset`` to ``out`` at its position, leaving
+    holes where the data is zeros (sparse files stay sparse)."""
+    end = out.tell() + length
+    with open(src, "rb") as fin:
+        fin.seek(offset)
+        left = length
+        while left:
+            block = fin.read(min(left, 16 << 20))
+            if not block:
+                raise OSError(f"{src}: ends before byte {offset + length}")
+            left -= len(block)
+            if np.frombuffer(block, np.uint8).any():
+                out.write(block)
+            else:
+                out.seek(len(block), os.SEEK_CUR)
+    out.seek(end)
+    if out.seek(0, os.SEEK_END) < end:
+        out.truncate(end)
+    out.seek(end)
+
+
+def _set_external(tensor: TensorProto, location: str, offset: int, length: int) -> None:
+    tensor.data_location = TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _row_chunks(w: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float32 slice) of ``w`` along axis 0, about :data:`_CHUNK_BYTES` each."""
+    if w.ndim == 0:
+        yield 0, np.asarray(w, dtype=np.float32)
+        return
+    row_bytes = max(1, w.nbytes // max(1, w.shape[0]))
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    path = getattr(w, "filename", None) if isinstance(w, np.memmap) else None
+    if path is None or not w.flags.c_contiguous:
+        for start in range(0, w.shape[0], step):
+            yield start, np.asarray(w[start:start + step], dtype=np.float32)
+        return
+    # a weight on disk: read slice by slice (touching a memory map would keep every page of
+    # the weight resident until it is unmapped)
+    row_items = int(np.prod(w.shape[1:], dtype=np.int64))
+    with open(path, "rb") as fh:
+        for start in range(0, w.shape[0], step):
+            rows = min(step, w.shape[0] - start)
+            fh.seek(w.offset + start * row_bytes)
+            chunk = np.fromfile(fh, dtype=w.dtype, count=rows * row_items)
+            yield start, chunk.reshape((rows, *w.shape[1:])).astype(np.float32, copy=False)
+
+
+def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
+    """:func:`weight_scales` of a (memory-mapped) weight, read slice by slice: the same
+    values, without holding the weight, its absolute values and its quotient at once."""
+    qmax = _QMAX["fp8" if qtype == "fp8" else "int8"]
+    if axis is None or w.ndim == 0:
+        amax = 0.0
+        for _, c in _row_chunks(w):
+            amax = max(amax, float(np.abs(c).max(initial=0.0)))
+        return np.array(max(amax / qmax, _MIN_SCALE), dtype=np.float32)
+    reduce = tuple(i for i in range(w.ndim) if i != axis)
+    parts = [np.abs(c).max(axis=reduce, initial=0.0) if reduce else np.abs(c)
+             for _, c in _row_chunks(w)]
+    if axis == 0:
+        amax = np.concatenate(parts)
+    else:
+        amax = parts[0]
+        for part in parts[1:]:
+            amax = np.maximum(amax, part)
+    return np.maximum(amax / qmax, _MIN_SCALE).astype(np.float32)
+
+
+def _quantized_chunks(w: np.ndarray, scales: np.ndarray, axis: int | None,
+                      qtype: str) -> Iterator[bytes]:
+    """The quantized weight's bytes (C order), slice by slice (as the in-memory export)."""
+    shape = [1] * w.ndim
+    if axis is not None and w.ndim:
+        shape[axis] = -1
+    for start, c in _row_chunks(w):
+        if axis is not None and w.ndim:
+            s = scales.reshape(shape)
+            if axis == 0:
+                s = s[start:start + c.shape[0]]
+            scaled = c / s
+        else:
+            scaled = c / scales
+        if qtype == "fp8":
+            import ml_dtypes
+
+            yield np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).tobytes()
+        else:
+            yield np.clip(np.rint(scaled), -127, 127).astype(np.int8).tobytes()
 
 
 def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
@@ -427,11 +773,46 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
     return np.maximum(amax / qmax, _MIN_SCALE).astype(np.float32)
 
 
+def temp_prefix(path: Path) -> str:
+    """Prefix of the temporary files written next to ``path``: they carry the writer's pid, so
+    :func:`remove_stale_temps` can tell a dead process's leftovers from a live write."""
+    return f".{path.name}.pid{os.getpid()}."
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Delete temporary files (``.NAME.pidN.*.tmp``) that killed processes left in ``folder``
+    and its subfolders; a file whose writer still runs is left alone."""
+    removed: list[Path] = []
+    for tmp in sorted(Path(folder).rglob(".*.tmp")):
+        if any(tmp.is_relative_to(r) for r in removed):
+            continue  # inside a folder removed already
+        parts = tmp.name.split(".")
+        pid = next((int(p[3:]) for p in parts if p.startswith("pid") and p[3:].isdigit()), None)
+        if pid is None or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # the writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            if tmp.is_dir() and not tmp.is_symlink():  # an external-mode work folder
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -25,6 +25,12 @@ CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 MINIMUM_OPSET = 10
 MAXIMUM_OPSET = 23
 PROTOBUF_LIMIT = 2**31 - 1
+#: external data beyond this many bytes stays on disk ("external mode"): the model is never held
+#: in one protobuf, exports reference the weight files, backends get a path (see export.py)
+INLINE_EXTERNAL_LIMIT = 1 << 30
+INLINE_EXTERNAL_ENV = "QDQ_OPTUNA_INLINE_EXTERNAL_LIMIT"
+#: in external mode, external tensors up to this size are still read in (shapes, biases, ...)
+SMALL_EXTERNAL_BYTES = 1 << 16
 #: bytes per element of the fixed-size tensor types (packed 4-bit and string types not checked)
 _ITEMSIZE = {
     TensorProto.FLOAT: 4, TensorProto.UINT8: 1, TensorProto.INT8: 1, TensorProto.UINT16: 2,
@@ -91,10 +97,16 @@ class Graph:
     elem_types: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, tuple | None] = field(default_factory=dict)
     opset: int = 0
+    #: folder that the ``location`` of external initializers is relative to; set when the
+    #: model's big weights stay on disk (external mode), None when every tensor is in memory
+    external_dir: Path | None = None
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, path: Path | None = None) -> Graph:
         g = cls(model=model, path=path)
+        if path is not None and any(t.data_location == TensorProto.EXTERNAL
+                                    for t in model.graph.initializer):
+            g.external_dir = Path(path).resolve().parent
         graph = model.graph
         g.opset = opset_of(model)
         g.nodes = list(graph.node)
@@ -164,10 +176,22 @@ class Graph:
         return self.nodes[p[0]].op_type if p else None
 
     def initializer(self, name: str) -> TensorProto | None:
-        for t in self.model.graph.initializer:
-            if t.name == name:
-                return t
-        return None
+        index = self.__dict__.get("_init_index")
+        if index is None or len(index) != len(self.model.graph.initializer):
+            index = {t.name: t for t in self.model.graph.initializer}
+            self.__dict__["_init_index"] = index
+        return index.get(name)
+
+    def array(self, name: str):
+        """An initializer's values as numpy; external data is memory-mapped, not read in."""
+        from onnx import numpy_helper
+
+        t = self.initializer(name)
+        if t is None:
+            raise KeyError(name)
+        if t.data_location != TensorProto.EXTERNAL or self.external_dir is None:
+            return numpy_helper.to_array(t)
+        return external_array(t, self.external_dir)
 
 
 def node_label(node: onnx.NodeProto, idx: int) -> str:
@@ -224,6 +248,109 @@ def _check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> 
                 f"{path}: external data file {location!r} of initializer {tensor.name!r} is too "
                 f"short (needs bytes {offset}-{end}, has {size})"
             )
+
+
+def external_info(tensor: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def external_array(tensor: TensorProto, base_dir: Path):
+    """A memory map of one external tensor (checked by :func:`_check_external_data`)."""
+    import numpy as np
+
+    info = external_info(tensor)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    shape = tuple(tensor.dims)
+    if _product(shape) == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(Path(base_dir) / info["location"], dtype=dtype, mode="r",
+                     offset=int(info.get("offset") or 0), shape=shape)
+
+
+def external_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of initializer data the model keeps in external files."""
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            info = external_info(t)
+            length = info.get("length")
+            total += int(length) if length else _product(t.dims) * _ITEMSIZE.get(t.data_type, 4)
+    return total
+
+
+def inline_external_limit() -> int:
+    """External data above this size stays on disk (:data:`INLINE_EXTERNAL_LIMIT`, or bytes in
+    $QDQ_OPTUNA_INLINE_EXTERNAL_LIMIT)."""
+    value = os.environ.get(INLINE_EXTERNAL_ENV)
+    if value:
+        try:
+            return int(value)
+        except ValueError:
+            raise OptionError(f"${INLINE_EXTERNAL_ENV}: expected bytes, got {value!r}") from None
+    return INLINE_EXTERNAL_LIMIT
+
+
+def _load_small_external(model: onnx.ModelProto, base_dir: Path) -> None:
+    """External mode: read in the small external tensors (shape constants, biases, scales) and
+    leave the big ones on disk."""
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    for t in model.graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info = external_info(t)
+        size = int(info["length"]) if info.get("length") else \
+            _product(t.dims) * _ITEMSIZE.get(t.data_type, 4)
+        if size <= SMALL_EXTERNAL_BYTES:
+            load_external_data_for_tensor(t, str(base_dir))
+            t.data_location = TensorProto.DEFAULT
+            del t.external_data[:]
+
+
+#: weights from this size on are left out of the copy that checker and inference work on
+LIGHT_CHECK_BYTES = 1 << 10
+
+
+def _copy_fields(dst, src, skip: str) -> None:
+    """``dst`` gets every set field of ``src`` but ``skip`` (no copy of the skipped field)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+        if repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def _without_big_weights(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose big raw-data weights (sizes checked by :func:`_check_raw_data`)
+    are graph inputs of the same type and shape, or None when there are none: for the checker
+    and shape inference, which never need float weight values but copy whatever they get."""
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    seen: set[str] = set()
+    twice = set()
+    for t in graph.initializer:
+        (twice if t.name in seen else seen).add(t.name)
+    big = {t.name for t in graph.initializer
+           if t.name and t.name not in inputs and t.name not in twice
+           and t.data_type in FLOAT_TYPES and t.HasField("raw_data")
+           and len(t.raw_data) >= LIGHT_CHECK_BYTES}
+    if not big:
+        return None
+    light = onnx.ModelProto()
+    _copy_fields(light, model, "graph")
+    _copy_fields(light.graph, graph, "initializer")
+    for t in graph.initializer:
+        if t.name in big:
+            light.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type,
+                                                                        list(t.dims)))
+        else:
+            light.graph.initializer.append(t)
+    return light
 
 
 def _check_order(model: onnx.ModelProto, label: object) -> None:
@@ -370,7 +497,10 @@ def load_model(
             raise ModelError(f"{path}: not an ONNX model (no graph or no nodes)")
         _check_external_data(model, path.parent, path)
         try:
-            onnx.load_external_data_for_model(model, str(path.parent))
+            if external_bytes(model) > inline_external_limit():
+                _load_small_external(model, path.parent)  # the big weights stay on disk
+            else:
+                onnx.load_external_data_for_model(model, str(path.parent))
         except Exception as exc:
             raise ModelError(f"{path}: cannot read external data: {exc}") from None
     if not model.HasField("graph") or not model.graph.node:
@@ -395,15 +525,25 @@ def load_model(
     _check_raw_data(model, label)
     apply_input_shapes(model, shapes, label)
     too_big = model.ByteSize() > PROTOBUF_LIMIT if hasattr(model, "ByteSize") else False
+    on_disk = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
+    # checker and shape inference copy the model several times: give them the graph without
+    # its big weights (declared as inputs of the same type and shape instead)
+    light = None if too_big else _without_big_weights(model)
     try:
-        if too_big:
+        if too_big or on_disk:  # the checker finds external files only next to a path
             onnx.checker.check_model(str(path)) if path else None
         else:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(light or model)
     except Exception as exc:
         raise ModelError(f"{label}: invalid ONNX graph: {_one_line(exc)}") from None
     try:
-        if not too_big:
+        if light is not None:
+            inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+            for name in ("node", "value_info", "output"):  # what inference adds or refines
+                field_ = getattr(model.graph, name)
+                del field_[:]
+                field_.extend(getattr(inferred.graph, name))
+        elif not too_big:
             model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as exc:
         msg = str(exc).strip().splitlines()

@@ -401,6 +401,8 @@ class Measurer:
         self.remeasured = 0
         self.probe = QuietProbe(self.protocol.quiet_threshold, pids=backend.worker_pids)
         self._warm_at: float | None = None
+        #: the backend's worker process that the warm-up was done in (isolated backends)
+        self._warm_generation: int | None = None
         self._last_model: ModelSource | None = None
 
     # -- low level ---------------------------------------------------------------------------
@@ -482,12 +484,16 @@ class Measurer:
         return Measurement(value, value, value, [value], 1, 1, 0.0, True, time.perf_counter() - t0)
 
     # -- warm-up -----------------------------------------------------------------------------
+    def _generation(self) -> int | None:
+        fn = getattr(self.backend, "worker_generation", None)
+        return fn() if callable(fn) else None
+
     def _warm_rounds(self, force: bool = False) -> int:
         p = self.protocol
         if self.deterministic:
             return 0
-        if force or self._warm_at is None:
-            return p.process_warmup_rounds
+        if force or self._warm_at is None or self._generation() != self._warm_generation:
+            return p.process_warmup_rounds  # a new worker process is as cold as a new process
         if p.rewarm_after_s is not None and time.monotonic() - self._warm_at > p.rewarm_after_s:
             return min(1, p.process_warmup_rounds)
         return 0
@@ -498,6 +504,8 @@ class Measurer:
             for m in models:
                 self._session(m, p.warmup, p.runs, runners)
         self._warm_at = time.monotonic()
+        if rounds:
+            self._warm_generation = self._generation()
 
     def warm_up(self, models: Sequence[Any] | Any | None = None, *, force: bool = False) -> bool:
         """Throw away the protocol's first rounds once per process (or after a long idle).
@@ -573,16 +581,26 @@ class Measurer:
         seconds = time.perf_counter() - t0
         return [a.measurement(quiet, seconds / len(srcs), remeasured) for a in accs]
 
-    def compare(self, candidate: Any, reference: Any) -> Comparison:
-        """Interleaved A/B rounds until the ratio is known well enough (or rounds run out)."""
+    def compare(self, candidate: Any, reference: Any, *, until: str = "verdict") -> Comparison:
+        """Interleaved A/B rounds until the ratio is known well enough (or rounds run out).
+
+        ``until="verdict"`` (ranking candidates) stops as soon as the interval excludes 1 or is
+        narrower than ``protocol.target``; ``until="precision"`` (a figure to report) runs at
+        least ``final_sessions`` rounds and stops only once the interval is that narrow.
+        """
+        if until not in ("verdict", "precision"):
+            raise ValueError(f"until must be 'verdict' or 'precision', got {until!r}")
         cand, ref = _as_source(candidate), _as_source(reference)
         self._last_model = ref
         p = self.protocol
+        min_rounds = p.min_rounds
+        if until == "precision":
+            min_rounds = max(p.min_rounds, min(p.final_sessions, p.max_rounds))
         if self.deterministic:
             mc, mr = self._deterministic(cand), self._deterministic(ref)
             ratio = max(mc.score_ms, 1e-9) / max(mr.score_ms, 1e-9)
             return Comparison(ratio, ratio, ratio, mc, mr, 1, True, [ratio], p.confidence)
-        looks = p.max_rounds - p.min_rounds + 1
+        looks = p.max_rounds - min_rounds + 1
         level = per_look_confidence(p.confidence, looks)
         warm = self._warm_rounds()
         acc_ref, acc_cand = _Acc(), _Acc()
@@ -602,10 +620,11 @@ class Measurer:
                 acc_ref.add(s_ref)
                 acc_cand.add(s_cand)
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
-                if len(ratios) < max(2, p.min_rounds):
+                if len(ratios) < max(2, min_rounds):
                     continue
                 center, lo, hi = ratio_interval(ratios, level)
-                if hi < 1.0 or lo > 1.0 or (hi - lo) / (2 * center) < p.target:
+                significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
+                if significant or (hi - lo) / (2 * center) < p.target:
                     decided = True
                     break
         finally:

@@ -15,7 +15,7 @@ import onnx
 
 from .config import Config
 from .export import QDQExporter, check_quant_type, upgrade_for
-from .graph import Graph, InputShapes, load_model, ort_basic_optimize
+from .graph import Graph, InputShapes, inline_external_limit, load_model, ort_basic_optimize
 from .insertion.points import PatternPoints, enumerate_points
 from .insertion.rules import RuntimeRules, rules_for
 from .patterns import PatternIndex
@@ -23,6 +23,17 @@ from .regions import RegionConfig, RegionTree, discover_regions
 
 PREPROCESS = ("auto", "none", "ort-basic")
 log = logging.getLogger("qdq_optuna")
+
+
+def _external_digest(path: str | os.PathLike, model_digest: str) -> str:
+    """The model file's digest combined with its external data files' digests."""
+    proto = onnx.load(str(path), load_external_data=False)
+    locations = sorted({e.value for t in proto.graph.initializer for e in t.external_data
+                        if e.key == "location"})
+    h = hashlib.sha256(model_digest.encode())
+    for location in locations:
+        h.update(location.encode() + b"\0" + file_sha256(Path(path).parent / location).encode())
+    return h.hexdigest()
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -44,6 +55,11 @@ class PreparedModel:
     source: str
     source_sha256: str
     preprocess: str
+    #: quant types an insertion point may choose from (``--quant-type mixed``); empty otherwise
+    mixed_types: tuple[str, ...] = ()
+    #: where exporters of a model whose weights stay on disk (external mode) keep their work
+    #: folders (the run's output folder; a temporary folder when None)
+    data_dir: Path | None = None
 
     @classmethod
     def prepare(
@@ -58,7 +74,9 @@ class PreparedModel:
     ) -> PreparedModel:
         cfg = config or Config()
         rules = rules_for(runtime)
-        qtype = check_quant_type(quant_type or cfg.default_quant_type or rules.default_quant_type)
+        mixed = quant_type == "mixed"  # every point chooses none or one of the rules' types
+        qtype = check_quant_type(rules.default_quant_type if mixed else
+                                 quant_type or cfg.default_quant_type or rules.default_quant_type)
         if qtype not in rules.quant_types:
             from .errors import OptionError
 
@@ -76,7 +94,14 @@ class PreparedModel:
             source, digest = "<model>", hashlib.sha256(model.SerializeToString()).hexdigest()
         else:
             source, digest = str(model), file_sha256(model)
+            if graph.external_dir is not None:  # the weights on disk are part of the model
+                digest = _external_digest(model, digest)
         mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
+        if mode == "ort-basic" and graph.external_dir is not None:
+            log.warning("the model's weights stay on disk (external data over %d bytes): "
+                        "tuning it without ONNX Runtime preprocessing (--preprocess none)",
+                        inline_external_limit())
+            mode = "none"
         if mode == "ort-basic":
             pre = ort_basic_optimize(graph.model)
             if _loads_in_ort(pre):
@@ -85,14 +110,15 @@ class PreparedModel:
                 log.warning("ONNX Runtime cannot reload its own preprocessed model; "
                             "tuning the model as given (--preprocess none)")
                 mode = "none"
-        graph = upgrade_for(graph, [qtype])
+        graph = upgrade_for(graph, rules.quant_types if mixed else [qtype])
         tree = discover_regions(
             graph,
             RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
         )
         index = PatternIndex(graph, tree)
         points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
-        return cls(graph, tree, index, points, rules, qtype, source, digest, mode)
+        return cls(graph, tree, index, points, rules, qtype, source, digest, mode,
+                   mixed_types=tuple(rules.quant_types) if mixed else ())
 
     @property
     def tunable(self) -> list[PatternPoints]:
@@ -104,6 +130,7 @@ class PreparedModel:
         return QDQExporter(
             self.graph, self.rules, quant_type or self.quant_type, scales=scales,
             default_scale=cfg.default_q_scale, default_zero_point=cfg.default_q_zero_point,
+            data_dir=self.data_dir,
         )
 
     def candidate_tensors(self) -> list[str]:

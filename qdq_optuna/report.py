@@ -19,12 +19,14 @@ def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) ->
     import optuna
     from optuna.trial import TrialState
 
+    all_trials: list = []
     for pp in tuner.prepared.tunable:
         row = committed_by_id.get(pp.pattern.id)
         trials = 0
         try:
             s = optuna.load_study(study_name=tuner._study_name(pp), storage=tuner.storage)
             trials = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            all_trials += s.get_trials(deepcopy=False)
         except KeyError:
             pass
         patterns.append({
@@ -40,6 +42,10 @@ def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) ->
             "reference_ms": (row or {}).get("reference_ms"),
             "commit_reason": (row or {}).get("commit_reason"),
         })
+        for key in ("committed_error", "reference_error", "committed_types"):  # accuracy modes
+            if row and key in row:
+                patterns[-1][key] = row[key]
+    stats = trial_statistics(all_trials)
     return {
         "model": tuner.prepared.source,
         "output": str(tuner.out),
@@ -64,16 +70,68 @@ def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) ->
         "quantized_weights": sorted({tuner.prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
         "qdq_pairs": plan.qdq_pairs,
         "measurements": tuner.measurements,
-        "builds_saved_by_cache": tuner.cache_hits,
+        "builds_saved_by_cache": stats["cache_hits"],
+        "search_statistics": stats,
         "measurer": tuner.measurer.counters(),
         "patterns": patterns,
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
 
 
+def trial_statistics(trials) -> dict:
+    """How a run's trials were measured, from their ``measurement`` records (so resumed runs
+    count every process): ``measured`` = ``ab_compared`` + ``screened_out`` + ``screen_only`` +
+    ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved)."""
+    from optuna.trial import TrialState
+
+    from .search import SCREEN_DISCARD_RATIO
+
+    out = {"trials": 0, "complete": 0, "failed": 0, "failed_transient": 0,
+           "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
+           "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
+           "screen_discard_ratio": SCREEN_DISCARD_RATIO}
+    kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
+             "deterministic": "deterministic"}
+    for t in trials:
+        out["trials"] += 1
+        attrs = t.user_attrs
+        if t.state == TrialState.FAIL:
+            out["failed"] += 1
+            out["failed_transient"] += bool(attrs.get("transient"))
+        elif t.state == TrialState.PRUNED and "known_failure" in attrs:
+            out["pruned_known_failure"] += 1
+        elif t.state == TrialState.COMPLETE:
+            out["complete"] += 1
+            rec = attrs.get("measurement") or {}
+            if rec.get("cached"):
+                out["cache_hits"] += 1
+                continue
+            key = kinds.get(rec.get("kind", ""))
+            if key is None:
+                continue
+            out["measured"] += 1
+            out[key] += 1
+            out["ab_decided"] += key == "ab_compared" and bool(rec.get("decided"))
+    return out
+
+
 def write_reports(out: Path, report: dict) -> None:
     atomic_write_bytes(out / "report.json", json.dumps(report, indent=2, default=str).encode())
     atomic_write_bytes(out / "report.md", render_markdown(report).encode())
+
+
+def _statistics_lines(st: dict | None) -> list[str]:
+    if not st:
+        return []
+    failed = ""
+    if st["failed"]:
+        failed = (f" {st['failed']} trials failed ({st['failed_transient']} of them a worker "
+                  "crash or timeout).")
+    return ["", f"Trials: {st['complete']} finished: {st['ab_compared']} A/B-compared against "
+            f"their pattern's reference ({st['ab_decided']} decided), {st['screened_out']} screened "
+            f"out (screen over {st['screen_discard_ratio']}x the reference; their value is the "
+            f"screen estimate), {st['screen_only']} screen-only, {st['deterministic']} "
+            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"]
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -100,16 +158,37 @@ def render_markdown(r: dict) -> str:
         "",
         f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
         f"Q/DQ. {r['measurements']} measurements; {r['builds_saved_by_cache']} builds saved by the cache.",
+        *_statistics_lines(r.get("search_statistics")),
         "",
+    ]
+    accuracy = "final_output_error" in r
+    if accuracy:
+        budget = r.get("max_output_error")
+        lines += [
+            f"Output error of `optimized.onnx` vs FP32 ({r.get('error_measure')}, worst output, "
+            f"validation data, calibrated scales): **{r['final_output_error']:.4g}**"
+            + ("" if budget is None else f" (budget {budget:g})") + ".",
+            "",
+        ]
+    lines += [
         "## Patterns",
         "",
-        "| pattern | regions | points | trials | committed | gain | note |",
-        "|---|---|---|---|---|---|---|",
+        "| pattern | regions | points | trials | committed | gain |"
+        + (" error after commit |" if accuracy else "") + " note |",
+        "|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
     ]
     for p in r["patterns"]:
+        scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
+                  for k in p["committed_scheme"]]
+        err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
         lines.append(
             f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
             f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
-            f"{', '.join(p['committed_scheme']) or '—'} | {_f(p['gain'])} | {p.get('commit_reason') or ''} |"
+            f"{', '.join(scheme) or '—'} | {_f(p['gain'])} |{err} "
+            f"{p.get('commit_reason') or ''} |"
         )
+    if r.get("pareto"):
+        from .pareto import write_front_table
+
+        lines += write_front_table(r["pareto"])
     return "\n".join(lines) + "\n"

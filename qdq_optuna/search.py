@@ -29,21 +29,37 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from .backends.base import Backend, BackendError
+from .accuracy import AccuracyError
+from .backends.base import Backend, BackendError, BackendUnavailable
 from .cache import PatternCache, baseline_seed, baseline_tensors
 from .config import Config
 from .errors import OptionError, UserError
-from .export import QuantPlan, atomic_write_bytes
+from .export import QuantPlan, atomic_write_bytes, remove_stale_temps
 from .graph import InputShapes, Use
 from .insertion.points import PatternPoints
 from .measure import Measurer, TimingProtocol
 from .model import PreparedModel
+from .objectives import (
+    CATEGORICAL_SAMPLERS,
+    METRIC_NAMES,
+    ChoiceSpace,
+    ErrorScorer,
+    check_error_options,
+    check_sampler,
+    choose_candidate,
+    combine,
+    parse_objectives,
+    validation_data,
+)
 from .sampling import make_sampler
 from .storage import (
     MeasurementCache,
+    agree,
+    claim,
     default_storage_url,
     delete_run,
     fail_running_trials,
+    fail_trial,
     open_storage,
     quiet_optuna,
 )
@@ -53,6 +69,11 @@ log = logging.getLogger("qdq_optuna")
 #: runtimes whose fusion rules apply, by backend name
 TENSORRT_BACKENDS = frozenset({"tensorrt", "trtexec", "costmodel", "ort-trt"})
 METRIC = "latency_ms"
+#: robust timing: a candidate whose one-session screen reads more than this many times the
+#: reference's screen (checked against a fresh screen of the reference before discarding) is
+#: *screened out*: no A/B comparison, its value is the screen estimate, flagged ``screened_out``.
+#: A single screen resolves 14-24 % differences, so 1.3 only drops candidates far off; a
+#: screened-out trial can never be committed (a commit needs an interleaved confirmation).
 SCREEN_DISCARD_RATIO = 1.3
 #: seconds between looks while a worker waits for other workers' trials to free a slot
 SLOT_POLL_S = 0.25
@@ -86,10 +107,25 @@ class TuneOptions:
     worker: bool = False
     preprocess: str = "auto"
     threads: int = 1
-    isolate: bool = False
+    #: build and time in a worker subprocess, so a crash or hang fails one trial, not the run
+    #: (names of ONNX Runtime / TensorRT backends; a callable or Backend object runs as given)
+    isolate: bool = True
     progress: bool = True
+    #: accuracy (see qdq_optuna.objectives): data the output errors are measured on (default:
+    #: the calibration data), a user metric ``module:function`` (lower is better), the error
+    #: measure, an error budget, and the objectives (``latency`` or ``latency,error``)
+    validation_data: str | None = None
+    metric: str | None = None
+    error_measure: str = "relative_l2"
+    max_output_error: float | None = None
+    objectives: str = "latency"
+    #: seconds without a heartbeat after which a ``worker``'s RUNNING trial counts as dead and
+    #: is retried (default: $QDQ_OPTUNA_HEARTBEAT_GRACE, else storage.GRACE_PERIOD_S)
+    heartbeat_grace: float | None = None
 
     def __post_init__(self) -> None:
+        check_error_options(self.error_measure, self.max_output_error)
+        parse_objectives(self.objectives)
         if self.scales not in ("auto", "default", "calibrated"):
             raise OptionError(f"--scales: unknown {self.scales!r} (choose auto, default, calibrated)")
         if self.timeout is not None and not self.timeout > 0:
@@ -127,8 +163,8 @@ def _backend_from(options: TuneOptions) -> Backend:
         kwargs = {"threads": options.threads, "input_shapes": shapes}
     elif b in ("costmodel", "tensorrt", "trtexec"):
         kwargs = {"input_shapes": shapes}
-    if options.isolate and ":" not in b:
-        kwargs["isolate"] = True
+    if ":" not in b:
+        kwargs["isolate"] = bool(options.isolate)
     return make_backend(b, **kwargs)
 
 
@@ -150,14 +186,35 @@ class Tuner:
             options.model, runtime=self.runtime, quant_type=options.quant_type,
             input_shapes=options.input_shapes, config=self.cfg, preprocess=options.preprocess,
         )
+        # a model whose weights stay on disk is exported into work folders of the output folder
+        self.prepared.data_dir = self.out
         self.protocol = TimingProtocol.from_name(options.timing)
         self.measurer = Measurer(self.backend, self.protocol)
         self.measurements = 0
         self.cache_hits = 0
+        #: plan key -> where that model failed in this process; the sampler does not avoid
+        #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
+        self._failed_plans: dict[str, str] = {}
         self.run_id = options.run_id or self.out.resolve().name or "run"
         self.scales_mode = options.scales
         if self.scales_mode == "auto":
             self.scales_mode = "calibrated" if self.runtime == "onnxruntime" else "default"
+        self.objectives = parse_objectives(options.objectives)
+        self.multi_objective = len(self.objectives) > 1
+        self.constrained = options.max_output_error is not None
+        self.accuracy_on = (self.multi_objective or self.constrained
+                            or options.validation_data is not None or options.metric is not None)
+        if self.accuracy_on:  # errors with placeholder scales say nothing about the real model
+            if options.scales == "default":
+                raise OptionError("--scales default cannot be combined with accuracy options "
+                                  "(--max-output-error, --objectives latency,error, "
+                                  "--validation-data, --metric): errors need calibrated scales")
+            self.scales_mode = "calibrated"
+        self.space = ChoiceSpace(self.prepared.mixed_types or (self.prepared.quant_type,),
+                                 categorical=options.sampler in CATEGORICAL_SAMPLERS)
+        check_sampler(options.sampler, multi_objective=self.multi_objective,
+                      mixed=self.space.mixed, constrained=self.constrained)
+        self.scorer: ErrorScorer | None = None
         self.started = time.monotonic()
 
     # -- fingerprint, storage --------------------------------------------------------------
@@ -176,13 +233,36 @@ class Tuner:
             "scales": self.scales_mode,
             "calibration_method": o.calibration_method,
             "preprocess": self.prepared.preprocess,
+            **self._objective_settings(),
         }
+
+    def _objective_settings(self) -> dict:
+        """Fingerprint entries of the accuracy / mixed-precision modes (absent when off, so
+        runs made before these options existed still resume)."""
+        o = self.o
+        extra: dict = {}
+        if self.space.mixed:
+            extra["mixed_types"] = list(self.space.types)
+        if self.accuracy_on:
+            extra["accuracy"] = {
+                "objectives": list(self.objectives),
+                "max_output_error": o.max_output_error,
+                "error_measure": o.error_measure,
+                "metric": o.metric,
+                "validation_data": (
+                    Path(o.validation_data).name + ":" + _sha_file(o.validation_data)
+                    if o.validation_data and Path(o.validation_data).is_file()
+                    else o.validation_data),
+            }
+        return extra
 
     def _open(self) -> None:
         quiet_optuna(self.cfg.verbose)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.out)  # half-written outputs of a killed process
         self.storage_url = self.o.storage or default_storage_url(self.out)
-        self.storage = open_storage(self.storage_url, heartbeat=self.o.worker)
+        self.storage = open_storage(self.storage_url, heartbeat=self.o.worker,
+                                    grace=self.o.heartbeat_grace)
         fp = self.fingerprint()
         digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]
         if self.o.fresh and not self.o.worker:
@@ -191,6 +271,15 @@ class Tuner:
             study_name=f"{self.run_id}/_run", storage=self.storage, load_if_exists=True
         )
         attrs = self.run_study.user_attrs
+        if "fingerprint" not in attrs:
+            # workers starting together agree on one set of settings (a worker started with
+            # other settings is refused below, whichever was first)
+            won = agree(self.run_study, "fingerprint",
+                        {"digest": digest, "settings": json.loads(json.dumps(fp, default=str))})
+            self.run_study.set_user_attr("settings", won["settings"])
+            self.run_study.set_user_attr("created", _dt.datetime.now(_dt.timezone.utc).isoformat())
+            self.run_study.set_user_attr("fingerprint", won["digest"])
+            attrs = self.run_study.user_attrs
         if "fingerprint" in attrs and attrs["fingerprint"] != digest:
             old = attrs.get("settings", {})
             changed = sorted(k for k in fp if json.dumps(fp[k], sort_keys=True, default=str)
@@ -200,10 +289,6 @@ class Tuner:
                 f"(changed: {', '.join(changed) or 'unknown'}); rerun with the same settings to "
                 "resume, add --fresh to start over, or pick another --output"
             )
-        if "fingerprint" not in attrs:
-            self.run_study.set_user_attr("fingerprint", digest)
-            self.run_study.set_user_attr("settings", json.loads(json.dumps(fp, default=str)))
-            self.run_study.set_user_attr("created", _dt.datetime.now(_dt.timezone.utc).isoformat())
         self.fingerprint_digest = digest
         self.mcache = MeasurementCache(self.run_study)
 
@@ -231,52 +316,115 @@ class Tuner:
         stats_path = self.out / "calibration_stats.json"
         stats = calibration.load_statistics(stats_path, fingerprint=fp)
         if stats is None:
-            stats = calibration.collect_statistics(model, tensors, data)
+            stats = calibration.collect_statistics(
+                model, tensors, data, external_data_dir=self.prepared.graph.external_dir)
             calibration.save_statistics(stats_path, stats, fingerprint=fp)
         self._calibrated = calibration.activation_scales(
             stats, method=self.o.calibration_method, quant_type=self.prepared.quant_type
         )
+        for qtype in self.prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
+            scales = calibration.activation_scales(stats, method=self.o.calibration_method,
+                                                   quant_type=qtype)
+            self._calibrated.update({(t, qtype): v for t, v in scales.items()})
         return self._calibrated
+
+    def _scorer(self, exporter) -> ErrorScorer | None:
+        """Output errors vs FP32 on the validation data (accuracy modes only)."""
+        if not self.accuracy_on:
+            return None
+        if self.scorer is None:
+            shapes = InputShapes.parse(self.o.input_shapes).shapes
+            data, _ = validation_data(self.prepared.graph.model, validation=self.o.validation_data,
+                                      calibration_data=self.o.calibration_data,
+                                      input_shapes=shapes)
+            self.scorer = ErrorScorer(
+                exporter.to_bytes(exporter.plan(set())), data, metric=self.o.metric,
+                error_measure=self.o.error_measure, optimize=self.runtime == "onnxruntime",
+                run_study=self.run_study,
+            )
+        return self.scorer
+
+    def _typed(self, base: dict, pp: PatternPoints, params: dict) -> dict:
+        """The uses (-> quant type) of ``params`` for pattern ``pp`` on top of ``base``."""
+        return combine(base, self.space.typed_uses(pp, params))
 
     # -- measuring -------------------------------------------------------------------------
     def _measure_plan(self, exporter, plan: QuantPlan) -> tuple[float, dict]:
-        cached = self.mcache.get(plan.key)
+        cached = self._cached(plan)
         if cached is not None:
-            self.cache_hits += 1
-            return cached["latency_ms"], {**cached, "cached": True}
-        data = exporter.to_bytes(plan)
+            return cached["latency_ms"], cached
+        data = exporter.source(plan)
         m = self.measurer.measure(data) if not self.measurer.deterministic else self.measurer.screen(data)
         self.measurements += 1
         record = {"latency_ms": m.score_ms, "stats": m.to_dict(), "qdq": len(plan)}
         self.mcache.put(plan.key, record)
         return m.score_ms, record
 
+    def _cached(self, plan: QuantPlan, ref_ms: float | None = None) -> dict | None:
+        """The record of the same model measured earlier in this run (any pattern or process)."""
+        cached = self.mcache.get(plan.key)
+        if cached is None:
+            return None
+        self.cache_hits += 1
+        record = {**cached, "cached": True}
+        then = cached.get("reference_ms")
+        if ref_ms is not None and then is not None and not math.isclose(then, ref_ms):
+            # measured against another pattern's reference: only the latency carries over
+            record.update(ratio=cached["latency_ms"] / ref_ms, ci=None, decided=False,
+                          reference_ms=ref_ms, measured_against_ms=then)
+        return record
+
     def _compare(self, exporter, plan: QuantPlan, reference: bytes, ref_ms: float,
                  ref_screen: float | None) -> tuple[float, dict]:
-        cached = self.mcache.get(plan.key)
+        """The objective's latency of ``plan``: ``ref_ms`` times its ratio to the reference.
+
+        The record (the trial's ``measurement`` user attr) always has ``kind`` (``ab``:
+        interleaved A/B against the pattern's reference; ``screened_out``: dropped by the screen,
+        see :data:`SCREEN_DISCARD_RATIO`; ``screen``: one session, fast timing;
+        ``deterministic``), ``latency_ms``, ``ratio``, ``ci`` (of the ratio; ``None`` where
+        there is none), ``rounds``, ``decided``, ``screened_out``, ``sessions`` (timed sessions
+        of the candidate), ``reference_ms``; ``cached: true`` when the model was measured before.
+        """
+        cached = self._cached(plan, ref_ms)
         if cached is not None:
-            self.cache_hits += 1
-            return cached["latency_ms"], {**cached, "cached": True}
-        data = exporter.to_bytes(plan)
+            return cached["latency_ms"], cached
+        data = exporter.source(plan)
+        base = {"reference_ms": ref_ms, "screened_out": False, "ci": None, "decided": False}
         if self.measurer.deterministic:
             m = self.measurer.screen(data)
-            record = {"latency_ms": m.score_ms, "ratio": m.score_ms / ref_ms, "deterministic": True}
+            ratio = m.score_ms / ref_ms
+            record = {**base, "kind": "deterministic", "latency_ms": m.score_ms, "ratio": ratio,
+                      "ci": [ratio, ratio], "rounds": 1, "decided": True, "sessions": 1,
+                      "deterministic": True}
         elif self.protocol.name == "fast" or ref_screen is None:
             m = self.measurer.screen(data)
-            record = {"latency_ms": m.score_ms, "ratio": m.score_ms / ref_ms, "stats": m.to_dict()}
+            record = {**base, "kind": "screen", "latency_ms": m.score_ms,
+                      "ratio": m.score_ms / ref_ms, "rounds": 1, "sessions": m.sessions,
+                      "stats": m.to_dict()}
         else:
             screen = self.measurer.screen(data)
             self.measurements += 1
             if screen.score_ms > SCREEN_DISCARD_RATIO * ref_screen:
-                est = ref_ms * screen.score_ms / ref_screen
-                record = {"latency_ms": est, "ratio": est / ref_ms, "screened_out": True,
-                          "stats": screen.to_dict()}
-                self.mcache.put(plan.key, record)
-                return est, record
+                # the reference's screen dates from the start of the pattern: screen it again
+                # now, so that drift since then cannot discard a candidate
+                now = self.measurer.screen(reference)
+                self.measurements += 1
+                if screen.score_ms > SCREEN_DISCARD_RATIO * now.score_ms:
+                    ratio = screen.score_ms / now.score_ms
+                    record = {**base, "kind": "screened_out", "screened_out": True,
+                              "latency_ms": ref_ms * ratio, "ratio": ratio, "rounds": 1,
+                              "sessions": screen.sessions, "screen_ms": screen.score_ms,
+                              "reference_screen_ms": now.score_ms,
+                              "screen_threshold": SCREEN_DISCARD_RATIO,
+                              "stats": screen.to_dict(), "qdq": len(plan)}
+                    self.mcache.put(plan.key, record)
+                    return record["latency_ms"], record
             cmp = self.measurer.compare(data, reference)
-            record = {"latency_ms": ref_ms * cmp.ratio, "ratio": cmp.ratio,
+            record = {**base, "kind": "ab", "latency_ms": ref_ms * cmp.ratio, "ratio": cmp.ratio,
                       "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds,
-                      "decided": cmp.decided, "screen_ms": screen.score_ms}
+                      "decided": cmp.decided, "verdict": cmp.verdict,
+                      "sessions": screen.sessions + cmp.candidate.sessions,
+                      "screen_ms": screen.score_ms}
         self.measurements += 1
         record["qdq"] = len(plan)
         self.mcache.put(plan.key, record)
@@ -286,8 +434,8 @@ class Tuner:
     def _study_name(self, pp: PatternPoints) -> str:
         return f"{self.run_id}/{pp.pattern.id}"
 
-    def _committed(self) -> tuple[set[Use], list[dict]]:
-        uses: set[Use] = set()
+    def _committed(self) -> tuple[dict[Use, str], list[dict]]:
+        uses: dict[Use, str] = {}
         rows = []
         for pp in self.prepared.tunable:
             try:
@@ -297,38 +445,37 @@ class Tuner:
             attrs = s.user_attrs
             if "committed" not in attrs:
                 break
-            on = [p for p, v in attrs["committed"].items() if v]
-            uses |= pp.uses(on)
+            uses = combine(uses, self.space.typed_uses(pp, attrs["committed"]))
             rows.append(attrs)
         return uses, rows
 
-    def _distinct_schemes(self, pp: PatternPoints, exporter, base: set[Use]) -> int | None:
-        if len(pp.ids) > 10:
+    def _distinct_schemes(self, pp: PatternPoints, exporter, base: dict) -> int | None:
+        if self.space.n ** len(pp.ids) > 1024:
             return None
         keys = set()
-        for bits in itertools.product((0, 1), repeat=len(pp.ids)):
-            on = [p for p, b in zip(pp.ids, bits) if b]
-            keys.add(exporter.plan(base | pp.uses(on)).key)
+        for bits in itertools.product(range(self.space.n), repeat=len(pp.ids)):
+            keys.add(exporter.plan(self._typed(base, pp, dict(zip(pp.ids, bits)))).key)
         return len(keys)
 
-    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter, base: set[Use],
+    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter, base: dict[Use, str],
                       seeds_cache: PatternCache | None, baseline_q: set[str] | None,
                       bar_total) -> dict:
         cfg = self.cfg
         sampler = make_sampler(
             self.o.sampler, seed=None if self.o.seed is None else self.o.seed + idx, config=cfg,
-            scheme_key=lambda params: exporter.plan(
-                base | pp.uses([p for p, v in params.items() if v])).key,
+            scheme_key=lambda params: exporter.plan(self._typed(base, pp, params)).key,
+            multi_objective=self.multi_objective,
         )
         study = optuna.create_study(
             study_name=self._study_name(pp), storage=self.storage, sampler=sampler,
-            direction="minimize", load_if_exists=True,
+            directions=["minimize"] * len(self.objectives), load_if_exists=True,
         )
         if "committed" in study.user_attrs:
             return dict(study.user_attrs)
+        self._current_study = study
         g = self.prepared.graph
-        if "signature" not in study.user_attrs:
-            study.set_metric_names([METRIC])
+        if "attrs_complete" not in study.user_attrs:  # a killed process may have left only some
+            study.set_metric_names([METRIC_NAMES[o] for o in self.objectives])
             attrs = {
                 "signature": pp.pattern.signature,
                 "pattern_id": pp.pattern.id,
@@ -351,43 +498,67 @@ class Tuner:
                 pid: sorted(uses_index[u] for us in pp.resolved[pid].values() for u in us)
                 for pid in pp.ids
             }
+            attrs.update(self.space.study_attrs())
             for k, v in attrs.items():
                 study.set_user_attr(k, v)
+            study.set_user_attr("attrs_complete", True)
         if not self.o.worker:
             for params in fail_running_trials(study):
                 _enqueue_redo(study, params)
-        # transient failures of an earlier process are retried once
-        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-            if t.user_attrs.get("transient") and not t.system_attrs.get("qdq:retried"):
-                study._storage.set_trial_system_attr(t._trial_id, "qdq:retried", True)
-                _enqueue_redo(study, dict(t.params))
-        empty = dict.fromkeys(pp.ids, 0)
+        # transient failures (worker crash or timeout) of an earlier process are retried once:
+        # the redo carries ``retry_of`` (a finished trial's attrs cannot be changed any more)
+        # and a failed redo is not retried again
+        every = study.get_trials(deepcopy=False)
+        retried = {t.user_attrs.get("retry_of") for t in every}
+        for t in every:
+            if t.state != TrialState.FAIL or not t.user_attrs.get("transient"):
+                continue
+            if "retry_of" in t.user_attrs or t.number in retried:
+                continue
+            if not self.o.worker or claim(self.run_study, f"redo/{study.study_name}/{t.number}"):
+                _enqueue_redo(study, dict(t.params), {"retry_of": t.number})
+        empty = self.space.seed(dict.fromkeys(pp.ids, 0))
         if self.o.sampler != "qdq":
             study.enqueue_trial(empty, skip_if_exists=True)
         if seeds_cache is not None:
             for s in seeds_cache.seeds_for(pp):
-                study.enqueue_trial(s, skip_if_exists=True)
+                study.enqueue_trial(self.space.seed(s), skip_if_exists=True)
         if baseline_q:
             s = baseline_seed(pp, baseline_q)
             if s is not None:
-                study.enqueue_trial(s, skip_if_exists=True)
+                study.enqueue_trial(self.space.seed(s), skip_if_exists=True)
 
         # the reference: everything committed so far, nothing of this pattern
         ref_plan = exporter.plan(base)
-        ref_bytes = exporter.to_bytes(ref_plan)
+        ref_bytes = exporter.source(ref_plan)  # bytes, or a path for a model in external mode
         if "reference_ms" not in study.user_attrs:
-            if self.measurer.deterministic:
-                ref = self.measurer.screen(ref_bytes)
-                ref_ms, ref_screen = ref.score_ms, ref.score_ms
-            else:
-                ref_ms = self.measurer.measure(ref_bytes).score_ms
-                ref_screen = self.measurer.screen(ref_bytes).score_ms
-            self.measurements += 1
-            study.set_user_attr("reference_ms", ref_ms)
+            def measure_reference() -> list[float]:
+                if self.measurer.deterministic:
+                    ref = self.measurer.screen(ref_bytes)
+                    ref_ms, ref_screen = ref.score_ms, ref.score_ms
+                else:
+                    ref_ms = self.measurer.measure(ref_bytes).score_ms
+                    ref_screen = self.measurer.screen(ref_bytes).score_ms
+                self.measurements += 1
+                return [ref_ms, ref_screen]
+
+            # every worker times its trials against the same reference figure
+            ref_ms, ref_screen = agree(self.run_study, f"reference/{pp.pattern.id}",
+                                       measure_reference)
             study.set_user_attr("reference_screen_ms", ref_screen)
+            study.set_user_attr("reference_ms", ref_ms)
         ref_ms = study.user_attrs["reference_ms"]
         ref_screen = study.user_attrs.get("reference_screen_ms")
-        self.mcache.put(ref_plan.key, {"latency_ms": ref_ms, "ratio": 1.0, "reference": True})
+        # a trial that builds the reference itself is not measured: its ratio is 1 exactly
+        self.mcache.put(ref_plan.key, {"kind": "reference", "latency_ms": ref_ms, "ratio": 1.0,
+                                       "ci": [1.0, 1.0], "rounds": 0, "decided": True,
+                                       "screened_out": False, "sessions": 0, "reference": True,
+                                       "reference_ms": ref_ms})
+        scorer = self._scorer(exporter)
+        if scorer is not None and "reference_error" not in study.user_attrs:
+            ref_err = scorer.score(exporter, ref_plan)
+            study.set_user_attr("reference_error", ref_err["error"])
+            study.set_user_attr("reference_output_errors", ref_err["output_errors"])
 
         budget = cfg.schemes_per_region
         distinct = self._distinct_schemes(pp, exporter, base)
@@ -395,30 +566,59 @@ class Tuner:
             budget = min(budget, distinct)
 
         def objective(trial: optuna.Trial) -> float:
-            if not self._claim_slot(study, trial.number, budget):
+            slot = self._claim_slot(study, trial, budget)
+            if slot is None:
+                trial.set_user_attr("skipped", "gave its slot to a queued (retried) trial")
+                raise optuna.TrialPruned("gave its slot to a queued (retried) trial")
+            if not slot:
                 trial.set_user_attr("skipped", "the budget was filled by other workers")
                 study.stop()
                 raise optuna.TrialPruned("the budget was filled by other workers")
-            params = {pid: trial.suggest_int(pid, 0, 1) for pid in pp.ids}
+            params = {pid: self.space.suggest(trial, pid) for pid in pp.ids}
             on = [p for p, v in params.items() if v]
-            plan = exporter.plan(base | pp.uses(on))
+            plan = exporter.plan(self._typed(base, pp, params))
             trial.set_user_attr("scheme", on)
+            if self.space.mixed:
+                trial.set_user_attr("scheme_types", self.space.describe(params))
             trial.set_user_attr("plan_key", plan.key)
             trial.set_user_attr("qdq_count", len(plan))
             trial.set_user_attr("tensors", sorted({u[0] for u in pp.uses(on)}))
+            twin = self._twin(study, trial, plan.key) if self.o.worker else None
+            if twin is not None:  # two workers drew the same scheme at once: measure it once
+                trial.set_user_attr("duplicate_of", twin)
+                raise optuna.TrialPruned(f"trial {twin} measures the same model")
+            failed_in = self._failed_plans.get(plan.key)
+            if failed_in is not None:
+                trial.set_user_attr("known_failure", failed_in)
+                raise optuna.TrialPruned(f"the same model failed in {failed_in}")
+            before = self.measurements  # what this trial cost (0 when cached); see bench.py
             try:
                 latency, record = self._compare(exporter, plan, ref_bytes, ref_ms, ref_screen)
             except BackendError as exc:
+                self._failed_plans[plan.key] = f"{pp.pattern.id} trial {trial.number}"
                 trial.set_user_attr("failure", str(exc)[:2000])
                 trial.set_user_attr("transient", bool(getattr(exc, "transient", False)))
+                trial.set_user_attr("measurements", self.measurements - before)
                 raise
+            trial.set_user_attr("measurements", self.measurements - before)
             trial.set_user_attr("measurement", record)
-            return latency
+            if scorer is None:
+                return latency
+            err = scorer.score(exporter, plan)
+            trial.set_user_attr("error", err["error"])  # the scalar objective / constraint
+            trial.set_user_attr("output_errors", err["output_errors"])  # per output: cosine, ...
+            if self.constrained:
+                excess = err["error"] - float(self.o.max_output_error)
+                trial.set_constraint("max_output_error", excess)
+                trial.set_user_attr("feasible", excess <= 0)
+            return (latency, err["error"]) if self.multi_objective else latency
 
         counter = optuna.study.MaxTrialsCallback(budget, states=(TrialState.COMPLETE,))
 
         def stop_on_failures(study: optuna.Study, trial) -> None:
-            fails = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+            fails = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,
+                                                                            TrialState.PRUNED))
+                        if t.state == TrialState.FAIL or "known_failure" in t.user_attrs)
             if fails >= max(5, budget):
                 study.stop()
 
@@ -433,15 +633,15 @@ class Tuner:
         def progress(study: optuna.Study, trial) -> None:
             if bar is not None and trial.state == TrialState.COMPLETE:
                 bar.update(1)
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, RuntimeError):  # none feasible / 2 objectives
                     bar.set_postfix(best=f"{study.best_value:.3f}ms", ref=f"{ref_ms:.3f}ms")
 
         done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         try:
             if done < budget:
                 study.optimize(
-                    objective, callbacks=[counter, stop_on_failures, progress],
-                    timeout=self._remaining(), catch=(BackendError,),
+                    self._interruptible(objective), callbacks=[counter, stop_on_failures, progress],
+                    timeout=self._remaining(), catch=(BackendError, AccuracyError),
                     gc_after_trial=False,
                 )
         finally:
@@ -453,17 +653,33 @@ class Tuner:
                 raise _OutOfTime()
         return self._commit(study, pp, exporter, base, ref_plan, ref_bytes, ref_ms)
 
-    def _claim_slot(self, study: optuna.Study, number: int, budget: int) -> bool:
-        """Whether trial ``number`` may be measured: fewer than ``budget`` trials are COMPLETE or
-        RUNNING ahead of it (lower number). Without this, workers sharing a study each finish
+    def _claim_slot(self, study: optuna.Study, trial: optuna.Trial, budget: int) -> bool | None:
+        """Whether ``trial`` may be measured: fewer than ``budget`` trials are COMPLETE, hold a
+        slot, or are RUNNING ahead of it. Without this, workers sharing a study each finish
         their running trial after the last slot was taken and the study overshoots its budget.
-        A trial without a slot waits while a trial ahead of it may still fail and free one."""
+        A trial without a slot waits while a trial ahead of it may still fail and free one
+        (a dead worker's trial fails once its heartbeat is older than the grace period).
+
+        Queued trials (a dead worker's retried trial, seeds) go ahead of the sampler's own
+        trials whatever their number, so a retry is never crowded out by waiting workers.
+        None: a slot is free but queued trials need the last slots; a trial of the sampler's
+        own gives its slot up, so that the next ``ask`` runs a queued one."""
+        number = trial.number
+        mine = study._storage.get_trial(trial._trial_id)
+        rank = (not _queued(mine), number)
         while True:
-            trials = study.get_trials(deepcopy=False,
-                                      states=(TrialState.COMPLETE, TrialState.RUNNING))
+            trials = study.get_trials(deepcopy=False, states=(
+                TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING))
             done = sum(1 for t in trials if t.state == TrialState.COMPLETE)
-            ahead = sum(1 for t in trials if t.state == TrialState.RUNNING and t.number < number)
+            ahead = sum(1 for t in trials if t.state == TrialState.RUNNING and t.number != number
+                        and (t.user_attrs.get("slot") or (not _queued(t), t.number) < rank))
+            queued = sum(1 for t in trials if t.state == TrialState.WAITING) if rank[0] else 0
             if done + ahead < budget:
+                if queued and done + ahead + queued >= budget:
+                    time.sleep(SLOT_POLL_S)
+                    return None
+                if self.o.worker:  # trials that check after this one count it
+                    trial.set_user_attr("slot", True)
                 return True
             remaining = self._remaining()
             if done >= budget or (remaining is not None and remaining <= 0):
@@ -471,26 +687,87 @@ class Tuner:
             optuna.storages.fail_stale_trials(study)  # a dead worker's trial frees its slot
             time.sleep(SLOT_POLL_S)
 
+    @staticmethod
+    def _twin(study: optuna.Study, trial: optuna.Trial, key: str) -> int | None:
+        """Another finished, running or queued trial that builds the same model (two workers
+        sampled the same scheme at once). Each trial stores its plan key before it looks, so of
+        two twins at least one sees the other and steps back (rarely both: the scheme is then
+        left out, never measured twice). Schemes the sampler knowingly repeats
+        (``qdq:duplicate``) are not twins."""
+        if study._storage.get_trial_system_attrs(trial._trial_id).get("qdq:duplicate"):
+            return None
+        for t in study.get_trials(deepcopy=False, states=(
+                TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)):
+            if t.number != trial.number and t.user_attrs.get("plan_key") == key:
+                return t.number
+        return None
+
+    def _interruptible(self, objective: Callable) -> Callable:
+        """The objective, noting which trial runs, and marking a Ctrl-C'd trial to be redone."""
+        def run(trial: optuna.Trial):
+            self._live_trial = trial._trial_id
+            try:
+                return objective(trial)
+            except KeyboardInterrupt:
+                with contextlib.suppress(Exception):
+                    trial.set_user_attr("failure", "interrupted (Ctrl-C)")
+                    trial.set_user_attr("transient", True)  # redone by the next run
+                raise
+        return run
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
+        study = getattr(self, "_current_study", None)
+        if study is not None:
+            with contextlib.suppress(Exception):
+                live = getattr(self, "_live_trial", None)
+                for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                    if not self.o.worker or t._trial_id == live:
+                        fail_trial(study, t._trial_id, "interrupted (Ctrl-C)", transient=True)
+        if hasattr(self, "run_study"):
+            with contextlib.suppress(Exception):
+                self._write_state("interrupted")
+
     def _commit(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms) -> dict:
+        """Store the pattern's decision. With several workers, or a process killed part way,
+        the first decision stored in the run wins (:func:`~qdq_optuna.storage.agree`): every
+        worker builds the next patterns on the same commits."""
         if "committed" in study.user_attrs:  # another worker committed this pattern already
             return dict(study.user_attrs)
+        decision = agree(self.run_study, f"commit/{pp.pattern.id}", lambda: self._decide(
+            study, pp, exporter, base, ref_plan, ref_bytes, ref_ms))
+        # "committed" last: its presence means the whole decision is stored
+        for k, v in sorted(decision.items(), key=lambda kv: kv[0] == "committed"):
+            study.set_user_attr(k if k != "reason" else "commit_reason", v)
+        from .dashboard import save_pattern_artifacts, save_pattern_note
+
+        save_pattern_artifacts(study, self.out, pp, self.prepared)  # logs, never raises
+        save_pattern_note(study)
+        return dict(study.user_attrs)
+
+    def _decide(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms) -> dict:
+        """The decision for one pattern: its best scheme if a re-measurement confirms it."""
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         empty = dict.fromkeys(pp.ids, 0)
         decision = {"committed": empty, "gain": 1.0, "reason": "no trial beat the reference"}
-        if complete:
-            best = min(complete, key=lambda t: (t.value, t.number))
-            plan = exporter.plan(base | pp.uses([p for p, v in best.params.items() if v]))
+        best, why = choose_candidate(complete, multi_objective=self.multi_objective,
+                                     constrained=self.constrained,
+                                     threshold=self.cfg.performance_threshold)
+        if best is None and complete:
+            decision["reason"] = why
+        if best is not None:
+            plan = exporter.plan(self._typed(base, pp, best.params))
             if plan.key == ref_plan.key:
                 decision["reason"] = "best scheme is the reference"
-            elif best.value < ref_ms / self.cfg.performance_threshold:
-                cmp = self.measurer.compare(exporter.to_bytes(plan), ref_bytes)
+            elif best.values[0] < ref_ms / self.cfg.performance_threshold:
+                cmp = self.measurer.compare(exporter.source(plan), ref_bytes)
                 self.measurements += 1
                 speedup = 1.0 / cmp.ratio
                 confirmed = speedup >= self.cfg.performance_threshold and (
                     self.measurer.deterministic or cmp.ci_high < 1.0
                 )
                 decision = {
-                    "committed": {p: int(best.params.get(p, 0)) for p in pp.ids} if confirmed else empty,
+                    "committed": self.space.indices(best.params, pp.ids) if confirmed else empty,
                     "gain": speedup if confirmed else 1.0,
                     "candidate_trial": best.number,
                     "confirmation": {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
@@ -500,14 +777,19 @@ class Tuner:
                               f"{self.cfg.performance_threshold} or not significant",
                 }
             else:
-                decision["reason"] = (f"best {best.value:.4f} ms not {self.cfg.performance_threshold}x "
+                decision["reason"] = (f"best {best.values[0]:.4f} ms not "
+                                      f"{self.cfg.performance_threshold}x "
                                       f"faster than reference {ref_ms:.4f} ms")
-        for k, v in decision.items():
-            study.set_user_attr(k if k != "reason" else "commit_reason", v)
-        from .dashboard import save_pattern_note
-
-        save_pattern_note(study)
-        return dict(study.user_attrs)
+            if self.accuracy_on or self.multi_objective:
+                decision["candidate"] = why
+        if self.accuracy_on:  # the whole-model error after this commit
+            chosen = exporter.plan(self._typed(base, pp, decision["committed"]))
+            err = self._scorer(exporter).score(exporter, chosen)
+            decision["committed_error"] = err["error"]
+            decision["committed_output_errors"] = err["output_errors"]
+        if self.space.mixed:
+            decision["committed_types"] = self.space.describe(decision["committed"])
+        return decision
 
     def _remaining(self) -> float | None:
         if self.o.timeout is None:
@@ -516,6 +798,33 @@ class Tuner:
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> TuneResult:
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+        finally:
+            if isinstance(self.o.backend, str):  # ours: stop its worker process now
+                self.backend.close()
+
+    def _measure_baseline(self, exporter, empty_plan: QuantPlan) -> tuple[float, dict]:
+        """The float model's measurement. A backend that cannot run it ends the run with one
+        clear line; a crashed or hung worker is given one more try first."""
+        for attempt in (1, 2):
+            try:
+                self.measurer.warm_up([exporter.source(empty_plan)])
+                return self._measure_plan(exporter, empty_plan)
+            except BackendUnavailable:
+                raise
+            except BackendError as exc:
+                if attempt == 1 and getattr(exc, "transient", False):
+                    log.warning("measuring the float model failed (%s); trying once more", exc)
+                    continue
+                raise UserError(f"backend {_backend_name(self.o, self.backend)} cannot run the "
+                                f"float model {self.o.model}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _run(self) -> TuneResult:
         quiet_optuna(self.cfg.verbose)
         self._open()
         cache = None
@@ -529,13 +838,14 @@ class Tuner:
                 raise UserError(f"--qdq-baseline {self.o.qdq_baseline}: none of its quantized "
                                 "tensors exists in this model")
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
+        self._scorer(exporter)  # bad validation data or metric: fail before any measurement
         empty_plan = exporter.plan(set())
         attrs = self.run_study.user_attrs
-        if "baseline_latency_ms" not in attrs:
-            self.measurer.warm_up([exporter.to_bytes(empty_plan)])
-            base_ms, record = self._measure_plan(exporter, empty_plan)
-            self.run_study.set_user_attr("baseline_latency_ms", base_ms)
+        if "baseline_latency_ms" not in attrs:  # one figure for all workers
+            base_ms, record = agree(self.run_study, "baseline",
+                                    lambda: list(self._measure_baseline(exporter, empty_plan)))
             self.run_study.set_user_attr("baseline_measurement", record)
+            self.run_study.set_user_attr("baseline_latency_ms", base_ms)
         self.baseline_ms = self.run_study.user_attrs["baseline_latency_ms"]
         self._write_state("running")
 
@@ -566,16 +876,34 @@ class Tuner:
         uses, rows = self._committed()
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         plan = final_exporter.plan(uses)
-        optimized = final_exporter.to_model(plan)
-        import onnx
+        if final_exporter.external:  # weights on disk: optimized.onnx + optimized_data-*/
+            final_bytes = final_exporter.save(plan, self.out / "optimized.onnx")
+        else:
+            optimized = final_exporter.to_model(plan)
+            import onnx
 
-        onnx.checker.check_model(optimized)
-        atomic_write_bytes(self.out / "optimized.onnx", optimized.SerializeToString())
-        final_bytes = optimized.SerializeToString()
-        base_bytes = final_exporter.to_bytes(final_exporter.plan(set()))
-        cmp = self.measurer.compare(final_bytes, base_bytes)
+            onnx.checker.check_model(optimized)
+            atomic_write_bytes(self.out / "optimized.onnx", optimized.SerializeToString())
+            final_bytes = optimized.SerializeToString()
+        base_bytes = final_exporter.source(final_exporter.plan(set()))
+        cmp = self.measurer.compare(final_bytes, base_bytes, until="precision")
         self.measurements += 1
         report = build_report(self, plan, cmp, rows, partial=partial)
+        if self.accuracy_on:
+            err = self._scorer(final_exporter).score(final_exporter, plan)
+            report.update({
+                "objectives": list(self.objectives),
+                "error_measure": (f"metric {self.o.metric}" if self.o.metric
+                                  else self.o.error_measure),
+                "max_output_error": self.o.max_output_error,
+                "final_output_error": err["error"],
+                "final_output_errors": err["output_errors"],
+            })
+        if self.multi_objective:
+            from .pareto import model_front
+
+            report["pareto"] = model_front(self, final_exporter, rows, base_bytes, cmp, plan)
+            report["measurements"] = self.measurements
         write_reports(self.out, report)
         self._write_pattern_cache()
         self._write_state("timeout" if partial else "done")
@@ -589,7 +917,7 @@ class Tuner:
             except KeyError:
                 continue
             schemes = [
-                ([p for p, v in t.params.items() if v], t.value)
+                (self.space.on(t.params), t.values[0])
                 for t in s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             ]
             if schemes:
@@ -630,7 +958,12 @@ class _OutOfTime(Exception):
     pass
 
 
-def _enqueue_redo(study: optuna.Study, params: dict) -> None:
+def _queued(trial) -> bool:
+    """A trial whose scheme was queued (a seed, a redo, a dead worker's retry), not sampled."""
+    return bool(trial.system_attrs.get("fixed_params")) or "failed_trial" in trial.system_attrs
+
+
+def _enqueue_redo(study: optuna.Study, params: dict, user_attrs: dict | None = None) -> None:
     """Enqueue a failed trial's scheme again. ``enqueue_trial(skip_if_exists=True)`` would
     match the failed trial itself and never redo it; only a live or finished trial with the
     same params makes the redo unnecessary."""
@@ -640,7 +973,7 @@ def _enqueue_redo(study: optuna.Study, params: dict) -> None:
                                                       TrialState.COMPLETE)):
         if t.system_attrs.get("fixed_params", t.params) == params:
             return
-    study.enqueue_trial(params)
+    study.enqueue_trial(params, user_attrs=user_attrs)
 
 
 def _sha_file(path: str) -> str:

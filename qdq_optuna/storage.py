@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.storages import RDBStorage
@@ -22,7 +26,15 @@ from .errors import OptionError
 HEARTBEAT_INTERVAL_S = 15
 #: a trial (session builds + interleaved timing) can take minutes on a busy machine
 GRACE_PERIOD_S = 180
+#: seconds without a heartbeat after which a worker's RUNNING trial counts as dead
+#: (``TuneOptions.heartbeat_grace`` / this environment variable override GRACE_PERIOD_S)
+GRACE_ENV = "QDQ_OPTUNA_HEARTBEAT_GRACE"
 MAX_RETRY = 2
+#: user attrs of the run-study trials that record agreed values (see :func:`agree`)
+AGREE_KEY = "qdq:agree"
+AGREE_VALUE = "qdq:value"
+#: this process, as the owner of the retries it enqueues
+_PROCESS_TOKEN = uuid.uuid4().hex
 #: tries to open a storage (concurrent first opens of a new database can collide)
 OPEN_ATTEMPTS = 3
 
@@ -46,27 +58,47 @@ def _with_driver(url: str) -> str:
     return url
 
 
-def open_storage(url: str, *, heartbeat: bool = True) -> RDBStorage:
-    """An RDB storage with heartbeats, so a dead worker's trials go stale and are retried."""
+def heartbeat_grace(grace: float | None = None) -> int:
+    """The grace period in whole seconds: ``grace``, else $QDQ_OPTUNA_HEARTBEAT_GRACE, else
+    :data:`GRACE_PERIOD_S`. Short values (a few seconds) are for tests and fast backends."""
+    if grace is None and os.environ.get(GRACE_ENV):
+        try:
+            grace = float(os.environ[GRACE_ENV])
+        except ValueError:
+            raise OptionError(f"${GRACE_ENV}: expected seconds, got {os.environ[GRACE_ENV]!r}") from None
+    if grace is None:
+        return GRACE_PERIOD_S
+    if not grace >= 2 or grace != grace or grace == float("inf"):
+        raise OptionError(f"heartbeat grace period must be at least 2 seconds, got {grace}")
+    return int(round(grace))
+
+
+def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None) -> RDBStorage:
+    """An RDB storage with heartbeats, so a dead worker's trials go stale and are retried.
+
+    A RUNNING trial whose worker has not beaten for ``grace`` seconds (see
+    :func:`heartbeat_grace`) is failed by the next worker that looks, and its scheme is queued
+    again once (:func:`retry_stale_trial`)."""
     if not url.startswith(("sqlite://", "postgresql", "mysql")):
         raise OptionError(
             f"--storage: {url!r} is not an Optuna RDB URL (sqlite:///path.db, postgresql://...)"
         )
     kwargs = {}
     if heartbeat:
+        grace_s = heartbeat_grace(grace)
         kwargs = dict(
-            heartbeat_interval=HEARTBEAT_INTERVAL_S,
-            grace_period=GRACE_PERIOD_S,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                max_retry=MAX_RETRY
-            ),
+            # several beats per grace period, so one late beat never kills a live trial
+            heartbeat_interval=max(1, min(HEARTBEAT_INTERVAL_S, grace_s // 3)),
+            grace_period=grace_s,
+            heartbeat_stale_trial_callback=retry_stale_trial,
         )
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     from sqlalchemy.exc import IntegrityError, OperationalError
 
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            return RDBStorage(_with_driver(url), engine_kwargs=engine_kwargs, **kwargs)
+            return _RequeueingRDBStorage(_with_driver(url), engine_kwargs=engine_kwargs,
+                                         **kwargs)
         except (IntegrityError, OperationalError) as exc:
             # workers starting together on a new database race to create its tables
             error = exc
@@ -78,10 +110,23 @@ def open_storage(url: str, *, heartbeat: bool = True) -> RDBStorage:
     raise OptionError(f"--storage {url}: cannot open ({msg[0] if msg else type(error).__name__})") from None
 
 
+class _NoInterruptTraceback(logging.Filter):
+    """Optuna logs a trial that Ctrl-C failed with the KeyboardInterrupt's traceback; the CLI
+    already says what happened and how to resume, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, KeyboardInterrupt)
+
+
+_INTERRUPT_FILTER = _NoInterruptTraceback()
+
+
 def quiet_optuna(verbose: bool) -> None:
     optuna.logging.set_verbosity(logging.INFO if verbose else logging.WARNING)
     # heartbeats and metric names are marked experimental; we rely on them knowingly
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    logging.getLogger("optuna.study._optimize").addFilter(_INTERRUPT_FILTER)
 
 
 def study_names(storage: RDBStorage) -> list[str]:
@@ -96,6 +141,117 @@ def delete_run(storage: RDBStorage, run_id: str) -> int:
             optuna.delete_study(study_name=name, storage=storage)
             n += 1
     return n
+
+
+def _claims(run_study: optuna.Study, key: str) -> list:
+    return [t for t in run_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get(AGREE_KEY) == key]
+
+
+def agreed(run_study: optuna.Study, key: str) -> dict | None:
+    """The value workers agreed on for ``key`` (``{"value": ...}``), or None if none yet."""
+    claims = _claims(run_study, key)
+    if not claims:
+        return None
+    return {"value": min(claims, key=lambda t: t.number).user_attrs.get(AGREE_VALUE)}
+
+
+def agree(run_study: optuna.Study, key: str, value: Any | Callable[[], Any]) -> Any:
+    """The first value stored for ``key`` in this run: a compare-and-set over the storage.
+
+    Each proposal is one COMPLETE trial of the run study, created in a single transaction with
+    the value in its user attrs. Optuna numbers a study's trials under a lock on the study row
+    (PostgreSQL) or the database write lock (SQLite), so a later proposal always gets a higher
+    number: the lowest-numbered proposal is the decision, the same for every worker and every
+    resumed process, and a process that dies part way leaves either a whole proposal or none.
+    ``value`` may be a function, called only when no decision exists yet.
+    """
+    found = agreed(run_study, key)
+    if found is not None:
+        return found["value"]
+    if callable(value):
+        value = value()
+    run_study.add_trial(optuna.trial.create_trial(
+        state=TrialState.COMPLETE, value=0.0,
+        user_attrs={AGREE_KEY: key, AGREE_VALUE: value},
+    ))
+    found = agreed(run_study, key)
+    assert found is not None, f"the proposal for {key!r} is not in the storage"
+    return found["value"]
+
+
+def claim(run_study: optuna.Study, key: str) -> bool:
+    """True in exactly one process of all that claim ``key`` (the first to store its claim)."""
+    return agree(run_study, key, _PROCESS_TOKEN) == _PROCESS_TOKEN
+
+
+def run_study_of(study: optuna.Study) -> optuna.Study:
+    """The ``RUN/_run`` study of the pattern study ``RUN/PATTERN``."""
+    run_id = study.study_name.rsplit("/", 1)[0]
+    return optuna.load_study(study_name=f"{run_id}/_run", storage=study._storage)
+
+
+class _RequeueingRDBStorage(RDBStorage):
+    """An RDB storage that queues a dead worker's trial again *before* Optuna fails it.
+
+    Optuna fails a stale trial, then calls the stale-trial callback: in between, the trial's
+    budget slot looks free and a waiting worker would take it with a scheme of its own, leaving
+    the retry queued for ever. Queued first, the slot is always held by the dead trial or by
+    its retry. (The callback stays as a fallback; both go through :func:`retry_stale_trial`,
+    which queues each dead trial at most once.)"""
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        ids = super()._get_stale_trial_ids(study_id)
+        if ids:
+            study = optuna.load_study(study_name=self.get_study_name_from_id(study_id),
+                                      storage=self)
+            for trial_id in ids:
+                try:
+                    retry_stale_trial(study, self.get_trial(trial_id))
+                except Exception:  # Optuna's callback tries again once it has failed the trial
+                    logging.getLogger("qdq_optuna").debug("requeue failed", exc_info=True)
+        return ids
+
+
+#: user attrs of a trial that describe its run, not its scheme (not copied to a retry)
+_RUN_ATTRS = ("slot", "skipped", "failure", "transient")
+
+
+def retry_stale_trial(study: optuna.Study, trial) -> None:
+    """Queue a dead worker's trial again, at most :data:`MAX_RETRY` times per scheme, and
+    exactly once per dead trial even when several workers notice it together (they agree on
+    who enqueues; PostgreSQL already lets only one of them fail it, SQLite does not)."""
+    history = list(trial.system_attrs.get("retry_history", [])) + [trial.number]
+    if len(history) > MAX_RETRY:
+        return
+    try:
+        mine = claim(run_study_of(study), f"retry/{study.study_name}/{trial.number}")
+    except KeyError:  # not one of our runs: behave like Optuna's retry callback
+        mine = True
+    if not mine or any(t.user_attrs.get("retry_of") == trial.number
+                       for t in study.get_trials(deepcopy=False)):
+        return  # another worker's to queue, or queued already (before Optuna failed it)
+    # (the failed trial itself cannot take a note any more: Optuna freezes finished trials)
+    system_attrs = {**trial.system_attrs, "failed_trial": trial.system_attrs.get(
+        "failed_trial", trial.number), "retry_history": history}
+    user_attrs = {**{k: v for k, v in trial.user_attrs.items() if k not in _RUN_ATTRS},
+                  "retry_of": trial.number,
+                  "retry_reason": f"trial {trial.number}'s worker stopped sending heartbeats"}
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+        user_attrs=user_attrs, system_attrs=system_attrs,
+    ))
+
+
+def fail_trial(study: optuna.Study, trial_id: int, why: str, *, transient: bool = True) -> bool:
+    """Fail one RUNNING trial (ours, on Ctrl-C); True if it was still running."""
+    storage = study._storage
+    try:
+        storage.set_trial_user_attr(trial_id, "failure", why)
+        storage.set_trial_user_attr(trial_id, "transient", transient)
+        return bool(storage.set_trial_state_values(trial_id, TrialState.FAIL))
+    except Exception:  # finished meanwhile, or the storage is gone: nothing to do
+        return False
 
 
 def fail_running_trials(study: optuna.Study) -> list[dict]:

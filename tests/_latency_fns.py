@@ -17,6 +17,7 @@ They are importable by module path, so the CLI can load them with
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 Q, DQ = "QuantizeLinear", "DequantizeLinear"
@@ -84,3 +85,31 @@ def sleepy(model) -> float:
     while hold and os.path.exists(hold):
         time.sleep(0.02)
     return rewards_groups(model)
+
+
+def sleepy_costmodel(model) -> float:
+    """The ``costmodel`` backend's latency of ``model`` after a sleep of ``QDQ_TEST_SLEEP_S``
+    seconds (default 0.25): deterministic figures at a pace several workers can share. While
+    ``QDQ_TEST_HOLD_FILE`` exists, a measurement made for a trial (not for a reference or a
+    commit) does not return and ``<hold file>.held`` holds its pid, so a test knows the process
+    is frozen inside a trial."""
+    from qdq_optuna.backends.costmodel import CostModelBackend
+
+    time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.25")))
+    hold = os.environ.get("QDQ_TEST_HOLD_FILE")
+    if hold and os.path.exists(hold) and _in_trial():
+        with open(hold + ".held", "w") as fh:
+            fh.write(str(os.getpid()))
+        while os.path.exists(hold):
+            time.sleep(0.02)
+    return CostModelBackend().estimate(model).total_ms
+
+
+def _in_trial() -> bool:
+    """Whether the caller is a search trial's objective (and not a reference measurement)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "objective" and frame.f_code.co_filename.endswith("search.py"):
+            return True
+        frame = frame.f_back
+    return False

@@ -34,6 +34,8 @@ PROPERTY = settings(
     max_examples=int(os.environ.get("QDQ_PROPERTY_EXAMPLES", "50")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    # CI runs a fixed set of examples (reproducible); local runs keep exploring
+    derandomize=bool(os.environ.get("CI")),
 )
 
 

@@ -149,7 +149,9 @@ def test_random_exports_are_valid(spec, rules, qtype, data):
                                                                  dtype=np.float32)}
         outputs = run_ort(blob, feeds)
         assert len(outputs) == len(model.graph.output)
-        assert all(np.isfinite(o).all() for o in outputs)
+        # random Mul/Conv chains can overflow float32 already; finiteness is only owed then
+        if all(np.isfinite(o).all() for o in run_ort(model.SerializeToString(), feeds)):
+            assert all(np.isfinite(o).all() for o in outputs)
     except Exception as exc:
         raise AssertionError(f"{exc}\nspec: {spec_summary(spec)}\nplan: {plan}") from exc
     # (g) nothing the user (or the Graph) holds was modified

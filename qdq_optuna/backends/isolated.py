@@ -320,6 +320,13 @@ class IsolatedBackend(Backend):
     def describe(self) -> dict:
         return {**self._ensure_info()["describe"], "isolated": True}
 
+    def worker_generation(self) -> int:
+        """Starts the worker if none is running; a new number means a new, cold process
+        (timing protocols warm a process up before trusting its figures)."""
+        with self._lock:
+            self._ensure_worker()
+            return self.generation
+
     def worker_pids(self) -> list[int]:
         worker = self._worker
         return [worker.proc.pid] if worker is not None and worker.alive() else []

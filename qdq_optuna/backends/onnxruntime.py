@@ -136,10 +136,13 @@ class OnnxRuntimeBackend(Backend):
     def load(self, model: ModelSource) -> Runner:
         src: bytes | str = model if isinstance(model, bytes) else os.fspath(model)
         providers = [p if isinstance(p, str) else (p[0], dict(p[1])) for p in self.providers]
+        options = self._session_options()
+        # a big model's export references the input's weight files where they are: map them
+        # (kept alive until the session has copied what it needs)
+        mapped = _map_external_sources(options, src) if isinstance(src, str) else []
         try:
-            session = self._ort.InferenceSession(
-                src, sess_options=self._session_options(), providers=providers
-            )
+            session = self._ort.InferenceSession(src, sess_options=options, providers=providers)
+            del mapped  # the session has copied what it needs
         except Exception as exc:  # ORT raises its own exception types
             text = str(exc).strip() or type(exc).__name__
             raise BackendError(f"ONNX Runtime could not create a session: {text}") from exc
@@ -178,6 +181,23 @@ class OnnxRuntimeBackend(Backend):
             else:
                 feeds[inp.name] = np.zeros(shape, dtype=dtype)
         return feeds
+
+
+def _map_external_sources(options: Any, path: str) -> list:
+    """Give ONNX Runtime, from memory maps, the external data files an exported model
+    references in the input model's folder (see ``qdq_optuna.export.external_sources``)."""
+    from qdq_optuna.export import external_sources
+
+    sources = external_sources(path)
+    if not sources:
+        return []
+    try:
+        maps = [np.memmap(src, dtype=np.uint8, mode="r") for src in sources.values()]
+    except OSError as exc:
+        raise BackendError(f"cannot map the model's external data: {exc}") from exc
+    options.add_external_initializers_from_files_in_memory(
+        list(sources), maps, [m.size for m in maps])
+    return maps
 
 
 class OnnxRuntimeRunner(Runner):

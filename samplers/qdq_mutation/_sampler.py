@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ NUM_CHOICES_ATTR = "qdq_num_choices"
 CONCAT_GROUPS_ATTR = "qdq_concat_groups"
 FUSION_GROUPS_ATTR = "qdq_fusion_groups"
 POINT_USES_ATTR = "qdq_point_uses"
+POINT_TENSORS_ATTR = "qdq_point_tensors"
 
 ORIGIN_KEY = "qdq:origin"
 PARENT_KEY = "qdq:parent"
@@ -42,6 +43,8 @@ class _Metadata:
     concat_groups: list[list[str]]
     fusion_groups: list[list[str]]
     point_uses: dict[str, list[int]] | None
+    #: points that cover uses of one tensor (from ``qdq_point_tensors``; 2+ points each)
+    tensor_groups: list[list[str]] = field(default_factory=list)
 
 
 class _Space:
@@ -97,8 +100,9 @@ class QDQMutationSampler(BaseSampler):
     """Top-k mutation sampler for Q/DQ placement with group moves and de-duplication.
 
     Latency over placements is needle-like: gains only appear when whole fusion or Concat
-    groups are quantized. So the sampler seeds the empty and full schemes, then mutates the
-    best schemes with single flips and atomic group moves, never re-proposing a scheme that
+    groups are quantized. So the sampler seeds the empty and full schemes, climbs from the best
+    scheme one move at a time (group moves first), and at a local optimum mutates the best
+    schemes with single flips and atomic group moves, never re-proposing a scheme that
     yields an already known model. Study metadata comes from study user attrs so that all
     workers sharing a storage behave alike. See README.md for the attributes it reads.
 
@@ -116,6 +120,8 @@ class QDQMutationSampler(BaseSampler):
         seed_full_scheme: Propose the all-on scheme right after the empty one.
         scheme_key: Maps a scheme's params to the identity of the resulting model, for
             de-duplication when different params build the same model.
+        hill_climb_parents: Best schemes whose one-move neighbourhoods are searched before
+            mutating (0: no climbing).
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class QDQMutationSampler(BaseSampler):
         fusion_group_probability: float = 0.35,
         seed_full_scheme: bool = True,
         scheme_key: SchemeKey | None = None,
+        hill_climb_parents: int = 1,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}.")
@@ -145,6 +152,7 @@ class QDQMutationSampler(BaseSampler):
         _check_int("maximum_generation_attempts", maximum_generation_attempts, 1)
         _check_int("concat_group_min_samples", concat_group_min_samples, 0)
         _check_int("schemes_per_region", schemes_per_region, 1)
+        _check_int("hill_climb_parents", hill_climb_parents, 0)
         if not isinstance(fusion_group_probability, (int, float)) or not (
             0.0 <= fusion_group_probability <= 1.0
         ):
@@ -165,6 +173,7 @@ class QDQMutationSampler(BaseSampler):
         self._p_fusion = float(fusion_group_probability)
         self._seed_full = seed_full_scheme
         self._scheme_key = scheme_key
+        self._climb_parents = hill_climb_parents
 
     @property
     def concat_group_probability(self) -> float:
@@ -276,8 +285,22 @@ class QDQMutationSampler(BaseSampler):
         groups = {
             "concat": _resolve_groups(meta.concat_groups, space),
             "fusion": _resolve_groups(meta.fusion_groups, space),
+            "tensor": _resolve_groups(meta.tensor_groups, space),
         }
         parents = self._ranked_parents(study, [t for t in trials if _is_parent(t, space)])
+        if meta.points is not None:
+            # Local search first: an untried one-move neighbour of the best scheme (of the next
+            # best ones when its neighbourhood is used up).
+            effects = _move_effects(study, trials, space) if parents else {}
+            for parent in parents[: self._climb_parents]:
+                base = list(space.scheme_of(space.known_values(parent)))
+                nxt = next(((scheme, move)
+                            for scheme, move in self._neighbours(base, space, groups, rng, effects)
+                            if fresh(scheme)), None)
+                if nxt is None:
+                    continue
+                scheme, moves = nxt
+                return self._accept(study, trial, space, scheme, "mutation", parent.number, moves)
         if parents:
             k = min(
                 len(parents),
@@ -373,6 +396,81 @@ class QDQMutationSampler(BaseSampler):
             scheme[i] = new + 1 if new >= scheme[i] else new
         return f"flip:{space.names[i]}"
 
+    def _neighbours(
+        self,
+        scheme: list[int],
+        space: _Space,
+        groups: dict[str, list[tuple[int, list[int]]]],
+        rng: np.random.RandomState,
+        effects: dict[str, float] | None = None,
+    ) -> list[tuple[list[int], list[str]]]:
+        """Every scheme one move away, in the order to try them: moves that improved other
+        schemes before (best first), then untried moves (whole-group moves before single-point
+        changes, each in random order), then moves that made things worse (least bad first).
+        Two-move steps that switch a whole Concat group on together with one other point go
+        right before the untried single-point changes: a Concat runs quantized only when its
+        inputs *and* its output are, and neither move alone pays. Only move kinds that mutations
+        can draw are used."""
+        group_moves: list[tuple[list[int], str]] = []
+        kinds = [("concat", self._p_concat > 0), ("fusion", self._p_fusion > 0),
+                 ("tensor", self._p_fusion > 0)]
+        for kind, allowed in kinds:
+            for gid, members in groups[kind] if allowed else []:
+                if any(scheme[i] > 0 for i in members):
+                    child = list(scheme)
+                    for i in members:
+                        child[i] = 0
+                    group_moves.append((child, f"{kind}-:g{gid}"))
+                if not all(scheme[i] > 0 for i in members):
+                    closed = set(members)
+                    if kind == "concat":  # and every tensor group that shares a point with it
+                        for _, shared in groups["tensor"]:
+                            if closed & set(shared):
+                                closed |= set(shared)
+                    variants = [(members, "+")] + ([(sorted(closed), "++")]
+                                                   if len(closed) > len(members) else [])
+                    for value in range(1, min(space.n_choices[i] for i in members)):
+                        for on, sign in variants:
+                            child = list(scheme)
+                            for i in on:
+                                if child[i] == 0:
+                                    child[i] = value
+                            group_moves.append((child, f"{kind}{sign}:g{gid}"))
+        flips: list[tuple[list[int], str]] = []
+        if (1.0 - self._p_concat) * (1.0 - self._p_fusion) > 0:
+            for i, n in enumerate(space.n_choices):
+                for value in range(n):
+                    if n >= 2 and value != scheme[i]:
+                        child = list(scheme)
+                        child[i] = value
+                        flips.append((child, f"flip:{space.names[i]}"))
+        single = [moves[j] for moves in (group_moves, flips) for j in rng.permutation(len(moves))]
+        effects = effects or {}
+        scored = [(effects.get(_effect_key(child, move, space)), i)
+                  for i, (child, move) in enumerate(single)]
+        good = sorted((e, i) for e, i in scored if e is not None and e < 0)
+        bad = sorted((e, i) for e, i in scored if e is not None and e >= 0)
+        fresh = [i for e, i in scored if e is None]
+        order = [i for _, i in good] + fresh + [i for _, i in bad]
+        out = [(single[i][0], [single[i][1]]) for i in order]
+        pairs: list[tuple[list[int], list[str]]] = []
+        concat_members = {f"concat{sign}:g{gid}": set(members)
+                          for gid, members in groups["concat"] for sign in ("+", "++")}
+        for child, move in group_moves:
+            if move in concat_members and flips:
+                members = concat_members[move]
+                for i, n in enumerate(space.n_choices):
+                    if i in members or n < 2:
+                        continue
+                    for value in range(n):
+                        if value != child[i]:
+                            pair = list(child)
+                            pair[i] = value
+                            pairs.append((pair, [move, f"flip:{space.names[i]}"]))
+        # after the moves known to help and the untried group moves, before single flips
+        cut = len(good) + sum(1 for i in fresh if i < len(group_moves))
+        return out[:cut] + [pairs[j] for j in rng.permutation(len(pairs))] + out[cut:]
+
     def _identity_fn(self, space: _Space, meta: _Metadata) -> Callable[[dict[str, Any]], Hashable]:
         if self._scheme_key is not None:
             key = self._scheme_key
@@ -397,6 +495,19 @@ class QDQMutationSampler(BaseSampler):
         return by_uses
 
     def _ranked_parents(self, study: Study, complete: list[FrozenTrial]) -> list[FrozenTrial]:
+        # Constrained studies (Trial.set_constraint): feasible trials first, ranked as usual,
+        # then infeasible ones by total violation.
+        if any(t.constraints for t in complete):
+            ok = [t for t in complete if all(v <= 0 for v in t.constraints.values())]
+            bad = [t for t in complete if not all(v <= 0 for v in t.constraints.values())]
+            bad.sort(key=lambda t: (sum(max(v, 0.0) for v in t.constraints.values()), t.number))
+            return self._ranked_by_values(study, ok) + bad
+        return self._ranked_by_values(study, complete)
+
+    @staticmethod
+    def _ranked_by_values(study: Study, complete: list[FrozenTrial]) -> list[FrozenTrial]:
+        if not complete:
+            return []
         directions = study.directions
         if len(directions) == 1:
             sign = -1.0 if directions[0] == StudyDirection.MAXIMIZE else 1.0
@@ -421,6 +532,55 @@ def _derive_seed(*parts: int) -> int:
 
 def _nan_last(value: float) -> float:
     return math.inf if math.isnan(value) else value
+
+
+def _effect_key(child: Sequence[int], move: str, space: _Space) -> str:
+    """Identity of a move across parents: a group move by its label, a flip with its value."""
+    if move.startswith("flip:"):
+        name = move[len("flip:"):]
+        return f"{move}={child[space.position[name]]}" if name in space.position else move
+    return move
+
+
+def _move_effects(study: Study, trials: list[FrozenTrial], space: _Space) -> dict[str, float]:
+    """Mean change of the objective (improvement < 0) that each one-move mutation caused,
+    over all completed children whose parent completed too. Single objective only."""
+    if len(study.directions) != 1:
+        return {}
+    sign = -1.0 if study.directions[0] == StudyDirection.MAXIMIZE else 1.0
+    by_number = {t.number: t for t in trials}
+    sums: dict[str, list[float]] = {}
+    for t in trials:
+        moves = t.system_attrs.get(MOVES_KEY)
+        parent = by_number.get(t.system_attrs.get(PARENT_KEY, -1))
+        if (
+            parent is None
+            or not isinstance(moves, list)
+            or len(moves) != 1
+            or not _is_parent(t, space)
+            or not _is_parent(parent, space)
+        ):
+            continue
+        delta = sign * (t.values[0] - parent.values[0])
+        if math.isnan(delta):
+            continue
+        move = str(moves[0])
+        child = space.scheme_of(space.known_values(t))
+        # the move undone (back to the parent) is assumed to have the opposite effect
+        back = _effect_key(space.scheme_of(space.known_values(parent)), _reverse(move), space)
+        for key, d in ((_effect_key(child, move, space), delta), (back, -delta)):
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0] += d
+            acc[1] += 1
+    return {k: total / n for k, (total, n) in sums.items()}
+
+
+def _reverse(move: str) -> str:
+    """The move that undoes ``move`` (a flip is its own inverse; its key carries the value)."""
+    if move.startswith("flip:"):
+        return move
+    kind, _, gid = move.partition(":")
+    return f"{kind.rstrip('+-')}{'-' if kind.endswith('+') else '+'}:{gid}"
 
 
 def _is_parent(trial: FrozenTrial, space: _Space) -> bool:
@@ -520,7 +680,25 @@ def _read_metadata(study: Study) -> _Metadata:
         concat_groups=_read_groups(attrs, CONCAT_GROUPS_ATTR),
         fusion_groups=_read_groups(attrs, FUSION_GROUPS_ATTR),
         point_uses=uses,
+        tensor_groups=_tensor_groups(attrs.get(POINT_TENSORS_ATTR)),
     )
+
+
+def _tensor_groups(point_tensors: Any) -> list[list[str]]:
+    """Points that share a tensor, one group per tensor covered by two or more points: a Q/DQ
+    pair is shared by all consumers of a tensor only when all of them are covered."""
+    if point_tensors is None:
+        return []
+    if not isinstance(point_tensors, dict) or not all(
+        isinstance(v, list) for v in point_tensors.values()
+    ):
+        raise ValueError(f"Study user attr {POINT_TENSORS_ATTR!r} must be a dict of lists.")
+    by_tensor: dict[str, list[str]] = {}
+    for point, tensors in point_tensors.items():
+        for tensor in tensors:
+            by_tensor.setdefault(str(tensor), []).append(point)
+    groups = {tuple(sorted(ps)) for ps in by_tensor.values() if len(ps) > 1}
+    return [list(g) for g in sorted(groups)]
 
 
 def _read_groups(attrs: dict[str, Any], key: str) -> list[list[str]]:

@@ -103,6 +103,7 @@ def _uses_identity(
         {"fusion_group_probability": 1.1},
         {"seed_full_scheme": 1},
         {"scheme_key": "not callable"},
+        {"hill_climb_parents": -1},
     ],
 )
 def test_invalid_arguments(kwargs: dict[str, Any]) -> None:
@@ -446,3 +447,120 @@ def test_example_runs() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "best" in result.stdout.lower()
+
+
+# -- the neighbourhood step (local search around the best scheme) ------------------------------
+
+SEPARABLE_WEIGHTS = [-3.0, 2.0, -1.0, 0.5, -2.0, 1.5, -0.5, 1.0, -4.0, 0.25, -1.5, 2.5]
+
+
+def _separable(trial: optuna.Trial) -> float:
+    return 20.0 + sum(
+        w * trial.suggest_int(p, 0, 1) for p, w in zip(_points(12), SEPARABLE_WEIGHTS)
+    )
+
+
+def _trials_to_optimum(study: optuna.Study) -> int | None:
+    best = 20.0 + sum(w for w in SEPARABLE_WEIGHTS if w < 0)
+    return next((t.number + 1 for t in study.trials if t.value == best), None)
+
+
+def test_climbs_from_the_best_scheme() -> None:
+    points = _points(12)
+    study = _qdq_study(QDQMutationSampler(seed=0), points)
+    study.optimize(_separable, n_trials=30)
+    by_number = {t.number: t for t in study.trials}
+    for t in study.trials[2:]:
+        assert t.system_attrs["qdq:origin"] == "mutation"
+        (move,) = t.system_attrs["qdq:moves"]
+        parent = by_number[t.system_attrs["qdq:parent"]]
+        # one move away from the best scheme found before it
+        assert parent.value == min(u.value for u in study.trials[: t.number])
+        assert sum(a != b for a, b in zip(_scheme(t, points), _scheme(parent, points))) == 1
+        if _trials_to_optimum(study) and t.number >= _trials_to_optimum(study):
+            break
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_separable_landscape_is_solved_quickly(seed: int) -> None:
+    # one pass over the 12 points, plus the empty and full seeds
+    ours = _qdq_study(QDQMutationSampler(seed=seed), _points(12))
+    ours.optimize(_separable, n_trials=30)
+    found = _trials_to_optimum(ours)
+    assert found is not None and found <= 2 + 12 + 2
+    ablated = _qdq_study(QDQMutationSampler(seed=seed, hill_climb_parents=0), _points(12))
+    ablated.optimize(_separable, n_trials=found)
+    assert _trials_to_optimum(ablated) is None or _trials_to_optimum(ablated) >= found
+
+
+def test_moves_known_to_hurt_come_last() -> None:
+    points = _points(12)
+    for seed in range(3):
+        study = _qdq_study(QDQMutationSampler(seed=seed), points)
+        study.optimize(_separable, n_trials=30)
+        hurt: set[tuple[str, int]] = set()  # (point, value) changes seen to make things worse
+        by_number = {t.number: t for t in study.trials}
+        for t in study.trials[2: _trials_to_optimum(study)]:
+            parent = by_number[t.system_attrs["qdq:parent"]]
+            (move,) = t.system_attrs["qdq:moves"]
+            point = move[len("flip:"):]
+            untried = [(q, 1 - parent.params[q]) for q in points
+                       if (q, 1 - parent.params[q]) not in hurt]
+            # a change that hurt elsewhere is not made while untried ones remain
+            assert (point, t.params[point]) not in hurt or not untried
+            if t.value > parent.value:
+                hurt.add((point, t.params[point]))
+            else:  # undoing a change that helped hurts
+                hurt.add((point, parent.params[point]))
+
+
+def test_tensor_groups_move_together() -> None:
+    # p0 and p1 read the same tensor: a shared Q/DQ pays only when both are on.
+    points = _points(8)
+    tensors = {p: [f"t{i}"] for i, p in enumerate(points)}
+    tensors["p1"] = ["t0"]
+
+    def objective(trial: optuna.Trial) -> float:
+        x = {p: trial.suggest_int(p, 0, 1) for p in points}
+        return 5.0 - 2.0 * (x["p0"] and x["p1"]) + 0.5 * (x["p0"] != x["p1"]) + 0.5 * sum(
+            x[p] for p in points[2:]
+        )
+
+    for seed in range(3):
+        study = _qdq_study(QDQMutationSampler(seed=seed), points)
+        study.set_user_attr("qdq_point_tensors", tensors)
+        study.optimize(objective, n_trials=3)
+        # empty, full (worse), then the only group move from the best (empty) scheme
+        assert study.trials[2].system_attrs["qdq:moves"] == ["tensor+:g0"]
+        assert study.best_value == pytest.approx(3.0)
+
+
+def test_concat_group_with_one_more_point() -> None:
+    # A Concat pays only with all its inputs and its output quantized (p7 here).
+    points = _points(8)
+    concat = [["p0", "p1", "p2"]]
+
+    def objective(trial: optuna.Trial) -> float:
+        x = {p: trial.suggest_int(p, 0, 1) for p in points}
+        needle = all(x[p] for p in concat[0]) and x["p7"]
+        return 5.0 - 2.0 * needle + 0.3 * sum(x.values())
+
+    found = []
+    for seed in range(5):
+        study = _qdq_study(QDQMutationSampler(seed=seed), points, concat=concat)
+        study.optimize(objective, n_trials=2 + 2 + 5)  # seeds, group moves, the pairs
+        found.append(study.best_value == pytest.approx(4.2))
+        assert any(len(t.system_attrs["qdq:moves"]) == 2
+                   and t.system_attrs["qdq:moves"][0] == "concat+:g0" for t in study.trials)
+    assert all(found)
+
+
+def test_without_hill_climbing_no_neighbourhood_moves() -> None:
+    points = _points(8)
+    tensors = {p: ["t0"] if p in ("p0", "p1") else [p] for p in points}
+    study = _qdq_study(QDQMutationSampler(seed=0, hill_climb_parents=0), points,
+                       concat=[["p2", "p3"]])
+    study.set_user_attr("qdq_point_tensors", tensors)
+    study.optimize(_objective(points), n_trials=40)
+    moves = [m for t in study.trials for m in t.system_attrs.get("qdq:moves", [])]
+    assert moves and not any(m.startswith("tensor") for m in moves)

@@ -1,0 +1,154 @@
+"""How many builds does the plan-key cache save on a default run (30 schemes per pattern)?
+
+Identical models are measured once per run: a trial whose exported model (plan key) was
+measured before - the pattern's reference, a scheme that resolves to the same tensors as
+another, a model an earlier pattern already built - takes the stored figure. This script runs
+``qdq_optuna.tune`` in default mode and counts, from the run's storage:
+
+* trials (finished), and of those *measured* (the backend built and timed the model) and
+  *cache hits* (no build), split into hits on the pattern's reference and other hits;
+* ``measurements`` (every time the backend was asked to time a model, references, commit
+  confirmations and the final comparison included) and the measurer's session/engine loads.
+
+The ``costmodel`` backend is deterministic and needs no GPU, so its figures are exact and
+reproducible; ``--ort MODEL`` adds one ONNX Runtime run (robust timing, isolated worker).
+
+    python benchmarks/cache_savings.py
+    python benchmarks/cache_savings.py --models resnet:full yolo:medium --ort resnet:medium
+
+The ORT run waits until the 1-minute load average is below 1.2 (polling every 10 s, up to
+20 min) and records the load before and after; never run two benchmarks at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def wait_quiet(max_load: float, poll_s: float = 10.0, limit_s: float = 1200.0) -> dict:
+    t0 = time.monotonic()
+    load = os.getloadavg()[0]
+    while load >= max_load and time.monotonic() - t0 < limit_s:
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    return {"load_before": round(load, 2), "waited_s": round(time.monotonic() - t0, 1),
+            "quiet": load < max_load}
+
+
+def count(out: Path) -> dict:
+    """Trials, measured trials and cache hits of a finished run, from its storage."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from qdq_optuna.storage import open_storage
+
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    c = {"patterns": 0, "trials": 0, "measured": 0, "cache_hits": 0,
+         "hits_on_reference": 0, "hits_other": 0, "failed_or_pruned": 0}
+    for s in storage.get_all_studies():
+        if s.study_name.endswith("/_run"):
+            continue
+        c["patterns"] += 1
+        study = optuna.load_study(study_name=s.study_name, storage=storage)
+        for t in study.get_trials(deepcopy=False):
+            if t.state != TrialState.COMPLETE:
+                c["failed_or_pruned"] += 1
+                continue
+            c["trials"] += 1
+            rec = t.user_attrs.get("measurement", {})
+            if rec.get("cached"):
+                c["cache_hits"] += 1
+                c["hits_on_reference" if rec.get("reference") else "hits_other"] += 1
+            else:
+                c["measured"] += 1
+    return c
+
+
+def run(model_name: str, size: str, backend: str, work: Path, sampler: str = "qdq",
+        **options) -> dict:
+    import onnx
+
+    from qdq_optuna import Config, zoo
+    from qdq_optuna.search import tune
+
+    path = work / f"{model_name}-{size}.onnx"
+    onnx.save(zoo.build(model_name, size), str(path))
+    out = work / f"{model_name}-{size}-{backend}-{sampler}"
+    t0 = time.monotonic()
+    result = tune(path, out, benchmark=backend, config=Config.preset("default"), progress=False,
+                  sampler=sampler, fresh=True, **options)
+    wall = time.monotonic() - t0
+    r = result.report
+    c = count(out)
+    row = {"model": f"{model_name} ({size})", "backend": backend, "sampler": sampler, **c,
+           "measurements": r["measurements"], "builds_saved_by_cache": r["builds_saved_by_cache"],
+           "loads": r["measurer"]["loads"], "speedup": r["speedup"], "wall_s": round(wall, 1),
+           "search_statistics": r.get("search_statistics")}
+    row["saved_pct"] = 100.0 * c["cache_hits"] / c["trials"] if c["trials"] else 0.0
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | backend | sampler | patterns | trials | measured | cache hits (reference "
+             "+ other) | builds saved | measurements | loads | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['backend']} | {r['sampler']} | {r['patterns']} | {r['trials']} "
+            f"| {r['measured']} "
+            f"| {r['cache_hits']} ({r['hits_on_reference']} + {r['hits_other']}) | "
+            f"{r['saved_pct']:.0f} % | {r['measurements']} | {r['loads']} | {r['wall_s']} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", metavar="NAME:SIZE[:SAMPLER]",
+                    default=["resnet:medium", "mobilenet:medium", "transformer:medium",
+                             "yolo:medium", "resnet:full", "resnet:medium:tpe",
+                             "transformer:medium:tpe"],
+                    help="costmodel runs; SAMPLER defaults to qdq (ours, never proposes a "
+                         "model twice), tpe shows what the cache saves for a sampler that does")
+    ap.add_argument("--ort", metavar="NAME:SIZE", help="also one ONNX Runtime run (robust)")
+    ap.add_argument("--max-load", type=float, default=1.2)
+    ap.add_argument("--out", help="folder for the runs (default: a temporary one)")
+    ap.add_argument("--json", default="cache_savings.json")
+    args = ap.parse_args()
+    import onnxruntime
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    work = Path(args.out or tempfile.mkdtemp(prefix="qdq-cache-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in args.models:
+        name, size, sampler = (spec.split(":") + ["medium", "qdq"])[:3]
+        rows.append(run(name, size, "costmodel", work, sampler=sampler))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    if args.ort:
+        name, _, size = args.ort.partition(":")
+        gate = wait_quiet(args.max_load)
+        row = run(name, size or "medium", "onnxruntime", work)
+        row["load"] = {**gate, "load_after": round(os.getloadavg()[0], 2)}
+        rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    result = {"machine": platform.machine(), "cpus": os.cpu_count(),
+              "onnxruntime": onnxruntime.__version__, "command": " ".join(sys.argv),
+              "schemes_per_region": 30, "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""The dashboard for real: a small tune, its artifacts, a live optuna-dashboard and a browser.
+
+One run of ``zoo.build("tiny_concat")`` with a deterministic latency function
+(``_latency_fns.rewards_groups``, a few schemes per pattern) is tuned once for the module. Then:
+
+* every pattern study has its note and two artifacts (a PNG convergence curve and an SVG of the
+  representative region) in ``OUTPUT/artifacts``, uploaded through Optuna's artifact API;
+* ``python -m qdq_optuna dashboard OUTPUT --port N`` is started as a subprocess and its API
+  lists the studies, serves the notes and the artifacts;
+* when Chromium is on PATH (``chromium`` or ``chromium-browser``), headless Chromium renders the
+  study list and a study's pages: ``--dump-dom`` must show the study names and the note after
+  the client-side rendering, and the screenshots must be non-blank PNGs. The screenshots and DOM
+  dumps are kept in ``$QDQ_OPTUNA_TEST_ARTIFACTS/dashboard`` (default: the test's tmp_path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+import zlib
+from pathlib import Path
+
+import _latency_fns as fns
+import onnx
+import optuna
+import pytest
+
+from qdq_optuna import Config, zoo
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.dashboard import ARTIFACT_DIR, convergence_png, pattern_note, region_svg
+from qdq_optuna.model import PreparedModel
+from qdq_optuna.search import tune
+from qdq_optuna.storage import open_storage
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+RUN_ID = "dash"
+SVG_NS = "{http://www.w3.org/2000/svg}"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SERVER_START_S = 60
+BROWSER_TIMEOUT_S = 90
+
+
+# -- helpers --------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == PNG_MAGIC, "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def png_colours(data: bytes) -> int:
+    """Distinct colours of a PNG (decoded with Pillow, which matplotlib brings along)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    with Image.open(BytesIO(data)) as im:
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 24)
+    return len(colours)
+
+
+def assert_non_blank_png(path: Path, size: tuple[int, int] | None = None) -> None:
+    data = path.read_bytes()
+    w, h = png_size(data)
+    if size is not None:
+        assert (w, h) == size, f"{path.name}: {w}x{h}, expected {size}"
+    assert w > 100 and h > 100
+    # a blank page compresses to almost nothing and has a handful of colours
+    assert len(zlib.compress(data)) > 5000, f"{path.name} looks blank"
+    try:
+        colours = png_colours(data)
+    except ImportError:
+        return
+    assert colours > 30, f"{path.name}: only {colours} colours, looks blank"
+
+
+def pattern_studies(out: Path) -> dict[str, optuna.Study]:
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    names = [s.study_name for s in storage.get_all_studies()]
+    return {n: optuna.load_study(study_name=n, storage=storage) for n in names
+            if n.startswith(f"{RUN_ID}/") and n != f"{RUN_ID}/_run"}
+
+
+def get(url: str, timeout: float = 10) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read()
+
+
+def get_json(url: str) -> dict:
+    return json.loads(get(url)[2])
+
+
+def artifact_dir(tmp_path: Path) -> Path:
+    base = os.environ.get("QDQ_OPTUNA_TEST_ARTIFACTS")
+    d = (Path(base) if base else tmp_path) / "dashboard"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def chromium_exe() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def run_chromium(exe: str, url: str, profile: Path, *args: str,
+                 window: tuple[int, int] = (1400, 1000)) -> subprocess.CompletedProcess:
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}",
+           f"--window-size={window[0]},{window[1]}", "--virtual-time-budget=10000", *args, url]
+    return subprocess.run(cmd, capture_output=True, timeout=BROWSER_TIMEOUT_S, check=False)
+
+
+# -- the run --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("dashboard")
+    model = base / "tiny_concat.onnx"
+    onnx.save(zoo.build("tiny_concat"), str(model))
+    out = base / "out"
+    tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+         timing="fast", config=Config(schemes_per_region=4), run_id=RUN_ID, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    """``python -m qdq_optuna dashboard OUT --port N``; yields the base URL."""
+    port = free_port()
+    logs = tmp_path_factory.mktemp("server")
+    with open(logs / "stdout", "w") as so, open(logs / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, "-m", "qdq_optuna", "dashboard", str(run),
+                                 "--port", str(port)], stdout=so, stderr=se)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            assert proc.poll() is None, (f"dashboard exited {proc.returncode}: "
+                                         f"{(logs / 'stderr').read_text()}")
+            if base in (logs / "stdout").read_text():
+                break
+            assert time.monotonic() < deadline, "dashboard did not print its URL"
+            time.sleep(0.1)
+        line = (logs / "stdout").read_text().strip().splitlines()[0]
+        assert line.startswith(f"optuna-dashboard: {base}/dashboard"), line
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- artifacts and notes --------------------------------------------------------------------
+def test_every_pattern_study_has_note_attrs_and_artifacts(run):
+    studies = pattern_studies(run)
+    assert len(studies) >= 2
+    store = run / ARTIFACT_DIR
+    for name, study in studies.items():
+        attrs = study.user_attrs
+        assert study.metric_names == ["latency_ms"], name
+        assert "committed" in attrs and "reference_ms" in attrs
+        arts = attrs["artifacts"]
+        files = {a["file"]: a for a in arts}
+        pid = attrs["pattern_id"]
+        assert set(files) == {f"{pid}_convergence.png", f"{pid}_region.svg"}, name
+        # uploaded through optuna.artifacts: the study's system attrs hold the metadata
+        meta = {m.artifact_id: m for m in optuna.artifacts.get_all_artifact_meta(study)}
+        for a in arts:
+            assert a["artifact_id"] in meta
+            assert meta[a["artifact_id"]].filename == a["file"]
+            assert a["url"] == f"/artifacts/{study._study_id}/{a['artifact_id']}"
+        png = (store / files[f"{pid}_convergence.png"]["artifact_id"]).read_bytes()
+        assert meta[files[f"{pid}_convergence.png"]["artifact_id"]].mimetype == "image/png"
+        assert png_size(png) == (640, 360)
+        svg_id = files[f"{pid}_region.svg"]["artifact_id"]
+        assert meta[svg_id].mimetype == "image/svg+xml"
+        root = ET.fromstring((store / svg_id).read_text(encoding="utf-8"))
+        assert root.tag == f"{SVG_NS}svg"
+        titles = " ".join(t.text or "" for t in root.iter(f"{SVG_NS}title"))
+        rep = str(attrs["regions"][0])
+        for node in attrs["region_nodes"][rep]:
+            assert node in titles, f"{name}: node {node} not drawn"
+        text = " ".join(t.text or "" for t in root.iter(f"{SVG_NS}text"))
+        for p in attrs["qdq_points"]:
+            assert p in text, f"{name}: point {p} not in the legend"
+        # the candidate trial's points (else the fastest trial's) are marked red, others off
+        complete = study.get_trials(deepcopy=False,
+                                    states=(optuna.trial.TrialState.COMPLETE,))
+        best = next((t for t in complete if t.number == attrs.get("candidate_trial")),
+                    min(complete, key=lambda t: (t.value, t.number)))
+        on_marks = [g for g in root.iter(f"{SVG_NS}g") if g.get("class") == "qdq on"]
+        assert bool(on_marks) == any(best.params.values()), name
+        for p, v in attrs["committed"].items():
+            if v:
+                assert f"* {p}" in " ".join(text.split()), f"{name}: {p} not starred"
+        # the note: ops, members with node names, points legend, committed, gain, reference
+        note = pattern_note(attrs)
+        assert f"## Pattern {pid}" in note
+        assert " → ".join(attrs["ops"]) in note
+        for node in attrs["region_nodes"][rep]:
+            assert f"`{node}`" in note
+        for p, kind in attrs["qdq_point_kinds"].items():
+            assert f"| `{p}` | {kind} |" in note
+        assert f"{attrs['reference_ms']:.4f} ms" in note
+        assert f"{float(attrs['gain']):.3f}x" in note
+        assert f"{pid}_convergence.png" in note and f"{pid}_region.svg" in note
+    # at least one pattern committed Q/DQ (rewards_groups has a real optimum)
+    assert any(any(s.user_attrs["committed"].values()) for s in studies.values())
+
+
+def test_drawing_is_cheap(tmp_path):
+    """The pictures cost well under 0.3 s per pattern once matplotlib is loaded."""
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"))
+    convergence_png(tmp_path / "warm.png", [(0, 1.0)], reference_ms=1.0, title="warm-up")
+    worst = 0.0
+    for pp in pm.tunable:
+        rep = pp.pattern.representative
+        trials = [(i, 10.0 - 0.01 * i) for i in range(30)]
+        best = float("inf")
+        for _ in range(2):  # the better of two, so a busy machine does not fail the test
+            t0 = time.perf_counter()
+            convergence_png(tmp_path / f"{pp.pattern.id}.png", trials, reference_ms=10.0,
+                            title=pp.pattern.id)
+            svg = region_svg(pm.graph, pm.tree[rep].all_nodes,
+                             {p: pp.resolved[p].get(rep, []) for p in pp.ids},
+                             chosen=set(pp.ids[:2]), committed=set(pp.ids[:1]),
+                             kinds={p.id: p.kind for p in pp.points}, title=pp.pattern.id)
+            best = min(best, time.perf_counter() - t0)
+        ET.fromstring(svg)
+        worst = max(worst, best)
+    assert worst < 0.3, f"drawing one pattern took {worst:.3f} s"
+
+
+def test_a_broken_artifact_store_never_fails_the_run(tmp_path, caplog):
+    model = tmp_path / "tiny_concat.onnx"
+    onnx.save(zoo.build("tiny_concat"), str(model))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ARTIFACT_DIR).write_text("a file where the store should be")
+    with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
+        result = tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+                      timing="fast", config=Config(schemes_per_region=3), run_id=RUN_ID,
+                      progress=False)
+    assert result.optimized_model.is_file()
+    assert "dashboard artifacts for dash/P000 not saved" in caplog.text
+    for study in pattern_studies(out).values():
+        assert "committed" in study.user_attrs
+        assert "artifacts" not in study.user_attrs
+        assert "## Pattern" in pattern_note(study.user_attrs)
+
+
+# -- the server -----------------------------------------------------------------------------
+def test_server_lists_studies_notes_and_artifacts(run, server):
+    summaries = get_json(f"{server}/api/studies")["study_summaries"]
+    names = {s["study_name"]: s["study_id"] for s in summaries}
+    studies = pattern_studies(run)
+    assert set(studies) <= set(names)
+    assert f"{RUN_ID}/_run" in names
+    assert get_json(f"{server}/api/meta")["artifact_is_available"] is True
+    for name, study in studies.items():
+        detail = get_json(f"{server}/api/studies/{names[name]}")
+        assert detail["objective_names"] == ["latency_ms"]
+        assert detail["note"]["body"] == pattern_note(study.user_attrs, study.metric_names)
+        listed = {a["filename"]: a for a in detail["artifacts"]}
+        for a in study.user_attrs["artifacts"]:
+            assert a["file"] in listed
+            status, ctype, body = get(server + a["url"])
+            assert status == 200
+            assert ctype == ("image/png" if a["file"].endswith(".png") else "image/svg+xml")
+            assert body == (run / ARTIFACT_DIR / a["artifact_id"]).read_bytes()
+    status, ctype, body = get(f"{server}/dashboard")
+    assert status == 200 and "text/html" in ctype
+
+
+def test_busy_port_and_port_zero(run, tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "qdq_optuna", "dashboard", str(run),
+                            "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qdq-optuna: error: --port"), r.stderr
+    assert "already in use" in err[0]
+    # --port 0: a free port is picked and the URL names it
+    out = tmp_path / "stdout"
+    with open(out, "w") as so:
+        proc = subprocess.Popen([sys.executable, "-m", "qdq_optuna", "dashboard", str(run),
+                                 "--port", "0"], stdout=so, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while "http://" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        url = out.read_text().split()[1]
+        assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
+        summaries = get_json(url.replace("/dashboard", "/api/studies"))["study_summaries"]
+        assert any(s["study_name"].startswith(f"{RUN_ID}/") for s in summaries)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_cli_errors(tmp_path):
+    from qdq_optuna.cli import main
+
+    assert main(["dashboard", str(tmp_path)]) == 2  # no studies.db
+    assert main(["dashboard", str(tmp_path / "missing")]) == 2
+
+
+# -- the browser ----------------------------------------------------------------------------
+def test_browser_renders_the_studies_and_the_note(run, server, tmp_path):
+    exe = chromium_exe()
+    if exe is None:
+        pytest.skip("no chromium or chromium-browser on PATH (apt-get install chromium): "
+                    "the browser rendering was not checked")
+    keep = artifact_dir(tmp_path)
+    profile = tmp_path / "chromium-profile"
+    names = {s["study_name"]: s["study_id"]
+             for s in get_json(f"{server}/api/studies")["study_summaries"]}
+    studies = pattern_studies(run)
+    # the study to look at: the largest pattern that committed Q/DQ
+    name = max(sorted(studies), key=lambda n: (any(studies[n].user_attrs["committed"].values()),
+                                               len(studies[n].user_attrs["qdq_points"])))
+    attrs = studies[name].user_attrs
+    sid = names[name]
+    pages = {
+        "studies": f"{server}/dashboard",
+        "study_top": f"{server}/dashboard/studies/{sid}",
+        "study_note": f"{server}/dashboard/studies/{sid}/note",
+    }
+
+    def dom(page: str) -> str:
+        text = ""
+        for _ in range(2):  # one retry: a slow machine may not finish rendering the first time
+            r = run_chromium(exe, pages[page], profile, "--dump-dom")
+            text = r.stdout.decode("utf-8", "replace")
+            (keep / f"{page}.html").write_text(text, encoding="utf-8")
+            if len(text) > 5000:
+                break
+        assert r.returncode == 0, r.stderr.decode("utf-8", "replace")[-2000:]
+        return text
+
+    listing = dom("studies")
+    for n in studies:
+        assert n in listing, f"{n} not rendered in the study list"
+    note = dom("study_note")
+    rep = str(attrs["regions"][0])
+    for expected in [f"Pattern {attrs['pattern_id']}", "Member regions", "Insertion points",
+                     *attrs["region_nodes"][rep], *attrs["qdq_points"],
+                     f"{attrs['pattern_id']}_region.svg"]:
+        assert expected in note, f"{expected!r} not rendered in the note"
+    for a in attrs["artifacts"]:  # the pictures are embedded in the note
+        assert f'src="{a["url"]}"' in note
+    top = dom("study_top")
+    assert "Study Artifacts" in top
+    assert f"{attrs['pattern_id']}_convergence.png" in top
+
+    shots = [(page, url, (1400, 1000)) for page, url in pages.items()]
+    # the whole note with its embedded pictures (convergence curve, region)
+    shots.append(("study_note_full", pages["study_note"], (1400, 2600)))
+    for page, url, window in shots:
+        shot = keep / f"{page}.png"
+        shot.unlink(missing_ok=True)
+        r = run_chromium(exe, url, profile, f"--screenshot={shot}", window=window)
+        assert r.returncode == 0 and shot.is_file(), r.stderr.decode("utf-8", "replace")[-2000:]
+        assert_non_blank_png(shot, window)
