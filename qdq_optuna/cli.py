@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
     t.add_argument("--worker", action="store_true",
                    help="cooperate with other workers on the same --storage run")
+    t.add_argument("--heartbeat-grace", type=_positive_float,
+                   help="seconds without a heartbeat before a worker's trial is failed and "
+                        "retried (default 180; workers only)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--timing", choices=["fast", "robust"], default="robust")
     t.add_argument("--threads", type=_positive_int, default=1, help="ONNX Runtime intra-op threads")
@@ -180,7 +183,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         scales=args.scales, calibration_data=args.calibration_data,
         calibration_method=args.calibration_method, pattern_cache=args.pattern_cache,
         qdq_baseline=args.qdq_baseline, fresh=args.fresh, timeout=args.timeout,
-        run_id=args.run_id, worker=args.worker, preprocess=args.preprocess,
+        run_id=args.run_id, worker=args.worker, heartbeat_grace=args.heartbeat_grace,
+        preprocess=args.preprocess,
         threads=args.threads, isolate=args.isolate, progress=not args.quiet,
         validation_data=args.validation_data, metric=args.metric,
         error_measure=args.error_measure, max_output_error=args.max_output_error,

@@ -454,19 +454,20 @@ class QDQMutationSampler(BaseSampler):
         order = [i for _, i in good] + fresh + [i for _, i in bad]
         out = [(single[i][0], [single[i][1]]) for i in order]
         pairs: list[tuple[list[int], list[str]]] = []
-        concat_members = {f"concat{sign}:g{gid}": set(members)
-                          for gid, members in groups["concat"] for sign in ("+", "++")}
+        labels = {move for _, move in group_moves}
         for child, move in group_moves:
-            if move in concat_members and flips:
-                members = concat_members[move]
-                for i, n in enumerate(space.n_choices):
-                    if i in members or n < 2:
-                        continue
-                    for value in range(n):
-                        if value != child[i]:
-                            pair = list(child)
-                            pair[i] = value
-                            pairs.append((pair, [move, f"flip:{space.names[i]}"]))
+            # the Concat group with the tensor groups it touches when there are any (a shared
+            # input Q/DQ is what lets the Concat's producers write INT8), else the group alone
+            if not move.startswith("concat+") or not flips or move.replace("+", "++") in labels:
+                continue
+            for i, n in enumerate(space.n_choices):
+                if child[i] != scheme[i] or n < 2:
+                    continue
+                for value in range(n):
+                    if value != child[i]:
+                        pair = list(child)
+                        pair[i] = value
+                        pairs.append((pair, [move, f"flip:{space.names[i]}"]))
         # after the moves known to help and the untried group moves, before single flips
         cut = len(good) + sum(1 for i in fresh if i < len(group_moves))
         return out[:cut] + [pairs[j] for j in rng.permutation(len(pairs))] + out[cut:]
