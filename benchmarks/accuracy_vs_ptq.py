@@ -8,7 +8,9 @@ For each model (zoo ``resnet``, ``transformer``, ``yolo`` at ``--size medium``):
   the errors say how far each quantized model drifts from FP32 on these inputs, not task accuracy.
 * ``onnxruntime.quantization.quantize_static`` with QuantFormat.QDQ, every op type, uint8
   activations / int8 weights (passed explicitly: ORT's own default activation type is int8, slow
-  on x86 CPUs), ``per_channel=True``, MinMax calibration on ``cal.npz``.
+  on x86 CPUs), ``per_channel=True``, MinMax calibration on ``cal.npz``: once on the model as
+  given (``quantize_static``) and once after ORT's recommended ``quant_pre_process`` (shape
+  inference + graph optimization, e.g. BatchNormalization folded: ``pre+quantize_static``).
 * ours: ``qdq_optuna.tune(..., calibration_data=cal.npz, max_output_error=B, mode quick)`` with
   the ONNX Runtime CPU backend; the error budget ``B`` (worst-output relative L2, measured by the
   search on the calibration data) is ``--budget-factor`` (2) x quantize_static's relative L2 on
@@ -117,7 +119,7 @@ def errors(reference: dict, path: Path, data: dict) -> dict:
 
 
 def bench_model(name: str, size: str, out: Path, samples: int, budget: float | None,
-                factor: float, measurer: Measurer, max_wait: float) -> dict:
+                factor: float, measurer: Measurer, max_wait: float, fresh: bool) -> dict:
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
     model = zoo.build(name, size)
@@ -130,26 +132,35 @@ def bench_model(name: str, size: str, out: Path, samples: int, budget: float | N
 
     ptq = work / "quantize_static.onnx"
     quantize_static_ptq(fp32, ptq, cal)
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    pre = work / "fp32_preprocessed.onnx"
+    quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)  # static shapes
+    ptq_pre = work / "pre_quantize_static.onnx"
+    quantize_static_ptq(pre, ptq_pre, cal)
     ref_cal = run_model(str(fp32), cal)
     ptq_cal_rel = errors(ref_cal, ptq, cal)["worst_relative_l2"]
     b = budget if budget is not None else factor * ptq_cal_rel
 
     t0 = time.monotonic()
+    # a rerun with the same settings resumes the finished search (only re-measures)
     result = tune(fp32, work / "tuned", benchmark="onnxruntime",
                   config=Config.preset("quick"), calibration_data=str(work / "cal.npz"),
-                  max_output_error=b, progress=False, fresh=True)
+                  max_output_error=b, progress=False, fresh=fresh)
     tune_s = time.monotonic() - t0
     tuned = result.optimized_model
 
     ref_held = run_model(str(fp32), held)
     rows = {"fp32": {"worst_cosine": 1.0, "worst_relative_l2": 0.0}}
     rows["quantize_static"] = errors(ref_held, ptq, held)
+    rows["pre+quantize_static"] = errors(ref_held, ptq_pre, held)
     rows["qdq_optuna"] = errors(ref_held, tuned, held)
 
     load = wait_for_quiet(max_wait)
     fp32_bytes = fp32.read_bytes()
     measurer.warm_up([fp32_bytes], force=True)
-    for key, path in (("fp32", fp32), ("quantize_static", ptq), ("qdq_optuna", tuned)):
+    for key, path in (("fp32", fp32), ("quantize_static", ptq),
+                      ("pre+quantize_static", ptq_pre), ("qdq_optuna", tuned)):
         cmp = measurer.compare(path.read_bytes(), fp32_bytes, until="precision")
         rows[key].update({
             "latency_ms": cmp.candidate.score_ms,
@@ -165,6 +176,8 @@ def bench_model(name: str, size: str, out: Path, samples: int, budget: float | N
         "error_budget_relative_l2": b,
         "budget_rule": "fixed" if budget is not None else f"{factor} x quantize_static on cal.npz",
         "quantize_static_relative_l2_on_cal": ptq_cal_rel,
+        "pre_quantize_static_relative_l2_on_cal": errors(ref_cal, ptq_pre, cal)[
+            "worst_relative_l2"],
         "tuned_final_output_error_on_cal": rep.get("final_output_error"),
         "tuned_quantized_tensors": len(rep["quantized_tensors"]),
         "tuned_in_search_speedup": rep["speedup"],
@@ -182,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, help="fixed error budget (relative L2)")
     ap.add_argument("--budget-factor", type=float, default=2.0)
     ap.add_argument("--out", default="accuracy_vs_ptq_out")
+    ap.add_argument("--fresh", action="store_true",
+                    help="tune again instead of resuming a finished search in OUT")
     ap.add_argument("--max-wait", type=float, default=900.0,
                     help="seconds to wait for a quiet machine before timing (default 900)")
     ap.add_argument("--json", help="where to write the results (default OUT/results.json)")
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         print(f"[{name}] tuning and measuring ...", file=sys.stderr, flush=True)
         results.append(bench_model(name, args.size, out, args.samples, args.budget,
-                                   args.budget_factor, measurer, args.max_wait))
+                                   args.budget_factor, measurer, args.max_wait, args.fresh))
     doc = {
         "note": "calibration and held-out data are SYNTHETIC (random normal / uniform ids): "
                 "errors are drift from FP32 on these inputs, not task accuracy",
@@ -207,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(doc, indent=2))
     print("Data are synthetic (random normal / uniform token ids): errors are drift from FP32, "
           "not task accuracy.")
-    print(f"{'model':<22} {'variant':<16} {'cosine':>9} {'rel L2':>8} {'ms':>8} "
+    print(f"{'model':<22} {'variant':<20} {'cosine':>9} {'rel L2':>8} {'ms':>8} "
           f"{'speedup (95% CI)':>22}")
     for r in results:
         for key, v in r["results"].items():
             lo, hi = v["speedup_ci"]
-            print(f"{r['model']:<22} {key:<16} {v['worst_cosine']:>9.5f} "
+            print(f"{r['model']:<22} {key:<20} {v['worst_cosine']:>9.5f} "
                   f"{v['worst_relative_l2']:>8.4f} {v['latency_ms']:>8.3f} "
                   f"{v['speedup']:>7.3f} ({lo:.3f}-{hi:.3f})")
         print(f"{'':<22} budget rel L2 {r['error_budget_relative_l2']:.4f} "
