@@ -22,6 +22,10 @@ results is the independent final A/B.
 **measurements_to_99pct.** The best-known speedup of a model is the highest final curve value
 over all runs of the recipe for that model. A run's ``measurements_to_99pct`` is the x of the
 first curve point at or above 99 % of that speedup; empty when the run never gets there.
+
+``wall_s`` is the time of the invocation that finished the run (a resumed run counts only its
+last part); ``report_measurements`` is ``report.json``'s count, which also covers only the last
+invocation, while ``measurements`` covers the whole run.
 """
 
 from __future__ import annotations
