@@ -108,6 +108,34 @@ def test_isolation_is_the_default_for_onnxruntime_and_can_be_turned_off(tmp_path
     assert args.isolate is False
 
 
+def test_isolated_worker_keeps_recent_models_and_measurer_rewarms_a_new_worker():
+    import _crashy_backend
+
+    from qdq_optuna.backends.isolated import KEEP_MODELS
+    from qdq_optuna.measure import Measurer, TimingProtocol
+
+    backend = IsolatedBackend(("_crashy_backend", "CrashyBackend", {}), start_timeout_s=120)
+    try:
+        models = [bytes(range(n)) for n in range(3, 3 + KEEP_MODELS + 2)]
+        order = models + models[::-1] + models[:2] * 3  # hits, evictions and re-sends
+        for m in order:
+            with backend.load(m) as runner:
+                assert runner.time(0, 1) == [float(len(m))]
+        assert len(backend._kept) == KEEP_MODELS and backend.restarts == 0
+        protocol = TimingProtocol.robust().with_(process_warmup_rounds=2, remeasure_noisy=False)
+        measurer = Measurer(backend, protocol)
+        measurer.screen(models[0])
+        assert measurer.loads == 3  # two warm-up sessions, then the screen
+        measurer.screen(models[0])
+        assert measurer.loads == 4
+        with pytest.raises(Exception, match="crashed"):
+            backend.load(_crashy_backend.CRASH)
+        measurer.screen(models[0])  # a new worker process is cold: warmed up again
+        assert measurer.loads == 7 and backend.restarts == 1
+    finally:
+        backend.close()
+
+
 def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target, tmp_path):
     tensors, full = target
     out, state = tmp_path / "run", tmp_path / "state"

@@ -45,6 +45,18 @@ _ERRORS: dict[str, type[Exception]] = {
     for cls in (BackendError, TransientBackendError, BackendUnavailable, OptionError, ModelError)
 }
 _BOOTSTRAP = "from qdq_optuna.backends.isolated import _worker_main; _worker_main()"
+#: model bytes the worker keeps, so that the fresh sessions of one measurement send a model of
+#: megabytes through the pipe once (the parent mirrors the worker's LRU order exactly)
+KEEP_MODELS = 4
+
+
+def _keep(kept: collections.OrderedDict, key: Any, value: Any = None) -> None:
+    if key in kept:
+        kept.move_to_end(key)
+    else:
+        kept[key] = value
+        while len(kept) > KEEP_MODELS:
+            kept.popitem(last=False)
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
@@ -100,6 +112,7 @@ def _worker_main() -> None:
         _send(channel, _error_reply(exc))
         return
     runners: dict[int, Runner] = {}
+    kept: collections.OrderedDict = collections.OrderedDict()
     next_id = 0
     while True:
         msg = _recv(inbox)
@@ -107,8 +120,15 @@ def _worker_main() -> None:
             break
         op = msg[0]
         try:
-            if op == "load":
-                runners[next_id] = backend.load(msg[1])
+            if op in ("load", "load_kept"):
+                if op == "load_kept":
+                    source = kept[msg[1]]
+                    _keep(kept, msg[1])
+                else:
+                    source = msg[1]
+                    if len(msg) > 2 and msg[2] is not None:
+                        _keep(kept, msg[2], source)  # before building: a failure keeps it too
+                runners[next_id] = backend.load(source)
                 reply: tuple = ("ok", next_id)
                 next_id += 1
             elif op == "time":
@@ -224,6 +244,8 @@ class IsolatedBackend(Backend):
         self._info: dict | None = None
         self._worker: _Worker | None = None
         self._lock = threading.RLock()
+        #: keys of the models the current worker keeps (see :data:`KEEP_MODELS`)
+        self._kept: collections.OrderedDict = collections.OrderedDict()
         #: bumped on every worker start; runners of an older generation are gone
         self.generation = 0
         self.restarts = 0
@@ -242,6 +264,7 @@ class IsolatedBackend(Backend):
             self._worker.kill()
         self._worker = _Worker(self._env())
         self.generation += 1
+        self._kept.clear()
         module, cls_name, kwargs = self.factory
         sys_path = [p for p in sys.path if p]
         info = self._exchange(
@@ -332,12 +355,15 @@ class IsolatedBackend(Backend):
         return [worker.proc.pid] if worker is not None and worker.alive() else []
 
     def load(self, model: ModelSource) -> Runner:
-        payload = model if isinstance(model, bytes) else os.fspath(model)
         with self._lock:
             self._ensure_worker()
-            runner_id = self._exchange(
-                ("load", payload), self.load_timeout_s, f"building {_model_label(model)}"
-            )
+            if isinstance(model, bytes):
+                key = (hash(model), len(model))  # a bytes object caches its hash
+                msg: tuple = ("load_kept", key) if key in self._kept else ("load", model, key)
+                _keep(self._kept, key)
+            else:
+                msg = ("load", os.fspath(model), None)
+            runner_id = self._exchange(msg, self.load_timeout_s, f"building {_model_label(model)}")
             return _ProxyRunner(self, runner_id, self.generation, _model_label(model))
 
     def close(self) -> None:
