@@ -997,7 +997,3 @@ def tune(model: str | os.PathLike, output_dir: str | os.PathLike, *,
                        backend=benchmark if benchmark is not None else options.pop("backend", "onnxruntime"),
                        config=config or Config(), **options)
     return Tuner(opts).run()
-
-
-def _isfinite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
