@@ -112,7 +112,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", metavar="NAME:SIZE[:SAMPLER]",
+    ap.add_argument("--models", nargs="*", metavar="NAME:SIZE[:SAMPLER]",
                     default=["resnet:medium", "mobilenet:medium", "transformer:medium",
                              "yolo:medium", "resnet:full", "resnet:medium:tpe",
                              "transformer:medium:tpe"],

@@ -41,7 +41,7 @@ SEED = 20240611
 #: each measurement sleeps this long, so a run lasts a few seconds and kills land everywhere
 SLEEP_S = "0.03"
 #: a kill lands this long after the start, drawn uniformly (startup, trials, commits, outputs)
-KILL_WINDOW_S = (0.3, 3.5)
+KILL_WINDOW_S = (0.3, 2.5)
 
 
 def _argv(model: Path, out: Path) -> list[str]:
