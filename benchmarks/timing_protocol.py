@@ -29,31 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402
 from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
+from qdq_optuna.zoo import matmul_chain  # noqa: E402
 
 
 def chain_model(layers: int, width: int, rows: int) -> bytes:
     """MatMul/Relu chain: run time grows linearly with ``layers``."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], [], "x"
-    for i in range(layers):
-        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
-        x = f"r{i}"
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [rows, width])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
-
+    return matmul_chain(layers, width, rows)
 
 def naive_ratio(backend, candidate: bytes, reference: bytes, runs: int) -> float:
     """What a single back-to-back measurement would report."""

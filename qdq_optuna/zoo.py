@@ -751,3 +751,29 @@ _MEDIUM: dict[str, dict[str, Any]] = {
     "yolo": {"image": 160, "width": 16},
     "transformer": {"seq": 64, "hidden": 128, "heads": 4, "layers": 2, "ffn": 512},
 }
+
+
+def matmul_chain(layers: int = 3, width: int = 64, rows: int = 8, *,
+                 symbolic: bool = False) -> bytes:
+    """A MatMul/Relu chain as serialized bytes: run time grows linearly with ``layers`` and
+    quadratically with ``width`` (timing tests and benchmarks rank such pairs).
+    ``symbolic`` leaves the batch dimension named."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        x = f"r{i}"
+    dim0: int | str = "batch" if symbolic else rows
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [dim0, width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [dim0, width])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = IR_VERSION
+    return model.SerializeToString()

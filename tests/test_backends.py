@@ -24,33 +24,14 @@ from qdq_optuna.backends import (
 )
 from qdq_optuna.backends.base import BackendError, BackendUnavailable, TransientBackendError
 from qdq_optuna.errors import OptionError, UserError
+from qdq_optuna.zoo import matmul_chain
 
 sys.path.insert(0, str(Path(__file__).parent))  # for the isolated worker's test backend
 import _crashy_backend  # noqa: E402
 
 
 def chain_model(layers: int = 3, width: int = 64, rows: int = 8, symbolic: bool = False) -> bytes:
-    """MatMul/Relu chain; ``symbolic`` leaves the batch dimension named."""
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], [], "x"
-    for i in range(layers):
-        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
-        x = f"r{i}"
-    dim0: int | str = "batch" if symbolic else rows
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [dim0, width])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [dim0, width])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
-
+    return matmul_chain(layers, width, rows, symbolic=symbolic)
 
 def gather_model() -> bytes:
     """An int64 index input next to a float one: integer inputs must come out as zeros."""

@@ -11,7 +11,6 @@ import time
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna import measure
 from qdq_optuna.backends import CallableBackend, OnnxRuntimeBackend
@@ -27,28 +26,11 @@ from qdq_optuna.measure import (
     ratio_interval,
     t_quantile,
 )
+from qdq_optuna.zoo import matmul_chain
 
 
 def chain_model(layers: int = 4, width: int = 128, rows: int = 32) -> bytes:
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], [], "x"
-    for i in range(layers):
-        w = (rng.standard_normal((width, width)) * 0.05).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
-        x = f"r{i}"
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [rows, width])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
-
+    return matmul_chain(layers, width, rows)
 
 FAST_MODEL = chain_model(width=128)
 SLOW_MODEL = chain_model(width=256)  # 4x the MatMul work
