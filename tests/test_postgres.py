@@ -7,7 +7,6 @@ two-worker test also runs on a shared SQLite file, so it is exercised everywhere
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -18,10 +17,10 @@ from pathlib import Path
 import onnx
 import optuna
 import pytest
+from _runs import expected_trials
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, zoo
-from qdq_optuna.model import PreparedModel
 from qdq_optuna.search import tune
 from qdq_optuna.storage import delete_run, open_storage
 
@@ -58,22 +57,6 @@ def run_studies(url: str, run_id: str) -> dict[str, optuna.Study]:
     storage = open_storage(url, heartbeat=False)
     return {s.study_name: optuna.load_study(study_name=s.study_name, storage=storage)
             for s in storage.get_all_studies() if s.study_name.startswith(f"{run_id}/")}
-
-
-def expected_trials(model: Path, report: dict, budget: int) -> dict[str, int]:
-    pm = PreparedModel.prepare(str(model), runtime=report["runtime"],
-                               quant_type=report["quant_type"])
-    exporter = pm.exporter()
-    by_id = {pp.pattern.id: pp for pp in pm.tunable}
-    base: set = set()
-    out = {}
-    for row in report["patterns"]:
-        pp = by_id[row["id"]]
-        keys = {exporter.plan(base | pp.uses([p for p, b in zip(pp.ids, bits) if b])).key
-                for bits in itertools.product((0, 1), repeat=len(pp.ids))}
-        out[row["id"]] = min(budget, len(keys))
-        base |= pp.uses(row["committed_scheme"])
-    return out
 
 
 @needs_postgres

@@ -6,7 +6,6 @@ redo the trial the dead process was running, and finish each study with exactly 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -20,11 +19,11 @@ import _latency_fns as fns
 import onnx
 import optuna
 import pytest
+from _runs import expected_trials
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, zoo
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.model import PreparedModel
 from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
@@ -65,23 +64,6 @@ def snapshot(out: Path, run_id: str) -> dict[str, dict[int, tuple]]:
     return {pid: {t.number: (t.state.name, dict(t.params), t.value)
                   for t in s.get_trials(deepcopy=False)}
             for pid, s in pattern_studies(out, run_id).items()}
-
-
-def expected_trials(model: Path, report: dict, budget: int) -> dict[str, int]:
-    """min(budget, distinct models the pattern's schemes build on top of earlier commits)."""
-    pm = PreparedModel.prepare(str(model), runtime=report["runtime"],
-                               quant_type=report["quant_type"])
-    exporter = pm.exporter()
-    by_id = {pp.pattern.id: pp for pp in pm.tunable}
-    base: set = set()
-    out = {}
-    for row in report["patterns"]:
-        pp = by_id[row["id"]]
-        keys = {exporter.plan(base | pp.uses([p for p, b in zip(pp.ids, bits) if b])).key
-                for bits in itertools.product((0, 1), repeat=len(pp.ids))}
-        out[row["id"]] = min(budget, len(keys))
-        base |= pp.uses(row["committed_scheme"])
-    return out
 
 
 def assert_finished_exactly(out: Path, run_id: str, model: Path, budget: int) -> dict:

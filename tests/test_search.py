@@ -9,7 +9,6 @@ known in advance.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 
 import _latency_fns as fns
@@ -19,12 +18,12 @@ import onnxruntime as ort
 import optuna
 import pytest
 import yaml
+from _runs import distinct_models
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, zoo
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.model import PreparedModel
 from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
@@ -77,24 +76,6 @@ def run_ort(model: onnx.ModelProto | str) -> list[np.ndarray]:
         shape = [d if isinstance(d, int) else 1 for d in i.shape]
         feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
     return sess.run(None, feeds)
-
-
-def distinct_schemes(model_path, patterns: list[dict]) -> dict[str, int]:
-    """Distinct models each pattern's schemes build, on top of the earlier commits."""
-    pm = PreparedModel.prepare(str(model_path))
-    exporter = pm.exporter()
-    by_id = {pp.pattern.id: pp for pp in pm.tunable}
-    base: set = set()
-    counts = {}
-    for row in patterns:
-        pp = by_id[row["id"]]
-        keys = set()
-        for bits in itertools.product((0, 1), repeat=len(pp.ids)):
-            on = [p for p, b in zip(pp.ids, bits) if b]
-            keys.add(exporter.plan(base | pp.uses(on)).key)
-        counts[row["id"]] = len(keys)
-        base |= pp.uses(row["committed_scheme"])
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +154,7 @@ def test_studies_named_per_pattern_with_attrs(e2e):
 
 def test_each_study_has_exactly_its_budget_of_complete_trials(e2e, residual):
     report = e2e.report
-    expected = distinct_schemes(residual, report["patterns"])
+    expected = distinct_models(residual, report["patterns"])
     assert min(expected.values()) < BUDGET, "some pattern has fewer schemes than the budget"
     by_id = pattern_studies(e2e.output_dir, "run")
     for p in report["patterns"]:
@@ -240,7 +221,7 @@ def test_samplers_by_name(sampler, residual, tmp_path):
                   sampler=sampler, config=Config(schemes_per_region=budget), progress=False)
     report = result.report
     assert report["sampler"] == sampler and report["complete"]
-    expected = distinct_schemes(residual, report["patterns"])
+    expected = distinct_models(residual, report["patterns"])
     for p in report["patterns"]:
         assert p["trials"] == min(budget, expected[p["id"]]), (sampler, p["id"])
     for p, s in pattern_studies(result.output_dir, result.report["run_id"]).items():

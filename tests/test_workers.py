@@ -25,9 +25,10 @@ import onnx
 import onnxruntime as ort
 import optuna
 import pytest
+from _runs import expected_trials
 from optuna.trial import TrialState
 from test_postgres import POSTGRES_URL, URL_ENV, run_studies
-from test_resume import REPO, cli_env, expected_trials
+from test_resume import REPO, cli_env
 
 from qdq_optuna import zoo
 from qdq_optuna.storage import AGREE_KEY, delete_run, open_storage
