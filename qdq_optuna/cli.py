@@ -21,34 +21,22 @@ class _Parser(argparse.ArgumentParser):
         raise OptionError(message)
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535 (0: any free port), got {text!r}")
-    return v
+def _number(cast, accept, expected: str):
+    """An argparse type: ``cast`` the text, then ``accept`` it, else say what was expected."""
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            v = None
+        if v is None or not accept(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return v
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v != v or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
+_port = _number(int, lambda v: 0 <= v <= 65535, "a port 0-65535 (0: any free port)")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def _add_accuracy_args(t: argparse.ArgumentParser) -> None:

@@ -67,53 +67,19 @@ EPILOGUE_OPS = frozenset(
 )
 #: Binary arithmetic that becomes a per-channel scale/bias in the epilogue when one side is constant.
 SCALE_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
-#: Memory-bound ops that TensorRT can run on INT8 data when fed by DQ and consumed by Q.
-INT8_MEMORY_OPS = frozenset(
-    {
-        "Add",
-        "Sub",
-        "Mul",
-        "Max",
-        "Min",
-        "Relu",
-        "LeakyRelu",
-        "Clip",
-        "MaxPool",
-        "AveragePool",
-        "GlobalAveragePool",
-        "GlobalMaxPool",
-        "Concat",
-        "Split",
-        "Slice",
-        "Pad",
-        "Transpose",
-        "Resize",
-        "Upsample",
-        "Gather",
-        "Expand",
-        "Tile",
-        "DepthToSpace",
-        "SpaceToDepth",
-    }
-)
 #: INT8 memory ops that only move or select values, so their output keeps the input scale and
 #: can feed an INT8 compute op directly (TensorRT moves the DQ after them).
 MOVEMENT_OPS = frozenset(
     {
-        "Concat",
-        "Split",
-        "Slice",
-        "Pad",
-        "Transpose",
-        "MaxPool",
-        "GlobalMaxPool",
-        "Resize",
-        "Upsample",
-        "Gather",
-        "Expand",
-        "Tile",
-        "DepthToSpace",
-        "SpaceToDepth",
+        "Concat", "Split", "Slice", "Pad", "Transpose", "MaxPool", "GlobalMaxPool", "Resize",
+        "Upsample", "Gather", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
+    }
+)
+#: Memory-bound ops that TensorRT can run on INT8 data when fed by DQ and consumed by Q.
+INT8_MEMORY_OPS = MOVEMENT_OPS | frozenset(
+    {
+        "Add", "Sub", "Mul", "Max", "Min", "Relu", "LeakyRelu", "Clip", "AveragePool",
+        "GlobalAveragePool",
     }
 )
 #: Single-input movement ops a Q is moved backwards over, so the producer writes INT8.
