@@ -32,16 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-
-def wait_quiet(max_load: float, poll_s: float = 10.0, limit_s: float = 1200.0) -> dict:
-    t0 = time.monotonic()
-    load = os.getloadavg()[0]
-    while load >= max_load and time.monotonic() - t0 < limit_s:
-        time.sleep(poll_s)
-        load = os.getloadavg()[0]
-    return {"load_before": round(load, 2), "waited_s": round(time.monotonic() - t0, 1),
-            "quiet": load < max_load}
+from verify_speedup import wait_quiet  # noqa: E402  (a sibling script)
 
 
 def count(out: Path) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import _latency_fns as fns
 import onnx
 import optuna
 import pytest
+from _fake_trtexec import write_fake_trtexec
 from _trap_backend import quantized_tensors
 from optuna.trial import TrialState
 
@@ -353,28 +353,6 @@ def test_report_counts_screened_compared_and_cached(robust_run):
 
 # -- 5. trtexec through the CLI ----------------------------------------------------------------
 
-STAND_IN = """\
-import os, sys
-args = sys.argv[1:]
-with open(os.environ["STAND_IN_LOG"], "a") as f:
-    f.write(" ".join(args) + "\\n")
-print("&&&& RUNNING TensorRT.trtexec [TensorRT v100300] # trtexec " + " ".join(args))
-if args == ["--help"]:
-    print("--onnx --saveEngine --loadEngine --warmUp --iterations --duration --shapes "
-          "--stronglyTyped --skipInference --timingCacheFile --staticPlugins")
-    sys.exit(0)
-opts = dict(a.lstrip("-").split("=", 1) for a in args if "=" in a)
-if "saveEngine" in opts:
-    with open(opts["saveEngine"], "w") as f:
-        f.write(str(os.path.getsize(opts["onnx"])))
-    print("&&&& PASSED TensorRT.trtexec")
-    sys.exit(0)
-ms = float(open(opts["loadEngine"]).read()) / 1000.0
-print(f"[I] GPU Compute Time: min = {ms * 0.9} ms, max = {ms * 2} ms, mean = {ms} ms, "
-      f"median = {ms} ms, percentile(90%) = {ms * 1.2} ms")
-print("[I] Total GPU Compute Time: 3.0 s")
-print("&&&& PASSED TensorRT.trtexec")
-"""
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the stand-in trtexec is a POSIX script")
@@ -388,12 +366,11 @@ def test_cli_trtexec_missing_then_a_stand_in_on_path(residual, tmp_path, monkeyp
     assert code == 2 and err.count("\n") == 0
     assert err.startswith("qdq-optuna: error: trtexec not found on PATH")
 
-    binary = tmp_path / "bin" / "trtexec"
-    binary.parent.mkdir()
-    binary.write_text(f"#!{sys.executable}\n{STAND_IN}")
-    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    binary = write_fake_trtexec(tmp_path / "bin")
     log = tmp_path / "calls.log"
-    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    monkeypatch.setenv("FAKE_TRTEXEC_LOG", str(log))
+    monkeypatch.delenv("FAKE_TRTEXEC_MODE", raising=False)
+    monkeypatch.delenv("FAKE_TRTEXEC_VERSION", raising=False)
     monkeypatch.setenv("PATH", str(binary.parent))
     code = cli.main(["tune", "--model", str(residual), "--output", str(tmp_path / "b"),
                      "--backend", "trtexec", "--timing", "fast", "--schemes-per-region", "2",

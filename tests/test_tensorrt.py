@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
-import sys
 
 import numpy as np
 import pytest
+from _fake_trtexec import write_fake_trtexec
 from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna.backends import make_backend
@@ -118,47 +117,12 @@ def test_trtexec_missing_binary():
 
 # -- a stand-in trtexec ----------------------------------------------------------------------
 
-FAKE = """\
-import os, sys, time
-args = sys.argv[1:]
-with open(os.environ["FAKE_TRTEXEC_LOG"], "a") as f:
-    f.write(" ".join(args) + "\\n")
-version = os.environ.get("FAKE_TRTEXEC_VERSION", "100300")
-print(f"&&&& RUNNING TensorRT.trtexec [TensorRT v{version}] # trtexec " + " ".join(args))
-mode = os.environ.get("FAKE_TRTEXEC_MODE", "ok")
-if args == ["--help"]:
-    flags = "--onnx --saveEngine --loadEngine --warmUp --iterations --duration --shapes"
-    if version.startswith("10"):
-        flags += " --stronglyTyped"
-    print("=== Build Options ===", flags, "--skipInference --timingCacheFile --staticPlugins")
-    sys.exit(0)
-if mode == "sleep":
-    time.sleep(30)
-if mode == "fail":
-    print("[E] Error[4]: [network.cpp::validate::3000] Error Code 4: Internal Error (bad Q/DQ)")
-    print("&&&& FAILED TensorRT.trtexec")
-    sys.exit(1)
-opts = dict(a.lstrip("-").split("=", 1) for a in args if "=" in a)
-if "saveEngine" in opts:
-    with open(opts["saveEngine"], "w") as f:
-        f.write(str(os.path.getsize(opts["onnx"])))
-    print("&&&& PASSED TensorRT.trtexec")
-    sys.exit(0)
-ms = float(open(opts["loadEngine"]).read()) / 1000.0
-print(f"[I] GPU Compute Time: min = {ms * 0.9} ms, max = {ms * 2} ms, mean = {ms * 1.1} ms, "
-      f"median = {ms} ms, percentile(90%) = {ms * 1.2} ms")
-print("[I] Total GPU Compute Time: 3.0 s")
-print("&&&& PASSED TensorRT.trtexec")
-"""
-
 
 @pytest.fixture
 def fake_trtexec(tmp_path, monkeypatch):
     if os.name != "posix":
         pytest.skip("the stand-in trtexec is a POSIX script")
-    script = tmp_path / "trtexec"
-    script.write_text(f"#!{sys.executable}\n{FAKE}")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    script = write_fake_trtexec(tmp_path)
     log = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_TRTEXEC_LOG", str(log))
     monkeypatch.delenv("FAKE_TRTEXEC_MODE", raising=False)
