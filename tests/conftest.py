@@ -47,3 +47,13 @@ def analyzed(zoo_model):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def residual(tmp_path_factory):
+    """tiny_residual saved as a file, one per test module (tests check it stays unchanged)."""
+    from qdq_optuna import zoo
+
+    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(path))
+    return path

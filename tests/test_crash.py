@@ -30,7 +30,6 @@ from test_resume import (
     cli_cmd,
     cli_env,
     pattern_studies,
-    residual,  # noqa: F401 - the fixture
     snapshot,
 )
 

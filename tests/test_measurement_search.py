@@ -28,7 +28,7 @@ from _fake_trtexec import write_fake_trtexec
 from _trap_backend import quantized_tensors
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, cli, zoo
+from qdq_optuna import Config, cli
 from qdq_optuna.backends import IsolatedBackend
 from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
@@ -60,12 +60,6 @@ def trials_with(study: optuna.Study, params: dict) -> list[optuna.trial.FrozenTr
 def complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
-
-@pytest.fixture(scope="module")
-def residual(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
-    onnx.save(zoo.build("tiny_residual"), str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import onnx
 import optuna
 import pytest
 from _runs import expected_trials
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config
 from qdq_optuna.search import tune
 from qdq_optuna.storage import delete_run, open_storage
 
@@ -34,12 +33,6 @@ needs_postgres = pytest.mark.skipif(
 )
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
-
-@pytest.fixture(scope="module")
-def residual(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
-    onnx.save(zoo.build("tiny_residual"), str(path))
-    return path
 
 
 @pytest.fixture

@@ -16,13 +16,12 @@ import time
 from pathlib import Path
 
 import _latency_fns as fns
-import onnx
 import optuna
 import pytest
 from _runs import expected_trials
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
@@ -33,12 +32,6 @@ DUPLICATE = "qdq:duplicate"
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
-
-@pytest.fixture(scope="module")
-def residual(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
-    onnx.save(zoo.build("tiny_residual"), str(path))
-    return path
 
 
 def cli_cmd(*args) -> list[str]:

@@ -21,7 +21,7 @@ import yaml
 from _runs import distinct_models
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.search import tune
@@ -77,12 +77,6 @@ def run_ort(model: onnx.ModelProto | str) -> list[np.ndarray]:
         feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
     return sess.run(None, feeds)
 
-
-@pytest.fixture(scope="module")
-def residual(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
-    onnx.save(zoo.build("tiny_residual"), str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ from optuna.trial import TrialState
 from test_postgres import POSTGRES_URL, URL_ENV, run_studies
 from test_resume import REPO, cli_env
 
-from qdq_optuna import zoo
 from qdq_optuna.storage import AGREE_KEY, delete_run, open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -41,12 +40,6 @@ GRACE_S = 3
 SLEEP_S = "0.25"
 DUPLICATE = "qdq:duplicate"
 
-
-@pytest.fixture(scope="module")
-def residual(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
-    onnx.save(zoo.build("tiny_residual"), str(path))
-    return path
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
