@@ -138,6 +138,57 @@ def test_ort_gpu_providers_unavailable_here(name):
         OnnxRuntimeBackend(providers=(wanted,))
 
 
+@pytest.fixture
+def ort_cuda():
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime-gpu is not installed")
+    backend = make_backend("ort-cuda", isolate=False)
+    try:
+        backend.load(chain_model()).close()
+    except BackendUnavailable as exc:  # installed, but no device or CUDA libraries
+        pytest.skip(str(exc))
+    return backend
+
+
+@pytest.mark.gpu
+def test_ort_cuda_times_on_the_device_without_transfers(ort_cuda):
+    from qdq_optuna.backends.onnxruntime import _DeviceRunner
+
+    runner = ort_cuda.load(chain_model(layers=6, width=256, rows=64))
+    try:
+        assert isinstance(runner, _DeviceRunner)
+        times = runner.time(5, 20)
+        assert len(times) == 20 and all(0 < t < 1000 for t in times)
+    finally:
+        runner.close()
+    with pytest.raises(BackendError, match="after close"):
+        runner.time(0, 1)
+
+
+@pytest.mark.gpu
+def test_ort_cuda_tunes_end_to_end(residual, tmp_path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime-gpu is not installed")
+    from qdq_optuna import Config, tune
+
+    result = tune(str(residual), str(tmp_path / "out"), benchmark="ort-cuda",
+                  config=Config.preset("quick"), progress=False)
+    report = json_load(tmp_path / "out" / "report.json")
+    assert report["backend"]["providers"][0] == "CUDAExecutionProvider"
+    assert report["final_latency_ms"] > 0 and report["speedup"] == pytest.approx(result.speedup)
+    onnx.checker.check_model(onnx.load(str(tmp_path / "out" / "optimized.onnx")))
+
+
+def json_load(path):
+    import json
+
+    return json.loads(Path(path).read_text())
+
+
 def test_ort_bad_options():
     with pytest.raises(OptionError):
         OnnxRuntimeBackend(optimization="max")

@@ -102,6 +102,9 @@ class OnnxRuntimeBackend(Backend):
                 f"{', '.join(missing)} (available: {', '.join(sorted(available))}){hint}"
             )
         names = tuple(_provider_name(p) for p in self.providers)
+        self.on_gpu = names[0] != "CPUExecutionProvider"
+        if self.on_gpu:
+            _preload_cuda_libraries(ort)
         self.name = name or next(
             (k for k, v in PROVIDER_PRESETS.items() if v == names), "onnxruntime"
         )
@@ -152,7 +155,10 @@ class OnnxRuntimeBackend(Backend):
                 f"ONNX Runtime fell back from {wanted} to {', '.join(session.get_providers())}; "
                 f"check the GPU driver and CUDA/TensorRT libraries ({_GPU_HINT})"
             )
-        return OnnxRuntimeRunner(session, self._make_inputs(session))
+        feeds = self._make_inputs(session)
+        if self.on_gpu:
+            return _DeviceRunner(session, feeds, self._ort, _device_id(self.providers[0]))
+        return OnnxRuntimeRunner(session, feeds)
 
     def _make_inputs(self, session: Any) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(self.seed)
@@ -181,6 +187,27 @@ class OnnxRuntimeBackend(Backend):
             else:
                 feeds[inp.name] = np.zeros(shape, dtype=dtype)
         return feeds
+
+
+def _device_id(spec: ProviderSpec) -> int:
+    options = {} if isinstance(spec, str) else spec[1]
+    return int(options.get("device_id", 0))
+
+
+_preloaded = False
+
+
+def _preload_cuda_libraries(ort: Any) -> None:
+    """Let onnxruntime-gpu find CUDA/cuDNN from the ``nvidia-*`` wheels (e.g. PyTorch's), as
+    its documentation recommends; harmless where the system libraries are found anyway."""
+    global _preloaded
+    if _preloaded or not hasattr(ort, "preload_dlls"):
+        return
+    _preloaded = True
+    try:
+        ort.preload_dlls()
+    except Exception:  # a missing wheel only means the system's libraries are used
+        pass
 
 
 def _map_external_sources(options: Any, path: str) -> list:
@@ -227,3 +254,44 @@ class OnnxRuntimeRunner(Runner):
     def close(self) -> None:
         self.session = None
         self.feeds = {}
+
+
+class _DeviceRunner(OnnxRuntimeRunner):
+    """GPU execution providers: inputs live on the device and outputs stay there (IO
+    binding), so host<->device copies are not timed (as trtexec's ``--noDataTransfers``).
+    ``run_with_iobinding`` returns after the provider's stream is synchronized, so a host clock
+    around it measures the whole inference."""
+
+    def __init__(self, session: Any, feeds: dict[str, np.ndarray], ort: Any, device: int):
+        super().__init__(session, feeds)
+        self._inputs = {
+            name: ort.OrtValue.ortvalue_from_numpy(arr, "cuda", device)
+            for name, arr in feeds.items()
+        }
+        self._binding = session.io_binding()
+        for name, value in self._inputs.items():
+            self._binding.bind_ortvalue_input(name, value)
+        for out in session.get_outputs():
+            self._binding.bind_output(out.name, "cuda", device)
+
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        if self.session is None:
+            raise BackendError("runner used after close()")
+        run, binding = self.session.run_with_iobinding, self._binding
+        clock = time.perf_counter
+        out: list[float] = []
+        try:
+            for _ in range(warmup):
+                run(binding)
+            for _ in range(iterations):
+                t0 = clock()
+                run(binding)
+                out.append((clock() - t0) * 1e3)
+        except Exception as exc:
+            raise BackendError(f"ONNX Runtime inference failed: {str(exc).strip()}") from exc
+        return out
+
+    def close(self) -> None:
+        self._binding = None
+        self._inputs = {}
+        super().close()
