@@ -12,7 +12,8 @@ sampler/seed found; a run *reaches* a pattern once its best gain is within 1 % o
         --samplers qdq,tpe,random --seeds 10 --budget 30
     python benchmarks/sampler_comparison.py --samplers "qdq,qdq[climb_parents=0]"  # ablation
 
-``qdq[attr=value;...]`` sets private attributes of QDQMutationSampler after construction
+``NAME@stopN`` stops each study once ``QDQMutationSampler.converged(study, N)`` holds (the
+early stop ``tune`` uses). ``qdq[attr=value;...]`` sets private attributes of QDQMutationSampler after construction
 (``climb_parents``, ``p_fusion``, ``seed_full``, ...), for ablations.
 
 Printed per model and sampler: the measurements (distinct models timed) until every pattern with
@@ -92,8 +93,9 @@ def race(model_name: str, size: str, samplers: list[str], seeds: int, budget: in
         cfg = Config(schemes_per_region=budget)
         for name in samplers:
             for seed in range(seeds):
+                spec, _, patience = name.partition("@stop")
                 sampler = build_sampler(
-                    name, seed=seed + idx, config=cfg,
+                    spec, seed=seed + idx, config=cfg,
                     scheme_key=lambda params, pp=pp: exporter.plan(
                         pp.uses([p for p, v in params.items() if v])).key)
                 study = optuna.create_study(sampler=sampler, direction="minimize")
@@ -113,7 +115,13 @@ def race(model_name: str, size: str, samplers: list[str], seeds: int, budget: in
                         curve.append(max(curve[-1], ref / ms))
                     return ms
 
-                study.optimize(objective, n_trials=budget)
+                callbacks = []
+                if patience:
+                    def stop(study, trial, sampler=sampler, n=int(patience)):
+                        if sampler.converged(study, n):
+                            study.stop()
+                    callbacks.append(stop)
+                study.optimize(objective, n_trials=budget, callbacks=callbacks)
                 results[(pp.pattern.id, name, seed)] = curve
     return {"patterns": [pp.pattern.id for pp in pm.tunable], "results": results,
             "threshold": threshold, "budget": budget}
@@ -127,7 +135,7 @@ def summarize(model: str, race_out: dict, samplers: list[str], seeds: int) -> li
     lines.append(f"{model}: {len(race_out['patterns'])} patterns, {len(live)} with a gain >= "
                  f"{threshold}: " + ", ".join(f"{p} {best[p]:.3f}x" for p in live))
     for name in samplers:
-        totals, misses, gains = [], 0, []
+        totals, misses, gains, spent = [], 0, [], []
         missed: dict[str, int] = {}
         for seed in range(seeds):
             total = 0
@@ -140,10 +148,12 @@ def summarize(model: str, race_out: dict, samplers: list[str], seeds: int) -> li
                     hit = budget
                 total += hit
             totals.append(total)
+            spent.append(sum(len(res[(p, name, seed)]) - 1 for p in race_out["patterns"]))
             gains.append(math.prod(res[(p, name, seed)][-1] for p in live))
         lines.append(f"  {name:<8} measurements to reach all: median {statistics.median(totals):6.1f}"
                      f"  mean {statistics.mean(totals):6.1f}  misses {misses:3d}/{seeds * len(live)}"
                      f"  product of gains: median {statistics.median(gains):.3f}"
+                     f"  measured in all: median {statistics.median(spent):.0f}"
                      + (f"  missed: {missed}" if missed else ""))
     return lines
 

@@ -36,6 +36,7 @@ def _number(cast, accept, expected: str):
 
 _port = _number(int, lambda v: 0 <= v <= 65535, "a port 0-65535 (0: any free port)")
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_count = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"])
     t.add_argument("--schemes-per-region", type=_positive_int,
                    help="finished trials per pattern study (default 30; --mode sets it too)")
+    t.add_argument("--converged-patience", type=_count,
+                   help="our sampler: stop a pattern study early after N exploration trials "
+                        "in a row that did not improve (default 1; 0: spend every budget)")
     t.add_argument("--mode", choices=["quick", "default", "extensive"], default="default")
     t.add_argument("--config", help="YAML file with Config settings")
     t.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db)")
@@ -149,6 +153,7 @@ def _config_from(args: argparse.Namespace):
     base = Config.from_yaml(args.config).to_dict() if getattr(args, "config", None) else {}
     overrides = {
         "schemes_per_region": getattr(args, "schemes_per_region", None),
+        "converged_patience": getattr(args, "converged_patience", None),
         "performance_threshold": getattr(args, "performance_threshold", None),
         "maximum_sequence_region_size": args.maximum_sequence_region_size,
         "minimum_topdown_search_size": args.minimum_topdown_search_size,

@@ -23,8 +23,12 @@ class Config:
     default_quant_type: str | None = None
     maximum_sequence_region_size: int = 10
     minimum_topdown_search_size: int = 10
-    #: finished trials per pattern study
+    #: finished trials per pattern study (a cap: see converged_patience)
     schemes_per_region: int = 30
+    #: our sampler only, single process: a pattern study stops before its budget once this
+    #: many trials in a row were exploration (the best scheme had no untried one-move
+    #: neighbour left) without improving on it; 0 spends every budget in full
+    converged_patience: int = 1
     top_percent_to_mutate: float = 0.1
     minimum_schemes_to_mutate: int = 10
     maximum_mutations: int = 3
@@ -42,6 +46,7 @@ class Config:
             ("maximum_sequence_region_size", self.maximum_sequence_region_size >= 1, ">= 1"),
             ("minimum_topdown_search_size", self.minimum_topdown_search_size >= 1, ">= 1"),
             ("schemes_per_region", self.schemes_per_region >= 1, ">= 1"),
+            ("converged_patience", self.converged_patience >= 0, ">= 0"),
             ("top_percent_to_mutate", 0.0 < self.top_percent_to_mutate <= 1.0, "in (0, 1]"),
             ("minimum_schemes_to_mutate", self.minimum_schemes_to_mutate >= 1, ">= 1"),
             ("maximum_mutations", self.maximum_mutations >= 1, ">= 1"),

@@ -42,7 +42,8 @@ def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) ->
             "reference_ms": (row or {}).get("reference_ms"),
             "commit_reason": (row or {}).get("commit_reason"),
         })
-        for key in ("committed_error", "reference_error", "committed_types"):  # accuracy modes
+        # accuracy modes; converged_after: the study stopped before its budget (Config)
+        for key in ("committed_error", "reference_error", "committed_types", "converged_after"):
             if row and key in row:
                 patterns[-1][key] = row[key]
     stats = trial_statistics(all_trials)

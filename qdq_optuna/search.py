@@ -636,11 +636,21 @@ class Tuner:
                 with contextlib.suppress(ValueError, RuntimeError):  # none feasible / 2 objectives
                     bar.set_postfix(best=f"{study.best_value:.3f}ms", ref=f"{ref_ms:.3f}ms")
 
+        callbacks = [counter, stop_on_failures, progress]
+        patience = cfg.converged_patience
+        if patience and not self.o.worker and hasattr(sampler, "converged"):
+            # workers keep exact budgets: one worker cannot know the others' trials are done
+            def stop_when_converged(study: optuna.Study, trial) -> None:
+                if trial.state == TrialState.COMPLETE and sampler.converged(study, patience):
+                    study.set_user_attr("converged_after", trial.number + 1)
+                    study.stop()
+
+            callbacks.append(stop_when_converged)
         done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
         try:
-            if done < budget:
+            if done < budget and "converged_after" not in study.user_attrs:
                 study.optimize(
-                    self._interruptible(objective), callbacks=[counter, stop_on_failures, progress],
+                    self._interruptible(objective), callbacks=callbacks,
                     timeout=self._remaining(), catch=(BackendError, AccuracyError),
                     gc_after_trial=False,
                 )
@@ -649,7 +659,7 @@ class Tuner:
                 bar.close()
         if self._remaining() is not None and self._remaining() <= 0:
             done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-            if done < budget:
+            if done < budget and "converged_after" not in study.user_attrs:
                 raise _OutOfTime()
         return self._commit(study, pp, exporter, base, ref_plan, ref_bytes, ref_ms)
 

@@ -212,7 +212,8 @@ def test_threshold_above_any_gain_commits_nothing(residual, tmp_path):
 def test_samplers_by_name(sampler, residual, tmp_path):
     budget = 4
     result = tune(residual, tmp_path / sampler, benchmark=deterministic(fns.rewards_groups),
-                  sampler=sampler, config=Config(schemes_per_region=budget), progress=False)
+                  sampler=sampler, config=Config(schemes_per_region=budget, converged_patience=0),
+                  progress=False)
     report = result.report
     assert report["sampler"] == sampler and report["complete"]
     expected = distinct_models(residual, report["patterns"])
@@ -220,6 +221,31 @@ def test_samplers_by_name(sampler, residual, tmp_path):
         assert p["trials"] == min(budget, expected[p["id"]]), (sampler, p["id"])
     for p, s in pattern_studies(result.output_dir, result.report["run_id"]).items():
         assert len(complete(s)) == min(budget, expected[p])
+
+
+def test_qdq_stops_a_converged_study_early_without_losing_the_best(residual, tmp_path):
+    """With a large budget our sampler's climb runs out of untried neighbours of the best
+    scheme; the study then stops after ``converged_patience`` exploration trials that did not
+    improve, and commits the same scheme as a run that spends its whole budget."""
+    budget = 40
+    runs = {}
+    for patience in (0, 1):
+        runs[patience] = tune(residual, tmp_path / f"p{patience}",
+                              benchmark=deterministic(fns.rewards_groups), sampler="qdq",
+                              config=Config(schemes_per_region=budget,
+                                            converged_patience=patience), progress=False).report
+    full, early = runs[0], runs[1]
+    expected = distinct_models(residual, full["patterns"])
+    stopped = [p for p in early["patterns"] if "converged_after" in p]
+    assert stopped, "no study converged before its budget"
+    for p_full, p_early in zip(full["patterns"], early["patterns"]):
+        assert p_full["trials"] == min(budget, expected[p_full["id"]])
+        assert "converged_after" not in p_full
+        assert p_early["committed_scheme"] == p_full["committed_scheme"]
+        if "converged_after" in p_early:
+            assert p_early["trials"] < p_full["trials"]
+    assert early["measurements"] < full["measurements"]
+    assert early["final_latency_ms"] == pytest.approx(full["final_latency_ms"])
 
 
 def test_gp_sampler_without_torch_is_a_clear_error(residual, tmp_path):

@@ -26,6 +26,9 @@ ORIGIN_KEY = "qdq:origin"
 PARENT_KEY = "qdq:parent"
 MOVES_KEY = "qdq:moves"
 DUPLICATE_KEY = "qdq:duplicate"
+# "climb" (a one-move neighbour of a best scheme) or "explore" (the climb found no untried
+# neighbour: random top-k mutations); absent on seeds and the first schemes.
+PHASE_KEY = "qdq:phase"
 # The proposed scheme is stored at sampling time so that other workers can de-duplicate against
 # trials whose parameters have not been suggested yet.
 SCHEME_KEY = "qdq:scheme"
@@ -180,6 +183,30 @@ class QDQMutationSampler(BaseSampler):
         """Probability that a move is an atomic Concat-group move."""
         return self._p_concat
 
+    def converged(self, study: Study, patience: int = 1) -> bool:
+        """Whether the search has settled: the last ``patience`` finished trials were all
+        exploration (the best scheme had no untried one-move neighbour left) and none of them
+        improved on the best. A caller may stop the study then instead of spending the rest of
+        its budget on random mutations; seeds still queued are not affected (they are asked
+        first anyway). Single objective only (False otherwise)."""
+        _check_int("patience", patience, 1)
+        if len(study.directions) != 1 or self._climb_parents == 0:
+            return False
+        finished = [t for t in study.get_trials(deepcopy=False)
+                    if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
+        if any(t.state == TrialState.WAITING for t in study.get_trials(deepcopy=False)):
+            return False
+        finished.sort(key=lambda t: t.number)
+        last = finished[-patience:]
+        if len(last) < patience or any(t.system_attrs.get(PHASE_KEY) != "explore" for t in last):
+            return False
+        complete = [t for t in finished if t.state == TrialState.COMPLETE and t.values]
+        if not complete:
+            return False
+        sign = -1.0 if study.directions[0] == StudyDirection.MAXIMIZE else 1.0
+        best = min(complete, key=lambda t: (_nan_last(sign * t.values[0]), t.number))
+        return best.number < last[0].number
+
     def reseed_rng(self) -> None:
         self._base_seed = _fresh_seed()
 
@@ -300,7 +327,8 @@ class QDQMutationSampler(BaseSampler):
                 if nxt is None:
                     continue
                 scheme, moves = nxt
-                return self._accept(study, trial, space, scheme, "mutation", parent.number, moves)
+                return self._accept(study, trial, space, scheme, "mutation", parent.number, moves,
+                                    phase="climb")
         if parents:
             k = min(
                 len(parents),
@@ -312,15 +340,18 @@ class QDQMutationSampler(BaseSampler):
                 moves = self._mutate(scheme, space, groups, rng)
                 if moves and fresh(scheme):
                     return self._accept(
-                        study, trial, space, scheme, "mutation", parent.number, moves
+                        study, trial, space, scheme, "mutation", parent.number, moves,
+                        phase="explore",
                     )
 
         scheme = list(empty)
         for _ in range(self._max_attempts):
             scheme = [int(rng.randint(n)) for n in space.n_choices]
             if fresh(scheme):
-                return self._accept(study, trial, space, scheme, "random", None, [])
-        return self._accept(study, trial, space, scheme, "random", None, [], duplicate=True)
+                return self._accept(study, trial, space, scheme, "random", None, [],
+                                    phase="explore")
+        return self._accept(study, trial, space, scheme, "random", None, [], duplicate=True,
+                            phase="explore")
 
     def _accept(
         self,
@@ -332,9 +363,12 @@ class QDQMutationSampler(BaseSampler):
         parent: int | None,
         moves: list[str],
         duplicate: bool = False,
+        phase: str | None = None,
     ) -> dict[str, Any]:
         values = space.values(scheme)
         self._record(study, trial, origin, parent, moves, values, duplicate)
+        if phase is not None:
+            study._storage.set_trial_system_attr(trial._trial_id, PHASE_KEY, phase)
         return dict(values)
 
     @staticmethod

@@ -564,3 +564,39 @@ def test_without_hill_climbing_no_neighbourhood_moves() -> None:
     study.optimize(_objective(points), n_trials=40)
     moves = [m for t in study.trials for m in t.system_attrs.get("qdq:moves", [])]
     assert moves and not any(m.startswith("tensor") for m in moves)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_converged_once_the_climb_is_exhausted(seed: int) -> None:
+    """On a separable landscape the climb reaches the optimum, runs out of untried neighbours,
+    and ``converged`` then turns true: a study stopped there has lost nothing."""
+    sampler = QDQMutationSampler(seed=seed)
+    study = _qdq_study(sampler, _points(12))
+    stopped_at = []
+
+    def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if sampler.converged(study, patience=2):
+            stopped_at.append(trial.number + 1)
+            study.stop()
+
+    study.optimize(_separable, n_trials=200, callbacks=[stop])
+    assert stopped_at and stopped_at[0] < 200 and len(study.trials) == stopped_at[0]
+    assert _trials_to_optimum(study) is not None
+    last = study.trials[-2:]
+    assert all(t.system_attrs["qdq:phase"] == "explore" for t in last)
+    assert study.best_trial.number < last[0].number
+    assert not sampler.converged(study, patience=len(study.trials))  # seeds are no exploration
+
+
+def test_not_converged_while_climbing_or_multi_objective() -> None:
+    sampler = QDQMutationSampler(seed=0)
+    study = _qdq_study(sampler, _points(12))
+    study.optimize(_separable, n_trials=5)
+    assert not sampler.converged(study)
+    assert all(t.system_attrs.get("qdq:phase") in (None, "climb") for t in study.trials)
+    multi = _qdq_study(sampler, _points(4), directions=["minimize", "minimize"])
+    multi.optimize(lambda t: (sum(t.suggest_int(p, 0, 1) for p in _points(4)), 0.0),
+                   n_trials=20)
+    assert not sampler.converged(multi)
+    with pytest.raises(ValueError):
+        sampler.converged(study, patience=0)
