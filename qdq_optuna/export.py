@@ -32,7 +32,17 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import OptionError
-from .graph import Graph, Use, ensure_opset, opset_of
+from .graph import (
+    GRAPH_INITIALIZER,
+    GRAPH_NODE,
+    MODEL_GRAPH,
+    Graph,
+    Use,
+    ensure_opset,
+    opset_of,
+    varint,
+    wire_field,
+)
 from .insertion.rules import WEIGHTED_OPS, RuntimeRules
 
 QUANT_TYPES = ("int8", "uint8", "fp8")
@@ -43,7 +53,7 @@ _QTYPE_PROTO = {
 }
 _QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _MIN_SCALE = 1e-8
-_RECENT_EXPORTS = 3
+_RECENT_EXPORTS = 1
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
 _MEMO_PER_NODE = 2
@@ -74,7 +84,7 @@ def upgrade_for(graph: Graph, quant_types: Iterable[str]) -> Graph:
     need = required_opset(graph, quant_types)
     if opset_of(graph.model) >= need:
         return graph
-    model = ensure_opset(graph.model, need, "this quantization")
+    model = ensure_opset(graph.full_model(), need, "this quantization")
     model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     return Graph.from_model(model, graph.path)
 
@@ -106,23 +116,8 @@ class QuantPlan:
         return len(self.activations)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field(tag: int, payload: bytes) -> bytes:
-    return bytes([tag]) + _varint(len(payload)) + payload
-
-
-_GRAPH_NODE, _GRAPH_INIT, _MODEL_GRAPH = 0x0A, 0x2A, 0x3A
+_varint, _field = varint, wire_field
+_GRAPH_NODE, _GRAPH_INIT, _MODEL_GRAPH = GRAPH_NODE, GRAPH_INITIALIZER, MODEL_GRAPH
 
 
 class QDQExporter:
@@ -166,6 +161,7 @@ class QDQExporter:
                     f"for {self.quant_type}"
                 )
         self.default_zero_point = default_zero_point
+        graph.compact()  # before any copy of the model below: those copy no weights then
         model = graph.model
         prefix = onnx.ModelProto()
         prefix.CopyFrom(model)
@@ -176,9 +172,9 @@ class QDQExporter:
         static.ClearField("node")
         static.ClearField("initializer")
         self._static = static.SerializeToString()
-        #: each initializer serialized once; a float weight that Q/DQ replaced everywhere is left
-        #: out of the exported bytes
-        self._init_bytes = {t.name: _field(_GRAPH_INIT, t.SerializeToString()) for t in model.graph.initializer}
+        #: each initializer serialized once, by the graph (shared with its other exporters); a
+        #: float weight that Q/DQ replaced everywhere is left out of the exported bytes
+        self._init_bytes = {t.name: graph.initializer_field(t) for t in model.graph.initializer}
         self._listed_inputs = {i.name for i in model.graph.input}
         self._node_bytes = [_field(_GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
         # generated names are the tensor's own name plus a suffix, made unique against every

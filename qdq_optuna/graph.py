@@ -28,6 +28,14 @@ PROTOBUF_LIMIT = 2**31 - 1
 #: external data beyond this many bytes stays on disk ("external mode"): the model is never held
 #: in one protobuf, exports reference the weight files, backends get a path (see export.py)
 INLINE_EXTERNAL_LIMIT = 1 << 30
+#: initializers of at least this many serialized bytes keep their data only in
+#: ``Graph.init_fields`` once the graph is compacted
+COMPACT_BYTES = 1 << 10
+#: protobuf field keys (field number << 3 | length-delimited) of GraphProto.node,
+#: GraphProto.initializer and ModelProto.graph
+GRAPH_NODE, GRAPH_INITIALIZER, MODEL_GRAPH = 0x0A, 0x2A, 0x3A
+_TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+                       "double_data", "uint64_data")
 INLINE_EXTERNAL_ENV = "QDQ_OPTUNA_INLINE_EXTERNAL_LIMIT"
 #: in external mode, external tensors up to this size are still read in (shapes, biases, ...)
 SMALL_EXTERNAL_BYTES = 1 << 16
@@ -100,6 +108,11 @@ class Graph:
     #: folder that the ``location`` of external initializers is relative to; set when the
     #: model's big weights stay on disk (external mode), None when every tensor is in memory
     external_dir: Path | None = None
+    #: every initializer serialized once, as a ``GraphProto.initializer`` field (what exports
+    #: concatenate); filled by :meth:`compact`, shared by all exporters of this graph
+    init_fields: dict[str, bytes] = field(default_factory=dict, repr=False)
+    #: initializers whose data left ``model`` at :meth:`compact` (it lives in ``init_fields``)
+    compacted: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, path: Path | None = None) -> Graph:
@@ -189,9 +202,72 @@ class Graph:
         t = self.initializer(name)
         if t is None:
             raise KeyError(name)
+        if name in self.compacted:
+            return numpy_helper.to_array(self.tensor(name))
         if t.data_location != TensorProto.EXTERNAL or self.external_dir is None:
             return numpy_helper.to_array(t)
         return external_array(t, self.external_dir)
+
+    # -- one copy of the weights -------------------------------------------------------------
+    def compact(self, min_bytes: int = COMPACT_BYTES) -> None:
+        """Serialize every initializer once into :attr:`init_fields` and drop the data of those
+        of ``min_bytes`` or more from ``model`` (names, types and shapes stay). Exports
+        concatenate these bytes, so without this the weights would sit in memory twice (the
+        parsed model and its serialized pieces). Idempotent; :meth:`full_model` gives a
+        complete model back."""
+        big = []
+        for t in self.model.graph.initializer:
+            if t.name not in self.init_fields:
+                self.init_fields[t.name] = wire_field(GRAPH_INITIALIZER, t.SerializeToString())
+            if (t.name not in self.compacted and t.data_location != TensorProto.EXTERNAL
+                    and len(self.init_fields[t.name]) >= min_bytes):
+                big.append(t.name)
+        if not big:
+            return
+        # a new, light model rather than cleared fields: protobuf frees a message's memory only
+        # with the message (and every sub-message we hold, like ``nodes``, keeps it alive)
+        self.compacted.update(big)
+        light = onnx.ModelProto()
+        _copy_fields(light, self.model, "graph")
+        _copy_fields(light.graph, self.model.graph, "initializer")
+        for t in self.model.graph.initializer:
+            if t.name not in self.compacted:
+                light.graph.initializer.append(t)
+                continue
+            meta = light.graph.initializer.add()
+            _copy_fields(meta, t, "raw_data")
+            for name in _TENSOR_DATA_FIELDS:
+                meta.ClearField(name)
+        self.model = light
+        self.nodes = list(light.graph.node)
+        self.__dict__.pop("_init_index", None)
+
+    def initializer_field(self, t: TensorProto) -> bytes:
+        """The serialized ``GraphProto.initializer`` field of one of ``model``'s initializers."""
+        data = self.init_fields.get(t.name)
+        return data if data is not None else wire_field(GRAPH_INITIALIZER, t.SerializeToString())
+
+    def tensor(self, name: str) -> TensorProto:
+        """An initializer with its data (parsed again from :attr:`init_fields` if compacted)."""
+        if name not in self.compacted:
+            t = self.initializer(name)
+            if t is None:
+                raise KeyError(name)
+            return t
+        data = self.init_fields[name]
+        return TensorProto.FromString(memoryview(data)[field_header_length(data):])
+
+    def full_model(self) -> onnx.ModelProto:
+        """``model`` with every initializer's data (a new copy when compacted: for the few
+        steps, like calibration, that hand the whole model to a runtime)."""
+        if not self.compacted:
+            return self.model
+        full = onnx.ModelProto()
+        full.CopyFrom(self.model)
+        for t in full.graph.initializer:
+            if t.name in self.compacted:
+                t.CopyFrom(self.tensor(t.name))
+        return full
 
 
 def node_label(node: onnx.NodeProto, idx: int) -> str:
@@ -593,3 +669,29 @@ def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
             node.name = name
             taken.add(name)
     return onnx.shape_inference.infer_shapes(optimized, strict_mode=False, data_prop=True)
+
+
+# -- protobuf wire format (exports are concatenations of serialized pieces) ----------------------
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def wire_field(key: int, payload: bytes) -> bytes:
+    """One length-delimited field: its key byte, the payload's length, the payload."""
+    return bytes([key]) + varint(len(payload)) + payload
+
+
+def field_header_length(data: bytes) -> int:
+    """Bytes before the payload of a :func:`wire_field` (key byte + length varint)."""
+    i = 1
+    while data[i] & 0x80:
+        i += 1
+    return i + 1

@@ -317,7 +317,8 @@ class Tuner:
         stats = calibration.load_statistics(stats_path, fingerprint=fp)
         if stats is None:
             stats = calibration.collect_statistics(
-                model, tensors, data, external_data_dir=self.prepared.graph.external_dir)
+                self.prepared.graph.full_model(), tensors, data,
+                external_data_dir=self.prepared.graph.external_dir)
             calibration.save_statistics(stats_path, stats, fingerprint=fp)
         self._calibrated = calibration.activation_scales(
             stats, method=self.o.calibration_method, quant_type=self.prepared.quant_type

@@ -137,7 +137,7 @@ def test_random_exports_are_valid(spec, rules, qtype, data):
     for i in chosen:
         pp, pid = refs[i]
         uses |= pp.uses([pid])
-    graph_before = a.graph.model.SerializeToString()
+    graph_before = a.graph.full_model().SerializeToString()
     exporter = QDQExporter(a.graph, rules, qtype)
     plan = exporter.plan(uses)
     blob = exporter.to_bytes(plan)
@@ -156,7 +156,7 @@ def test_random_exports_are_valid(spec, rules, qtype, data):
         raise AssertionError(f"{exc}\nspec: {spec_summary(spec)}\nplan: {plan}") from exc
     # (g) nothing the user (or the Graph) holds was modified
     assert model.SerializeToString() == before
-    assert a.graph.model.SerializeToString() == graph_before
+    assert a.graph.full_model().SerializeToString() == graph_before
     # the plan is the identity of the model
     assert exporter.to_bytes(exporter.plan(uses)) == blob
     assert exporter.plan(sorted(uses)).key == plan.key
@@ -180,7 +180,7 @@ def test_empty_plan_is_the_float_model(spec, rules):
     plan = exporter.plan([])
     assert len(plan) == 0 and plan.qdq_pairs == 0 and plan.tensors == []
     exported = exporter.to_model(plan)
-    assert exported.SerializeToString() == a.graph.model.SerializeToString()
+    assert exported.SerializeToString() == a.graph.full_model().SerializeToString()
 
 
 @PROPERTY
@@ -314,7 +314,7 @@ def test_onnxruntime_gemm_bias_is_int32(analyzed):
     assert dequantized_weights(exported) == {q_bias.name, w_dq.input[0]}
     run_ort(exported)
     # TensorRT keeps the float bias
-    trt = QDQExporter(load_model(graph.model), TENSORRT, "int8")
+    trt = QDQExporter(load_model(graph.full_model()), TENSORRT, "int8")
     gemm_trt = original_nodes(trt.to_model(trt.plan({("flatten_out", fc, 0)})))[fc]
     assert gemm_trt.input[2] == "fc.bias"
 
@@ -515,7 +515,7 @@ def test_export_accepts_a_graph_input_tensor(analyzed):
     check_export(a.graph, plan, exported)
     assert exported.graph.node[0].op_type in QDQ  # Q/DQ of a graph input come first
     out_q = run_ort(exported, random_feeds(exported))
-    out_f = run_ort(a.graph.model, random_feeds(exported))
+    out_f = run_ort(a.graph.full_model(), random_feeds(exported))
     assert out_q[0].shape == out_f[0].shape
 
 
@@ -532,3 +532,28 @@ def test_untouched_zoo_models_through_everything(zoo_model):
             check_export(a.graph, plan, exported)
             run_ort(exported)
         assert model.SerializeToString() == before
+
+
+def test_weights_live_once_in_the_graph_and_exports_share_them():
+    """Compaction moves every big initializer's data out of the parsed model into one
+    serialized copy that all exporters of the graph concatenate; nothing about the model
+    changes (full model, arrays, exported bytes)."""
+    model = zoo.build("resnet", "small")
+    graph = load_model(model)
+    before = graph.full_model().SerializeToString()
+    arrays = {t.name: numpy_helper.to_array(t) for t in graph.model.graph.initializer}
+    plain = QDQExporter(load_model(model), TENSORRT, "int8", data_dir=None)
+    first = QDQExporter(graph, TENSORRT, "int8")
+    second = QDQExporter(graph, TENSORRT, "int8")
+    big = [t.name for t in model.graph.initializer if t.ByteSize() >= 1 << 10]
+    assert big and graph.compacted == set(big)
+    light = {t.name: t for t in graph.model.graph.initializer}
+    for name in big:
+        assert not light[name].raw_data and list(light[name].dims) == list(arrays[name].shape)
+        np.testing.assert_array_equal(graph.array(name), arrays[name])
+        assert first._init_bytes[name] is second._init_bytes[name] is graph.init_fields[name]
+    assert graph.full_model().SerializeToString() == before
+    conv = next(n for n in range(len(graph.nodes)) if graph.nodes[n].op_type == "Conv")
+    uses = {(graph.nodes[conv].input[0], conv, 0)}
+    assert first.to_bytes(first.plan(uses)) == plain.to_bytes(plain.plan(uses))
+    assert onnx.load_from_string(first.to_bytes(first.plan(set()))) == graph.full_model()
