@@ -79,6 +79,23 @@ def required_opset(graph: Graph, quant_types: Iterable[str]) -> int:
     return need
 
 
+#: in-memory models whose weights reach this size are exported to files, not bytes
+FILE_EXPORT_BYTES = 256 << 20
+FILE_EXPORT_ENV = "QDQ_OPTUNA_FILE_EXPORT_BYTES"
+
+
+def file_export_bytes() -> int | None:
+    """:data:`FILE_EXPORT_BYTES`, or bytes in $QDQ_OPTUNA_FILE_EXPORT_BYTES (0: never)."""
+    value = os.environ.get(FILE_EXPORT_ENV)
+    if not value:
+        return FILE_EXPORT_BYTES
+    try:
+        limit = int(value)
+    except ValueError:
+        raise OptionError(f"${FILE_EXPORT_ENV}: expected bytes, got {value!r}") from None
+    return limit if limit > 0 else None
+
+
 def upgrade_for(graph: Graph, quant_types: Iterable[str]) -> Graph:
     """The graph at the opset its Q/DQ need (onnx's version converter), never an invalid model."""
     need = required_opset(graph, quant_types)
@@ -175,6 +192,11 @@ class QDQExporter:
         #: each initializer serialized once, by the graph (shared with its other exporters); a
         #: float weight that Q/DQ replaced everywhere is left out of the exported bytes
         self._init_bytes = {t.name: graph.initializer_field(t) for t in model.graph.initializer}
+        #: a big in-memory model is exported to files, written piece by piece, instead of bytes:
+        #: the weights stay in memory once (see :func:`file_export_bytes`)
+        limit = file_export_bytes()
+        self.to_files = not self.external and limit is not None and \
+            sum(map(len, self._init_bytes.values())) >= limit
         self._listed_inputs = {i.name for i in model.graph.input}
         self._node_bytes = [_field(_GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
         # generated names are the tensor's own name plus a suffix, made unique against every
@@ -388,13 +410,18 @@ class QDQExporter:
         cached = self._recent.get(plan.key)
         if cached is not None:
             return cached
+        while len(self._recent) >= _RECENT_EXPORTS:  # before the new one exists: peak memory
+            self._recent.pop(next(iter(self._recent)))
         data = self._serialize(plan)
         self._recent[plan.key] = data
-        while len(self._recent) > _RECENT_EXPORTS:
-            self._recent.pop(next(iter(self._recent)))
         return data
 
     def _serialize(self, plan: QuantPlan) -> bytes:
+        return b"".join(self._parts(plan))
+
+    def _parts(self, plan: QuantPlan) -> list[bytes]:
+        """The exported model's bytes in pieces (mostly shared, cached ones) to concatenate
+        or to write out one after the other."""
         graph = self.graph
         inits: list[bytes] = []
         head: list[bytes] = []
@@ -453,7 +480,7 @@ class QDQExporter:
                 body.extend(after[idx])
         parts = [self._static, *kept, *inits, *head, *body]
         payload_len = sum(map(len, parts))
-        return b"".join([self._prefix, bytes([_MODEL_GRAPH]), _varint(payload_len), *parts])
+        return [self._prefix, bytes([_MODEL_GRAPH]), _varint(payload_len), *parts]
 
     def to_model(self, plan: QuantPlan) -> onnx.ModelProto:
         """The exported model as a ``ModelProto`` (for saving and for user callables). In
@@ -461,13 +488,28 @@ class QDQExporter:
         return onnx.load_from_string(self.to_bytes(plan))
 
     def source(self, plan: QuantPlan) -> bytes | ExportedModel:
-        """What a backend measures: the model bytes, or in external mode a path (a file in the
-        work folder, loadable with its external data; written when a backend opens it)."""
-        return ExportedModel(self, plan) if self.external else self.to_bytes(plan)
+        """What a backend measures: the model bytes, or in external mode and for big models
+        (:attr:`to_files`) a path (a file in the work folder, written piece by piece when a
+        backend opens it)."""
+        return ExportedModel(self, plan) if self.external or self.to_files \
+            else self.to_bytes(plan)
 
     def save(self, plan: QuantPlan, path: str | os.PathLike) -> Path:
         if self.external:
             return self._save_external(plan, Path(path))
+        if self.to_files:  # written piece by piece, checked from the file, then moved in place
+            path = Path(path)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.writelines(self._parts(plan))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                onnx.checker.check_model(str(tmp))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return path
         model = self.to_model(plan)
         onnx.checker.check_model(model)
         return atomic_write_bytes(path, model.SerializeToString())
@@ -479,12 +521,14 @@ class QDQExporter:
 
     def _store(self) -> _ExternalStore:
         if self._store_obj is None:
-            self._store_obj = _ExternalStore(self.graph, self.data_dir)
+            # whole models, in file mode: keep few of them on disk
+            self._store_obj = _ExternalStore(self.graph, self.data_dir,
+                                             keep=2 if self.to_files else None)
         return self._store_obj
 
     def materialize(self, plan: QuantPlan) -> Path:
-        """The exported model as a file in the work folder (external mode)."""
-        return self._store().model_file(plan.key, lambda: self.to_bytes(plan))
+        """The exported model as a file in the work folder (external mode, big models)."""
+        return self._store().model_file(plan.key, lambda: self._parts(plan))
 
     def _external_weight(self, name: str, axis: int | None,
                          qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
@@ -591,7 +635,9 @@ class _ExternalStore:
     #: exported model files kept at once (older ones are written again when needed)
     KEEP = 16
 
-    def __init__(self, graph: Graph, data_dir: Path | None) -> None:
+    def __init__(self, graph: Graph, data_dir: Path | None, keep: int | None = None) -> None:
+        if keep is not None:
+            self.KEEP = keep
         if data_dir is None:
             data_dir = Path(tempfile.mkdtemp(prefix="qdq-optuna-"))
             self._finalizer = weakref.finalize(self, shutil.rmtree, str(data_dir), True)
@@ -632,10 +678,12 @@ class _ExternalStore:
     def model_file(self, key: str, data) -> Path:
         path = self._models.get(key)
         if path is None or not path.exists():
-            body = data()
             self._fh.flush()  # the weights it references are readable before it is
             path = self.folder / f"model-{key}.onnx"
-            path.write_bytes(body)
+            tmp = path.with_suffix(".part")
+            with open(tmp, "wb") as fh:
+                fh.writelines(data())
+            os.replace(tmp, path)
             self._models.pop(key, None)
             self._models[key] = path
             while len(self._models) > self.KEEP:

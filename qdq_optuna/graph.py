@@ -115,8 +115,13 @@ class Graph:
     compacted: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
-    def from_model(cls, model: onnx.ModelProto, path: Path | None = None) -> Graph:
+    def from_model(cls, model: onnx.ModelProto, path: Path | None = None,
+                   init_fields: dict[str, bytes] | None = None) -> Graph:
+        """``init_fields``: initializers whose data is not in ``model`` (see read_split)."""
         g = cls(model=model, path=path)
+        if init_fields:
+            g.init_fields = dict(init_fields)
+            g.compacted = set(init_fields)
         if path is not None and any(t.data_location == TensorProto.EXTERNAL
                                     for t in model.graph.initializer):
             g.external_dir = Path(path).resolve().parent
@@ -401,10 +406,12 @@ def _copy_fields(dst, src, skip: str) -> None:
             setattr(dst, fd.name, value)
 
 
-def _without_big_weights(model: onnx.ModelProto) -> onnx.ModelProto | None:
+def _without_big_weights(model: onnx.ModelProto,
+                         dataless: set[str] = frozenset()) -> onnx.ModelProto | None:
     """A copy of ``model`` whose big raw-data weights (sizes checked by :func:`_check_raw_data`)
-    are graph inputs of the same type and shape, or None when there are none: for the checker
-    and shape inference, which never need float weight values but copy whatever they get."""
+    and the ``dataless`` initializers (their data kept aside, see :func:`read_split`) are graph
+    inputs of the same type and shape, or None when there are none: for the checker and shape
+    inference, which never need float weight values but copy whatever they get."""
     graph = model.graph
     inputs = {i.name for i in graph.input}
     seen: set[str] = set()
@@ -414,18 +421,18 @@ def _without_big_weights(model: onnx.ModelProto) -> onnx.ModelProto | None:
     big = {t.name for t in graph.initializer
            if t.name and t.name not in inputs and t.name not in twice
            and t.data_type in FLOAT_TYPES and t.HasField("raw_data")
-           and len(t.raw_data) >= LIGHT_CHECK_BYTES}
+           and len(t.raw_data) >= LIGHT_CHECK_BYTES} | set(dataless)
     if not big:
         return None
     light = onnx.ModelProto()
     _copy_fields(light, model, "graph")
     _copy_fields(light.graph, graph, "initializer")
     for t in graph.initializer:
-        if t.name in big:
+        if t.name not in big:
+            light.graph.initializer.append(t)
+        elif t.name not in inputs:  # (an initializer listed as an input already is one)
             light.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type,
                                                                         list(t.dims)))
-        else:
-            light.graph.initializer.append(t)
     return light
 
 
@@ -461,14 +468,7 @@ def _check_raw_data(model: onnx.ModelProto, label: object) -> None:
     """An initializer's raw bytes must match its shape exactly (the checker only notices too
     few bytes; ONNX Runtime refuses too many, loudly)."""
     for t in model.graph.initializer:
-        if not t.HasField("raw_data") or t.data_type not in _ITEMSIZE:
-            continue
-        need = _product(t.dims) * _ITEMSIZE[t.data_type]
-        if len(t.raw_data) != need:
-            raise ModelError(
-                f"{label}: initializer {t.name!r} holds {len(t.raw_data)} bytes, but its shape "
-                f"{list(t.dims)} and type {TensorProto.DataType.Name(t.data_type)} need {need}"
-            )
+        _check_one_raw(t, label)
 
 
 def _one_line(exc: BaseException, limit: int = 400) -> str:
@@ -546,6 +546,8 @@ def load_model(
     """Load, check, fix input shapes and run shape inference. Raises :class:`ModelError`."""
     shapes = input_shapes or InputShapes({})
     path: Path | None = None
+    #: big initializers read straight into their serialized form (see read_split)
+    fields: dict[str, bytes] = {}
     if isinstance(source, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(source)
@@ -560,10 +562,14 @@ def load_model(
         size = path.stat().st_size
         if size == 0:
             raise ModelError(f"{path}: empty file")
+        split = read_split(path)
         try:
-            with open(path, "rb") as fh:
-                model = onnx.ModelProto()
-                model.ParseFromString(fh.read())
+            if split is not None:
+                model, fields = split
+            else:
+                with open(path, "rb") as fh:
+                    model = onnx.ModelProto()
+                    model.ParseFromString(fh.read())
         except Exception as exc:
             raise ModelError(
                 f"{path}: not a readable ONNX model (protobuf parse failed: "
@@ -604,7 +610,7 @@ def load_model(
     on_disk = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
     # checker and shape inference copy the model several times: give them the graph without
     # its big weights (declared as inputs of the same type and shape instead)
-    light = None if too_big else _without_big_weights(model)
+    light = None if too_big else _without_big_weights(model, set(fields))
     try:
         if too_big or on_disk:  # the checker finds external files only next to a path
             onnx.checker.check_model(str(path)) if path else None
@@ -624,7 +630,7 @@ def load_model(
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ModelError(f"{label}: shape inference failed: {msg[0] if msg else exc}") from None
-    return Graph.from_model(model, path)
+    return Graph.from_model(model, path, init_fields=fields)
 
 
 def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -695,3 +701,128 @@ def field_header_length(data: bytes) -> int:
     while data[i] & 0x80:
         i += 1
     return i + 1
+
+
+class _WireError(ValueError):
+    """The file is not protobuf this scanner understands (the full parser then reports it)."""
+
+
+def _read_varint(fh) -> int:
+    shift = value = 0
+    while True:
+        b = fh.read(1)
+        if not b:
+            raise _WireError("truncated varint")
+        value |= (b[0] & 0x7F) << shift
+        if not b[0] & 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise _WireError("varint too long")
+
+
+def _read_exact(fh, n: int) -> bytes:
+    data = fh.read(n)
+    if len(data) != n:
+        raise _WireError("truncated field")
+    return data
+
+
+def _next_field(fh, end: int) -> tuple[int, int, int, int]:
+    """The next field's (number, wire type, start, length): for a length-delimited field the
+    payload's start and length, unread; for any other the whole field's."""
+    start = fh.tell()
+    key = _read_varint(fh)
+    number, wire = key >> 3, key & 7
+    if wire == 2:
+        n = _read_varint(fh)
+        pos = fh.tell()
+        if pos + n > end:
+            raise _WireError("field runs past its message")
+        return number, wire, pos, n
+    if wire == 0:
+        _read_varint(fh)
+    elif wire in (1, 5):
+        fh.seek(8 if wire == 1 else 4, os.SEEK_CUR)
+    else:
+        raise _WireError(f"wire type {wire}")
+    if fh.tell() > end:
+        raise _WireError("field runs past its message")
+    return number, wire, start, fh.tell() - start
+
+
+def _read_field(fh, number: int, wire: int, pos: int, n: int) -> bytes:
+    """The field as it stands in the file (after :func:`_next_field`)."""
+    if wire == 2:
+        fh.seek(pos)
+        return varint(number << 3 | 2) + varint(n) + _read_exact(fh, n)
+    fh.seek(pos)
+    return _read_exact(fh, n)
+
+
+def read_split(path: Path, min_bytes: int = COMPACT_BYTES
+               ) -> tuple[onnx.ModelProto, dict[str, bytes]] | None:
+    """Read a model file without ever holding its big initializers twice: each initializer
+    whose serialized field is ``min_bytes`` or more is kept as that field (what exports
+    concatenate, see :meth:`Graph.compact`) and appears in the returned model with its name,
+    type and shape only. None when the file is not plain protobuf of this shape (the caller
+    then parses it whole, and reports what is wrong)."""
+    fields: dict[str, bytes] = {}
+    top: list[bytes] = []
+    graphs = 0
+    try:
+        with open(path, "rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            fh.seek(0)
+            while fh.tell() < end:
+                number, wire, pos, n = _next_field(fh, end)
+                if not (number == 7 and wire == 2):  # anything but ModelProto.graph
+                    top.append(_read_field(fh, number, wire, pos, n))
+                    continue
+                graphs += 1
+                if graphs > 1:
+                    return None  # protobuf merges repeated graph fields: let it do that
+                inner: list[bytes] = []
+                graph_end = pos + n
+                while fh.tell() < graph_end:
+                    n2, w2, pos2, len2 = _next_field(fh, graph_end)
+                    if not (n2 == 5 and w2 == 2):  # anything but GraphProto.initializer
+                        inner.append(_read_field(fh, n2, w2, pos2, len2))
+                        continue
+                    data = _read_field(fh, n2, w2, pos2, len2)
+                    if len(data) < min_bytes:
+                        inner.append(data)
+                        continue
+                    t = TensorProto.FromString(memoryview(data)[field_header_length(data):])
+                    if t.data_location == TensorProto.EXTERNAL or not t.name \
+                            or t.name in fields:
+                        inner.append(data)
+                        continue
+                    _check_one_raw(t, path)  # the size check, on the only copy there is
+                    fields[t.name] = data
+                    meta = TensorProto()
+                    _copy_fields(meta, t, "raw_data")
+                    for name in _TENSOR_DATA_FIELDS:
+                        meta.ClearField(name)
+                    del t
+                    inner.append(wire_field(GRAPH_INITIALIZER, meta.SerializeToString()))
+                top.append(wire_field(MODEL_GRAPH, b"".join(inner)))
+                del inner
+        model = onnx.ModelProto()
+        model.ParseFromString(b"".join(top))
+    except ModelError:
+        raise
+    except Exception:  # _WireError, a parse error, ...: the full parser says what is wrong
+        return None
+    return model, fields
+
+
+def _check_one_raw(t: TensorProto, label: object) -> None:
+    if not t.HasField("raw_data") or t.data_type not in _ITEMSIZE:
+        return
+    need = _product(t.dims) * _ITEMSIZE[t.data_type]
+    if len(t.raw_data) != need:
+        raise ModelError(
+            f"{label}: initializer {t.name!r} holds {len(t.raw_data)} bytes, but its shape "
+            f"{list(t.dims)} and type {TensorProto.DataType.Name(t.data_type)} need {need}"
+        )

@@ -103,7 +103,7 @@ class PreparedModel:
                         inline_external_limit())
             mode = "none"
         if mode == "ort-basic":
-            pre = ort_basic_optimize(graph.model)
+            pre = ort_basic_optimize(graph.full_model())
             if _loads_in_ort(pre):
                 graph = Graph.from_model(pre, graph.path)
             else:  # never trade a working model for a preprocessed one ORT cannot load

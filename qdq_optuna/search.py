@@ -887,7 +887,7 @@ class Tuner:
         uses, rows = self._committed()
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         plan = final_exporter.plan(uses)
-        if final_exporter.external:  # weights on disk: optimized.onnx + optimized_data-*/
+        if final_exporter.external or final_exporter.to_files:  # written piece by piece
             final_bytes = final_exporter.save(plan, self.out / "optimized.onnx")
         else:
             optimized = final_exporter.to_model(plan)

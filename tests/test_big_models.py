@@ -215,6 +215,62 @@ def run_external(file: Path, x: np.ndarray) -> np.ndarray:
     return session.run(None, {"x": x})[0]
 
 
+def test_big_inline_models_are_read_once_and_exported_to_files(tmp_path, monkeypatch):
+    """A model with its weights inline is read without a second copy of them (the big
+    initializers go straight into the graph's serialized store), and above
+    ``$QDQ_OPTUNA_FILE_EXPORT_BYTES`` its exports are files written piece by piece, never one
+    bytes object: the same models as byte exports, and a tune run gives a valid model."""
+    from qdq_optuna.export import FILE_EXPORT_ENV, ExportedModel
+    from qdq_optuna.graph import load_model
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    path = folder / "mlp.onnx"
+    rng = np.random.default_rng(1)
+    model = _mlp({
+        "fc1.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
+        "fc1.b": (rng.standard_normal(256) * 0.1).astype(np.float32),
+        "fc2.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
+        "fc3.w": (rng.standard_normal((512, 128)) * 0.05).astype(np.float32),
+        "fc3.b": (rng.standard_normal(128) * 0.1).astype(np.float32),
+    })
+    onnx.save(model, str(path))
+    before = folder_state(folder)
+    graph = load_model(path)
+    assert graph.compacted == {"fc1.w", "fc2.w", "fc3.w", "fc1.b"}  # fc3.b: 512 B, inline
+    assert not any(t.raw_data for t in graph.model.graph.initializer if t.name in graph.compacted)
+    # the weights are those of the file (shape inference added value_info, nothing else)
+    assert list(graph.full_model().graph.initializer) == list(model.graph.initializer)
+    np.testing.assert_array_equal(graph.array("fc2.w"), numpy_helper.to_array(
+        next(t for t in model.graph.initializer if t.name == "fc2.w")))
+
+    pm_bytes = PreparedModel.prepare(str(path), runtime="tensorrt")
+    ex_bytes = pm_bytes.exporter()
+    monkeypatch.setenv(FILE_EXPORT_ENV, "1024")
+    pm = PreparedModel.prepare(str(path), runtime="tensorrt")
+    pm.data_dir = tmp_path / "work"
+    ex = pm.exporter()
+    assert ex.to_files and not ex_bytes.to_files
+    pp = pm.tunable[0]
+    plan = ex.plan(pp.uses(pp.ids))
+    src = ex.source(plan)
+    assert isinstance(src, ExportedModel)
+    assert Path(os.fspath(src)).read_bytes() == ex_bytes.to_bytes(ex_bytes.plan(pp.uses(pp.ids)))
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    assert run_model(Path(os.fspath(src)), x).shape == (4, 128)
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdq_optuna", "tune", "--model", str(path), "--output", str(out),
+         "--backend", "onnxruntime", "--mode", "quick", "--timing", "fast", "-q"],
+        env=cli_env(**{FILE_EXPORT_ENV: "1024"}), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    onnx.checker.check_model(str(out / "optimized.onnx"))
+    assert run_model(out / "optimized.onnx", x).shape == (4, 128)
+    assert leftovers(out) == []
+    assert folder_state(folder) == before
+
+
 def test_tune_in_external_mode_survives_a_kill(tmp_path):
     """``tune`` with ONNX Runtime on a model in external mode: killed once part way, rerun to
     the end; the input folder is untouched, no work folder is left, the output runs."""

@@ -218,7 +218,7 @@ def test_symbolic_batch_fixed_by_input_shapes(dynamic_file):
     assert graph.path == dynamic_file
     assert dynamic_file.read_bytes() == before
     # the proto the Graph holds is our copy, with the fixed dims; it runs at that batch size
-    out = run_ort(graph.model)
+    out = run_ort(graph.full_model())
     assert out[0].shape == (2, 10)
 
 
