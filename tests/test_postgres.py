@@ -66,7 +66,12 @@ def test_tune_into_postgres(residual, tmp_path, run_id):
     for p in report["patterns"]:
         s = found[f"{run_id}/{p['id']}"]
         assert s.user_attrs["signature"] == p["signature"]
-        assert len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) == want[p["id"]]
+        done = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        assert done == p["trials"]
+        if "converged_after" in s.user_attrs:  # our sampler stopped a settled study early
+            assert done <= want[p["id"]]
+        else:
+            assert done == want[p["id"]]
 
 
 def _two_workers(model: Path, url: str, run_id: str, tmp_path: Path) -> list[dict]:
