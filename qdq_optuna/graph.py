@@ -544,6 +544,16 @@ def load_model(
     allow_qdq: bool = False,
 ) -> Graph:
     """Load, check, fix input shapes and run shape inference. Raises :class:`ModelError`."""
+    try:
+        return _load_model(source, input_shapes, allow_qdq)
+    except UnicodeDecodeError as exc:  # protobuf decodes text fields only when they are read
+        label = "<model>" if isinstance(source, onnx.ModelProto) else Path(source)
+        raise ModelError(f"{label}: a text field (a name, domain or doc string) is not valid "
+                         f"UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _load_model(source: str | os.PathLike | onnx.ModelProto,
+                input_shapes: InputShapes | None, allow_qdq: bool) -> Graph:
     shapes = input_shapes or InputShapes({})
     path: Path | None = None
     #: big initializers read straight into their serialized form (see read_split)

@@ -143,6 +143,20 @@ def truncated_protobuf(ctx: Ctx) -> list[str]:
     return inspect(path)
 
 
+@case("not valid UTF-8")
+def invalid_utf8_text(ctx: Ctx) -> list[str]:
+    """Protobuf decodes text fields only when they are read: a producer name that is not UTF-8
+    (found by benchmarks/fuzz_loading.py)."""
+    model = chain()
+    model.producer_name = "qdq-fuzz"
+    data = bytearray(model.SerializeToString())
+    i = data.index(b"qdq-fuzz")
+    data[i + 3] = 0xF5
+    path = ctx.root / "bad_text.onnx"
+    path.write_bytes(bytes(data))
+    return inspect(path)
+
+
 @case("tensor.onnx")
 def tensor_proto(ctx: Ctx) -> list[str]:
     """A valid protobuf, but a TensorProto, not a ModelProto."""
