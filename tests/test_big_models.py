@@ -68,16 +68,21 @@ def _mlp(weights: dict[str, np.ndarray | tuple]) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
-def small_external_model(folder: Path) -> Path:
-    """~1.3 MB of random weights in ``weights.bin`` (tensors over 1 KB are external)."""
-    rng = np.random.default_rng(0)
-    model = _mlp({
+def small_mlp(seed: int = 0) -> onnx.ModelProto:
+    """~1.3 MB of random weights, inline."""
+    rng = np.random.default_rng(seed)
+    return _mlp({
         "fc1.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
         "fc1.b": (rng.standard_normal(256) * 0.1).astype(np.float32),
         "fc2.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
         "fc3.w": (rng.standard_normal((512, 128)) * 0.05).astype(np.float32),
         "fc3.b": (rng.standard_normal(128) * 0.1).astype(np.float32),
     })
+
+
+def small_external_model(folder: Path) -> Path:
+    """:func:`small_mlp` with its weights in ``weights.bin`` (tensors over 1 KB external)."""
+    model = small_mlp()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "mlp.onnx"
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -227,13 +232,7 @@ def test_big_inline_models_are_read_once_and_exported_to_files(tmp_path, monkeyp
     folder.mkdir()
     path = folder / "mlp.onnx"
     rng = np.random.default_rng(1)
-    model = _mlp({
-        "fc1.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
-        "fc1.b": (rng.standard_normal(256) * 0.1).astype(np.float32),
-        "fc2.w": (rng.standard_normal((256, 512)) * 0.05).astype(np.float32),
-        "fc3.w": (rng.standard_normal((512, 128)) * 0.05).astype(np.float32),
-        "fc3.b": (rng.standard_normal(128) * 0.1).astype(np.float32),
-    })
+    model = small_mlp(seed=1)
     onnx.save(model, str(path))
     before = folder_state(folder)
     graph = load_model(path)

@@ -234,18 +234,23 @@ class OnnxRuntimeRunner(Runner):
         self.session = session
         self.feeds = feeds
 
+    def _inference(self) -> Any:
+        """One inference as a call without arguments."""
+        run, feeds = self.session.run, self.feeds
+        return lambda: run(None, feeds)
+
     def time(self, warmup: int, iterations: int) -> list[float]:
         if self.session is None:
             raise BackendError("runner used after close()")
-        run, feeds = self.session.run, self.feeds
+        infer = self._inference()
         clock = time.perf_counter
         out: list[float] = []
         try:
             for _ in range(warmup):
-                run(None, feeds)
+                infer()
             for _ in range(iterations):
                 t0 = clock()
-                run(None, feeds)
+                infer()
                 out.append((clock() - t0) * 1e3)
         except Exception as exc:
             raise BackendError(f"ONNX Runtime inference failed: {str(exc).strip()}") from exc
@@ -274,22 +279,9 @@ class _DeviceRunner(OnnxRuntimeRunner):
         for out in session.get_outputs():
             self._binding.bind_output(out.name, "cuda", device)
 
-    def time(self, warmup: int, iterations: int) -> list[float]:
-        if self.session is None:
-            raise BackendError("runner used after close()")
+    def _inference(self) -> Any:
         run, binding = self.session.run_with_iobinding, self._binding
-        clock = time.perf_counter
-        out: list[float] = []
-        try:
-            for _ in range(warmup):
-                run(binding)
-            for _ in range(iterations):
-                t0 = clock()
-                run(binding)
-                out.append((clock() - t0) * 1e3)
-        except Exception as exc:
-            raise BackendError(f"ONNX Runtime inference failed: {str(exc).strip()}") from exc
-        return out
+        return lambda: run(binding)
 
     def close(self) -> None:
         self._binding = None
