@@ -29,6 +29,8 @@ class Config:
     #: many trials in a row were exploration (the best scheme had no untried one-move
     #: neighbour left) without improving on it; 0 spends every budget in full
     converged_patience: int = 1
+    #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
+    seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1
     minimum_schemes_to_mutate: int = 10
     maximum_mutations: int = 3

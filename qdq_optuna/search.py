@@ -79,6 +79,19 @@ SCREEN_DISCARD_RATIO = 1.3
 SLOT_POLL_S = 0.25
 
 
+def compute_inputs_scheme(pp: PatternPoints) -> dict[str, int] | None:
+    """The classic post-training recipe as one scheme: Q/DQ on the activation inputs of the
+    pattern's Conv / Gemm / MatMul nodes only; None when that is no scheme of its own (no such
+    input, or every point is one)."""
+    from .insertion.points import NODE_INPUT
+    from .insertion.rules import WEIGHTED_OPS
+
+    on = {p.id for p in pp.points if p.kind == NODE_INPUT and p.label in WEIGHTED_OPS}
+    if not on or len(on) == len(pp.ids):
+        return None
+    return {pid: int(pid in on) for pid in pp.ids}
+
+
 def runtime_for_backend(name: str) -> str:
     return "tensorrt" if name in TENSORRT_BACKENDS else "onnxruntime"
 
@@ -528,6 +541,10 @@ class Tuner:
             s = baseline_seed(pp, baseline_q)
             if s is not None:
                 study.enqueue_trial(self.space.seed(s), skip_if_exists=True)
+        if self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after the user's seeds
+            compute = compute_inputs_scheme(pp)
+            if compute is not None:
+                study.enqueue_trial(self.space.seed(compute), skip_if_exists=True)
 
         # the reference: everything committed so far, nothing of this pattern
         ref_plan = exporter.plan(base)

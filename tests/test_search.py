@@ -21,7 +21,7 @@ import yaml
 from _runs import distinct_models
 from optuna.trial import TrialState
 
-from qdq_optuna import Config
+from qdq_optuna import Config, PreparedModel
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.search import tune
@@ -248,6 +248,30 @@ def test_qdq_stops_a_converged_study_early_without_losing_the_best(residual, tmp
     assert early["final_latency_ms"] == pytest.approx(full["final_latency_ms"])
 
 
+def test_qdq_studies_also_start_from_the_compute_inputs(residual, tmp_path):
+    """Our sampler's studies get the classic recipe (Q/DQ on Conv/Gemm/MatMul inputs only) as
+    a seed after the user's, unless it is no scheme of its own; other samplers do not."""
+    from qdq_optuna.search import compute_inputs_scheme
+
+    pm = PreparedModel.prepare(str(residual))
+    want = {pp.pattern.id: compute_inputs_scheme(pp) for pp in pm.tunable}
+    assert any(want.values())
+    for sampler, on in (("qdq", True), ("qdq", False), ("random", True)):
+        out = tmp_path / f"{sampler}-{on}"
+        tune(residual, out, benchmark=deterministic(fns.rewards_groups), sampler=sampler,
+             config=Config(schemes_per_region=6, seed_compute_inputs=on), progress=False)
+        for pid, s in pattern_studies(out, out.name).items():
+            fixed = [t.system_attrs["fixed_params"] for t in s.get_trials(deepcopy=False)
+                     if t.system_attrs.get("fixed_params")]
+            seeded = want[pid] is not None and want[pid] in fixed
+            assert seeded == (sampler == "qdq" and on and want[pid] is not None), (sampler, pid)
+            if seeded:
+                t = next(t for t in s.get_trials(deepcopy=False)
+                         if t.system_attrs.get("fixed_params") == want[pid])
+                assert t.state == TrialState.COMPLETE
+                assert t.system_attrs["qdq:origin"] == "seed"
+
+
 def test_gp_sampler_without_torch_is_a_clear_error(residual, tmp_path):
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("torch is installed: the gp sampler is available")
@@ -329,7 +353,8 @@ def test_qdq_baseline_seeds_its_placement(residual, tmp_path):
     quantized = activation_q_inputs(onnx.load(str(baseline)))
     assert quantized
     result = tune(residual, tmp_path / "seeded", benchmark=deterministic(fns.rewards_groups),
-                  qdq_baseline=str(baseline), config=Config(schemes_per_region=4),
+                  qdq_baseline=str(baseline),
+                  config=Config(schemes_per_region=4, seed_compute_inputs=False),
                   progress=False)
     assert result.report["complete"]
     seeds = 0
