@@ -53,7 +53,6 @@ _QTYPE_PROTO = {
 }
 _QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _MIN_SCALE = 1e-8
-_RECENT_EXPORTS = 1
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
 _MEMO_PER_NODE = 2
@@ -133,10 +132,6 @@ class QuantPlan:
         return len(self.activations)
 
 
-_varint, _field = varint, wire_field
-_GRAPH_NODE, _GRAPH_INIT, _MODEL_GRAPH = GRAPH_NODE, GRAPH_INITIALIZER, MODEL_GRAPH
-
-
 class QDQExporter:
     """Builds Q/DQ models for one graph, one runtime's rules and one set of scales.
 
@@ -191,14 +186,14 @@ class QDQExporter:
         self._static = static.SerializeToString()
         #: each initializer serialized once, by the graph (shared with its other exporters); a
         #: float weight that Q/DQ replaced everywhere is left out of the exported bytes
-        self._init_bytes = {t.name: graph.initializer_field(t) for t in model.graph.initializer}
+        self._init_bytes = {t.name: graph.init_fields[t.name] for t in model.graph.initializer}
         #: a big in-memory model is exported to files, written piece by piece, instead of bytes:
         #: the weights stay in memory once (see :func:`file_export_bytes`)
         limit = file_export_bytes()
         self.to_files = not self.external and limit is not None and \
             sum(map(len, self._init_bytes.values())) >= limit
         self._listed_inputs = {i.name for i in model.graph.input}
-        self._node_bytes = [_field(_GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
+        self._node_bytes = [wire_field(GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
         # generated names are the tensor's own name plus a suffix, made unique against every
         # tensor and node name of the model, so a plan always exports to the same bytes
         self._names: set[str] = (set(graph.producer) | graph.initializers | set(graph.graph_inputs)
@@ -306,7 +301,7 @@ class QDQExporter:
     def _scalar(self, name: str, value: float, elem_type: int) -> bytes:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
         t = numpy_helper.from_array(np.array(value, dtype=dtype), name)
-        return _field(_GRAPH_INIT, t.SerializeToString())
+        return wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
     def _zero_point(self, name: str, zp: int, qtype: str, shape: tuple = ()) -> bytes:
         if qtype == "fp8":
@@ -314,7 +309,7 @@ class QDQExporter:
         else:
             dtype = np.uint8 if qtype == "uint8" else np.int8
             t = numpy_helper.from_array(np.full(shape, zp, dtype=dtype), name)
-        return _field(_GRAPH_INIT, t.SerializeToString())
+        return wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
     def _activation(self, tensor: str, qtype: str) -> tuple[str, bytes, bytes]:
         """(dq output name, initializers bytes, Q+DQ node bytes) for one tensor, cached."""
@@ -332,7 +327,7 @@ class QDQExporter:
                                  name=self._unique(f"{base}_QuantizeLinear"))
             dq = helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out],
                                   name=self._unique(f"{base}_DequantizeLinear"))
-            nodes = _field(_GRAPH_NODE, q.SerializeToString()) + _field(_GRAPH_NODE, dq.SerializeToString())
+            nodes = wire_field(GRAPH_NODE, q.SerializeToString()) + wire_field(GRAPH_NODE, dq.SerializeToString())
             self._act_cache[key] = (dq_out, inits, nodes)
         return self._act_cache[key]
 
@@ -367,12 +362,12 @@ class QDQExporter:
             else:
                 qt = numpy_helper.from_array(np.clip(np.rint(scaled), -127, 127).astype(np.int8), q_name)
             st = numpy_helper.from_array(scales.astype(np.float32), s_name)
-            inits = (_field(_GRAPH_INIT, qt.SerializeToString()) + _field(_GRAPH_INIT, st.SerializeToString())
+            inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
                      + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", zshape))
             attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
             dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                   name=self._unique(f"{base}_DequantizeLinear"), **attrs)
-            self._weight_cache[key] = (dq_out, inits, _field(_GRAPH_NODE, dq.SerializeToString()), scales)
+            self._weight_cache[key] = (dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()), scales)
         return self._weight_cache[key]
 
     def _bias(self, node: int, act: str, act_qtype: str, w_scales: np.ndarray) -> tuple[str, bytes, bytes] | None:
@@ -396,22 +391,21 @@ class QDQExporter:
             q_name, s_name, z_name = (self._unique(f"{base}_{s}") for s in ("quantized", "scale", "zero_point"))
             dq_out = self._unique(f"{base}_dequantized")
             inits = b"".join(
-                _field(_GRAPH_INIT, numpy_helper.from_array(a, nm).SerializeToString())
+                wire_field(GRAPH_INITIALIZER, numpy_helper.from_array(a, nm).SerializeToString())
                 for a, nm in ((qb, q_name), (scales, s_name), (np.zeros(b.shape, np.int32), z_name))
             )
             dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                   name=self._unique(f"{base}_DequantizeLinear"), axis=0)
-            self._bias_cache[key] = (dq_out, inits, _field(_GRAPH_NODE, dq.SerializeToString()))
+            self._bias_cache[key] = (dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()))
         return self._bias_cache[key]
 
     # -- export --------------------------------------------------------------------------------
     def to_bytes(self, plan: QuantPlan) -> bytes:
-        # the same plan is exported again for references and confirmations: keep the last few
+        # the same plan is exported again for references and confirmations: keep the last one
         cached = self._recent.get(plan.key)
         if cached is not None:
             return cached
-        while len(self._recent) >= _RECENT_EXPORTS:  # before the new one exists: peak memory
-            self._recent.pop(next(iter(self._recent)))
+        self._recent.clear()  # the last model goes before the next exists: peak memory
         data = self._serialize(plan)
         self._recent[plan.key] = data
         return data
@@ -472,7 +466,7 @@ class QDQExporter:
                     node.CopyFrom(graph.nodes[idx])
                     for s, name in rewire[idx].items():
                         node.input[s] = name
-                    node_bytes = rewired[key] = _field(_GRAPH_NODE, node.SerializeToString())
+                    node_bytes = rewired[key] = wire_field(GRAPH_NODE, node.SerializeToString())
                 body.append(node_bytes)
             else:
                 body.append(cached)
@@ -480,7 +474,7 @@ class QDQExporter:
                 body.extend(after[idx])
         parts = [self._static, *kept, *inits, *head, *body]
         payload_len = sum(map(len, parts))
-        return [self._prefix, bytes([_MODEL_GRAPH]), _varint(payload_len), *parts]
+        return [self._prefix, bytes([MODEL_GRAPH]), varint(payload_len), *parts]
 
     def to_model(self, plan: QuantPlan) -> onnx.ModelProto:
         """The exported model as a ``ModelProto`` (for saving and for user callables). In
@@ -547,12 +541,12 @@ class QDQExporter:
         qt.dims.extend(w.shape)
         _set_external(qt, _ExternalStore.WEIGHTS, offset, length)
         st = numpy_helper.from_array(scales.astype(np.float32), s_name)
-        inits = (_field(_GRAPH_INIT, qt.SerializeToString()) + _field(_GRAPH_INIT, st.SerializeToString())
+        inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
                  + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", tuple(scales.shape)))
         attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
         dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                               name=self._unique(f"{name}_DequantizeLinear"), **attrs)
-        return dq_out, inits, _field(_GRAPH_NODE, dq.SerializeToString()), scales
+        return dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()), scales
 
     def _save_external(self, plan: QuantPlan, path: Path) -> Path:
         """``path`` and one data file beside it (``<name>.<id>.data``) with every tensor the

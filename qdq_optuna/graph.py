@@ -224,8 +224,8 @@ class Graph:
         for t in self.model.graph.initializer:
             if t.name not in self.init_fields:
                 self.init_fields[t.name] = wire_field(GRAPH_INITIALIZER, t.SerializeToString())
-            if (t.name not in self.compacted and t.data_location != TensorProto.EXTERNAL
-                    and len(self.init_fields[t.name]) >= min_bytes):
+            if t.name not in self.compacted and _worth_compacting(t, self.init_fields[t.name],
+                                                                    min_bytes):
                 big.append(t.name)
         if not big:
             return
@@ -236,21 +236,10 @@ class Graph:
         _copy_fields(light, self.model, "graph")
         _copy_fields(light.graph, self.model.graph, "initializer")
         for t in self.model.graph.initializer:
-            if t.name not in self.compacted:
-                light.graph.initializer.append(t)
-                continue
-            meta = light.graph.initializer.add()
-            _copy_fields(meta, t, "raw_data")
-            for name in _TENSOR_DATA_FIELDS:
-                meta.ClearField(name)
+            light.graph.initializer.append(_metadata(t) if t.name in self.compacted else t)
         self.model = light
         self.nodes = list(light.graph.node)
         self.__dict__.pop("_init_index", None)
-
-    def initializer_field(self, t: TensorProto) -> bytes:
-        """The serialized ``GraphProto.initializer`` field of one of ``model``'s initializers."""
-        data = self.init_fields.get(t.name)
-        return data if data is not None else wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
     def tensor(self, name: str) -> TensorProto:
         """An initializer with its data (parsed again from :attr:`init_fields` if compacted)."""
@@ -392,10 +381,10 @@ def _load_small_external(model: onnx.ModelProto, base_dir: Path) -> None:
 LIGHT_CHECK_BYTES = 1 << 10
 
 
-def _copy_fields(dst, src, skip: str) -> None:
-    """``dst`` gets every set field of ``src`` but ``skip`` (no copy of the skipped field)."""
+def _copy_fields(dst, src, *skip: str) -> None:
+    """``dst`` gets every set field of ``src`` but those in ``skip`` (never copied)."""
     for fd, value in src.ListFields():
-        if fd.name == skip:
+        if fd.name in skip:
             continue
         repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
         if repeated:
@@ -804,18 +793,13 @@ def read_split(path: Path, min_bytes: int = COMPACT_BYTES
                         inner.append(data)
                         continue
                     t = TensorProto.FromString(memoryview(data)[field_header_length(data):])
-                    if t.data_location == TensorProto.EXTERNAL or not t.name \
-                            or t.name in fields:
+                    if not t.name or t.name in fields or not _worth_compacting(t, data, min_bytes):
                         inner.append(data)
                         continue
                     _check_one_raw(t, path)  # the size check, on the only copy there is
                     fields[t.name] = data
-                    meta = TensorProto()
-                    _copy_fields(meta, t, "raw_data")
-                    for name in _TENSOR_DATA_FIELDS:
-                        meta.ClearField(name)
+                    inner.append(wire_field(GRAPH_INITIALIZER, _metadata(t).SerializeToString()))
                     del t
-                    inner.append(wire_field(GRAPH_INITIALIZER, meta.SerializeToString()))
                 top.append(wire_field(MODEL_GRAPH, b"".join(inner)))
                 del inner
         model = onnx.ModelProto()
@@ -825,6 +809,18 @@ def read_split(path: Path, min_bytes: int = COMPACT_BYTES
     except Exception:  # _WireError, a parse error, ...: the full parser says what is wrong
         return None
     return model, fields
+
+
+def _worth_compacting(t: TensorProto, field_bytes: bytes, min_bytes: int) -> bool:
+    """Whether a tensor's data should live only in its serialized field (see Graph.compact)."""
+    return t.data_location != TensorProto.EXTERNAL and len(field_bytes) >= min_bytes
+
+
+def _metadata(t: TensorProto) -> TensorProto:
+    """``t`` without its values: name, type, shape (and anything else but the data)."""
+    meta = TensorProto()
+    _copy_fields(meta, t, *_TENSOR_DATA_FIELDS)
+    return meta
 
 
 def _check_one_raw(t: TensorProto, label: object) -> None:

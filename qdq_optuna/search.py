@@ -36,7 +36,8 @@ from .config import Config
 from .errors import OptionError, UserError
 from .export import QuantPlan, atomic_write_bytes, remove_stale_temps
 from .graph import InputShapes, Use
-from .insertion.points import PatternPoints
+from .insertion.points import NODE_INPUT, PatternPoints
+from .insertion.rules import WEIGHTED_OPS
 from .measure import Measurer, TimingProtocol
 from .model import PreparedModel
 from .objectives import (
@@ -83,9 +84,6 @@ def compute_inputs_scheme(pp: PatternPoints) -> dict[str, int] | None:
     """The classic post-training recipe as one scheme: Q/DQ on the activation inputs of the
     pattern's Conv / Gemm / MatMul nodes only; None when that is no scheme of its own (no such
     input, or every point is one)."""
-    from .insertion.points import NODE_INPUT
-    from .insertion.rules import WEIGHTED_OPS
-
     on = {p.id for p in pp.points if p.kind == NODE_INPUT and p.label in WEIGHTED_OPS}
     if not on or len(on) == len(pp.ids):
         return None

@@ -6,21 +6,20 @@ import os
 import signal
 import time
 
-from qdq_optuna.backends.base import Backend, BackendError, Runner
+from qdq_optuna.backends.base import Backend, BackendError, FixedRunner
 
 CRASH = b"crash-me"
 HANG = b"hang-me"
 FAIL = b"fail-me"
 
 
-class _FixedRunner(Runner):
-    def __init__(self, value: float) -> None:
-        self.value = value
+class _FixedRunner(FixedRunner):
+    """A negative latency segfaults the worker while it times."""
 
     def time(self, warmup: int, iterations: int) -> list[float]:
-        if self.value < 0:
+        if self.latency_ms < 0:
             os.kill(os.getpid(), signal.SIGSEGV)
-        return [self.value] * iterations
+        return super().time(warmup, iterations)
 
 
 class CrashyBackend(Backend):

@@ -24,12 +24,12 @@ from optuna.trial import TrialState
 from test_resume import (
     BUDGET,
     REPO,
-    _freeze_in_a_trial,
     assert_finished_exactly,
     assert_kept,
     cli_cmd,
     cli_env,
     pattern_studies,
+    signal_in_a_trial,
     snapshot,
 )
 
@@ -117,20 +117,8 @@ def test_ctrl_c_fails_the_running_trial_and_rerun_completes(residual, tmp_path):
     out = tmp_path / "interrupted"
     hold = tmp_path / "hold"
     argv = _argv(residual, out)
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.05",
-                                                   QDQ_TEST_HOLD_FILE=str(hold)))
-    try:
-        study_name, number = _freeze_in_a_trial(proc, out / "studies.db", hold,
-                                                time.monotonic() + 90)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        hold.unlink(missing_ok=True)
-    assert proc.returncode == 130, err
+    returncode, err, study_name, number = signal_in_a_trial(argv, out, hold, signal.SIGINT)
+    assert returncode == 130, err
     assert "Rerun the same command to resume" in err, err
     assert "Traceback" not in err
 

@@ -151,27 +151,34 @@ def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
     pytest.fail("no running trial to kill")
 
 
-def test_killed_run_resumes_redoing_the_running_trial(residual, tmp_path):
-    out = tmp_path / "killed"
-    hold = tmp_path / "hold"
-    argv = cli_cmd("tune", "--model", residual, "--output", out,
-                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
-                   "--schemes-per-region", BUDGET, "-q")
+def signal_in_a_trial(argv: list[str], out: Path, hold: Path,
+                      sig: int) -> tuple[int, str, str, int]:
+    """Run ``argv`` (a tune with the ``sleepy`` latency function), send ``sig`` while a trial
+    is held in its measurement; (exit code, stderr, that trial's study name and number)."""
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.05",
                                                    QDQ_TEST_HOLD_FILE=str(hold)))
     try:
         study_name, number = _freeze_in_a_trial(proc, out / "studies.db", hold,
                                                 time.monotonic() + 90)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-        proc.communicate()
+            proc.communicate()
         hold.unlink(missing_ok=True)
-    assert proc.returncode == -signal.SIGKILL
+    return proc.returncode, err, study_name, number
+
+
+def test_killed_run_resumes_redoing_the_running_trial(residual, tmp_path):
+    out = tmp_path / "killed"
+    hold = tmp_path / "hold"
+    argv = cli_cmd("tune", "--model", residual, "--output", out,
+                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
+                   "--schemes-per-region", BUDGET, "-q")
+    returncode, _, study_name, number = signal_in_a_trial(argv, out, hold, signal.SIGKILL)
+    assert returncode == -signal.SIGKILL
 
     pid = study_name.split("/", 1)[1]
     before = snapshot(out, "killed")

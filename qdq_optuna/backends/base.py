@@ -48,6 +48,17 @@ class Runner(abc.ABC):
         self.close()
 
 
+class FixedRunner(Runner):
+    """A runner that reports one known latency (analytical and test backends)."""
+
+    def __init__(self, latency_ms: float) -> None:
+        self.latency_ms = latency_ms
+
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        # Same length contract as real runners, so timing protocols work unchanged.
+        return [self.latency_ms] * max(1, iterations)
+
+
 class Backend(abc.ABC):
     """Builds runners. Implementations must import heavy dependencies lazily."""
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from qdq_optuna.backends.base import Backend, BackendError, ModelSource, Runner
+from qdq_optuna.backends.base import Backend, BackendError, FixedRunner, ModelSource, Runner
 
 if TYPE_CHECKING:  # onnx is imported lazily: backends must stay cheap to import
     import onnx
@@ -819,15 +819,6 @@ def estimate(
     return _Estimator(_Graph(inferred), device or GpuSpec()).run()
 
 
-class _CostRunner(Runner):
-    def __init__(self, latency_ms: float) -> None:
-        self.latency_ms = latency_ms
-
-    def time(self, warmup: int, iterations: int) -> list[float]:
-        # Same length contract as real runners, so timing protocols work unchanged.
-        return [self.latency_ms] * max(1, iterations)
-
-
 class CostModelBackend(Backend):
     """TensorRT-like INT8/FP16 latency from graph analysis alone: no GPU, no noise."""
 
@@ -847,7 +838,7 @@ class CostModelBackend(Backend):
         return estimate(model, device=self.device, input_shapes=self.input_shapes)
 
     def load(self, model: ModelSource) -> Runner:
-        return _CostRunner(self.estimate(model).total_ms)
+        return FixedRunner(self.estimate(model).total_ms)
 
     def describe(self) -> dict:
         return {

@@ -192,10 +192,10 @@ class QDQMutationSampler(BaseSampler):
         _check_int("patience", patience, 1)
         if len(study.directions) != 1 or self._climb_parents == 0:
             return False
-        finished = [t for t in study.get_trials(deepcopy=False)
-                    if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
-        if any(t.state == TrialState.WAITING for t in study.get_trials(deepcopy=False)):
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
             return False
+        finished = [t for t in trials if t.state.is_finished()]
         finished.sort(key=lambda t: t.number)
         last = finished[-patience:]
         if len(last) < patience or any(t.system_attrs.get(PHASE_KEY) != "explore" for t in last):
