@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--converged-patience", type=_count,
                    help="our sampler: stop a pattern study early after N exploration trials "
                         "in a row that did not improve (default 1; 0: spend every budget)")
+    t.add_argument("--refine-rounds", type=_count,
+                   help="after the pattern-by-pattern pass, re-tune each pattern N more times "
+                        "with every other pattern's scheme in place (default 1; 0: one pass)")
     t.add_argument("--mode", choices=["quick", "default", "extensive"], default="default")
     t.add_argument("--config", help="YAML file with Config settings")
     t.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db)")
@@ -154,6 +157,7 @@ def _config_from(args: argparse.Namespace):
     overrides = {
         "schemes_per_region": getattr(args, "schemes_per_region", None),
         "converged_patience": getattr(args, "converged_patience", None),
+        "refine_rounds": getattr(args, "refine_rounds", None),
         "performance_threshold": getattr(args, "performance_threshold", None),
         "maximum_sequence_region_size": args.maximum_sequence_region_size,
         "minimum_topdown_search_size": args.minimum_topdown_search_size,

@@ -29,6 +29,11 @@ class Config:
     #: many trials in a row were exploration (the best scheme had no untried one-move
     #: neighbour left) without improving on it; 0 spends every budget in full
     converged_patience: int = 1
+    #: after every pattern is committed, re-tune each pattern this many more times with all
+    #: the other patterns' schemes in place, starting from its own (a later pattern's Q/DQ can
+    #: change what is best for an earlier one); a pattern whose surroundings did not change is
+    #: skipped. Single-objective runs only; 0 keeps the single pattern-by-pattern pass
+    refine_rounds: int = 1
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1
@@ -49,6 +54,7 @@ class Config:
             ("minimum_topdown_search_size", self.minimum_topdown_search_size >= 1, ">= 1"),
             ("schemes_per_region", self.schemes_per_region >= 1, ">= 1"),
             ("converged_patience", self.converged_patience >= 0, ">= 0"),
+            ("refine_rounds", self.refine_rounds >= 0, ">= 0"),
             ("top_percent_to_mutate", 0.0 < self.top_percent_to_mutate <= 1.0, "in (0, 1]"),
             ("minimum_schemes_to_mutate", self.minimum_schemes_to_mutate >= 1, ">= 1"),
             ("maximum_mutations", self.maximum_mutations >= 1, ">= 1"),

@@ -87,17 +87,23 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     region_nodes = attrs.get("region_nodes") or {}
     ops = attrs.get("ops", [])
     metrics = ", ".join(f"`{m}`" for m in (metric_names or ["latency_ms"]))
+    rnd = int(attrs.get("refine_round") or 0)
     lines = [
-        f"## Pattern {pid}",
+        f"## Pattern {pid}" + (f" — refinement round {rnd}" if rnd else ""),
         "",
         f"- metric: {metrics} (minimize), one trial = one Q/DQ scheme applied to all "
         f"{len(regions)} member region(s)",
         f"- ops ({len(ops)}): {' → '.join(ops) or '—'}",
         f"- signature {_code(attrs.get('signature', ''))}",
     ]
+    if rnd:
+        start = ", ".join(_code(p) for p in attrs.get("refines", [])) or "the empty scheme"
+        lines.append(f"- tuned again with every other pattern's scheme in place, starting from "
+                     f"its standing scheme ({start})")
     if "reference_ms" in attrs:
-        lines.append(f"- reference (everything committed before this pattern): "
-                     f"**{float(attrs['reference_ms']):.4f} ms**")
+        what = ("the whole model as it stood, this pattern's scheme included" if rnd
+                else "everything committed before this pattern")
+        lines.append(f"- reference ({what}): **{float(attrs['reference_ms']):.4f} ms**")
     if "baseline_latency_ms" in attrs:
         base = float(attrs["baseline_latency_ms"])
         lines.append(f"- float baseline of the whole model: {base:.4f} ms")

@@ -46,6 +46,21 @@ def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) ->
         for key in ("committed_error", "reference_error", "committed_types", "converged_after"):
             if row and key in row:
                 patterns[-1][key] = row[key]
+        # refinement rounds (Config.refine_rounds): committed_scheme and gain above are the
+        # standing scheme and the product of every round's gain
+        refinements = []
+        for ref in (row or {}).get("refinements", []):
+            ref = dict(ref)
+            try:
+                s = optuna.load_study(study_name=tuner._study_name(pp, ref["round"]),
+                                      storage=tuner.storage)
+                ref["trials"] = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+                all_trials += s.get_trials(deepcopy=False)
+            except KeyError:
+                ref["trials"] = 0
+            refinements.append(ref)
+        if refinements:
+            patterns[-1]["refinements"] = refinements
     stats = trial_statistics(all_trials)
     return {
         "model": tuner.prepared.source,
@@ -182,11 +197,15 @@ def render_markdown(r: dict) -> str:
         scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
                   for k in p["committed_scheme"]]
         err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
+        refs = p.get("refinements", [])
+        trials = " + ".join(str(n) for n in [p["trials"], *(f["trials"] for f in refs)])
+        note = "; ".join([p.get("commit_reason") or "", *(
+            f"refinement {f['round']}: {f.get('commit_reason') or f['status']}"
+            + (f" ({_f(f['gain'])}x)" if f.get("gain", 1.0) != 1.0 else "") for f in refs)])
         lines.append(
             f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
-            f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
-            f"{', '.join(scheme) or '—'} | {_f(p['gain'])} |{err} "
-            f"{p.get('commit_reason') or ''} |"
+            f"{len(p['regions'])} | {len(p['insertion_points'])} | {trials} | "
+            f"{', '.join(scheme) or '—'} | {_f(p['gain'])} |{err} {note} |"
         )
     if r.get("pareto"):
         from .pareto import write_front_table

@@ -19,7 +19,10 @@ def make_sampler(
     config: Config,
     scheme_key: Callable[[dict[str, int]], Hashable] | None = None,
     multi_objective: bool = False,
+    refine: bool = False,
 ) -> optuna.samplers.BaseSampler:
+    """``refine``: the study starts from an enqueued scheme (a refinement round), so our
+    sampler does not propose the empty and full schemes first."""
     if name == "qdq":
         from samplers.qdq_mutation import QDQMutationSampler
 
@@ -32,6 +35,8 @@ def make_sampler(
             concat_group_min_samples=config.concat_group_min_samples,
             schemes_per_region=config.schemes_per_region,
             fusion_group_probability=config.fusion_group_probability,
+            seed_empty_scheme=not refine,
+            seed_full_scheme=not refine,
             scheme_key=scheme_key,
         )
     if name == "tpe":

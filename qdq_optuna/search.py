@@ -8,6 +8,14 @@ machine drift cancels in the ratio; the objective returns ``reference_ms * ratio
 
 A pattern's best scheme is committed only when an interleaved re-measurement confirms it beats
 the reference by ``performance_threshold``; otherwise the pattern commits the empty scheme.
+
+Refinement (``Config.refine_rounds``): a pattern tuned early saw only the patterns before it, so
+a later pattern's Q/DQ can make another of its schemes better (a region-output point and the next
+pattern's input point quantize the same tensor). After the pass, each pattern whose surroundings
+changed is tuned again in a study of its own (``PATTERN/refine1``), with every other pattern's
+scheme in place, starting from its committed scheme (the reference then) and climbing from it. A
+new scheme that only removes Q/DQ needs to be confirmed faster, not ``performance_threshold``
+faster: it costs nothing in accuracy.
 """
 
 from __future__ import annotations
@@ -356,9 +364,13 @@ class Tuner:
             )
         return self.scorer
 
-    def _typed(self, base: dict, pp: PatternPoints, params: dict) -> dict:
-        """The uses (-> quant type) of ``params`` for pattern ``pp`` on top of ``base``."""
-        return combine(base, self.space.typed_uses(pp, params))
+    def _typed(self, base: dict | tuple[dict, dict], pp: PatternPoints, params: dict) -> dict:
+        """The uses (-> quant type) of ``params`` for pattern ``pp`` on top of ``base``: the
+        committed uses, or (in a refinement) those of the patterns before ``pp`` and after it.
+        Where two patterns cover one use, the earlier pattern's type stands, as in the final
+        model."""
+        before, after = base if isinstance(base, tuple) else (base, {})
+        return combine(combine(before, self.space.typed_uses(pp, params)), after)
 
     # -- measuring -------------------------------------------------------------------------
     def _measure_plan(self, exporter, plan: QuantPlan) -> tuple[float, dict]:
@@ -443,23 +455,100 @@ class Tuner:
         return record["latency_ms"], record
 
     # -- patterns --------------------------------------------------------------------------
-    def _study_name(self, pp: PatternPoints) -> str:
-        return f"{self.run_id}/{pp.pattern.id}"
+    def _study_name(self, pp: PatternPoints, rnd: int = 0) -> str:
+        name = f"{self.run_id}/{pp.pattern.id}"
+        return f"{name}/refine{rnd}" if rnd else name
+
+    @property
+    def refine_rounds(self) -> int:
+        """Refinement rounds this run makes (none with two objectives: the Pareto chain of
+        the report is built from one decision per pattern)."""
+        return 0 if self.multi_objective else self.cfg.refine_rounds
+
+    def _rounds(self) -> list[tuple[PatternPoints, list[dict]]]:
+        """The committed patterns, in order up to the first that is not: per pattern the
+        user attrs of its studies, first pass then refinement rounds, in round order."""
+        attrs = {s.study_name: s.user_attrs for s in self.storage.get_all_studies()
+                 if s.study_name.startswith(f"{self.run_id}/")}
+        out = []
+        for pp in self.prepared.tunable:
+            first = attrs.get(self._study_name(pp))
+            if first is None or "committed" not in first:
+                break
+            later = [attrs[n] for n in (self._study_name(pp, r)
+                                        for r in range(1, self.refine_rounds + 1)) if n in attrs]
+            out.append((pp, [first, *later]))
+        return out
+
+    @staticmethod
+    def _standing(rounds: list[dict]) -> dict:
+        """The attrs of the round whose decision stands for a pattern: its last committed."""
+        return next(a for a in reversed(rounds) if "committed" in a)
 
     def _committed(self) -> tuple[dict[Use, str], list[dict]]:
+        """The uses of every standing scheme, and one report row per committed pattern: its
+        first-pass attrs, the standing scheme, the product of its rounds' gains and the
+        refinement rounds (``refinements``)."""
         uses: dict[Use, str] = {}
         rows = []
-        for pp in self.prepared.tunable:
-            try:
-                s = optuna.load_study(study_name=self._study_name(pp), storage=self.storage)
-            except KeyError:
-                break
-            attrs = s.user_attrs
-            if "committed" not in attrs:
-                break
-            uses = combine(uses, self.space.typed_uses(pp, attrs["committed"]))
-            rows.append(attrs)
+        for pp, rounds in self._rounds():
+            last = self._standing(rounds)
+            uses = combine(uses, self.space.typed_uses(pp, last["committed"]))
+            row = dict(rounds[0])
+            if len(rounds) > 1:
+                for key in ("committed", "committed_types", "committed_error",
+                            "committed_output_errors"):
+                    if key in last:
+                        row[key] = last[key]
+                row["gain"] = math.prod(float(a.get("gain", 1.0)) for a in rounds
+                                        if "committed" in a)
+                row["refinements"] = [
+                    {"round": a.get("refine_round"), "status": "committed" if "committed" in a
+                     else "running", "from_scheme": a.get("refines", []),
+                     "committed_scheme": self.space.on(a.get("committed", {})),
+                     "gain": float(a.get("gain", 1.0)), "commit_reason": a.get("commit_reason"),
+                     **({"converged_after": a["converged_after"]} if "converged_after" in a
+                        else {})}
+                    for a in rounds[1:]]
+            rows.append(row)
         return uses, rows
+
+    def _around(self, pp: PatternPoints) -> tuple[dict[Use, str], dict[Use, str]]:
+        """The uses of the standing schemes of the patterns before ``pp`` and after it."""
+        before: dict[Use, str] = {}
+        after: dict[Use, str] = {}
+        seen = False
+        for other, rounds in self._rounds():
+            seen = seen or other.pattern.id == pp.pattern.id
+            if other.pattern.id != pp.pattern.id:
+                typed = self.space.typed_uses(other, self._standing(rounds)["committed"])
+                if seen:
+                    after = combine(after, typed)
+                else:
+                    before = combine(before, typed)
+        return before, after
+
+    def _context_key(self, pp: PatternPoints, base: dict | tuple[dict, dict]) -> str:
+        """The Q/DQ of other patterns near ``pp``'s regions: on tensors that its nodes, or the
+        nodes next to them, read or write. A pattern whose context key is unchanged since it
+        was last tuned has nothing new to find in a refinement round."""
+        near = self.__dict__.setdefault("_near", {})
+        if pp.pattern.id not in near:
+            g = self.prepared.graph
+            nodes = {n for r in pp.pattern.regions for n in self.prepared.tree[r].all_nodes}
+
+            def tensors_of(idxs) -> set[str]:
+                return {t for i in idxs for t in (*g.nodes[i].input, *g.nodes[i].output) if t}
+
+            first = tensors_of(nodes)
+            hop = {g.producer[t][0] for t in first if t in g.producer}
+            hop |= {c for t in first for c, _ in g.consumers.get(t, [])}
+            near[pp.pattern.id] = tensors_of(nodes | hop)
+        tensors = near[pp.pattern.id]
+        before, after = base if isinstance(base, tuple) else (base, {})
+        others = combine(before, after)
+        items = sorted((list(u), q) for u, q in others.items() if u[0] in tensors)
+        return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:24]
 
     def _distinct_schemes(self, pp: PatternPoints, exporter, base: dict) -> int | None:
         if self.space.n ** len(pp.ids) > 1024:
@@ -469,17 +558,22 @@ class Tuner:
             keys.add(exporter.plan(self._typed(base, pp, dict(zip(pp.ids, bits)))).key)
         return len(keys)
 
-    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter, base: dict[Use, str],
+    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter,
+                      base: dict[Use, str] | tuple[dict[Use, str], dict[Use, str]],
                       seeds_cache: PatternCache | None, baseline_q: set[str] | None,
-                      bar_total) -> dict:
+                      bar_total, rnd: int = 0, current: dict | None = None) -> dict:
+        """Tune one pattern on top of ``base``. A refinement round (``rnd`` > 0) starts from
+        the pattern's ``current`` scheme: the reference is ``base`` with it, and it stays when
+        nothing is confirmed faster."""
         cfg = self.cfg
+        order = rnd * len(self.prepared.tunable) + idx
         sampler = make_sampler(
-            self.o.sampler, seed=None if self.o.seed is None else self.o.seed + idx, config=cfg,
+            self.o.sampler, seed=None if self.o.seed is None else self.o.seed + order, config=cfg,
             scheme_key=lambda params: exporter.plan(self._typed(base, pp, params)).key,
-            multi_objective=self.multi_objective,
+            multi_objective=self.multi_objective, refine=rnd > 0,
         )
         study = optuna.create_study(
-            study_name=self._study_name(pp), storage=self.storage, sampler=sampler,
+            study_name=self._study_name(pp, rnd), storage=self.storage, sampler=sampler,
             directions=["minimize"] * len(self.objectives), load_if_exists=True,
         )
         if "committed" in study.user_attrs:
@@ -502,9 +596,13 @@ class Tuner:
                 "qdq_point_tensors": {pid: sorted({u[0] for us in pp.resolved[pid].values() for u in us})
                                       for pid in pp.ids},
                 "run_id": self.run_id,
-                "order": idx,
+                "order": order,
+                "refine_round": rnd,
+                "context_key": self._context_key(pp, base),
                 "baseline_latency_ms": self.baseline_ms,
             }
+            if rnd:
+                attrs["refines"] = self.space.on(current)
             uses_index = {u: i for i, u in enumerate(sorted(pp.uses(pp.ids)))}
             attrs["qdq_point_uses"] = {
                 pid: sorted(uses_index[u] for us in pp.resolved[pid].values() for u in us)
@@ -530,7 +628,11 @@ class Tuner:
             if not self.o.worker or claim(self.run_study, f"redo/{study.study_name}/{t.number}"):
                 _enqueue_redo(study, dict(t.params), {"retry_of": t.number})
         empty = self.space.seed(dict.fromkeys(pp.ids, 0))
-        if self.o.sampler != "qdq":
+        if rnd:  # a refinement starts from the standing scheme, and only from it
+            study.enqueue_trial({pid: self.space.value(i) for pid, i
+                                 in self.space.indices(current, pp.ids).items()},
+                                skip_if_exists=True)
+        elif self.o.sampler != "qdq":
             study.enqueue_trial(empty, skip_if_exists=True)
         if seeds_cache is not None:
             for s in seeds_cache.seeds_for(pp):
@@ -539,13 +641,14 @@ class Tuner:
             s = baseline_seed(pp, baseline_q)
             if s is not None:
                 study.enqueue_trial(self.space.seed(s), skip_if_exists=True)
-        if self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after the user's seeds
+        if not rnd and self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after user seeds
             compute = compute_inputs_scheme(pp)
             if compute is not None:
                 study.enqueue_trial(self.space.seed(compute), skip_if_exists=True)
 
-        # the reference: everything committed so far, nothing of this pattern
-        ref_plan = exporter.plan(base)
+        # the reference: everything committed so far, nothing of this pattern (in a
+        # refinement: everything, this pattern's standing scheme included)
+        ref_plan = exporter.plan(self._typed(base, pp, current or {}))
         ref_bytes = exporter.source(ref_plan)  # bytes, or a path for a model in external mode
         if "reference_ms" not in study.user_attrs:
             def measure_reference() -> list[float]:
@@ -559,7 +662,7 @@ class Tuner:
                 return [ref_ms, ref_screen]
 
             # every worker times its trials against the same reference figure
-            ref_ms, ref_screen = agree(self.run_study, f"reference/{pp.pattern.id}",
+            ref_ms, ref_screen = agree(self.run_study, f"reference/{study.study_name}",
                                        measure_reference)
             study.set_user_attr("reference_screen_ms", ref_screen)
             study.set_user_attr("reference_ms", ref_ms)
@@ -577,6 +680,8 @@ class Tuner:
             study.set_user_attr("reference_output_errors", ref_err["output_errors"])
 
         budget = cfg.schemes_per_region
+        if rnd:  # a local search: every point flipped once, and as many trials again
+            budget = min(budget, 2 * len(pp.ids))
         distinct = self._distinct_schemes(pp, exporter, base)
         if distinct is not None:
             budget = min(budget, distinct)
@@ -677,7 +782,7 @@ class Tuner:
             done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
             if done < budget and "converged_after" not in study.user_attrs:
                 raise _OutOfTime()
-        return self._commit(study, pp, exporter, base, ref_plan, ref_bytes, ref_ms)
+        return self._commit(study, pp, exporter, base, ref_plan, ref_bytes, ref_ms, current)
 
     def _claim_slot(self, study: optuna.Study, trial: optuna.Trial, budget: int) -> bool | None:
         """Whether ``trial`` may be measured: fewer than ``budget`` trials are COMPLETE, hold a
@@ -754,14 +859,15 @@ class Tuner:
             with contextlib.suppress(Exception):
                 self._write_state("interrupted")
 
-    def _commit(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms) -> dict:
+    def _commit(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms,
+                current: dict | None = None) -> dict:
         """Store the pattern's decision. With several workers, or a process killed part way,
         the first decision stored in the run wins (:func:`~qdq_optuna.storage.agree`): every
         worker builds the next patterns on the same commits."""
         if "committed" in study.user_attrs:  # another worker committed this pattern already
             return dict(study.user_attrs)
-        decision = agree(self.run_study, f"commit/{pp.pattern.id}", lambda: self._decide(
-            study, pp, exporter, base, ref_plan, ref_bytes, ref_ms))
+        decision = agree(self.run_study, f"commit/{study.study_name}", lambda: self._decide(
+            study, pp, exporter, base, ref_plan, ref_bytes, ref_ms, current))
         # "committed" last: its presence means the whole decision is stored
         for k, v in sorted(decision.items(), key=lambda kv: kv[0] == "committed"):
             study.set_user_attr(k if k != "reason" else "commit_reason", v)
@@ -771,11 +877,13 @@ class Tuner:
         save_pattern_note(study)
         return dict(study.user_attrs)
 
-    def _decide(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms) -> dict:
-        """The decision for one pattern: its best scheme if a re-measurement confirms it."""
+    def _decide(self, study, pp, exporter, base, ref_plan, ref_bytes, ref_ms,
+                current: dict | None = None) -> dict:
+        """The decision for one pattern: its best scheme if a re-measurement confirms it
+        (else the empty scheme; in a refinement round the ``current`` one)."""
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        empty = dict.fromkeys(pp.ids, 0)
-        decision = {"committed": empty, "gain": 1.0, "reason": "no trial beat the reference"}
+        keep = self.space.indices(current, pp.ids) if current else dict.fromkeys(pp.ids, 0)
+        decision = {"committed": keep, "gain": 1.0, "reason": "no trial beat the reference"}
         best, why = choose_candidate(complete, multi_objective=self.multi_objective,
                                      constrained=self.constrained,
                                      threshold=self.cfg.performance_threshold)
@@ -783,29 +891,31 @@ class Tuner:
             decision["reason"] = why
         if best is not None:
             plan = exporter.plan(self._typed(base, pp, best.params))
+            # a scheme that only takes Q/DQ away costs no accuracy: faster is enough
+            threshold = (1.0 if set(plan.activations) < set(ref_plan.activations)
+                         else self.cfg.performance_threshold)
             if plan.key == ref_plan.key:
                 decision["reason"] = "best scheme is the reference"
-            elif best.values[0] < ref_ms / self.cfg.performance_threshold:
+            elif best.values[0] < ref_ms / threshold:
                 cmp = self.measurer.compare(exporter.source(plan), ref_bytes)
                 self.measurements += 1
                 speedup = 1.0 / cmp.ratio
-                confirmed = speedup >= self.cfg.performance_threshold and (
+                confirmed = speedup >= threshold and speedup > 1.0 and (
                     self.measurer.deterministic or cmp.ci_high < 1.0
                 )
                 decision = {
-                    "committed": self.space.indices(best.params, pp.ids) if confirmed else empty,
+                    "committed": self.space.indices(best.params, pp.ids) if confirmed else keep,
                     "gain": speedup if confirmed else 1.0,
                     "candidate_trial": best.number,
                     "confirmation": {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
                                      "rounds": cmp.rounds, "speedup": speedup},
                     "reason": "confirmed" if confirmed else
                               f"re-measured speedup {speedup:.3f} below threshold "
-                              f"{self.cfg.performance_threshold} or not significant",
+                              f"{threshold} or not significant",
                 }
             else:
                 decision["reason"] = (f"best {best.values[0]:.4f} ms not "
-                                      f"{self.cfg.performance_threshold}x "
-                                      f"faster than reference {ref_ms:.4f} ms")
+                                      f"{threshold}x faster than reference {ref_ms:.4f} ms")
             if self.accuracy_on or self.multi_objective:
                 decision["candidate"] = why
         if self.accuracy_on:  # the whole-model error after this commit
@@ -888,6 +998,8 @@ class Tuner:
                 self._write_state("running")
                 if bar is not None:
                     bar.update(1)
+            for rnd in range(1, self.refine_rounds + 1):
+                self._refine(rnd, exporter)
         except _OutOfTime:
             self._write_state("timeout")
             return self._finish(exporter, partial=True)
@@ -895,6 +1007,25 @@ class Tuner:
             if bar is not None:
                 bar.close()
         return self._finish(exporter, partial=False)
+
+    def _refine(self, rnd: int, exporter) -> None:
+        """One refinement round over every pattern, in order (see the module docstring)."""
+        names = {s.study_name for s in self.storage.get_all_studies()}
+        todo = []
+        for idx, pp in enumerate(self.prepared.tunable):
+            others = self._around(pp)
+            rounds = {p.pattern.id: r for p, r in self._rounds()}[pp.pattern.id]
+            if self._study_name(pp, rnd) not in names:  # not started: is there news for it?
+                last = rounds[-1]  # the context this pattern was last tuned in
+                if last.get("context_key") == self._context_key(pp, others):
+                    continue
+            todo.append(pp)
+            self._tune_pattern(pp, idx, exporter, others, None, None, None, rnd=rnd,
+                               current=self._standing(rounds)["committed"])
+            self._write_state("running")
+        if todo:
+            log.info("refinement round %d: %d of %d patterns tuned again", rnd, len(todo),
+                     len(self.prepared.tunable))
 
     def _finish(self, exporter, partial: bool) -> TuneResult:
         from .report import build_report, write_reports
@@ -938,14 +1069,15 @@ class Tuner:
     def _write_pattern_cache(self) -> None:
         cache = PatternCache()
         for pp in self.prepared.tunable:
-            try:
-                s = optuna.load_study(study_name=self._study_name(pp), storage=self.storage)
-            except KeyError:
-                continue
-            schemes = [
-                (self.space.on(t.params), t.values[0])
-                for t in s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            ]
+            schemes = []
+            for rnd in range(self.refine_rounds + 1):  # refinements: the schemes that stood
+                try:
+                    s = optuna.load_study(study_name=self._study_name(pp, rnd),
+                                          storage=self.storage)
+                except KeyError:
+                    continue
+                schemes += [(self.space.on(t.params), t.values[0])
+                            for t in s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
             if schemes:
                 cache.add(pp.pattern.signature, schemes,
                           minimum_distance=self.cfg.pattern_cache_minimum_distance,
@@ -954,6 +1086,7 @@ class Tuner:
 
     def _write_state(self, status: str) -> None:
         patterns = []
+        refined = {r["pattern_id"]: r for r in self._committed()[1] if "refinements" in r}
         for pp in self.prepared.tunable:
             row = {"id": pp.pattern.id, "signature": pp.pattern.signature,
                    "regions": len(pp.pattern.regions), "points": len(pp.ids), "status": "pending"}
@@ -965,6 +1098,11 @@ class Tuner:
                 if "committed" in a:
                     row["committed"] = sorted(p for p, v in a["committed"].items() if v)
                     row["gain"] = round(float(a.get("gain", 1.0)), 4)
+            if pp.pattern.id in refined:  # the standing scheme after refinement rounds
+                r = refined[pp.pattern.id]
+                row["committed"] = self.space.on(r["committed"])
+                row["gain"] = round(float(r["gain"]), 4)
+                row["refinements"] = len(r["refinements"])
             patterns.append(row)
         state = {
             "status": status,

@@ -37,9 +37,12 @@ def backend() -> CallableBackend:
 
 
 def pattern_studies(out, run_id: str) -> list[optuna.Study]:
+    """The first-pass pattern studies (a refinement round keeps its starting scheme when
+    nothing is confirmed better, so it has no ``candidate_trial`` of its own then)."""
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     names = sorted(s.study_name for s in storage.get_all_studies()
-                   if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run")
+                   if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"
+                   and "/refine" not in s.study_name)
     studies = [optuna.load_study(study_name=n, storage=storage) for n in names]
     return sorted(studies, key=lambda s: s.user_attrs["order"])
 
@@ -176,6 +179,10 @@ def test_two_objectives_write_a_measured_model_level_front(files, tmp_path):
         if any(attrs["committed"].values()):  # the commit is a Pareto point of its study
             front = pareto_indices([tuple(t.values) for t in trials])
             assert attrs["candidate_trial"] in [trials[i].number for i in front]
+    # one decision per pattern (the front is a chain of them): no refinement round
+    assert not any(p.get("refinements") for p in report["patterns"])
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    assert not [s for s in storage.get_all_studies() if "/refine" in s.study_name]
     pareto = report["pareto"]
     assert pareto[0]["patterns"] == [] and pareto[0]["error"] == 0.0
     assert len(pareto) == 1 + sum(1 for p in report["patterns"] if p["committed_scheme"])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import onnx
+import optuna
 import pytest
 import yaml
 
@@ -115,6 +116,8 @@ BAD = {
                             "--backend", "costmodel"], "missing.onnx"),
     "unknown backend": (["tune", "--model", "{model}", "--output", "{tmp}/o", "--backend",
                          "warp-drive"], "warp-drive"),
+    "negative refine rounds": (["tune", "--model", "{model}", "--output", "{tmp}/o",
+                                "--refine-rounds", "-1"], "--refine-rounds"),
     "no subcommand": ([], ""),
 }
 
@@ -138,6 +141,19 @@ def test_tune_leaves_the_model_unchanged(quick_run, models):
     report = json.loads((out / "report.json").read_text())
     assert report["complete"] and report["backend"]["name"] == "costmodel"
     onnx.checker.check_model(onnx.load(str(out / "optimized.onnx")))
+
+
+def test_search_options_reach_the_run(models, tmp_path):
+    out = tmp_path / "o"
+    proc = cli("tune", "--model", models["tiny_residual"], "--output", out, "--backend",
+               "costmodel", "--schemes-per-region", "3", "--refine-rounds", "2",
+               "--converged-patience", "0", "-q")
+    assert proc.returncode == 0, proc.stderr
+    storage = f"sqlite:///{out / 'studies.db'}"
+    settings = optuna.load_study(study_name="o/_run", storage=storage).user_attrs["settings"]
+    assert settings["config"]["refine_rounds"] == 2
+    assert settings["config"]["converged_patience"] == 0
+    assert settings["config"]["schemes_per_region"] == 3
 
 
 def test_output_must_not_be_the_model(models):

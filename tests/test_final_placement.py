@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 import optuna
 import pytest
+from _runs import standing_schemes
 
 from qdq_optuna import Config, zoo
 from qdq_optuna.backends.callable import CallableBackend
@@ -69,19 +70,16 @@ def committed_tensors(out, run_id: str) -> tuple[set[str], int]:
     pattern studies were read), from the storage alone."""
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     tensors: set[str] = set()
-    studies = 0
-    for summary in storage.get_all_studies():
-        name = summary.study_name
-        if not name.startswith(f"{run_id}/") or name == f"{run_id}/_run":
-            continue
-        attrs = optuna.load_study(study_name=name, storage=storage).user_attrs
-        assert "committed" in attrs, f"{name} was never committed"
-        studies += 1
-        point_tensors = attrs["qdq_point_tensors"]
-        for point, value in attrs["committed"].items():
+    attrs = [optuna.load_study(study_name=s.study_name, storage=storage).user_attrs
+             for s in storage.get_all_studies()
+             if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"]
+    patterns = standing_schemes(attrs)  # refinement rounds may have changed a commit
+    for first, committed in patterns:
+        point_tensors = first["qdq_point_tensors"]
+        for point, value in committed.items():
             if int(value):
                 tensors.update(point_tensors[point])
-    return tensors, studies
+    return tensors, len(patterns)
 
 
 def run_ort(model: onnx.ModelProto) -> list[np.ndarray]:

@@ -338,7 +338,8 @@ def test_report_counts_screened_compared_and_cached(robust_run):
         "deterministic"]
     assert st["measured"] + st["cache_hits"] == st["complete"]
     assert report["builds_saved_by_cache"] == st["cache_hits"]
-    assert st["complete"] == sum(p["trials"] for p in report["patterns"])
+    assert st["complete"] == sum(p["trials"] + sum(r["trials"] for r in p.get("refinements", []))
+                                 for p in report["patterns"])
     md = (out / "report.md").read_text()
     assert f"{st['screened_out']} screened out" in md and f"{st['cache_hits']} cache hits" in md
     assert f"{st['ab_compared']} A/B-compared" in md

@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import optuna
 import pytest
+from _runs import standing_schemes
 from onnx import TensorProto
 from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState
@@ -142,10 +143,10 @@ def committed_use_types(out, run_id: str, pm: PreparedModel) -> dict[tuple, str]
              if s.study_name.startswith(f"{run_id}/") and not s.study_name.endswith("/_run")]
     by_id = {pp.pattern.id: pp for pp in pm.tunable}
     types: dict[tuple, str] = {}
-    for a in sorted(attrs, key=lambda a: a["order"]):
+    for a, committed in standing_schemes(attrs):  # after any refinement round
         pp = by_id[a["pattern_id"]]
         for pid in a["qdq_points"]:
-            idx = a["committed"][pid]
+            idx = committed[pid]
             for tensor, node, slot in (pp.uses([pid]) if idx else ()):
                 types.setdefault((tensor, pm.graph.name_of(node), slot),
                                  a["qdq_choice_names"][idx])

@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 import optuna
 import pytest
-from _runs import expected_trials
+from _runs import expected_trials, is_refinement
 from optuna.trial import TrialState
 from test_postgres import POSTGRES_URL, URL_ENV, run_studies
 from test_resume import REPO, cli_env
@@ -162,7 +162,10 @@ def test_three_workers_one_killed_mid_trial(residual, tmp_path, storage_url):
     want = expected_trials(residual, reports[0], BUDGET)
     for p, s in studies.items():
         done = s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        assert len(done) == want[p], (p, len(done), want[p])
+        if is_refinement(p):  # a cap: its distinct models depend on the other patterns
+            assert 1 <= len(done) <= want[p], (p, len(done), want[p])
+        else:
+            assert len(done) == want[p], (p, len(done), want[p])
         keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)]
         assert len(keys) == len(set(keys)), f"{p}: a scheme was measured twice"
         assert not s.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), p
@@ -192,7 +195,7 @@ def test_three_workers_one_killed_mid_trial(residual, tmp_path, storage_url):
     run = run_studies(url, run_id)[f"{run_id}/_run"]
     claims = [t.user_attrs[AGREE_KEY] for t in run.get_trials(deepcopy=False)]
     for p in studies:
-        assert claims.count(f"commit/{p}") >= 1
+        assert claims.count(f"commit/{run_id}/{p}") >= 1
 
 
 _AGREE_SCRIPT = """

@@ -120,6 +120,9 @@ class QDQMutationSampler(BaseSampler):
         schemes_per_region: Expected trial budget per pattern study.
         fusion_group_probability: Probability of a fusion-group move when no Concat move
             was drawn.
+        seed_empty_scheme: Propose the all-off scheme first. Off (as with
+            ``seed_full_scheme``) for a study that starts from enqueued schemes only, e.g. a
+            refinement around a scheme already chosen.
         seed_full_scheme: Propose the all-on scheme right after the empty one.
         scheme_key: Maps a scheme's params to the identity of the resulting model, for
             de-duplication when different params build the same model.
@@ -138,6 +141,7 @@ class QDQMutationSampler(BaseSampler):
         concat_group_min_samples: int = 5,
         schemes_per_region: int = 30,
         fusion_group_probability: float = 0.35,
+        seed_empty_scheme: bool = True,
         seed_full_scheme: bool = True,
         scheme_key: SchemeKey | None = None,
         hill_climb_parents: int = 1,
@@ -162,8 +166,10 @@ class QDQMutationSampler(BaseSampler):
             raise ValueError(
                 f"fusion_group_probability must be in [0, 1], got {fusion_group_probability!r}."
             )
-        if not isinstance(seed_full_scheme, bool):
-            raise ValueError(f"seed_full_scheme must be a bool, got {seed_full_scheme!r}.")
+        for name, flag in (("seed_empty_scheme", seed_empty_scheme),
+                           ("seed_full_scheme", seed_full_scheme)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}.")
         if scheme_key is not None and not callable(scheme_key):
             raise ValueError("scheme_key must be a callable or None.")
 
@@ -174,6 +180,7 @@ class QDQMutationSampler(BaseSampler):
         self._max_attempts = maximum_generation_attempts
         self._p_concat = min(1.0, max(concat_group_min_samples / schemes_per_region, 0.05))
         self._p_fusion = float(fusion_group_probability)
+        self._seed_empty = seed_empty_scheme
         self._seed_full = seed_full_scheme
         self._scheme_key = scheme_key
         self._climb_parents = hill_climb_parents
@@ -303,7 +310,7 @@ class QDQMutationSampler(BaseSampler):
             return identity(space.values(scheme)) not in taken
 
         empty = (0,) * len(space)
-        if fresh(empty):
+        if self._seed_empty and fresh(empty):
             return self._accept(study, trial, space, empty, "empty", None, [])
         full = tuple(min(1, n - 1) for n in space.n_choices)
         if self._seed_full and fresh(full):

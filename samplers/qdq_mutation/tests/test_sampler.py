@@ -102,6 +102,7 @@ def _uses_identity(
         {"schemes_per_region": 0},
         {"fusion_group_probability": 1.1},
         {"seed_full_scheme": 1},
+        {"seed_empty_scheme": "no"},
         {"scheme_key": "not callable"},
         {"hill_climb_parents": -1},
     ],
@@ -147,6 +148,27 @@ def test_no_full_seed_when_disabled() -> None:
     study = _qdq_study(QDQMutationSampler(seed=0, seed_full_scheme=False), points)
     study.optimize(_objective(points), n_trials=2)
     assert study.trials[1].system_attrs["qdq:origin"] == "mutation"
+
+
+def test_refinement_climbs_from_the_enqueued_scheme() -> None:
+    # Without the empty and full seeds the study starts at the enqueued scheme and every
+    # following proposal is one move away from the best scheme so far.
+    points = _points(5)
+    start = {"p0": 1, "p1": 0, "p2": 1, "p3": 0, "p4": 0}
+    sampler = QDQMutationSampler(seed=0, seed_empty_scheme=False, seed_full_scheme=False)
+    study = _qdq_study(sampler, points)
+    study.enqueue_trial(start)
+    study.optimize(lambda t: float(sum((t.suggest_int(p, 0, 1) - (p == "p4")) ** 2
+                                       for p in points)), n_trials=6)
+    trials = study.trials
+    assert trials[0].params == start
+    assert trials[0].system_attrs["qdq:origin"] == "seed"
+    for t in trials[1:]:
+        assert t.system_attrs["qdq:origin"] == "mutation"
+        assert t.system_attrs["qdq:phase"] == "climb"
+        assert sum(t.params[p] != trials[t.system_attrs["qdq:parent"]].params[p]
+                   for p in points) == 1
+    assert trials[1].system_attrs["qdq:parent"] == 0  # not the empty scheme
 
 
 @pytest.mark.parametrize("direction", ["minimize", "maximize"])
