@@ -747,7 +747,8 @@ class Tuner:
         if self.o.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=budget, desc=f"{pp.pattern.id} ({len(pp.pattern.regions)} regions, "
+            bar = tqdm(total=budget, desc=f"{pp.pattern.id}{f' refine{rnd}' if rnd else ''} "
+                       f"({len(pp.pattern.regions)} regions, "
                        f"{len(pp.ids)} points)", leave=False, unit="trial")
             bar.update(len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))))
 
@@ -892,7 +893,7 @@ class Tuner:
         if best is not None:
             plan = exporter.plan(self._typed(base, pp, best.params))
             # a scheme that only takes Q/DQ away costs no accuracy: faster is enough
-            threshold = (1.0 if set(plan.activations) < set(ref_plan.activations)
+            threshold = (1.0 if _quantized_uses(plan) < _quantized_uses(ref_plan)
                          else self.cfg.performance_threshold)
             if plan.key == ref_plan.key:
                 decision["reason"] = "best scheme is the reference"
@@ -1120,6 +1121,11 @@ class Tuner:
 
 class _OutOfTime(Exception):
     pass
+
+
+def _quantized_uses(plan: QuantPlan) -> set[tuple]:
+    """(tensor, consumer, slot, type) of every activation use that reads through Q/DQ."""
+    return {(t, n, s, q) for t, consumers, q in plan.activations for n, s in consumers}
 
 
 def _queued(trial) -> bool:
