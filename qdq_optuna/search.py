@@ -69,6 +69,7 @@ from .storage import (
     delete_run,
     fail_running_trials,
     fail_trial,
+    fully_sampled,
     open_storage,
     quiet_optuna,
 )
@@ -1136,8 +1137,10 @@ def _queued(trial) -> bool:
 def _enqueue_redo(study: optuna.Study, params: dict, user_attrs: dict | None = None) -> None:
     """Enqueue a failed trial's scheme again. ``enqueue_trial(skip_if_exists=True)`` would
     match the failed trial itself and never redo it; only a live or finished trial with the
-    same params makes the redo unnecessary."""
-    if not params:
+    same params makes the redo unnecessary. A trial that died before all its points were
+    suggested measured nothing: it is not redone (its partial params would be filled with
+    "off" and build another, possibly already measured, model)."""
+    if not params or not fully_sampled(study, params):
         return
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
                                                       TrialState.COMPLETE)):

@@ -217,12 +217,20 @@ class _RequeueingRDBStorage(RDBStorage):
 _RUN_ATTRS = ("slot", "skipped", "failure", "transient")
 
 
+def fully_sampled(study: optuna.Study, params: dict) -> bool:
+    """Whether ``params`` has every insertion point of a pattern study (``qdq_points``): a
+    trial killed while its points were being suggested has only some, and measured nothing."""
+    points = study.user_attrs.get("qdq_points")
+    return points is None or set(points) <= set(params)
+
+
 def retry_stale_trial(study: optuna.Study, trial) -> None:
     """Queue a dead worker's trial again, at most :data:`MAX_RETRY` times per scheme, and
     exactly once per dead trial even when several workers notice it together (they agree on
-    who enqueues; PostgreSQL already lets only one of them fail it, SQLite does not)."""
+    who enqueues; PostgreSQL already lets only one of them fail it, SQLite does not). A trial
+    that died before all its points were suggested measured nothing and is not queued."""
     history = list(trial.system_attrs.get("retry_history", [])) + [trial.number]
-    if len(history) > MAX_RETRY:
+    if len(history) > MAX_RETRY or not fully_sampled(study, trial.params):
         return
     try:
         mine = claim(run_study_of(study), f"retry/{study.study_name}/{trial.number}")

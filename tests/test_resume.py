@@ -237,3 +237,30 @@ def test_resume_with_other_settings_is_refused_and_fresh_starts_over(residual, t
     assert_finished_exactly(out, "settings", residual, 5)
     new = json.loads((out / "report.json").read_text())
     assert max(p["trials"] for p in new["patterns"]) == 5
+
+
+# -- a trial killed while its points were being suggested ----------------------------------------
+@pytest.mark.parametrize("how", ["resumed run", "dead worker"])
+def test_a_trial_killed_before_all_its_points_were_suggested_is_not_redone(how, tmp_path):
+    """It measured nothing, and its partial params filled with "off" would build another
+    model, possibly one the study measured already (seen once in the SIGKILL test)."""
+    from qdq_optuna.search import _enqueue_redo
+    from qdq_optuna.storage import fail_running_trials, retry_stale_trial
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'studies.db'}", heartbeat=False)
+    study = optuna.create_study(study_name="x/P000", storage=storage)
+    study.set_user_attr("qdq_points", ["a", "b", "c"])
+    partial, whole = study.ask(), study.ask()
+    partial.suggest_int("a", 0, 1)
+    for p in "abc":
+        whole.suggest_int(p, 0, 1)
+    if how == "resumed run":
+        for params in fail_running_trials(study):
+            _enqueue_redo(study, params)
+    else:
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            retry_stale_trial(study, storage.get_trial(t._trial_id))
+    queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    assert len(queued) == 1
+    assert queued[0].system_attrs.get("fixed_params", queued[0].params) == whole.params
