@@ -470,7 +470,8 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
 
     started = time.perf_counter()
     attrs = study.user_attrs
-    pid = pp.pattern.id
+    rnd = int(attrs.get("refine_round") or 0)
+    pid = pp.pattern.id + (f"_refine{rnd}" if rnd else "")  # file names of this study's pictures
     complete = _complete(study)
     best = _best_trial(study, complete)
     ref = attrs.get("reference_ms")

@@ -179,17 +179,19 @@ def test_every_pattern_study_has_note_attrs_and_artifacts(run):
         arts = attrs["artifacts"]
         files = {a["file"]: a for a in arts}
         pid = attrs["pattern_id"]
-        assert set(files) == {f"{pid}_convergence.png", f"{pid}_region.svg"}, name
+        rnd = attrs.get("refine_round")
+        stem = f"{pid}_refine{rnd}" if rnd else pid  # a refinement study's pictures
+        assert set(files) == {f"{stem}_convergence.png", f"{stem}_region.svg"}, name
         # uploaded through optuna.artifacts: the study's system attrs hold the metadata
         meta = {m.artifact_id: m for m in optuna.artifacts.get_all_artifact_meta(study)}
         for a in arts:
             assert a["artifact_id"] in meta
             assert meta[a["artifact_id"]].filename == a["file"]
             assert a["url"] == f"/artifacts/{study._study_id}/{a['artifact_id']}"
-        png = (store / files[f"{pid}_convergence.png"]["artifact_id"]).read_bytes()
-        assert meta[files[f"{pid}_convergence.png"]["artifact_id"]].mimetype == "image/png"
+        png = (store / files[f"{stem}_convergence.png"]["artifact_id"]).read_bytes()
+        assert meta[files[f"{stem}_convergence.png"]["artifact_id"]].mimetype == "image/png"
         assert png_size(png) == (640, 360)
-        svg_id = files[f"{pid}_region.svg"]["artifact_id"]
+        svg_id = files[f"{stem}_region.svg"]["artifact_id"]
         assert meta[svg_id].mimetype == "image/svg+xml"
         root = ET.fromstring((store / svg_id).read_text(encoding="utf-8"))
         assert root.tag == f"{SVG_NS}svg"
@@ -220,9 +222,14 @@ def test_every_pattern_study_has_note_attrs_and_artifacts(run):
             assert f"| `{p}` | {kind} |" in note
         assert f"{attrs['reference_ms']:.4f} ms" in note
         assert f"{float(attrs['gain']):.3f}x" in note
-        assert f"{pid}_convergence.png" in note and f"{pid}_region.svg" in note
-    # at least one pattern committed Q/DQ (rewards_groups has a real optimum)
+        assert f"{stem}_convergence.png" in note and f"{stem}_region.svg" in note
+        if rnd:
+            assert f"## Pattern {pid} — refinement round {rnd}" in note
+            assert "starting from its standing scheme" in note
+    # at least one pattern committed Q/DQ (rewards_groups has a real optimum), and the
+    # refinement round tuned at least one pattern again (a study of its own, drawn too)
     assert any(any(s.user_attrs["committed"].values()) for s in studies.values())
+    assert any("/refine" in name for name in studies)
 
 
 def test_drawing_is_cheap(tmp_path):
