@@ -76,6 +76,9 @@ from .storage import (
 
 log = logging.getLogger("qdq_optuna")
 
+#: the committed uses (-> quant type) of the patterns before one pattern and after it
+Around = tuple[dict[Use, str], dict[Use, str]]
+
 #: runtimes whose fusion rules apply, by backend name
 TENSORRT_BACKENDS = frozenset({"tensorrt", "trtexec", "costmodel", "ort-trt"})
 METRIC = "latency_ms"
@@ -365,13 +368,13 @@ class Tuner:
             )
         return self.scorer
 
-    def _typed(self, base: dict | tuple[dict, dict], pp: PatternPoints, params: dict) -> dict:
-        """The uses (-> quant type) of ``params`` for pattern ``pp`` on top of ``base``: the
-        committed uses, or (in a refinement) those of the patterns before ``pp`` and after it.
-        Where two patterns cover one use, the earlier pattern's type stands, as in the final
-        model."""
-        before, after = base if isinstance(base, tuple) else (base, {})
-        return combine(combine(before, self.space.typed_uses(pp, params)), after)
+    def _typed(self, base: Around, pp: PatternPoints, params: dict) -> dict:
+        """The uses (-> quant type) of ``params`` for pattern ``pp`` between the committed
+        uses of the patterns before it and after it (:meth:`_around`). Where two patterns cover
+        one use, the earlier pattern's type stands, as in the final model."""
+        before, after = base
+        uses = combine(before, self.space.typed_uses(pp, params))
+        return combine(uses, after) if after else uses
 
     # -- measuring -------------------------------------------------------------------------
     def _measure_plan(self, exporter, plan: QuantPlan) -> tuple[float, dict]:
@@ -503,23 +506,30 @@ class Tuner:
                         row[key] = last[key]
                 row["gain"] = math.prod(float(a.get("gain", 1.0)) for a in rounds
                                         if "committed" in a)
-                row["refinements"] = [
-                    {"round": a.get("refine_round"), "status": "committed" if "committed" in a
-                     else "running", "from_scheme": a.get("refines", []),
-                     "committed_scheme": self.space.on(a.get("committed", {})),
-                     "gain": float(a.get("gain", 1.0)), "commit_reason": a.get("commit_reason"),
-                     **({"converged_after": a["converged_after"]} if "converged_after" in a
-                        else {})}
-                    for a in rounds[1:]]
+                row["refinements"] = [self._refinement_entry(a) for a in rounds[1:]]
             rows.append(row)
         return uses, rows
 
-    def _around(self, pp: PatternPoints) -> tuple[dict[Use, str], dict[Use, str]]:
-        """The uses of the standing schemes of the patterns before ``pp`` and after it."""
+    def _refinement_entry(self, attrs: dict) -> dict:
+        """One refinement round of a pattern, for the report (from its study's attrs)."""
+        entry = {"round": attrs.get("refine_round"),
+                 "status": "committed" if "committed" in attrs else "running",
+                 "from_scheme": attrs.get("refines", []),
+                 "committed_scheme": self.space.on(attrs.get("committed", {})),
+                 "gain": float(attrs.get("gain", 1.0)),
+                 "commit_reason": attrs.get("commit_reason")}
+        if "converged_after" in attrs:
+            entry["converged_after"] = attrs["converged_after"]
+        return entry
+
+    def _around(self, pp: PatternPoints, rounds_of: list | None = None) -> Around:
+        """The uses of the standing schemes of the committed patterns before ``pp`` and after
+        it (``rounds_of``: :meth:`_rounds`, when the caller has it). In the first pass nothing
+        after ``pp`` is committed yet."""
         before: dict[Use, str] = {}
         after: dict[Use, str] = {}
         seen = False
-        for other, rounds in self._rounds():
+        for other, rounds in self._rounds() if rounds_of is None else rounds_of:
             seen = seen or other.pattern.id == pp.pattern.id
             if other.pattern.id != pp.pattern.id:
                 typed = self.space.typed_uses(other, self._standing(rounds)["committed"])
@@ -529,7 +539,7 @@ class Tuner:
                     before = combine(before, typed)
         return before, after
 
-    def _context_key(self, pp: PatternPoints, base: dict | tuple[dict, dict]) -> str:
+    def _context_key(self, pp: PatternPoints, base: Around) -> str:
         """The Q/DQ of other patterns near ``pp``'s regions: on tensors that its nodes, or the
         nodes next to them, read or write. A pattern whose context key is unchanged since it
         was last tuned has nothing new to find in a refinement round."""
@@ -546,12 +556,11 @@ class Tuner:
             hop |= {c for t in first for c, _ in g.consumers.get(t, [])}
             near[pp.pattern.id] = tensors_of(nodes | hop)
         tensors = near[pp.pattern.id]
-        before, after = base if isinstance(base, tuple) else (base, {})
-        others = combine(before, after)
+        others = combine(*base)
         items = sorted((list(u), q) for u, q in others.items() if u[0] in tensors)
         return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:24]
 
-    def _distinct_schemes(self, pp: PatternPoints, exporter, base: dict) -> int | None:
+    def _distinct_schemes(self, pp: PatternPoints, exporter, base: Around) -> int | None:
         if self.space.n ** len(pp.ids) > 1024:
             return None
         keys = set()
@@ -559,13 +568,12 @@ class Tuner:
             keys.add(exporter.plan(self._typed(base, pp, dict(zip(pp.ids, bits)))).key)
         return len(keys)
 
-    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter,
-                      base: dict[Use, str] | tuple[dict[Use, str], dict[Use, str]],
+    def _tune_pattern(self, pp: PatternPoints, idx: int, exporter, base: Around,
                       seeds_cache: PatternCache | None, baseline_q: set[str] | None,
                       bar_total, rnd: int = 0, current: dict | None = None) -> dict:
-        """Tune one pattern on top of ``base``. A refinement round (``rnd`` > 0) starts from
-        the pattern's ``current`` scheme: the reference is ``base`` with it, and it stays when
-        nothing is confirmed faster."""
+        """Tune one pattern between the committed schemes around it (``base``). A refinement
+        round (``rnd`` > 0) starts from the pattern's ``current`` scheme: the reference is
+        ``base`` with it, and it stays when nothing is confirmed faster."""
         cfg = self.cfg
         order = rnd * len(self.prepared.tunable) + idx
         sampler = make_sampler(
@@ -995,8 +1003,7 @@ class Tuner:
             bar = tqdm(total=len(patterns), desc="patterns", unit="pattern")
         try:
             for idx, pp in enumerate(patterns):
-                base, _ = self._committed()
-                self._tune_pattern(pp, idx, exporter, base, cache, baseline_q, bar)
+                self._tune_pattern(pp, idx, exporter, self._around(pp), cache, baseline_q, bar)
                 self._write_state("running")
                 if bar is not None:
                     bar.update(1)
@@ -1013,20 +1020,21 @@ class Tuner:
     def _refine(self, rnd: int, exporter) -> None:
         """One refinement round over every pattern, in order (see the module docstring)."""
         names = {s.study_name for s in self.storage.get_all_studies()}
-        todo = []
+        tuned = 0
         for idx, pp in enumerate(self.prepared.tunable):
-            others = self._around(pp)
-            rounds = {p.pattern.id: r for p, r in self._rounds()}[pp.pattern.id]
+            rounds_of = self._rounds()
+            others = self._around(pp, rounds_of)
+            rounds = rounds_of[idx][1]  # every pattern is committed after the first pass
             if self._study_name(pp, rnd) not in names:  # not started: is there news for it?
                 last = rounds[-1]  # the context this pattern was last tuned in
                 if last.get("context_key") == self._context_key(pp, others):
                     continue
-            todo.append(pp)
+            tuned += 1
             self._tune_pattern(pp, idx, exporter, others, None, None, None, rnd=rnd,
                                current=self._standing(rounds)["committed"])
             self._write_state("running")
-        if todo:
-            log.info("refinement round %d: %d of %d patterns tuned again", rnd, len(todo),
+        if tuned:
+            log.info("refinement round %d: %d of %d patterns tuned again", rnd, tuned,
                      len(self.prepared.tunable))
 
     def _finish(self, exporter, partial: bool) -> TuneResult:
@@ -1088,23 +1096,21 @@ class Tuner:
 
     def _write_state(self, status: str) -> None:
         patterns = []
-        refined = {r["pattern_id"]: r for r in self._committed()[1] if "refinements" in r}
+        committed = {r["pattern_id"]: r for r in self._committed()[1]}  # standing schemes
         for pp in self.prepared.tunable:
             row = {"id": pp.pattern.id, "signature": pp.pattern.signature,
                    "regions": len(pp.pattern.regions), "points": len(pp.ids), "status": "pending"}
             with contextlib.suppress(KeyError):
                 s = optuna.load_study(study_name=self._study_name(pp), storage=self.storage)
-                a = s.user_attrs
                 row["trials"] = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-                row["status"] = "committed" if "committed" in a else "running"
-                if "committed" in a:
-                    row["committed"] = sorted(p for p, v in a["committed"].items() if v)
-                    row["gain"] = round(float(a.get("gain", 1.0)), 4)
-            if pp.pattern.id in refined:  # the standing scheme after refinement rounds
-                r = refined[pp.pattern.id]
-                row["committed"] = self.space.on(r["committed"])
-                row["gain"] = round(float(r["gain"]), 4)
-                row["refinements"] = len(r["refinements"])
+                row["status"] = "running"
+            r = committed.get(pp.pattern.id)
+            if r is not None:
+                row["status"] = "committed"
+                row["committed"] = sorted(self.space.on(r["committed"]))
+                row["gain"] = round(float(r.get("gain", 1.0)), 4)
+                if "refinements" in r:
+                    row["refinements"] = len(r["refinements"])
             patterns.append(row)
         state = {
             "status": status,

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna import Config, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
+from qdq_optuna.errors import OptionError
 from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
@@ -119,7 +120,5 @@ def test_patterns_whose_surroundings_did_not_change_are_not_tuned_again(tmp_path
 
 
 def test_refine_rounds_must_not_be_negative():
-    from qdq_optuna.errors import OptionError
-
     with pytest.raises(OptionError, match="refine_rounds must be >= 0"):
         Config(refine_rounds=-1)
