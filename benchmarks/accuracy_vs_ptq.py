@@ -45,11 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import onnx  # noqa: E402
 
-from qdq_optuna import Config, zoo  # noqa: E402
+from qdq_optuna import Config, tune, zoo  # noqa: E402
 from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402
 from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
-from qdq_optuna.search import tune  # noqa: E402
 
 QUIET_LOAD = 1.2
 

@@ -68,8 +68,7 @@ def run(model_name: str, size: str, backend: str, work: Path, sampler: str = "qd
         **options) -> dict:
     import onnx
 
-    from qdq_optuna import Config, zoo
-    from qdq_optuna.search import tune
+    from qdq_optuna import Config, tune, zoo
 
     path = work / f"{model_name}-{size}.onnx"
     onnx.save(zoo.build(model_name, size), str(path))

@@ -28,9 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qdq_optuna import PreparedModel, zoo  # noqa: E402
-from qdq_optuna.backends import make_backend  # noqa: E402
+from qdq_optuna.backends import make_backend, runtime_for_backend  # noqa: E402
 from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
-from qdq_optuna.search import runtime_for_backend  # noqa: E402
 
 
 def all_quantized(model_path: Path, runtime: str) -> bytes:

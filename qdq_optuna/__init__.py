@@ -25,14 +25,15 @@ __all__ = [
 ]
 
 
+#: public name -> the private module that defines it
+_LAZY = {"tune": "search._run", "Tuner": "search._run", "TuneOptions": "search._options",
+         "TuneResult": "search._options", "Autotuner": "autotuner"}
+
+
 def __getattr__(name: str):
     # the search side pulls in optuna and the backends: import it on first use
-    if name in ("tune", "TuneOptions", "TuneResult", "Tuner"):
-        from . import search
+    if name in _LAZY:
+        import importlib
 
-        return getattr(search, name)
-    if name == "Autotuner":
-        from .autotuner import Autotuner
-
-        return Autotuner
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(name)

@@ -2,13 +2,15 @@
 
 The search trades latency against this error, so it must be cheap per candidate (the FP32
 reference is computed once) and never NaN: a candidate that produces non-finite outputs gets the
-worst possible error instead, which an optimizer can still rank.
+worst possible error instead, which an optimizer can still rank. :class:`ErrorScorer` is what the
+search calls: errors of exported plans on the validation data, each plan scored once per run.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import os
 import sys
@@ -21,6 +23,9 @@ import onnx
 
 from qdq_optuna.calibration import iter_batches, make_session, one_line
 from qdq_optuna.errors import ModelError, OptionError, UserError
+from qdq_optuna.model import file_sha256
+
+log = logging.getLogger("qdq_optuna")
 
 #: Scalar error measures for the objective / constraint (see :func:`error_value`).
 ERROR_MEASURES = ("relative_l2", "1-cosine", "max_abs")
@@ -281,3 +286,73 @@ class AccuracyEvaluator:
             ) from exc
         # NaN would make the trial incomparable; a broken candidate is simply the worst one
         return math.inf if math.isnan(value) else value
+
+
+# -- scoring the search's candidates -------------------------------------------------------------
+def error_record(error: float, details: Mapping) -> dict:
+    """JSON-safe error record (inf becomes a large number Optuna and JSON both accept)."""
+    def clean(x: float) -> float:
+        return float(x) if math.isfinite(float(x)) else 1e30
+
+    outputs = {name: {k: clean(v) for k, v in e.items()}
+               for name, e in details.get("outputs", {}).items()}
+    rec = {"error": clean(error), "output_errors": outputs}
+    for k in ("worst_cosine", "worst_relative_l2", "worst_max_abs", "metric"):
+        if k in details:
+            rec[k] = clean(details[k])
+    return rec
+
+
+def validation_data(model, *, validation: str | None, calibration_data: str | None,
+                    input_shapes: Mapping | None, samples: int = 8) -> tuple[dict, str]:
+    """The data trials are scored on, and an id for fingerprints: ``--validation-data``, else the
+    calibration data, else random inputs (with a warning: errors on noise are only a sanity
+    check)."""
+    from qdq_optuna import calibration
+
+    path = validation or calibration_data
+    if path:
+        option = "--validation-data" if validation else "--calibration-data"
+        try:
+            data = calibration.load_calibration_data(path, model)
+        except UserError as exc:
+            raise type(exc)(f"{option}: {exc}") from exc
+        return data, f"{option}:{file_sha256(path)[:16]}"
+    log.warning("no --validation-data or --calibration-data: output errors are measured on "
+                "random inputs (a sanity check only; pass real data for meaningful errors)")
+    data = calibration.random_calibration_data(model, input_shapes or None, samples=samples,
+                                               seed=1)
+    return data, f"random:{samples}:1"
+
+
+class ErrorScorer:
+    """Output errors of exported plans against the FP32 model, each plan scored once.
+
+    ``optimize``: run candidates with ONNX Runtime's full graph optimizations (its fused integer
+    kernels, what an ONNX Runtime deployment runs) or with none (the ONNX semantics of the Q/DQ
+    model: the better proxy for TensorRT, and the only correct one for FP8, see
+    :func:`run_model`). ``cache``: plan key -> error record, shared by a run's processes (any
+    object with ``get(key)`` and ``put(key, record)``).
+    """
+
+    def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
+                 error_measure: str, optimize: bool, cache=None) -> None:
+        self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
+                                           error_measure=error_measure, optimize=optimize)
+        self.cache = cache
+        self.evaluations = 0
+
+    def score(self, exporter, plan) -> dict:
+        if self.cache is not None:
+            hit = self.cache.get(plan.key)
+            if hit is not None:
+                return dict(hit)
+        record = self.score_bytes(exporter.to_bytes(plan))
+        if self.cache is not None:
+            self.cache.put(plan.key, record)
+        return record
+
+    def score_bytes(self, data: bytes) -> dict:
+        self.evaluations += 1
+        error, details = self.evaluator.evaluate(data)
+        return error_record(error, details)

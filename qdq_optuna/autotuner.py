@@ -10,6 +10,13 @@ for pattern in range(len(tuner.patterns)):
     tuner.commit()
 onnx.save(tuner.export_final(), "optimized.onnx")
 ```
+
+It is a thin face over the same pattern studies ``tune`` runs
+(:class:`~qdq_optuna.search._pattern.PatternStudy`: the same study set-up, sampler, plans and
+commit rule), in the order you choose; only the measuring is yours. A pattern's reference is
+its empty scheme on top of your earlier commits (the first trial of each study), and a scheme
+is committed when your figures say it beats the reference by ``performance_threshold`` (re-
+measure before you submit if your figures are noisy: nothing confirms them).
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ from optuna.trial import TrialState
 from .config import Config
 from .graph import Use
 from .insertion.points import PatternPoints
+from .measure import CommitRule
 from .model import PreparedModel
-from .sampling import make_sampler
+from .scheme import ChoiceSpace, combine
+from .search._options import Settings
+from .search._pattern import PatternStudy, Search, Seed
+from .search._record import PatternAttr, RunRecord, TrialAttr
 from .storage import quiet_optuna
 
 
@@ -50,12 +61,21 @@ class Autotuner:
         )
         self.exporter = self.prepared.exporter(config=self.config)
         self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()
-        self.sampler_name = sampler
-        self.seed = seed
+        space = ChoiceSpace((self.prepared.quant_type,))
+        settings = Settings(backend="ask/tell", runtime=runtime, scales="default",
+                            objectives=("latency",), constrained=False, accuracy=False,
+                            space=space, refine_rounds=0)
+        self.record = RunRecord(self.storage, run_id, self.prepared.tunable, space)
+        self.search = Search(prepared=self.prepared, exporter=self.exporter, settings=settings,
+                             config=self.config, record=self.record,
+                             rule=CommitRule(self.config.performance_threshold),
+                             sampler=sampler, seed=seed)
         self.run_id = run_id
+        #: the uses your commits quantize, and each pattern's committed scheme
         self.committed: set[Use] = set()
         self.commits: dict[str, dict[str, int]] = {}
-        self._pattern: PatternPoints | None = None
+        self._uses: dict[Use, str] = {}
+        self._pattern: PatternStudy | None = None
         self.study: optuna.Study | None = None
 
     @property
@@ -63,42 +83,30 @@ class Autotuner:
         return self.prepared.tunable
 
     def set_pattern(self, index: int) -> optuna.Study:
+        """Open pattern ``index``'s study, on top of everything committed so far."""
         pp = self.patterns[index]
-        self._pattern = pp
-        base = set(self.committed)
-        sampler = make_sampler(
-            self.sampler_name, seed=None if self.seed is None else self.seed + index,
-            config=self.config,
-            scheme_key=lambda params: self.exporter.plan(
-                base | pp.uses([p for p, v in params.items() if v])).key,
-        )
-        self.study = optuna.create_study(
-            study_name=f"{self.run_id}/{pp.pattern.id}", storage=self.storage, sampler=sampler,
-            direction="minimize", load_if_exists=True,
-        )
-        for key, value in {"qdq_points": pp.ids, "qdq_concat_groups": pp.concat_groups,
-                           "qdq_fusion_groups": pp.fusion_groups,
-                           "signature": pp.pattern.signature}.items():
-            self.study.set_user_attr(key, value)
-        # the empty scheme is the reference every commit is judged against
-        self.study.enqueue_trial(dict.fromkeys(pp.ids, 0), skip_if_exists=True)
+        empty = Seed(self.search.settings.space.seed(dict.fromkeys(pp.ids, 0)))
+        self._pattern = PatternStudy(self.search, pp, order=index, around=(dict(self._uses), {}),
+                                     seeds=[empty])
+        self._pattern.open()
+        self.study = self._pattern.study
         return self.study
 
     def generate(self) -> optuna.Trial:
         """A new scheme for the current pattern (an Optuna trial with every point suggested)."""
         assert self.study is not None and self._pattern is not None, "call set_pattern first"
         trial = self.study.ask()
-        for pid in self._pattern.ids:
-            trial.suggest_int(pid, 0, 1)
+        for pid in self._pattern.pp.ids:
+            self.search.settings.space.suggest(trial, pid)
         return trial
 
     def scheme(self, trial: optuna.Trial | optuna.trial.FrozenTrial) -> list[str]:
-        return [p for p, v in trial.params.items() if v]
+        return self.search.settings.space.on(trial.params)
 
     def export(self, trial: optuna.Trial) -> bytes:
         """The model with committed schemes plus this trial's scheme on every member region."""
-        plan = self.exporter.plan(self.committed | self._pattern.uses(self.scheme(trial)))
-        trial.set_user_attr("plan_key", plan.key)
+        plan = self._pattern.plan(trial.params)
+        trial.set_user_attr(TrialAttr.PLAN_KEY, plan.key)
         return self.exporter.to_bytes(plan)
 
     def submit(self, trial: optuna.Trial, latency_ms: float | None) -> None:
@@ -108,20 +116,18 @@ class Autotuner:
             self.study.tell(trial, float(latency_ms))
 
     def commit(self) -> dict[str, int]:
-        """Commit the best scheme if it beats the empty scheme by ``performance_threshold``
-        (as you measured them; re-measure first if your figures are noisy)."""
-        pp = self._pattern
+        """Commit the best scheme if your figures say it beats the reference (the empty scheme
+        on top of the earlier commits) by ``performance_threshold``."""
+        ps = self._pattern
+        space = self.search.settings.space
         done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        empty = [t.value for t in done if not any(t.params.values())]
-        scheme = dict.fromkeys(pp.ids, 0)
-        if done:
-            best = min(done, key=lambda t: t.value)
-            reference = min(empty) if empty else None
-            if reference is not None and best.value * self.config.performance_threshold <= reference:
-                scheme = {p: int(best.params.get(p, 0)) for p in pp.ids}
-        self.committed |= pp.uses([p for p, v in scheme.items() if v])
-        self.commits[pp.pattern.id] = scheme
-        self.study.set_user_attr("committed", scheme)
+        empty = [t.value for t in done if not space.on(t.params)]
+        if empty:  # the reference, as you measured it
+            self.record.reference(ps.study, lambda: [min(empty), None])
+        scheme = dict(ps.commit()[PatternAttr.COMMITTED])
+        self._uses = combine(self._uses, space.typed_uses(ps.pp, scheme))
+        self.committed = set(self._uses)
+        self.commits[ps.pp.pattern.id] = scheme
         return scheme
 
     def export_final(self) -> onnx.ModelProto:

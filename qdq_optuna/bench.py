@@ -245,7 +245,7 @@ def model_path(recipe: Recipe, label: str, out: Path) -> Path:
 def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     """Run (or resume) one tuning run and write its record; returns the record."""
     from .config import Config
-    from .search import tune
+    from .search._run import tune
 
     run_dir = out / "runs" / spec.name
     config = Config.preset(recipe.mode, **{**recipe.config, "schemes_per_region": spec.budget})
@@ -274,37 +274,35 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
 
 
 def run_history(run_dir: Path, run_id: str, threshold: float) -> dict:
-    """The progress curve of a finished run (see the module docstring), from its studies.db."""
-    import optuna
+    """The progress curve of a finished run (see the module docstring), from its studies.db
+    (read through the run record; gains counted as the commit rule would)."""
     from optuna.trial import TrialState
 
+    from .measure import CommitRule
+    from .search._record import PatternAttr, studies_in_order
     from .storage import default_storage_url, open_storage, quiet_optuna
 
     quiet_optuna(False)
     storage = open_storage(default_storage_url(run_dir), heartbeat=False)
+    rule = CommitRule(threshold)
     try:
-        studies = [s for s in storage.get_all_studies()
-                   if s.study_name.startswith(f"{run_id}/") and "order" in s.user_attrs]
-        studies.sort(key=lambda s: s.user_attrs["order"])
         x = 1  # the float baseline
         committed = 1.0
         curve = [(x, 1.0)]
-        for fs in studies:
-            attrs = fs.user_attrs
-            ref = float(attrs["reference_ms"])
+        for study, attrs in studies_in_order(storage, run_id):
+            ref = float(attrs[PatternAttr.REFERENCE_MS])
             x += 1  # the pattern's reference
             curve.append((x, committed))
             best = math.inf
-            study = optuna.load_study(study_name=fs.study_name, storage=storage)
             for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
                 x += _trial_cost(t)
                 if t.state == TrialState.COMPLETE and t.values:
                     best = min(best, float(t.values[0]))
-                gain = ref / best if best * threshold < ref else 1.0
+                gain = ref / best if rule.promising(best, ref, rule.threshold) else 1.0
                 curve.append((x, committed * gain))
-            if "confirmation" in attrs:
+            if PatternAttr.CONFIRMATION in attrs:
                 x += 1
-            committed *= float(attrs.get("gain", 1.0))
+            committed *= float(attrs.get(PatternAttr.GAIN, 1.0))
             curve.append((x, committed))
         x += 1  # the final A/B against the float model
         curve.append((x, committed))
@@ -315,10 +313,12 @@ def run_history(run_dir: Path, run_id: str, threshold: float) -> dict:
 
 
 def _trial_cost(t) -> int:
-    n = t.user_attrs.get("measurements")
+    from .search._record import TrialAttr
+
+    n = t.user_attrs.get(TrialAttr.MEASUREMENTS)
     if _is_int(n):
         return n
-    record = t.user_attrs.get("measurement")  # runs made before trials carried their count
+    record = t.user_attrs.get(TrialAttr.MEASUREMENT)  # runs made before trials carried a count
     return 0 if not isinstance(record, dict) or record.get("cached") else 1
 
 

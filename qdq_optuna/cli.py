@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .backends import BACKEND_HELP
 from .backends.base import BackendError, BackendUnavailable
 from .errors import OptionError, UserError
 
@@ -79,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", required=True, help="float ONNX model (never modified)")
     t.add_argument("--output", required=True, help="output folder (also holds the studies)")
     _add_model_args(t)
-    t.add_argument("--backend", default="onnxruntime",
-                   help="onnxruntime (CPU), ort-cuda, ort-trt, tensorrt, trtexec, costmodel, "
-                        "or package.module:function (fn(model) -> ms)")
+    t.add_argument("--backend", default="onnxruntime", help=BACKEND_HELP)
     t.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
                    help="fusion rules to place Q/DQ for (default: follows --backend)")
     t.add_argument("--sampler", default="qdq",
@@ -167,7 +166,8 @@ def _config_from(args: argparse.Namespace):
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .search import TuneOptions, Tuner
+    from .search._options import TuneOptions
+    from .search._run import Tuner
 
     if args.model and Path(args.output).resolve() == Path(args.model).resolve():
         raise OptionError("--output must be a folder, not the model file")

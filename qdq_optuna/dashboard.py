@@ -1,6 +1,7 @@
 """optuna-dashboard for a run: notes and pictures on every pattern study, and the server.
 
-Each pattern study gets, when its scheme is committed:
+Each pattern study gets, when its scheme is committed (:class:`PatternPictures`, the search's
+commit callback):
 
 * a Markdown note (:func:`pattern_note`): the pattern's ops, its member regions with their
   nodes, a legend of its insertion points, the committed scheme, its gain and the reference;
@@ -31,6 +32,7 @@ import optuna
 from optuna.trial import TrialState
 
 from .errors import UserError
+from .search._record import PatternAttr as A
 
 if TYPE_CHECKING:
     from .insertion.points import PatternPoints
@@ -41,7 +43,7 @@ log = logging.getLogger("qdq_optuna")
 #: the run's artifact store, relative to the output folder
 ARTIFACT_DIR = "artifacts"
 #: study user attr that lists a pattern's uploaded artifacts
-ARTIFACTS_ATTR = "artifacts"
+ARTIFACTS_ATTR = A.ARTIFACTS
 #: member regions listed by name in a note (the rest are counted)
 NOTE_MAX_REGIONS = 12
 NOTE_MAX_TENSORS = 4
@@ -82,44 +84,44 @@ def _on(value: object) -> bool:
 
 def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     """The Markdown note shown on a pattern study's page (from the study's user attrs)."""
-    pid = attrs.get("pattern_id", "?")
-    regions = list(attrs.get("regions", []))
-    region_nodes = attrs.get("region_nodes") or {}
-    ops = attrs.get("ops", [])
+    pid = attrs.get(A.PATTERN_ID, "?")
+    regions = list(attrs.get(A.REGIONS, []))
+    region_nodes = attrs.get(A.REGION_NODES) or {}
+    ops = attrs.get(A.OPS, [])
     metrics = ", ".join(f"`{m}`" for m in (metric_names or ["latency_ms"]))
-    rnd = int(attrs.get("refine_round") or 0)
+    rnd = int(attrs.get(A.ROUND) or 0)
     lines = [
         f"## Pattern {pid}" + (f" — refinement round {rnd}" if rnd else ""),
         "",
         f"- metric: {metrics} (minimize), one trial = one Q/DQ scheme applied to all "
         f"{len(regions)} member region(s)",
         f"- ops ({len(ops)}): {' → '.join(ops) or '—'}",
-        f"- signature {_code(attrs.get('signature', ''))}",
+        f"- signature {_code(attrs.get(A.SIGNATURE, ''))}",
     ]
     if rnd:
-        start = ", ".join(_code(p) for p in attrs.get("refines", [])) or "the empty scheme"
+        start = ", ".join(_code(p) for p in attrs.get(A.REFINES, [])) or "the empty scheme"
         lines.append(f"- tuned again with every other pattern's scheme in place, starting from "
                      f"its standing scheme ({start})")
-    if "reference_ms" in attrs:
+    if A.REFERENCE_MS in attrs:
         what = ("the whole model as it stood, this pattern's scheme included" if rnd
                 else "everything committed before this pattern")
-        lines.append(f"- reference ({what}): **{float(attrs['reference_ms']):.4f} ms**")
-    if "baseline_latency_ms" in attrs:
-        base = float(attrs["baseline_latency_ms"])
+        lines.append(f"- reference ({what}): **{float(attrs[A.REFERENCE_MS]):.4f} ms**")
+    if A.BASELINE_MS in attrs:
+        base = float(attrs[A.BASELINE_MS])
         lines.append(f"- float baseline of the whole model: {base:.4f} ms")
-    types = attrs.get("committed_types") or {}
-    if "committed" in attrs:
-        on = [p for p, v in (attrs.get("committed") or {}).items() if _on(v)]
-        gain = float(attrs.get("gain", 1.0))
+    types = attrs.get(A.COMMITTED_TYPES) or {}
+    if A.COMMITTED in attrs:
+        on = [p for p, v in (attrs.get(A.COMMITTED) or {}).items() if _on(v)]
+        gain = float(attrs.get(A.GAIN, 1.0))
         scheme = ", ".join(_code(p) + (f" ({types[p]})" if p in types else "") for p in on)
         scheme = scheme or "the empty scheme (no Q/DQ)"
         lines.append(f"- **committed**: {scheme}")
-        reason = attrs.get("commit_reason", "")
+        reason = attrs.get(A.COMMIT_REASON, "")
         lines.append(f"- gain over the reference: **{gain:.3f}x** ({reason})")
-        if "candidate_trial" in attrs:
-            lines.append(f"- candidate: trial #{attrs['candidate_trial']}")
-        if isinstance(attrs.get("committed_error"), (int, float)):
-            lines.append(f"- output error after this commit: {attrs['committed_error']:.4g}")
+        if A.CANDIDATE_TRIAL in attrs:
+            lines.append(f"- candidate: trial #{attrs[A.CANDIDATE_TRIAL]}")
+        if isinstance(attrs.get(A.COMMITTED_ERROR), (int, float)):
+            lines.append(f"- output error after this commit: {attrs[A.COMMITTED_ERROR]:.4g}")
     else:
         lines.append("- not committed yet (the search of this pattern is running or was cut off)")
 
@@ -130,16 +132,16 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     if len(regions) > NOTE_MAX_REGIONS:
         lines.append(f"- … and {len(regions) - NOTE_MAX_REGIONS} more")
 
-    kinds = attrs.get("qdq_point_kinds", {})
-    committed = attrs.get("committed") or {}
-    point_tensors = attrs.get("qdq_point_tensors", {})
-    points = attrs.get("qdq_points") or list(point_tensors)
+    kinds = attrs.get(A.POINT_KINDS, {})
+    committed = attrs.get(A.COMMITTED) or {}
+    point_tensors = attrs.get(A.POINT_TENSORS, {})
+    points = attrs.get(A.POINTS) or list(point_tensors)
     lines += ["", f"### Insertion points ({len(points)})", "",
               "Parameters of this study, one `IntDistribution(0, 1)` each; tensors over all "
               "member regions.", "",
               "| # | point | kind | tensors | committed |", "|---|---|---|---|---|"]
     for i, p in enumerate(points):
-        mark = "—" if "committed" in attrs else ""
+        mark = "—" if A.COMMITTED in attrs else ""
         if _on(committed.get(p, 0)):
             mark = "**Q/DQ**" + (f" {types[p]}" if p in types else "")
         lines.append(f"| p{i} | {_code(p)} | {kinds.get(p, '')} | "
@@ -156,6 +158,18 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
             if a.get("url"):
                 lines += ["", f"![{a.get('what', a.get('file', ''))}]({a['url']})"]
     return "\n".join(lines) + "\n"
+
+
+class PatternPictures:
+    """The commit callback of a run: a pattern study's pictures and note, once decided."""
+
+    def __init__(self, output_dir: str | Path, prepared: PreparedModel) -> None:
+        self.out = Path(output_dir)
+        self.prepared = prepared
+
+    def __call__(self, study: optuna.Study, pp: PatternPoints) -> None:
+        save_pattern_artifacts(study, self.out, pp, self.prepared)  # logs, never raises
+        save_pattern_note(study)
 
 
 def save_pattern_note(study: optuna.Study) -> None:
@@ -459,7 +473,7 @@ def _best_trial(study: optuna.Study, complete: list):
     if not complete:
         return None
     by_number = {t.number: t for t in complete}
-    candidate = study.user_attrs.get("candidate_trial")
+    candidate = study.user_attrs.get(A.CANDIDATE_TRIAL)
     if candidate in by_number:
         return by_number[candidate]
     return min(complete, key=lambda t: (t.values[0], t.number))
@@ -470,14 +484,14 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
 
     started = time.perf_counter()
     attrs = study.user_attrs
-    rnd = int(attrs.get("refine_round") or 0)
+    rnd = int(attrs.get(A.ROUND) or 0)
     pid = pp.pattern.id + (f"_refine{rnd}" if rnd else "")  # file names of this study's pictures
     complete = _complete(study)
     best = _best_trial(study, complete)
-    ref = attrs.get("reference_ms")
-    committed = {p for p, v in (attrs.get("committed") or {}).items() if _on(v)}
+    ref = attrs.get(A.REFERENCE_MS)
+    committed = {p for p, v in (attrs.get(A.COMMITTED) or {}).items() if _on(v)}
     chosen = {p for p, v in best.params.items() if _on(v)} if best is not None else set()
-    types = dict(attrs.get("committed_types") or {})
+    types = dict(attrs.get(A.COMMITTED_TYPES) or {})
     if best is not None:  # a mixed-precision study names the type in the parameter
         types.update({p: v for p, v in best.params.items() if isinstance(v, str) and _on(v)})
     store = artifact_store(out)
@@ -555,7 +569,7 @@ def serve(output_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8080,
                         "pip install 'qdq-optuna[dashboard]'") from None
     from wsgiref.simple_server import make_server
 
-    from .storage import open_storage, quiet_optuna
+    from .storage import default_storage_url, open_storage, quiet_optuna
 
     out = Path(output_dir)
     if not out.is_dir():
@@ -564,7 +578,7 @@ def serve(output_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8080,
         db = out / "studies.db"
         if not db.is_file():
             raise UserError(f"{out}: no studies.db here (pass --storage URL for another storage)")
-        storage = f"sqlite:///{db.resolve()}"
+        storage = default_storage_url(out)
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: expected 0 (any free port) to 65535")
     quiet_optuna(False)

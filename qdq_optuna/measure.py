@@ -14,6 +14,10 @@ ranked by timing them one after the other. What holds up:
 * the process warmed up before the first figure (a fresh process reads 10-15 % off), and every
   round checked for other busy processes (``/proc/stat``) and re-measured once when it was not
   quiet.
+
+What the search does with the figures lives here too: the screen that drops far-off candidates
+(:data:`SCREEN_DISCARD_RATIO`) and the rule a measured candidate must pass to replace its
+reference (:class:`CommitRule`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from qdq_optuna.errors import OptionError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "SCREEN_DISCARD_RATIO",
+    "CommitRule",
     "Comparison",
     "Measurement",
     "Measurer",
@@ -41,6 +47,18 @@ __all__ = [
     "ratio_interval",
     "t_quantile",
 ]
+
+#: robust timing: a candidate whose one-session screen reads more than this many times the
+#: reference's screen (checked against a fresh screen of the reference before discarding) is
+#: *screened out*: no A/B comparison, its value is the screen estimate, flagged ``screened_out``.
+#: A single screen resolves 14-24 % differences, so 1.3 only drops candidates far off; a
+#: screened-out trial can never be committed (a commit needs an interleaved confirmation).
+SCREEN_DISCARD_RATIO = 1.3
+
+
+def far_off(candidate_ms: float, reference_ms: float) -> bool:
+    """Whether a candidate's screen is too slow against the reference's to be worth an A/B."""
+    return candidate_ms > SCREEN_DISCARD_RATIO * reference_ms
 
 
 def _r(x: float) -> float:
@@ -197,6 +215,34 @@ class TimingProtocol:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class CommitRule:
+    """When a measured candidate replaces its reference: its in-search figure must promise a
+    speedup of at least :meth:`needed`, and an interleaved re-measurement must confirm it
+    (significantly faster, on a measured backend).
+
+    A candidate that only takes Q/DQ away costs no accuracy, so for it being faster is enough
+    (``removal_threshold``)."""
+
+    #: ``Config.performance_threshold``: 1.02 = 2 % faster
+    threshold: float = 1.02
+    removal_threshold: float = 1.0
+
+    def needed(self, removes_only: bool) -> float:
+        return self.removal_threshold if removes_only else self.threshold
+
+    @staticmethod
+    def promising(candidate_ms: float, reference_ms: float, needed: float) -> bool:
+        """Whether the candidate's in-search latency is worth confirming."""
+        return candidate_ms < reference_ms / needed
+
+    @staticmethod
+    def confirmed(comparison: Comparison, needed: float, deterministic: bool) -> bool:
+        """Whether a re-measurement (candidate vs reference) confirms the speedup."""
+        speedup = 1.0 / comparison.ratio
+        return speedup >= needed and speedup > 1.0 and (deterministic or comparison.ci_high < 1.0)
 
 
 # -- statistics ------------------------------------------------------------------------------

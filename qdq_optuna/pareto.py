@@ -3,7 +3,7 @@
 Every pattern ends with one committed scheme; combining every pattern's Pareto points is
 exponential, so the front is a *greedy chain*: start from the FP32 model and add the patterns'
 committed schemes one at a time, in order of latency gain per error added (as measured during
-the search, see :func:`qdq_optuna.objectives.chain_order`). Each prefix of the chain is exported
+the search, see :func:`chain_order`). Each prefix of the chain is exported
 and measured again as a whole model: latency by an interleaved A/B against FP32 (like the final
 figure), error on the validation data. The non-dominated prefixes are written to
 ``OUT/pareto/NN_latency_<ms>_error_<error>.onnx``; every prefix is listed in ``report.json``
@@ -14,30 +14,58 @@ all combinations, but every listed point is a real, measured model.
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .objectives import chain_order, combine, pareto_indices
+from .objectives import pareto_indices
+from .scheme import combine
+from .search._record import PatternAttr
 
 
-def model_front(tuner, exporter, rows: list[dict], fp32: bytes, final_cmp,
-                final_plan) -> list[dict]:
-    by_id = {pp.pattern.id: pp for pp in tuner.prepared.tunable}
-    chain = chain_order(rows)
-    fp32_ms = final_cmp.reference.score_ms
-    scorer = tuner._scorer(exporter)
+def chain_order(rows: Sequence[Mapping]) -> list[Mapping]:
+    """Patterns with a non-empty commit, ordered by latency gain per error added.
+
+    ``rows`` are pattern study attrs. Gain is ``log(gain)`` of the confirmed commit, the error
+    added is ``committed_error - reference_error`` (both whole-model errors measured during the
+    search); patterns that add no error come first, fastest gain first.
+    """
+    picked = []
+    for r in rows:
+        if not any(int(v) for v in r.get(PatternAttr.COMMITTED, {}).values()):
+            continue
+        gain = math.log(max(float(r.get(PatternAttr.GAIN, 1.0)), 1.0 + 1e-9))
+        added = (float(r.get(PatternAttr.COMMITTED_ERROR, 0.0))
+                 - float(r.get(PatternAttr.REFERENCE_ERROR, 0.0)))
+        picked.append((added <= 0, gain / max(added, 1e-12), int(r.get(PatternAttr.ORDER, 0)), r))
+    picked.sort(key=lambda x: (not x[0], -x[1], x[2]))
+    return [r for *_, r in picked]
+
+
+def chain_steps(record, rows: list[dict]) -> list[tuple[list[str], dict]]:
+    """The chain's prefixes: (patterns added, their typed uses), FP32 first."""
+    by_id = {pp.pattern.id: pp for pp in record.tunable}
     steps: list[tuple[list[str], dict]] = [([], {})]
     added: list[str] = []
-    for r in chain:
-        if r.get("pattern_id") not in by_id:
+    for r in chain_order(rows):
+        if r.get(PatternAttr.PATTERN_ID) not in by_id:
             continue
-        added = [*added, r["pattern_id"]]
+        added = [*added, r[PatternAttr.PATTERN_ID]]
         uses: dict = {}
         for row in rows:  # in pattern order, as the search combined them
-            if row.get("pattern_id") in added:
-                uses = combine(uses, tuner.space.typed_uses(by_id[row["pattern_id"]],
-                                                            row["committed"]))
+            if row.get(PatternAttr.PATTERN_ID) in added:
+                uses = combine(uses, record.space.typed_uses(by_id[row[PatternAttr.PATTERN_ID]],
+                                                             row[PatternAttr.COMMITTED]))
         steps.append((added, uses))
+    return steps
 
+
+def model_front(record, plans, exporter, rows: list[dict], fp32: bytes, final_cmp,
+                final_plan, out: Path) -> list[dict]:
+    """Measure every prefix of the chain (``plans``: the plan measurer) and write the
+    non-dominated ones to ``out/pareto/``."""
+    steps = chain_steps(record, rows)
+    fp32_ms = final_cmp.reference.score_ms
     points: list[dict] = []
     for i, (patterns, step_uses) in enumerate(steps):
         plan = exporter.plan(step_uses)
@@ -47,10 +75,9 @@ def model_front(tuner, exporter, rows: list[dict], fp32: bytes, final_cmp,
         elif plan.key == final_plan.key:  # the optimized model: measured just before
             ratio, ci = final_cmp.ratio, [final_cmp.ci_low, final_cmp.ci_high]
         else:
-            cmp = tuner.measurer.compare(data, fp32)
-            tuner.measurements += 1
+            cmp = plans.compare(data, fp32, "pareto")
             ratio, ci = cmp.ratio, [cmp.ci_low, cmp.ci_high]
-        err = scorer.score(exporter, plan)
+        err = plans.error(exporter, plan)
         points.append({
             "index": i,
             "patterns": list(patterns),
@@ -67,7 +94,7 @@ def model_front(tuner, exporter, rows: list[dict], fp32: bytes, final_cmp,
         })
 
     front = set(pareto_indices([(p["latency_ms"], p["error"]) for p in points]))
-    folder = Path(tuner.out) / "pareto"
+    folder = Path(out) / "pareto"
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.onnx"):  # a rerun replaces the previous front
         with contextlib.suppress(OSError):

@@ -1,4 +1,7 @@
-"""``report.json`` (read by other tools: keys are stable) and ``report.md`` (read by people)."""
+"""``report.json`` (read by other tools: keys are stable) and ``report.md`` (read by people).
+
+Built from the run record (what the storage holds) and the plan measurer (what this process
+measured), never from the tuner itself."""
 
 from __future__ import annotations
 
@@ -6,102 +9,93 @@ import datetime as _dt
 import json
 from pathlib import Path
 
+from optuna.trial import TrialState
+
 from .export import atomic_write_bytes
+from .measure import SCREEN_DISCARD_RATIO
+from .search._record import PatternAttr, TrialAttr
 
 
-def build_report(tuner, plan, comparison, rows: list[dict], *, partial: bool) -> dict:
+def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
+                 baseline_ms: float | None, partial: bool) -> dict:
+    """``report.json``'s content. ``header``: what was tuned, where, how (its keys come first);
+    ``record``: the run record (:class:`~qdq_optuna.search._record.RunRecord`); ``plans``: the
+    plan measurer (its counters); ``plan``/``comparison``: the saved model and its A/B against
+    the float model; ``rows``: the committed patterns (:meth:`RunRecord.committed`)."""
     cmp = comparison
     speedup = 1.0 / cmp.ratio if cmp.ratio > 0 else float("nan")
-    baseline = cmp.reference.score_ms
-    final = cmp.candidate.score_ms
-    patterns = []
-    committed_by_id = {r.get("pattern_id"): r for r in rows}
-    import optuna
-    from optuna.trial import TrialState
-
-    all_trials: list = []
-    for pp in tuner.prepared.tunable:
-        row = committed_by_id.get(pp.pattern.id)
-        trials = 0
-        try:
-            s = optuna.load_study(study_name=tuner._study_name(pp), storage=tuner.storage)
-            trials = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-            all_trials += s.get_trials(deepcopy=False)
-        except KeyError:
-            pass
-        patterns.append({
-            "id": pp.pattern.id,
-            "signature": pp.pattern.signature,
-            "regions": list(pp.pattern.regions),
-            "ops": list(pp.pattern.ops),
-            "insertion_points": pp.ids,
-            "trials": trials,
-            "status": "committed" if row else "not tuned",
-            "committed_scheme": sorted(p for p, v in (row or {}).get("committed", {}).items() if v),
-            "gain": float((row or {}).get("gain", 1.0)),
-            "reference_ms": (row or {}).get("reference_ms"),
-            "commit_reason": (row or {}).get("commit_reason"),
-        })
-        # accuracy modes; converged_after: the study stopped before its budget (Config)
-        for key in ("committed_error", "reference_error", "committed_types", "converged_after"):
-            if row and key in row:
-                patterns[-1][key] = row[key]
-        # refinement rounds (Config.refine_rounds): committed_scheme and gain above are the
-        # standing scheme and the product of every round's gain
-        refinements = []
-        for ref in (row or {}).get("refinements", []):
-            ref = dict(ref)
-            try:
-                s = optuna.load_study(study_name=tuner._study_name(pp, ref["round"]),
-                                      storage=tuner.storage)
-                ref["trials"] = len(s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-                all_trials += s.get_trials(deepcopy=False)
-            except KeyError:
-                ref["trials"] = 0
-            refinements.append(ref)
-        if refinements:
-            patterns[-1]["refinements"] = refinements
+    patterns, all_trials = pattern_entries(record, rows)
     stats = trial_statistics(all_trials)
     return {
-        "model": tuner.prepared.source,
-        "output": str(tuner.out),
-        "run_id": tuner.run_id,
-        "storage": tuner.storage_url,
-        "backend": tuner.backend.describe(),
-        "runtime": tuner.runtime,
-        "quant_type": tuner.prepared.quant_type,
-        "sampler": tuner.o.sampler,
-        "timing": tuner.o.timing,
-        "scales": tuner.scales_mode,
+        **header,
         "complete": not partial,
-        "baseline_latency_ms": baseline,
-        "final_latency_ms": final,
+        "baseline_latency_ms": cmp.reference.score_ms,
+        "final_latency_ms": cmp.candidate.score_ms,
         "speedup": speedup,
         "speedup_ci": [1.0 / cmp.ci_high if cmp.ci_high > 0 else None,
                        1.0 / cmp.ci_low if cmp.ci_low > 0 else None],
         "speedup_confidence": cmp.confidence,
         "final_comparison": cmp.to_dict(),
-        "in_search_baseline_latency_ms": tuner.baseline_ms,
+        "in_search_baseline_latency_ms": baseline_ms,
         "quantized_tensors": plan.tensors,
-        "quantized_weights": sorted({tuner.prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
+        "quantized_weights": sorted({prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
         "qdq_pairs": plan.qdq_pairs,
-        "measurements": tuner.measurements,
+        "measurements": plans.measurements,
         "builds_saved_by_cache": stats["cache_hits"],
         "search_statistics": stats,
-        "measurer": tuner.measurer.counters(),
+        "measurer": plans.measurer.counters(),
         "patterns": patterns,
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
+
+
+def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
+    """One entry per tunable pattern (committed or not), and every trial of the run."""
+    committed_by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
+    patterns: list[dict] = []
+    all_trials: list = []
+    for pp in record.tunable:
+        row = committed_by_id.get(pp.pattern.id) or {}
+        trials = record.trials(pp)
+        all_trials += trials or []
+        entry = {
+            "id": pp.pattern.id,
+            "signature": pp.pattern.signature,
+            "regions": list(pp.pattern.regions),
+            "ops": list(pp.pattern.ops),
+            "insertion_points": pp.ids,
+            "trials": sum(t.state == TrialState.COMPLETE for t in trials or []),
+            "status": "committed" if row else "not tuned",
+            "committed_scheme": sorted(p for p, v in row.get(PatternAttr.COMMITTED, {}).items()
+                                       if v),
+            "gain": float(row.get(PatternAttr.GAIN, 1.0)),
+            "reference_ms": row.get(PatternAttr.REFERENCE_MS),
+            "commit_reason": row.get(PatternAttr.COMMIT_REASON),
+        }
+        # accuracy modes; converged_after: the study stopped before its budget (Config)
+        for key in (PatternAttr.COMMITTED_ERROR, PatternAttr.REFERENCE_ERROR,
+                    PatternAttr.COMMITTED_TYPES, PatternAttr.CONVERGED_AFTER):
+            if key in row:
+                entry[key] = row[key]
+        # refinement rounds (Config.refine_rounds): committed_scheme and gain above are the
+        # standing scheme and the product of every round's gain
+        refinements = []
+        for ref in row.get("refinements", []):
+            ref = dict(ref)
+            trials = record.trials(pp, ref["round"])
+            ref["trials"] = sum(t.state == TrialState.COMPLETE for t in trials or [])
+            all_trials += trials or []
+            refinements.append(ref)
+        if refinements:
+            entry["refinements"] = refinements
+        patterns.append(entry)
+    return patterns, all_trials
 
 
 def trial_statistics(trials) -> dict:
     """How a run's trials were measured, from their ``measurement`` records (so resumed runs
     count every process): ``measured`` = ``ab_compared`` + ``screened_out`` + ``screen_only`` +
     ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved)."""
-    from optuna.trial import TrialState
-
-    from .search import SCREEN_DISCARD_RATIO
-
     out = {"trials": 0, "complete": 0, "failed": 0, "failed_transient": 0,
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
@@ -113,12 +107,12 @@ def trial_statistics(trials) -> dict:
         attrs = t.user_attrs
         if t.state == TrialState.FAIL:
             out["failed"] += 1
-            out["failed_transient"] += bool(attrs.get("transient"))
-        elif t.state == TrialState.PRUNED and "known_failure" in attrs:
+            out["failed_transient"] += bool(attrs.get(TrialAttr.TRANSIENT))
+        elif t.state == TrialState.PRUNED and TrialAttr.KNOWN_FAILURE in attrs:
             out["pruned_known_failure"] += 1
         elif t.state == TrialState.COMPLETE:
             out["complete"] += 1
-            rec = attrs.get("measurement") or {}
+            rec = attrs.get(TrialAttr.MEASUREMENT) or {}
             if rec.get("cached"):
                 out["cache_hits"] += 1
                 continue

@@ -1,13 +1,13 @@
-"""The run's Optuna storage: studies, the run record and the shared measurement cache.
+"""The Optuna storage a run lives in: opening it, heartbeats, and agreeing on a value.
 
 The storage is the truth of a run (``state.yaml`` is only a readable snapshot): every pattern
-study, each committed scheme (study user attrs) and every measured model (run-study user attrs
-keyed by the model's plan key) lives there, so a resumed process or another worker sees it all.
+study, each committed scheme and every measured model lives there, so a resumed process or
+another worker sees it all. What is stored where (study names, user attributes) is the run
+record's business (:mod:`qdq_optuna.search._record`); this module knows only Optuna.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -29,12 +29,13 @@ GRACE_PERIOD_S = 180
 #: seconds without a heartbeat after which a worker's RUNNING trial counts as dead
 #: (``TuneOptions.heartbeat_grace`` / this environment variable override GRACE_PERIOD_S)
 GRACE_ENV = "QDQ_OPTUNA_HEARTBEAT_GRACE"
-MAX_RETRY = 2
 #: user attrs of the run-study trials that record agreed values (see :func:`agree`)
 AGREE_KEY = "qdq:agree"
 AGREE_VALUE = "qdq:value"
-#: this process, as the owner of the retries it enqueues
+#: this process, as the one that claims a key (see :func:`claim`)
 _PROCESS_TOKEN = uuid.uuid4().hex
+#: called with (study, trial) for a dead worker's trial, before and after Optuna fails it
+StaleTrialCallback = Callable[[optuna.Study, optuna.trial.FrozenTrial], None]
 #: tries to open a storage (concurrent first opens of a new database can collide)
 OPEN_ATTEMPTS = 3
 
@@ -73,12 +74,14 @@ def heartbeat_grace(grace: float | None = None) -> int:
     return int(round(grace))
 
 
-def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None) -> RDBStorage:
+def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None,
+                 on_stale: StaleTrialCallback | None = None) -> RDBStorage:
     """An RDB storage with heartbeats, so a dead worker's trials go stale and are retried.
 
     A RUNNING trial whose worker has not beaten for ``grace`` seconds (see
-    :func:`heartbeat_grace`) is failed by the next worker that looks, and its scheme is queued
-    again once (:func:`retry_stale_trial`)."""
+    :func:`heartbeat_grace`) is failed by the next worker that looks, and ``on_stale`` queues it
+    again (the search's :func:`~qdq_optuna.search._workers.retry_stale_trial`; default:
+    Optuna's :class:`~optuna.storages.RetryFailedTrialCallback`)."""
     if not url.startswith(("sqlite://", "postgresql", "mysql")):
         raise OptionError(
             f"--storage: {url!r} is not an Optuna RDB URL (sqlite:///path.db, postgresql://...)"
@@ -90,7 +93,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
             # several beats per grace period, so one late beat never kills a live trial
             heartbeat_interval=max(1, min(HEARTBEAT_INTERVAL_S, grace_s // 3)),
             grace_period=grace_s,
-            heartbeat_stale_trial_callback=retry_stale_trial,
+            heartbeat_stale_trial_callback=on_stale or optuna.storages.RetryFailedTrialCallback(),
         )
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     from sqlalchemy.exc import IntegrityError, OperationalError
@@ -98,7 +101,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
     for attempt in range(OPEN_ATTEMPTS):
         try:
             return _RequeueingRDBStorage(_with_driver(url), engine_kwargs=engine_kwargs,
-                                         **kwargs)
+                                         on_stale=on_stale if heartbeat else None, **kwargs)
         except (IntegrityError, OperationalError) as exc:
             # workers starting together on a new database race to create its tables
             error = exc
@@ -127,20 +130,6 @@ def quiet_optuna(verbose: bool) -> None:
     # heartbeats and metric names are marked experimental; we rely on them knowingly
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     logging.getLogger("optuna.study._optimize").addFilter(_INTERRUPT_FILTER)
-
-
-def study_names(storage: RDBStorage) -> list[str]:
-    return [s.study_name for s in storage.get_all_studies()]
-
-
-def delete_run(storage: RDBStorage, run_id: str) -> int:
-    """Remove every study of a run (``--fresh``)."""
-    n = 0
-    for name in study_names(storage):
-        if name == f"{run_id}/_run" or name.startswith(f"{run_id}/"):
-            optuna.delete_study(study_name=name, storage=storage)
-            n += 1
-    return n
 
 
 def _claims(run_study: optuna.Study, key: str) -> list:
@@ -185,118 +174,28 @@ def claim(run_study: optuna.Study, key: str) -> bool:
     return agree(run_study, key, _PROCESS_TOKEN) == _PROCESS_TOKEN
 
 
-def run_study_of(study: optuna.Study) -> optuna.Study:
-    """The ``RUN/_run`` study of the pattern study ``RUN/PATTERN``."""
-    run_id = study.study_name.rsplit("/", 1)[0]
-    return optuna.load_study(study_name=f"{run_id}/_run", storage=study._storage)
-
-
 class _RequeueingRDBStorage(RDBStorage):
     """An RDB storage that queues a dead worker's trial again *before* Optuna fails it.
 
     Optuna fails a stale trial, then calls the stale-trial callback: in between, the trial's
     budget slot looks free and a waiting worker would take it with a scheme of its own, leaving
     the retry queued for ever. Queued first, the slot is always held by the dead trial or by
-    its retry. (The callback stays as a fallback; both go through :func:`retry_stale_trial`,
-    which queues each dead trial at most once.)"""
+    its retry. (Optuna's callback runs ``on_stale`` again afterwards, as a fallback; it must
+    queue each dead trial at most once.)"""
+
+    def __init__(self, url: str, *, on_stale: StaleTrialCallback | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._on_stale = on_stale
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         ids = super()._get_stale_trial_ids(study_id)
-        if ids:
+        if ids and self._on_stale is not None:
             study = optuna.load_study(study_name=self.get_study_name_from_id(study_id),
                                       storage=self)
             for trial_id in ids:
                 try:
-                    retry_stale_trial(study, self.get_trial(trial_id))
+                    self._on_stale(study, self.get_trial(trial_id))
                 except Exception:  # Optuna's callback tries again once it has failed the trial
                     logging.getLogger("qdq_optuna").debug("requeue failed", exc_info=True)
         return ids
-
-
-#: user attrs of a trial that describe its run, not its scheme (not copied to a retry)
-_RUN_ATTRS = ("slot", "skipped", "failure", "transient")
-
-
-def fully_sampled(study: optuna.Study, params: dict) -> bool:
-    """Whether ``params`` has every insertion point of a pattern study (``qdq_points``): a
-    trial killed while its points were being suggested has only some, and measured nothing."""
-    points = study.user_attrs.get("qdq_points")
-    return points is None or set(points) <= set(params)
-
-
-def retry_stale_trial(study: optuna.Study, trial) -> None:
-    """Queue a dead worker's trial again, at most :data:`MAX_RETRY` times per scheme, and
-    exactly once per dead trial even when several workers notice it together (they agree on
-    who enqueues; PostgreSQL already lets only one of them fail it, SQLite does not). A trial
-    that died before all its points were suggested measured nothing and is not queued."""
-    history = list(trial.system_attrs.get("retry_history", [])) + [trial.number]
-    if len(history) > MAX_RETRY or not fully_sampled(study, trial.params):
-        return
-    try:
-        mine = claim(run_study_of(study), f"retry/{study.study_name}/{trial.number}")
-    except KeyError:  # not one of our runs: behave like Optuna's retry callback
-        mine = True
-    if not mine or any(t.user_attrs.get("retry_of") == trial.number
-                       for t in study.get_trials(deepcopy=False)):
-        return  # another worker's to queue, or queued already (before Optuna failed it)
-    # (the failed trial itself cannot take a note any more: Optuna freezes finished trials)
-    system_attrs = {**trial.system_attrs, "failed_trial": trial.system_attrs.get(
-        "failed_trial", trial.number), "retry_history": history}
-    user_attrs = {**{k: v for k, v in trial.user_attrs.items() if k not in _RUN_ATTRS},
-                  "retry_of": trial.number,
-                  "retry_reason": f"trial {trial.number}'s worker stopped sending heartbeats"}
-    study.add_trial(optuna.trial.create_trial(
-        state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-        user_attrs=user_attrs, system_attrs=system_attrs,
-    ))
-
-
-def fail_trial(study: optuna.Study, trial_id: int, why: str, *, transient: bool = True) -> bool:
-    """Fail one RUNNING trial (ours, on Ctrl-C); True if it was still running."""
-    storage = study._storage
-    try:
-        storage.set_trial_user_attr(trial_id, "failure", why)
-        storage.set_trial_user_attr(trial_id, "transient", transient)
-        return bool(storage.set_trial_state_values(trial_id, TrialState.FAIL))
-    except Exception:  # finished meanwhile, or the storage is gone: nothing to do
-        return False
-
-
-def fail_running_trials(study: optuna.Study) -> list[dict]:
-    """Fail RUNNING trials left by a dead process; returns their params to redo them."""
-    redo = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        with contextlib.suppress(Exception):
-            study._storage.set_trial_user_attr(t._trial_id, "failure", "process died while running")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            redo.append(dict(t.params))
-    return redo
-
-
-class MeasurementCache:
-    """Plan key -> measured result, stored in the run study's user attrs (shared, persistent)."""
-
-    PREFIX = "measured:"
-
-    def __init__(self, run_study: optuna.Study) -> None:
-        self.study = run_study
-        self._local: dict[str, dict] = {}
-        self.hits = 0
-
-    def refresh(self) -> None:
-        attrs = self.study._storage.get_study_user_attrs(self.study._study_id)
-        for k, v in attrs.items():
-            if k.startswith(self.PREFIX):
-                self._local[k[len(self.PREFIX):]] = v
-
-    def get(self, key: str) -> dict | None:
-        if key not in self._local:
-            self.refresh()
-        return self._local.get(key)
-
-    def put(self, key: str, record: dict) -> None:
-        self._local[key] = record
-        self.study.set_user_attr(self.PREFIX + key, record)
-
-    def __len__(self) -> int:
-        return len(self._local)

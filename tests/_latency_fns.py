@@ -109,7 +109,22 @@ def _in_trial() -> bool:
     """Whether the caller is a search trial's objective (and not a reference measurement)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "objective" and frame.f_code.co_filename.endswith("search.py"):
+        if frame.f_code.co_name == "objective" and frame.f_code.co_filename.endswith("_pattern.py"):
             return True
         frame = frame.f_back
     return False
+
+
+_CALLS = [0]
+
+
+def costmodel_interruptible(model) -> float:
+    """The ``costmodel`` backend's latency of ``model``. With ``$QDQ_TEST_INTERRUPT_AT=N`` the
+    Nth call of the process raises KeyboardInterrupt, as a Ctrl-C there would (to cut a run at
+    a known point, deterministically)."""
+    from qdq_optuna.backends.costmodel import CostModelBackend
+
+    _CALLS[0] += 1
+    if _CALLS[0] == int(os.environ.get("QDQ_TEST_INTERRUPT_AT", "0")):
+        raise KeyboardInterrupt
+    return CostModelBackend().estimate(model).total_ms

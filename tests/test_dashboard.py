@@ -34,11 +34,10 @@ import onnx
 import optuna
 import pytest
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.dashboard import ARTIFACT_DIR, convergence_png, pattern_note, region_svg
 from qdq_optuna.model import PreparedModel
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

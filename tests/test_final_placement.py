@@ -19,9 +19,8 @@ import optuna
 import pytest
 from _runs import standing_schemes
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

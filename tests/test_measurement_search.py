@@ -28,13 +28,14 @@ from _fake_trtexec import write_fake_trtexec
 from _trap_backend import quantized_tensors
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, cli
+from qdq_optuna import Config, TuneOptions, cli, tune
 from qdq_optuna.backends import IsolatedBackend
 from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import UserError
+from qdq_optuna.measure import SCREEN_DISCARD_RATIO
 from qdq_optuna.model import PreparedModel
-from qdq_optuna.search import SCREEN_DISCARD_RATIO, TuneOptions, _backend_from, tune
+from qdq_optuna.search._options import backend_for
 from qdq_optuna.storage import open_storage
 
 TESTS = Path(__file__).resolve().parent
@@ -90,8 +91,8 @@ def trap(timeout: float = 120, **kwargs) -> IsolatedBackend:
 
 
 def test_isolation_is_the_default_for_onnxruntime_and_can_be_turned_off(tmp_path):
-    on = _backend_from(TuneOptions(model="m.onnx", output_dir=str(tmp_path)))
-    off = _backend_from(TuneOptions(model="m.onnx", output_dir=str(tmp_path), isolate=False))
+    on = backend_for(TuneOptions(model="m.onnx", output_dir=str(tmp_path)))
+    off = backend_for(TuneOptions(model="m.onnx", output_dir=str(tmp_path), isolate=False))
     try:
         assert isinstance(on, IsolatedBackend) and on.name == "onnxruntime"
         assert not isinstance(off, IsolatedBackend) and off.name == "onnxruntime"
@@ -142,7 +143,7 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
         sys.path.insert(0, {str(TESTS)!r})
         from qdq_optuna import Config
         from qdq_optuna.backends import IsolatedBackend
-        from qdq_optuna.search import tune
+        from qdq_optuna import tune
         backend = IsolatedBackend(("_trap_backend", "PlanTrap", {kwargs!r}), start_timeout_s=120)
         tune({str(residual)!r}, {str(out)!r}, benchmark=backend,
              config=Config(schemes_per_region={BUDGET}), progress=False)

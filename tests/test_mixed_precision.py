@@ -19,11 +19,10 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState
 from test_final_placement import rewards_quantized_ops
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.model import PreparedModel
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

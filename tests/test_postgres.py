@@ -19,9 +19,9 @@ import pytest
 from _runs import expected_trials
 from optuna.trial import TrialState
 
-from qdq_optuna import Config
-from qdq_optuna.search import tune
-from qdq_optuna.storage import delete_run, open_storage
+from qdq_optuna import Config, tune
+from qdq_optuna.search._record import delete_run
+from qdq_optuna.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 URL_ENV = "QDQ_OPTUNA_TEST_POSTGRES_URL"

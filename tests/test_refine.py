@@ -12,10 +12,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 

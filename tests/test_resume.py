@@ -21,9 +21,8 @@ import pytest
 from _runs import expected_trials, is_refinement
 from optuna.trial import TrialState
 
-from qdq_optuna import Config
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -244,8 +243,8 @@ def test_resume_with_other_settings_is_refused_and_fresh_starts_over(residual, t
 def test_a_trial_killed_before_all_its_points_were_suggested_is_not_redone(how, tmp_path):
     """It measured nothing, and its partial params filled with "off" would build another
     model, possibly one the study measured already (seen once in the SIGKILL test)."""
-    from qdq_optuna.search import _enqueue_redo
-    from qdq_optuna.storage import fail_running_trials, retry_stale_trial
+    from qdq_optuna.search._workers import enqueue_redo as _enqueue_redo
+    from qdq_optuna.search._workers import fail_running_trials, retry_stale_trial
 
     storage = open_storage(f"sqlite:///{tmp_path / 'studies.db'}", heartbeat=False)
     study = optuna.create_study(study_name="x/P000", storage=storage)

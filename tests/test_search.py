@@ -21,10 +21,9 @@ import yaml
 from _runs import distinct_models, expected_trials, is_refinement
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, PreparedModel
+from qdq_optuna import Config, PreparedModel, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.search import tune
 from qdq_optuna.storage import open_storage
 
 BUDGET = 6
@@ -257,7 +256,7 @@ def test_qdq_stops_a_converged_study_early_without_losing_the_best(residual, tmp
 def test_qdq_studies_also_start_from_the_compute_inputs(residual, tmp_path):
     """Our sampler's studies get the classic recipe (Q/DQ on Conv/Gemm/MatMul inputs only) as
     a seed after the user's, unless it is no scheme of its own; other samplers do not."""
-    from qdq_optuna.search import compute_inputs_scheme
+    from qdq_optuna.scheme import compute_inputs_scheme
 
     pm = PreparedModel.prepare(str(residual))
     want = {pp.pattern.id: compute_inputs_scheme(pp) for pp in pm.tunable}

@@ -1,4 +1,4 @@
-"""Latency backends and the ``--backend NAME`` factory.
+"""Latency backends, the table of ``--backend NAME`` s and the factory.
 
 Every backend module imports its runtime (onnxruntime, tensorrt, cuda-python) only when a backend
 is built, so importing this package stays cheap and works without any of them.
@@ -6,7 +6,9 @@ is built, so importing this package stays cheap and works without any of them.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from qdq_optuna.backends.base import (
@@ -25,6 +27,7 @@ from qdq_optuna.backends.trtexec import TrtexecBackend, parse_trtexec_output
 from qdq_optuna.errors import OptionError
 
 __all__ = [
+    "BACKENDS",
     "BACKEND_NAMES",
     "Backend",
     "BackendError",
@@ -40,10 +43,60 @@ __all__ = [
     "load_callable",
     "make_backend",
     "parse_trtexec_output",
+    "runtime_for_backend",
 ]
 
+@dataclass(frozen=True)
+class BackendSpec:
+    """One ``--backend NAME``: the class that measures, whose Q/DQ rules fit it, and whether
+    it runs in a worker process unless told otherwise."""
+
+    module: str
+    cls: str
+    #: the runtime whose fusion rules place the Q/DQ (``--runtime`` follows the backend)
+    runtime: str
+    #: :func:`make_backend`'s default for ``isolate`` (tune isolates whenever it can, see
+    #: ``TuneOptions.isolate``); None: never isolated (a subprocess already, or pure Python)
+    isolate: bool | None
+    #: the run settings tune hands it (``threads``, ``input_shapes``)
+    takes: tuple[str, ...] = ("input_shapes",)
+    #: ONNX Runtime: the execution-provider preset (also the backend's own name)
+    preset: str | None = None
+    #: how ``--backend`` help names it (None: an alias, not listed)
+    label: str | None = None
+
+
+_ORT = "qdq_optuna.backends.onnxruntime"
+#: every backend name, in the order ``--backend`` lists them (besides ``package.module:function``)
+BACKENDS: dict[str, BackendSpec] = {
+    "onnxruntime": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
+                               ("threads", "input_shapes"), "onnxruntime", "onnxruntime (CPU)"),
+    "ort": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
+                       ("threads", "input_shapes"), "onnxruntime"),
+    "ort-cuda": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
+                            ("threads", "input_shapes"), "ort-cuda", "ort-cuda"),
+    # TensorRT builds can crash or hang the process: isolated by default
+    "ort-trt": BackendSpec(_ORT, "OnnxRuntimeBackend", "tensorrt", True,
+                           ("threads", "input_shapes"), "ort-trt", "ort-trt"),
+    "tensorrt": BackendSpec("qdq_optuna.backends.tensorrt", "TensorRTBackend", "tensorrt", True,
+                            label="tensorrt"),
+    "trtexec": BackendSpec("qdq_optuna.backends.trtexec", "TrtexecBackend", "tensorrt", None,
+                           label="trtexec"),
+    "costmodel": BackendSpec("qdq_optuna.backends.costmodel", "CostModelBackend", "tensorrt",
+                             None, label="costmodel"),
+}
 #: names accepted by ``--backend`` (besides ``package.module:function``)
-BACKEND_NAMES = ("onnxruntime", "ort", "ort-cuda", "ort-trt", "tensorrt", "trtexec", "costmodel")
+BACKEND_NAMES = tuple(BACKENDS)
+#: ``--backend`` help: the listed names, then callables
+BACKEND_HELP = (", ".join(s.label for s in BACKENDS.values() if s.label)
+                + ", or package.module:function (fn(model) -> ms)")
+
+
+def runtime_for_backend(name: str) -> str:
+    """Whose fusion rules fit a backend: TensorRT's for the TensorRT-like ones, else ONNX
+    Runtime's (callables included)."""
+    spec = BACKENDS.get(name)
+    return spec.runtime if spec is not None else "onnxruntime"
 
 
 def _valid_names() -> str:
@@ -71,40 +124,35 @@ def _isolated(name: str, module: str, cls: type, options: dict[str, Any]) -> Iso
     )
 
 
+def _backend_class(key: str, spec: BackendSpec) -> type:
+    try:
+        module = importlib.import_module(spec.module)
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("qdq_optuna"):
+            raise
+        raise BackendUnavailable(f"the {key} backend is not part of this build") from exc
+    return getattr(module, spec.cls)
+
+
 def make_backend(name: str, **options: Any) -> Backend:
     """Backend for ``--backend NAME``; ``options`` are the backend's keyword arguments.
 
     ``isolate=True`` runs the backend in a worker process that a crash or hang cannot take
-    down (default for ``tensorrt`` and ``ort-trt``, whose builds can do both).
+    down (default for ``tensorrt`` and ``ort-trt``, whose builds can do both; see
+    :data:`BACKENDS`).
     """
     key = name.strip()
-    if key in ("onnxruntime", "ort", "ort-cuda", "ort-trt"):
-        preset = "onnxruntime" if key == "ort" else key
-        options.setdefault("providers", PROVIDER_PRESETS[preset])
-        options.setdefault("name", preset)
-        if options.pop("isolate", key == "ort-trt"):
-            return _isolated(preset, "qdq_optuna.backends.onnxruntime", OnnxRuntimeBackend, options)
-        _check_options(key, OnnxRuntimeBackend, options)
-        return OnnxRuntimeBackend(**options)
-    if key == "tensorrt":
-        if options.pop("isolate", True):
-            return _isolated(key, "qdq_optuna.backends.tensorrt", TensorRTBackend, options)
-        _check_options(key, TensorRTBackend, options)
-        return TensorRTBackend(**options)
-    if key == "trtexec":  # already a subprocess with a timeout: no worker needed
-        options.pop("isolate", None)
-        _check_options(key, TrtexecBackend, options)
-        return TrtexecBackend(**options)
-    if key == "costmodel":
-        try:
-            from qdq_optuna.backends.costmodel import CostModelBackend
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("qdq_optuna"):
-                raise
-            raise BackendUnavailable("the costmodel backend is not part of this build") from exc
-        options.pop("isolate", None)
-        _check_options(key, CostModelBackend, options)
-        return CostModelBackend(**options)
+    spec = BACKENDS.get(key)
+    if spec is not None:
+        cls = _backend_class(key, spec)
+        if spec.preset is not None:
+            options.setdefault("providers", PROVIDER_PRESETS[spec.preset])
+            options.setdefault("name", spec.preset)
+        isolate = options.pop("isolate", spec.isolate)
+        if spec.isolate is not None and isolate:
+            return _isolated(spec.preset or key, spec.module, cls, options)
+        _check_options(key, cls, options)
+        return cls(**options)
     if ":" in key and not key.startswith(":"):
         fn = load_callable(key)
         options.pop("isolate", None)

@@ -1,0 +1,206 @@
+"""A run's options, what they resolve to, and the fingerprint a resumed run must match."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..backends import BACKENDS, make_backend, runtime_for_backend
+from ..backends.base import Backend
+from ..backends.callable import CallableBackend
+from ..config import Config
+from ..errors import OptionError
+from ..graph import InputShapes
+from ..model import PreparedModel, file_sha256
+from ..objectives import CATEGORICAL_SAMPLERS, check_error_options, check_sampler, parse_objectives
+from ..scheme import ChoiceSpace
+
+
+@dataclass
+class TuneOptions:
+    model: str
+    output_dir: str
+    #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
+    backend: str | Backend | Callable = "onnxruntime"
+    runtime: str | None = None
+    quant_type: str | None = None
+    input_shapes: str | None = None
+    config: Config = field(default_factory=Config)
+    sampler: str = "qdq"
+    storage: str | None = None
+    seed: int | None = 0
+    timing: str = "robust"
+    scales: str = "auto"
+    calibration_data: str | None = None
+    calibration_method: str = "minmax"
+    pattern_cache: str | None = None
+    qdq_baseline: str | None = None
+    fresh: bool = False
+    timeout: float | None = None
+    run_id: str | None = None
+    worker: bool = False
+    preprocess: str = "auto"
+    threads: int = 1
+    #: build and time in a worker subprocess, so a crash or hang fails one trial, not the run
+    #: (names of ONNX Runtime / TensorRT backends; a callable or Backend object runs as given)
+    isolate: bool = True
+    progress: bool = True
+    #: accuracy (see qdq_optuna.objectives): data the output errors are measured on (default:
+    #: the calibration data), a user metric ``module:function`` (lower is better), the error
+    #: measure, an error budget, and the objectives (``latency`` or ``latency,error``)
+    validation_data: str | None = None
+    metric: str | None = None
+    error_measure: str = "relative_l2"
+    max_output_error: float | None = None
+    objectives: str = "latency"
+    #: seconds without a heartbeat after which a ``worker``'s RUNNING trial counts as dead and
+    #: is retried (default: $QDQ_OPTUNA_HEARTBEAT_GRACE, else storage.GRACE_PERIOD_S)
+    heartbeat_grace: float | None = None
+
+    def __post_init__(self) -> None:
+        check_error_options(self.error_measure, self.max_output_error)
+        parse_objectives(self.objectives)
+        if self.scales not in ("auto", "default", "calibrated"):
+            raise OptionError(f"--scales: unknown {self.scales!r} (choose auto, default, calibrated)")
+        if self.timeout is not None and not self.timeout > 0:
+            raise OptionError(f"--timeout must be positive seconds, got {self.timeout}")
+        if self.threads < 1:
+            raise OptionError(f"--threads must be >= 1, got {self.threads}")
+
+    @property
+    def run_id_or_default(self) -> str:
+        return self.run_id or Path(self.output_dir).resolve().name or "run"
+
+
+@dataclass
+class TuneResult:
+    output_dir: Path
+    report: dict
+
+    @property
+    def speedup(self) -> float:
+        return self.report["speedup"]
+
+    @property
+    def optimized_model(self) -> Path:
+        return self.output_dir / "optimized.onnx"
+
+
+def backend_for(options: TuneOptions) -> Backend:
+    """The backend that measures this run (see :data:`~qdq_optuna.backends.BACKENDS`)."""
+    b = options.backend
+    if isinstance(b, Backend):
+        return b
+    if callable(b):
+        return CallableBackend(b)
+    spec = BACKENDS.get(b)
+    given = {"threads": options.threads,
+             "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
+    kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
+    if ":" not in b:
+        kwargs["isolate"] = bool(options.isolate)
+    return make_backend(b, **kwargs)
+
+
+def backend_name(options: TuneOptions, backend: Backend) -> str:
+    return options.backend if isinstance(options.backend, str) else backend.name
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run's options resolve to once its backend and model are known."""
+
+    backend: str
+    runtime: str
+    #: scales inside trials: ``calibrated`` or ``default``
+    scales: str
+    objectives: tuple[str, ...]
+    constrained: bool
+    #: output errors are measured (any accuracy option)
+    accuracy: bool
+    space: ChoiceSpace
+    refine_rounds: int
+    max_output_error: float | None = None
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    @staticmethod
+    def runtime_of(options: TuneOptions, backend: Backend) -> str:
+        return options.runtime or runtime_for_backend(backend_name(options, backend))
+
+    @classmethod
+    def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
+        runtime = cls.runtime_of(options, backend)
+        scales = options.scales
+        if scales == "auto":
+            scales = "calibrated" if runtime == "onnxruntime" else "default"
+        objectives = parse_objectives(options.objectives)
+        multi = len(objectives) > 1
+        constrained = options.max_output_error is not None
+        accuracy = (multi or constrained or options.validation_data is not None
+                    or options.metric is not None)
+        if accuracy:  # errors with placeholder scales say nothing about the real model
+            if options.scales == "default":
+                raise OptionError("--scales default cannot be combined with accuracy options "
+                                  "(--max-output-error, --objectives latency,error, "
+                                  "--validation-data, --metric): errors need calibrated scales")
+            scales = "calibrated"
+        space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
+                            categorical=options.sampler in CATEGORICAL_SAMPLERS)
+        check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
+                      constrained=constrained)
+        # none with two objectives: the report's Pareto chain is built from one decision per
+        # pattern
+        refine_rounds = 0 if multi else options.config.refine_rounds
+        return cls(backend_name(options, backend), runtime, scales, objectives, constrained,
+                   accuracy, space, refine_rounds, options.max_output_error)
+
+
+def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
+                backend: Backend) -> dict:
+    """The settings that change a run's result: a resumed run must have the same."""
+    o = options
+    fp = {
+        "model_sha256": prepared.source_sha256,
+        "backend": backend.describe(),
+        "runtime": settings.runtime,
+        "quant_type": prepared.quant_type,
+        "input_shapes": str(InputShapes.parse(o.input_shapes)),
+        "config": o.config.search_relevant(),
+        "sampler": o.sampler,
+        "seed": o.seed,
+        "timing": o.timing,
+        "scales": settings.scales,
+        "calibration_method": o.calibration_method,
+        "preprocess": prepared.preprocess,
+    }
+    # the accuracy / mixed-precision modes are absent when off, so runs made before these
+    # options existed still resume
+    if settings.space.mixed:
+        fp["mixed_types"] = list(settings.space.types)
+    if settings.accuracy:
+        fp["accuracy"] = {
+            "objectives": list(settings.objectives),
+            "max_output_error": o.max_output_error,
+            "error_measure": o.error_measure,
+            "metric": o.metric,
+            "validation_data": (
+                Path(o.validation_data).name + ":" + file_digest(o.validation_data)
+                if o.validation_data and Path(o.validation_data).is_file()
+                else o.validation_data),
+        }
+    return fp
+
+
+def digest(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str) -> str:
+    """The short file digest fingerprints and calibration caches name data files by."""
+    return file_sha256(path)[:16]

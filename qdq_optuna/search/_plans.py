@@ -1,0 +1,199 @@
+"""Measuring plans: the one place the search asks the backend to time a model.
+
+A *plan* (:class:`~qdq_optuna.export.QuantPlan`) is one Q/DQ placement of the whole model;
+its key names the model it builds. :class:`PlanMeasurer` measures the float baseline, each
+pattern study's reference, a candidate's latency against that reference (the screen, then an
+interleaved A/B), confirmations and the final comparison, and scores a plan's output errors.
+It counts every time it asks the backend to time a model (``measurements``, per phase in
+``by_phase``), never measures one model twice in a run (the run record's measurement memo,
+shared by workers), and remembers the plans that failed in this process, so a re-proposed
+failure is skipped rather than crashing the backend again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from ..accuracy import ErrorScorer
+from ..backends.base import BackendError, BackendUnavailable
+from ..errors import UserError
+from ..export import QuantPlan
+from ..measure import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
+from ._record import MeasurementCache
+
+log = logging.getLogger("qdq_optuna")
+
+#: the phases measurements are counted in (``PlanMeasurer.by_phase``)
+PHASES = ("baseline", "reference", "trial", "confirmation", "final", "pareto")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a pattern study's candidates are timed against: the model with everything that
+    stands and this pattern's standing scheme (``source``: bytes, or a path in external mode),
+    its latency and its one-session screen."""
+
+    plan: QuantPlan
+    source: object
+    ms: float
+    screen_ms: float | None
+
+
+class PlanMeasurer:
+    """Latencies and errors of plans (see the module docstring)."""
+
+    def __init__(self, measurer: Measurer, memo: MeasurementCache,
+                 scorer: ErrorScorer | None = None) -> None:
+        self.measurer = measurer
+        self.memo = memo
+        self.scorer = scorer
+        self.measurements = 0
+        self.by_phase: Counter[str] = Counter()
+        self.cache_hits = 0
+        #: plan key -> where that model failed in this process; the sampler does not avoid
+        #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
+        self.failed: dict[str, str] = {}
+
+    @property
+    def deterministic(self) -> bool:
+        return self.measurer.deterministic
+
+    def _count(self, phase: str, n: int = 1) -> None:
+        self.measurements += n
+        self.by_phase[phase] += n
+
+    # -- the float model and references --------------------------------------------------
+    def baseline(self, exporter, plan: QuantPlan, backend_name: str, model: str) -> tuple:
+        """The float model's measurement ``(ms, record)``. A backend that cannot run it ends
+        the run with one clear line; a crashed or hung worker is given one more try first."""
+        for attempt in (1, 2):
+            try:
+                self.measurer.warm_up([exporter.source(plan)])
+                return self._measure(exporter, plan)
+            except BackendUnavailable:
+                raise
+            except BackendError as exc:
+                if attempt == 1 and getattr(exc, "transient", False):
+                    log.warning("measuring the float model failed (%s); trying once more", exc)
+                    continue
+                raise UserError(f"backend {backend_name} cannot run the float model "
+                                f"{model}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _measure(self, exporter, plan: QuantPlan) -> tuple[float, dict]:
+        cached = self._cached(plan)
+        if cached is not None:
+            return cached["latency_ms"], cached
+        data = exporter.source(plan)
+        m = self.measurer.screen(data) if self.deterministic else self.measurer.measure(data)
+        self._count("baseline")
+        record = {"latency_ms": m.score_ms, "stats": m.to_dict(), "qdq": len(plan)}
+        self.memo.put(plan.key, record)
+        return m.score_ms, record
+
+    def reference(self, source) -> list[float]:
+        """``[latency_ms, screen_ms]`` of a pattern study's reference model."""
+        if self.deterministic:
+            ref = self.measurer.screen(source)
+            ref_ms, ref_screen = ref.score_ms, ref.score_ms
+        else:
+            ref_ms = self.measurer.measure(source).score_ms
+            ref_screen = self.measurer.screen(source).score_ms
+        self._count("reference")
+        return [ref_ms, ref_screen]
+
+    def known(self, reference: Reference) -> None:
+        """A trial that builds the reference itself is not measured: its ratio is 1 exactly."""
+        self.memo.put(reference.plan.key, {
+            "kind": "reference", "latency_ms": reference.ms, "ratio": 1.0, "ci": [1.0, 1.0],
+            "rounds": 0, "decided": True, "screened_out": False, "sessions": 0,
+            "reference": True, "reference_ms": reference.ms})
+
+    # -- candidates ----------------------------------------------------------------------
+    def _cached(self, plan: QuantPlan, ref_ms: float | None = None) -> dict | None:
+        """The record of the same model measured earlier in this run (any pattern or process)."""
+        cached = self.memo.get(plan.key)
+        if cached is None:
+            return None
+        self.cache_hits += 1
+        record = {**cached, "cached": True}
+        then = cached.get("reference_ms")
+        if ref_ms is not None and then is not None and not math.isclose(then, ref_ms):
+            # measured against another pattern's reference: only the latency carries over
+            record.update(ratio=cached["latency_ms"] / ref_ms, ci=None, decided=False,
+                          reference_ms=ref_ms, measured_against_ms=then)
+        return record
+
+    def latency(self, exporter, plan: QuantPlan, reference: Reference,
+                where: str) -> tuple[float, dict]:
+        """A candidate's latency: ``reference.ms`` times its ratio to the reference.
+
+        The record (the trial's ``measurement`` user attr) always has ``kind`` (``ab``:
+        interleaved A/B against the pattern's reference; ``screened_out``: dropped by the
+        screen, see :data:`~qdq_optuna.measure.SCREEN_DISCARD_RATIO`; ``screen``: one session,
+        fast timing; ``deterministic``), ``latency_ms``, ``ratio``, ``ci`` (of the ratio;
+        ``None`` where there is none), ``rounds``, ``decided``, ``screened_out``, ``sessions``
+        (timed sessions of the candidate), ``reference_ms``; ``cached: true`` when the model was
+        measured before. ``where`` names the trial, should the model fail (BackendError)."""
+        cached = self._cached(plan, reference.ms)
+        if cached is not None:
+            return cached["latency_ms"], cached
+        try:
+            record = self._time(exporter.source(plan), reference)
+        except BackendError:
+            self.failed[plan.key] = where
+            raise
+        record["qdq"] = len(plan)
+        self.memo.put(plan.key, record)
+        return record["latency_ms"], record
+
+    def _time(self, data, ref: Reference) -> dict:
+        base = {"reference_ms": ref.ms, "screened_out": False, "ci": None, "decided": False}
+        if self.deterministic:
+            m = self.measurer.screen(data)
+            ratio = m.score_ms / ref.ms
+            self._count("trial")
+            return {**base, "kind": "deterministic", "latency_ms": m.score_ms, "ratio": ratio,
+                    "ci": [ratio, ratio], "rounds": 1, "decided": True, "sessions": 1,
+                    "deterministic": True}
+        if self.measurer.protocol.name == "fast" or ref.screen_ms is None:
+            m = self.measurer.screen(data)
+            self._count("trial")
+            return {**base, "kind": "screen", "latency_ms": m.score_ms,
+                    "ratio": m.score_ms / ref.ms, "rounds": 1, "sessions": m.sessions,
+                    "stats": m.to_dict()}
+        screen = self.measurer.screen(data)
+        self._count("trial")
+        if far_off(screen.score_ms, ref.screen_ms):
+            # the reference's screen dates from the start of the pattern: screen it again
+            # now, so that drift since then cannot discard a candidate
+            now = self.measurer.screen(ref.source)
+            self._count("trial")
+            if far_off(screen.score_ms, now.score_ms):
+                ratio = screen.score_ms / now.score_ms
+                return {**base, "kind": "screened_out", "screened_out": True,
+                        "latency_ms": ref.ms * ratio, "ratio": ratio, "rounds": 1,
+                        "sessions": screen.sessions, "screen_ms": screen.score_ms,
+                        "reference_screen_ms": now.score_ms,
+                        "screen_threshold": SCREEN_DISCARD_RATIO, "stats": screen.to_dict()}
+        cmp = self.measurer.compare(data, ref.source)
+        self._count("trial")
+        return {**base, "kind": "ab", "latency_ms": ref.ms * cmp.ratio, "ratio": cmp.ratio,
+                "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds, "decided": cmp.decided,
+                "verdict": cmp.verdict, "sessions": screen.sessions + cmp.candidate.sessions,
+                "screen_ms": screen.score_ms}
+
+    # -- whole-model comparisons ---------------------------------------------------------
+    def compare(self, candidate, reference, phase: str, *, until: str = "verdict") -> Comparison:
+        """An interleaved A/B of two models (a confirmation, the final figure, a front point)."""
+        cmp = self.measurer.compare(candidate, reference, until=until)
+        self._count(phase)
+        return cmp
+
+    # -- errors --------------------------------------------------------------------------
+    def error(self, exporter, plan: QuantPlan) -> dict:
+        """Output errors of ``plan`` vs FP32 on the validation data (accuracy modes)."""
+        return self.scorer.score(exporter, plan)

@@ -1,0 +1,354 @@
+"""A tuning run, phase by phase: open -> baseline -> rounds of pattern studies -> finish.
+
+* **open**: the storage and the run record; settings that differ from a stored run's are
+  refused (its fingerprint); seeds, scales and the error scorer are set up;
+* **baseline**: the float model, measured once for all workers;
+* **rounds**: the first pass tunes the patterns in order of first appearance, each in a study
+  of its own (:class:`~qdq_optuna.search._pattern.PatternStudy`) on top of the schemes the
+  patterns before it committed. Each refinement round (``Config.refine_rounds``) then tunes
+  every pattern whose surroundings changed again, in a study ``PATTERN/refineN``, with every
+  other pattern's standing scheme in place and starting from its own; a new scheme that only
+  removes Q/DQ needs to be confirmed faster, not ``performance_threshold`` faster;
+* **finish**: the final model with every standing scheme, its independent A/B against the
+  float model, the report, the pattern cache and ``state.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..accuracy import ErrorScorer, validation_data
+from ..backends.base import Backend
+from ..cache import PatternCache, baseline_seed, baseline_tensors
+from ..config import Config
+from ..dashboard import PatternPictures
+from ..errors import OptionError, UserError
+from ..export import QDQExporter, atomic_write_bytes, remove_stale_temps
+from ..graph import InputShapes
+from ..insertion.points import PatternPoints
+from ..measure import CommitRule, Measurer, TimingProtocol
+from ..model import PreparedModel
+from ..scheme import compute_inputs_scheme
+from ..storage import default_storage_url, open_storage, quiet_optuna
+from ._options import (
+    Settings,
+    TuneOptions,
+    TuneResult,
+    backend_for,
+    digest,
+    file_digest,
+    fingerprint,
+)
+from ._pattern import OutOfTime, PatternStudy, Search, Seed
+from ._plans import PlanMeasurer
+from ._progress import Progress
+from ._record import RunRecord, delete_run
+from ._workers import Workers, retry_stale_trial
+
+log = logging.getLogger("qdq_optuna")
+
+
+class Tuner:
+    """Runs (or resumes) one tuning run; see :func:`qdq_optuna.tune`."""
+
+    def __init__(self, options: TuneOptions) -> None:
+        self.o = options
+        self.cfg = options.config
+        self.out = Path(options.output_dir)
+        self.backend = backend_for(options)
+        self.prepared = PreparedModel.prepare(
+            options.model, runtime=Settings.runtime_of(options, self.backend),
+            quant_type=options.quant_type, input_shapes=options.input_shapes, config=self.cfg,
+            preprocess=options.preprocess,
+        )
+        # a model whose weights stay on disk is exported into work folders of the output folder
+        self.prepared.data_dir = self.out
+        self.measurer = Measurer(self.backend, TimingProtocol.from_name(options.timing))
+        self.settings = Settings.resolve(options, self.backend, self.prepared)
+        self.run_id = options.run_id_or_default
+        self.storage_url = options.storage or default_storage_url(self.out)
+        self.started = time.monotonic()
+        self.record: RunRecord | None = None
+        self.search: Search | None = None
+        self._calibrated: dict | None = None
+
+    def remaining(self) -> float | None:
+        if self.o.timeout is None:
+            return None
+        return self.o.timeout - (time.monotonic() - self.started)
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> TuneResult:
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+        finally:
+            if isinstance(self.o.backend, str):  # ours: stop its worker process now
+                self.backend.close()
+
+    def _run(self) -> TuneResult:
+        quiet_optuna(self.cfg.verbose)
+        search = self._open()
+        search.baseline_ms = self.record.baseline(
+            lambda: search.plans.baseline(search.exporter, search.exporter.plan(set()),
+                                          self.settings.backend, self.o.model))
+        self._write_state("running")
+        # (whole-model starts, measured before any pattern study, would go here)
+        patterns = search.progress.patterns(len(self.prepared.tunable))
+        try:
+            self._first_pass(search, patterns.step)
+            for rnd in range(1, self.settings.refine_rounds + 1):
+                self._refine(search, rnd)
+        except OutOfTime:
+            self._write_state("timeout")
+            return self._finish(partial=True)
+        finally:
+            patterns.close()
+        return self._finish(partial=False)
+
+    def _open(self) -> Search:
+        """The storage, the run record and everything the pattern studies share."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.out)  # half-written outputs of a killed process
+        storage = open_storage(self.storage_url, heartbeat=self.o.worker,
+                               grace=self.o.heartbeat_grace, on_stale=retry_stale_trial)
+        fp = fingerprint(self.o, self.settings, self.prepared, self.backend)
+        self.fingerprint_digest = digest(fp)
+        if self.o.fresh and not self.o.worker:
+            delete_run(storage, self.run_id)
+        self.record = RunRecord(storage, self.run_id, self.prepared.tunable, self.settings.space,
+                                self.settings.refine_rounds)
+        self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
+        self._load_seeds()
+        exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
+        plans = PlanMeasurer(self.measurer, self.record.measured, self._scorer(exporter))
+        self.search = Search(
+            prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
+            record=self.record, rule=CommitRule(self.cfg.performance_threshold),
+            sampler=self.o.sampler, seed=self.o.seed, plans=plans,
+            workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
+            progress=Progress(self.o.progress), remaining=self.remaining,
+            on_commit=[PatternPictures(self.out, self.prepared)])
+        return self.search
+
+    def _load_seeds(self) -> None:
+        """The user's warm starts (``--pattern-cache``, ``--qdq-baseline``), checked."""
+        self.cache = None
+        if self.o.pattern_cache:
+            self.cache = PatternCache.load(self.o.pattern_cache)
+            self.cache.check_matches(self.o.pattern_cache, self.prepared.tunable)
+        self.baseline_q = baseline_tensors(self.o.qdq_baseline) if self.o.qdq_baseline else None
+        if self.baseline_q is not None:
+            known = set(self.prepared.candidate_tensors())
+            if not self.baseline_q & known:
+                raise UserError(f"--qdq-baseline {self.o.qdq_baseline}: none of its quantized "
+                                "tensors exists in this model")
+
+    # -- rounds ----------------------------------------------------------------------------
+    def _first_pass(self, search: Search, step: Callable[[], None]) -> None:
+        """Every pattern in order, on top of the schemes committed before it."""
+        for idx, pp in enumerate(self.prepared.tunable):
+            PatternStudy(search, pp, order=idx, around=self.record.around(pp),
+                         seeds=self._seeds(pp)).run()
+            self._write_state("running")
+            step()
+
+    def _seeds(self, pp: PatternPoints) -> list[Seed]:
+        """A first-pass study's seeds: the empty scheme (samplers other than ours, which
+        proposes it itself), the user's seeds, then the classic recipe (ours)."""
+        space = self.settings.space
+        seeds = []
+        if self.o.sampler != "qdq":
+            seeds.append(Seed(space.seed(dict.fromkeys(pp.ids, 0))))
+        if self.cache is not None:
+            seeds += [Seed(space.seed(s)) for s in self.cache.seeds_for(pp)]
+        if self.baseline_q:
+            s = baseline_seed(pp, self.baseline_q)
+            if s is not None:
+                seeds.append(Seed(space.seed(s)))
+        if self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after user seeds
+            compute = compute_inputs_scheme(pp)
+            if compute is not None:
+                seeds.append(Seed(space.seed(compute)))
+        return seeds
+
+    def _refine(self, search: Search, rnd: int) -> None:
+        """One refinement round over every pattern, in order (see the module docstring)."""
+        names = self.record.study_names()
+        patterns = self.prepared.tunable
+        tuned = 0
+        for idx, pp in enumerate(patterns):
+            rounds_of = self.record.rounds()
+            others = self.record.around(pp, rounds_of)
+            rounds = rounds_of[idx][1]  # every pattern is committed after the first pass
+            if self.record.study_name(pp, rnd) not in names:  # not started: news for it?
+                if RunRecord.context_key(rounds) == search.neighbourhood.key(pp, others):
+                    continue
+            tuned += 1
+            # a local search: every point flipped once, and as many trials again
+            PatternStudy(search, pp, order=rnd * len(patterns) + idx, rnd=rnd, around=others,
+                         start=RunRecord.standing_scheme(rounds),
+                         budget=min(self.cfg.schemes_per_region, 2 * len(pp.ids))).run()
+            self._write_state("running")
+        if tuned:
+            log.info("refinement round %d: %d of %d patterns tuned again", rnd, tuned,
+                     len(patterns))
+
+    # -- finish ----------------------------------------------------------------------------
+    def _finish(self, partial: bool) -> TuneResult:
+        from ..report import build_report, write_reports
+
+        plans = self.search.plans
+        uses, rows = self.record.committed()
+        final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
+        plan = final_exporter.plan(uses)
+        final_bytes = self._save_final(final_exporter, plan)
+        base_bytes = final_exporter.source(final_exporter.plan(set()))
+        cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
+        report = build_report(self._header(), self.record, plans, self.prepared, plan, cmp,
+                              rows=rows, baseline_ms=self.search.baseline_ms, partial=partial)
+        if self.settings.accuracy:
+            err = plans.error(final_exporter, plan)
+            report.update({
+                "objectives": list(self.settings.objectives),
+                "error_measure": (f"metric {self.o.metric}" if self.o.metric
+                                  else self.o.error_measure),
+                "max_output_error": self.o.max_output_error,
+                "final_output_error": err["error"],
+                "final_output_errors": err["output_errors"],
+            })
+        if self.settings.multi_objective:
+            from ..pareto import model_front
+
+            report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
+                                           cmp, plan, self.out)
+            report["measurements"] = plans.measurements
+        write_reports(self.out, report)
+        self.record.write_pattern_cache(
+            self.out / "pattern_cache.yaml",
+            minimum_distance=self.cfg.pattern_cache_minimum_distance,
+            max_entries=self.cfg.pattern_cache_max_entries_per_pattern)
+        self._write_state("timeout" if partial else "done")
+        return TuneResult(self.out, report)
+
+    def _save_final(self, exporter: QDQExporter, plan) -> bytes:
+        """Write ``optimized.onnx``; returns what the final comparison times."""
+        if exporter.external or exporter.to_files:  # written piece by piece
+            return exporter.save(plan, self.out / "optimized.onnx")
+        import onnx
+
+        optimized = exporter.to_model(plan)
+        onnx.checker.check_model(optimized)
+        atomic_write_bytes(self.out / "optimized.onnx", optimized.SerializeToString())
+        return optimized.SerializeToString()
+
+    def _header(self) -> dict:
+        """The report's first fields: what was tuned, where, how."""
+        return {"model": self.prepared.source, "output": str(self.out), "run_id": self.run_id,
+                "storage": self.storage_url, "backend": self.backend.describe(),
+                "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
+                "sampler": self.o.sampler, "timing": self.o.timing,
+                "scales": self.settings.scales}
+
+    # -- scales and errors -----------------------------------------------------------------
+    def _scales(self, purpose: str) -> dict | None:
+        """Calibrated activation scales (None: the default scale inside trials)."""
+        if purpose == "trials" and self.settings.scales == "default":
+            return None
+        if self._calibrated is None:
+            self._calibrated = calibrated_scales(self.prepared, self.o, self.out)
+        return self._calibrated
+
+    def _scorer(self, exporter: QDQExporter) -> ErrorScorer | None:
+        """Output errors vs FP32 on the validation data (accuracy modes only); bad validation
+        data or a bad metric fails here, before any measurement."""
+        if not self.settings.accuracy:
+            return None
+        shapes = InputShapes.parse(self.o.input_shapes).shapes
+        data, _ = validation_data(self.prepared.graph.model, validation=self.o.validation_data,
+                                  calibration_data=self.o.calibration_data, input_shapes=shapes)
+        return ErrorScorer(exporter.to_bytes(exporter.plan(set())), data, metric=self.o.metric,
+                           error_measure=self.o.error_measure,
+                           optimize=self.settings.runtime == "onnxruntime",
+                           cache=self.record.errors)
+
+    # -- state -----------------------------------------------------------------------------
+    def _write_state(self, status: str) -> None:
+        plans = self.search.plans if self.search is not None else None
+        self.record.write_state(self.out, status, {
+            "storage": self.storage_url,
+            "fingerprint": self.fingerprint_digest,
+            "baseline_latency_ms": self.search.baseline_ms if self.search is not None else None,
+            "measurements": plans.measurements if plans is not None else 0,
+            "cache_hits": plans.cache_hits if plans is not None else 0,
+        })
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
+        if self.search is not None and self.search.workers is not None:
+            self.search.workers.interrupted()
+        if self.record is not None:
+            try:
+                self._write_state("interrupted")
+            except Exception:  # the storage may be gone; the message still says how to resume
+                log.debug("state.yaml not written", exc_info=True)
+
+
+def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path) -> dict:
+    """Activation scales from one calibration pass (statistics cached in
+    ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
+    from .. import calibration
+
+    model = prepared.graph.model
+    tensors = prepared.candidate_tensors()
+    shapes = InputShapes.parse(options.input_shapes).shapes
+    if options.calibration_data:
+        data = calibration.load_calibration_data(options.calibration_data, model)
+        data_id = Path(options.calibration_data).name + ":" + file_digest(options.calibration_data)
+    else:
+        log.warning("no --calibration-data: calibrating on random inputs (scales are only "
+                    "placeholders; pass real data for a deployable model)")
+        data = calibration.random_calibration_data(model, shapes or None, samples=4, seed=0)
+        data_id = "random:4:0"
+    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_id,
+                                    tensors], default=str).encode()).hexdigest()[:16]
+    stats_path = out / "calibration_stats.json"
+    stats = calibration.load_statistics(stats_path, fingerprint=fp)
+    if stats is None:
+        stats = calibration.collect_statistics(prepared.graph.full_model(), tensors, data,
+                                               external_data_dir=prepared.graph.external_dir)
+        calibration.save_statistics(stats_path, stats, fingerprint=fp)
+    scales = calibration.activation_scales(stats, method=options.calibration_method,
+                                           quant_type=prepared.quant_type)
+    for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
+        typed = calibration.activation_scales(stats, method=options.calibration_method,
+                                              quant_type=qtype)
+        scales.update({(t, qtype): v for t, v in typed.items()})
+    return scales
+
+
+def tune(model: str | os.PathLike, output_dir: str | os.PathLike, *,
+         backend: Callable | Backend | str | None = None, config: Config | None = None,
+         benchmark: Callable | Backend | str | None = None, **options) -> TuneResult:
+    """Tune ``model``; results go to ``output_dir`` (see README: outputs).
+
+    ``backend`` (or its older name ``benchmark``) is a backend name (``"onnxruntime"``,
+    ``"tensorrt"``, ``"costmodel"``, ...), a :class:`~qdq_optuna.backends.base.Backend`, or any
+    callable ``fn(model: onnx.ModelProto) -> ms``. Other keyword arguments are the fields of
+    :class:`TuneOptions`.
+    """
+    if backend is not None and benchmark is not None:
+        raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
+    chosen = backend if backend is not None else benchmark
+    opts = TuneOptions(model=str(model), output_dir=str(output_dir),
+                       backend=chosen if chosen is not None else "onnxruntime",
+                       config=config or Config(), **options)
+    return Tuner(opts).run()
