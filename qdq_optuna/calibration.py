@@ -43,7 +43,8 @@ METHODS = ("minmax", "percentile", "entropy", "mse")
 #: (fp16 cannot represent 1e-8).
 MIN_SCALE = 1e-8
 
-_QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
+#: the largest quantized magnitude of each quant type
+QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _STATS_FORMAT = "qdq_optuna.statistics"
 _STATS_VERSION = 1
@@ -375,10 +376,6 @@ class TensorStatistics:
     def bin_width(self) -> float:
         return self.hist_amax / len(self.hist)
 
-    @property
-    def hist_edges(self) -> np.ndarray:
-        return np.linspace(0.0, self.hist_amax, len(self.hist) + 1)
-
     def update(self, values: np.ndarray) -> None:
         """Fold one batch of a tensor into the statistics."""
         arr = np.asarray(values)
@@ -587,7 +584,7 @@ def load_statistics(
 
 
 def _check_quant_type(quant_type: str) -> None:
-    if quant_type not in _QMAX:
+    if quant_type not in QMAX:
         raise OptionError(
             f"--quant-type: unknown quant type {quant_type!r} (choose {', '.join(QUANT_TYPES)})"
         )
@@ -648,7 +645,7 @@ def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple
         scale = _floor_scale((hi - lo) / 255.0)
         zero_point = int(np.clip(round(-lo / scale), 0, 255))
         return scale, zero_point
-    return _floor_scale(threshold / _QMAX[quant_type]), 0
+    return _floor_scale(threshold / QMAX[quant_type]), 0
 
 
 def _floor_scale(scale: float) -> float:

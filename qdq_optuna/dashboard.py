@@ -244,91 +244,111 @@ def region_svg(graph, nodes: list[int], point_uses: dict[str, list[tuple[str, in
     activation edges between them, the tensors entering and leaving it, and every insertion
     point as a marker on the edge(s) it covers: filled red for the points of ``chosen`` (the
     best trial), outlined for points that are offered but off. A legend lists the points."""
-    kinds = kinds or {}
-    types = types or {}
-    members = list(dict.fromkeys(nodes))
-    inside = set(members)
-    producer = graph.producer
-    order = {n: i for i, n in enumerate(members)}
+    return _RegionPicture(graph, nodes, point_uses, chosen=chosen, committed=committed,
+                          kinds=kinds or {}, types=types or {}, title=title).svg()
 
-    # layers: a node sits one below its lowest in-region producer; inputs are layer 0
-    layer: dict[int, int] = {}
-    ext_in: list[str] = []
-    for n in members:
-        lv = 1
-        for t in graph.nodes[n].input:
-            if not t or not graph.is_activation(t):
-                continue
-            p = producer.get(t)
-            if p is not None and p[0] in inside:
-                lv = max(lv, layer[p[0]] + 1)
-            elif t not in ext_in:
-                ext_in.append(t)
-        layer[n] = lv
-    ext_out: list[str] = []
-    for n in members:
-        for t in graph.nodes[n].output:
-            if t and (t in graph.graph_outputs
-                      or any(c not in inside for c, _ in graph.consumers.get(t, []))):
-                ext_out.append(t)
-    last = max(layer.values(), default=0) + 1
 
-    # items by row: ("in", tensor) | ("node", index) | ("out", tensor)
-    rows: dict[int, list[tuple[str, object]]] = {0: [("in", t) for t in ext_in]}
-    for n in members:
-        rows.setdefault(layer[n], []).append(("node", n))
-    rows[last] = [("out", t) for t in ext_out]
-    row_of: dict[tuple[str, object], int] = {it: r for r, its in rows.items() for it in its}
+def _esc(s: object) -> str:
+    return html.escape(str(s), quote=True)
 
-    def source(t: str) -> tuple[str, object]:
-        p = producer.get(t)
-        return ("node", p[0]) if p is not None and p[0] in inside else ("in", t)
+
+class _RegionPicture:
+    """The layout and the SVG parts of :func:`region_svg`."""
 
     box_w, box_h, gap_x, gap_y, margin = 168, 42, 30, 50, 24
-    widest = max((len(v) for v in rows.values()), default=1)
-    width = max(margin * 2 + widest * box_w + (widest - 1) * gap_x + 120, 720)
-    title_lines = _wrap(title, int((width - 2 * margin) / 7.6)) if title else []
-    top = margin + 18 * len(title_lines) + (10 if title_lines else 0)
-    pos: dict[tuple[str, object], tuple[float, float]] = {}
-    for r in sorted(rows):
-        items = rows[r]
-        if r > 0:  # one barycentre pass (mean x of the sources) keeps crossings down
-            def bary(item) -> float:
-                kind, key = item
-                if kind == "node":
-                    srcs = [source(t) for t in graph.nodes[key].input if t]
-                else:
-                    srcs = [source(key)]
-                xs = [pos[s][0] for s in srcs if s in pos]
-                return sum(xs) / len(xs) if xs else order.get(key, 0) * 1e-3
 
-            items.sort(key=bary)
-        row_w = len(items) * box_w + (len(items) - 1) * gap_x
-        x0 = (width - row_w) / 2
-        for i, item in enumerate(items):
-            pos[item] = (x0 + i * (box_w + gap_x) + box_w / 2, top + r * (box_h + gap_y))
-    graph_h = top + last * (box_h + gap_y) + box_h + 16
+    def __init__(self, graph, nodes: list[int], point_uses: dict, *, chosen: set[str],
+                 committed: set[str], kinds: dict[str, str], types: dict[str, str],
+                 title: str) -> None:
+        self.graph = graph
+        self.point_uses = point_uses
+        self.chosen, self.committed, self.kinds, self.types = chosen, committed, kinds, types
+        self.members = list(dict.fromkeys(nodes))
+        self.inside = set(self.members)
+        self.order = {n: i for i, n in enumerate(self.members)}
+        self.pid_of_use: dict[tuple[str, int, int], list[str]] = {}
+        for pid, uses in point_uses.items():
+            for u in uses:
+                self.pid_of_use.setdefault(tuple(u), []).append(pid)
+        self.index = {pid: i for i, pid in enumerate(point_uses)}
+        self.parts: list[str] = []
+        self.marks: list[str] = []
+        self.lanes = {"left": 0, "right": 0}
+        self._rows()
+        self._layout(title)
 
-    def row_extent(r: int) -> tuple[float, float]:
-        xs = [pos[it][0] for it in rows.get(r, [])]
+    # -- layout --------------------------------------------------------------------------
+    def _rows(self) -> None:
+        """Items by row: ("in", tensor) | ("node", index) | ("out", tensor)."""
+        graph, inside = self.graph, self.inside
+        # layers: a node sits one below its lowest in-region producer; inputs are layer 0
+        layer: dict[int, int] = {}
+        ext_in: list[str] = []
+        for n in self.members:
+            lv = 1
+            for t in graph.nodes[n].input:
+                if not t or not graph.is_activation(t):
+                    continue
+                p = graph.producer.get(t)
+                if p is not None and p[0] in inside:
+                    lv = max(lv, layer[p[0]] + 1)
+                elif t not in ext_in:
+                    ext_in.append(t)
+            layer[n] = lv
+        self.ext_out: list[str] = []
+        for n in self.members:
+            for t in graph.nodes[n].output:
+                if t and (t in graph.graph_outputs
+                          or any(c not in inside for c, _ in graph.consumers.get(t, []))):
+                    self.ext_out.append(t)
+        self.last = max(layer.values(), default=0) + 1
+        self.rows: dict[int, list[tuple[str, object]]] = {0: [("in", t) for t in ext_in]}
+        for n in self.members:
+            self.rows.setdefault(layer[n], []).append(("node", n))
+        self.rows[self.last] = [("out", t) for t in self.ext_out]
+        self.row_of = {it: r for r, its in self.rows.items() for it in its}
+
+    def source(self, t: str) -> tuple[str, object]:
+        p = self.graph.producer.get(t)
+        return ("node", p[0]) if p is not None and p[0] in self.inside else ("in", t)
+
+    def _bary(self, item) -> float:
+        """The mean x of an item's sources (one barycentre pass keeps crossings down)."""
+        kind, key = item
+        if kind == "node":
+            srcs = [self.source(t) for t in self.graph.nodes[key].input if t]
+        else:
+            srcs = [self.source(key)]
+        xs = [self.pos[s][0] for s in srcs if s in self.pos]
+        return sum(xs) / len(xs) if xs else self.order.get(key, 0) * 1e-3
+
+    def _layout(self, title: str) -> None:
+        box_w, box_h, gap_x, gap_y, margin = (self.box_w, self.box_h, self.gap_x, self.gap_y,
+                                              self.margin)
+        widest = max((len(v) for v in self.rows.values()), default=1)
+        self.width = max(margin * 2 + widest * box_w + (widest - 1) * gap_x + 120, 720)
+        self.title_lines = _wrap(title, int((self.width - 2 * margin) / 7.6)) if title else []
+        top = margin + 18 * len(self.title_lines) + (10 if self.title_lines else 0)
+        self.pos: dict[tuple[str, object], tuple[float, float]] = {}
+        for r in sorted(self.rows):
+            items = self.rows[r]
+            if r > 0:
+                items.sort(key=self._bary)
+            row_w = len(items) * box_w + (len(items) - 1) * gap_x
+            x0 = (self.width - row_w) / 2
+            for i, item in enumerate(items):
+                self.pos[item] = (x0 + i * (box_w + gap_x) + box_w / 2, top + r * (box_h + gap_y))
+        self.graph_h = top + self.last * (box_h + gap_y) + box_h + 16
+
+    def row_extent(self, r: int) -> tuple[float, float]:
+        xs = [self.pos[it][0] for it in self.rows.get(r, [])]
         if not xs:
-            return width / 2, width / 2
-        return min(xs) - box_w / 2, max(xs) + box_w / 2
+            return self.width / 2, self.width / 2
+        return min(xs) - self.box_w / 2, max(xs) + self.box_w / 2
 
-    pid_of_use: dict[tuple[str, int, int], list[str]] = {}
-    for pid, uses in point_uses.items():
-        for u in uses:
-            pid_of_use.setdefault(tuple(u), []).append(pid)
-    index = {pid: i for i, pid in enumerate(point_uses)}
-
-    def esc(s: object) -> str:
-        return html.escape(str(s), quote=True)
-
-    parts: list[str] = []
-    marks: list[str] = []
-    lanes = {"left": 0, "right": 0}
-
-    def mark(x: float, y: float, pids: list[str]) -> None:
+    # -- parts ---------------------------------------------------------------------------
+    def mark(self, x: float, y: float, pids: list[str]) -> None:
+        index, chosen = self.index, self.chosen
         on = [p for p in pids if p in chosen]
         label = ",".join(f"p{index[p]}" for p in pids)
         tip = "; ".join(f"p{index[p]} {p}: {'Q/DQ' if p in chosen else 'off'}" for p in pids)
@@ -338,26 +358,26 @@ def region_svg(graph, nodes: list[int], point_uses: dict[str, list[tuple[str, in
         else:
             style = 'fill="#ffffff" stroke="#8c959f" stroke-dasharray="3,2"'
             text_fill, cls = "#57606a", "qdq off"
-        marks.append(
-            f'<g class="{cls}"><title>{esc(tip)}</title>'
+        self.marks.append(
+            f'<g class="{cls}"><title>{_esc(tip)}</title>'
             f'<rect x="{x - w / 2:.1f}" y="{y - 9:.1f}" width="{w}" height="18" rx="9" {style}/>'
             f'<text x="{x:.1f}" y="{y + 4:.1f}" text-anchor="middle" font-size="11" '
-            f'fill="{text_fill}">{esc(label)}</text></g>')
+            f'fill="{text_fill}">{_esc(label)}</text></g>')
 
-    def edge(src: tuple, dst: tuple, dx: float, tensor: str, pids: list[str]) -> None:
-        x1, y1 = pos[src]
-        x2, y2 = pos[dst]
-        y1 += box_h / 2
-        y2 -= box_h / 2
+    def edge(self, src: tuple, dst: tuple, dx: float, tensor: str, pids: list[str]) -> None:
+        x1, y1 = self.pos[src]
+        x2, y2 = self.pos[dst]
+        y1 += self.box_h / 2
+        y2 -= self.box_h / 2
         x2 += dx
-        r1, r2 = row_of[src], row_of[dst]
+        r1, r2 = self.row_of[src], self.row_of[dst]
         if r2 - r1 > 1:  # around the rows in between, in a lane of its own
-            lo = min(row_extent(r)[0] for r in range(r1 + 1, r2))
-            hi = max(row_extent(r)[1] for r in range(r1 + 1, r2))
-            side = "left" if (x1 + x2) / 2 < width / 2 else "right"
-            lanes[side] += 1
-            lane = lo - 16 * lanes[side] if side == "left" else hi + 16 * lanes[side]
-            ya, yb = y1 + gap_y / 2, y2 - gap_y / 2
+            lo = min(self.row_extent(r)[0] for r in range(r1 + 1, r2))
+            hi = max(self.row_extent(r)[1] for r in range(r1 + 1, r2))
+            side = "left" if (x1 + x2) / 2 < self.width / 2 else "right"
+            self.lanes[side] += 1
+            lane = lo - 16 * self.lanes[side] if side == "left" else hi + 16 * self.lanes[side]
+            ya, yb = y1 + self.gap_y / 2, y2 - self.gap_y / 2
             d = (f"M{x1:.1f},{y1:.1f} C{x1:.1f},{ya:.1f} {lane:.1f},{y1:.1f} {lane:.1f},{ya:.1f} "
                  f"L{lane:.1f},{yb:.1f} ")
             last_seg = ((lane, yb), (lane, y2), (x2, yb), (x2, y2))
@@ -367,86 +387,105 @@ def region_svg(graph, nodes: list[int], point_uses: dict[str, list[tuple[str, in
             last_seg = ((x1, y1), (x1, y1 + cy), (x2, y2 - cy), (x2, y2))
         _, c0, c1, p1 = last_seg
         d += f"C{c0[0]:.1f},{c0[1]:.1f} {c1[0]:.1f},{c1[1]:.1f} {p1[0]:.1f},{p1[1]:.1f}"
-        on = any(p in chosen for p in pids)
+        on = any(p in self.chosen for p in pids)
         color, w, arrow = ("#d1242f", 2.6, "arrow-on") if on else ("#57606a", 1.3, "arrow")
-        parts.append(
+        self.parts.append(
             f'<path class="edge{" qdq-edge" if on else ""}" d="{d}" fill="none" '
             f'stroke="{color}" stroke-width="{w}" marker-end="url(#{arrow})">'
-            f"<title>{esc(tensor)}</title></path>")
+            f"<title>{_esc(tensor)}</title></path>")
         if pids:  # the pair sits on the tensor just before the consumer
             if r2 - r1 > 1:  # on the lane, staggered: neighbouring lanes' marks don't collide
-                bx, by = last_seg[0][0], last_seg[0][1] - 8 - 22 * ((lanes[side] - 1) % 3)
+                bx, by = last_seg[0][0], last_seg[0][1] - 8 - 22 * ((self.lanes[side] - 1) % 3)
             else:
                 bx, by = _bezier(*last_seg, 0.6)
-            mark(bx, by, pids)
+            self.mark(bx, by, pids)
 
-    for n in members:  # one edge per activation input slot of each node
-        ins = [(s, t) for s, t in enumerate(graph.nodes[n].input) if t and graph.is_activation(t)]
-        ins.sort(key=lambda st: pos[source(st[1])][0])  # entry points ordered like the sources
-        for k, (slot, t) in enumerate(ins):
-            dx = (k - (len(ins) - 1) / 2) * 44
-            edge(source(t), ("node", n), dx, t, pid_of_use.get((t, n, slot), []))
-    for t in ext_out:  # tensors leaving the region: their outside uses carry RegionOutput points
-        outside = [(t, c, s) for c, s in graph.consumers.get(t, []) if c not in inside]
-        pids = sorted({pid for u in outside for pid in pid_of_use.get(u, [])}, key=index.get)
-        edge(source(t), ("out", t), 0.0, t, pids)
+    def _edges(self) -> None:
+        graph = self.graph
+        for n in self.members:  # one edge per activation input slot of each node
+            ins = [(s, t) for s, t in enumerate(graph.nodes[n].input)
+                   if t and graph.is_activation(t)]
+            ins.sort(key=lambda st: self.pos[self.source(st[1])][0])  # entries like the sources
+            for k, (slot, t) in enumerate(ins):
+                dx = (k - (len(ins) - 1) / 2) * 44
+                self.edge(self.source(t), ("node", n), dx, t,
+                          self.pid_of_use.get((t, n, slot), []))
+        for t in self.ext_out:  # tensors leaving the region: outside uses carry RegionOutputs
+            outside = [(t, c, s) for c, s in graph.consumers.get(t, []) if c not in self.inside]
+            pids = sorted({pid for u in outside for pid in self.pid_of_use.get(u, [])},
+                          key=self.index.get)
+            self.edge(self.source(t), ("out", t), 0.0, t, pids)
 
-    boxes: list[str] = []
-    for item, (cx, cy) in pos.items():
-        kind, key = item
-        x, y = cx - box_w / 2, cy - box_h / 2
-        if kind == "node":
-            nd = graph.nodes[key]
-            name = graph.name_of(key)
-            boxes.append(
-                f'<g class="node"><title>{esc(name)} ({esc(nd.op_type)})</title>'
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{box_w}" height="{box_h}" rx="5" '
-                f'fill="#ddf4ff" stroke="#0969da"/>'
-                f'<text x="{cx:.1f}" y="{cy - 3:.1f}" text-anchor="middle" font-size="13" '
-                f'font-weight="bold" fill="#0a3069">{esc(nd.op_type)}</text>'
-                f'<text x="{cx:.1f}" y="{cy + 13:.1f}" text-anchor="middle" font-size="10" '
-                f'fill="#57606a">{esc(_short(name, 28))}</text></g>')
-        else:
-            label = ("in: " if kind == "in" else "out: ") + _short(str(key), 22)
-            boxes.append(
-                f'<g class="tensor {kind}"><title>{esc(key)}</title>'
-                f'<rect x="{x + 8:.1f}" y="{y + 8:.1f}" width="{box_w - 16}" '
-                f'height="{box_h - 16}" rx="13" fill="#f6f8fa" stroke="#8c959f"/>'
-                f'<text x="{cx:.1f}" y="{cy + 4:.1f}" text-anchor="middle" font-size="11" '
-                f'fill="#24292f">{esc(label)}</text></g>')
+    def _boxes(self) -> list[str]:
+        box_w, box_h = self.box_w, self.box_h
+        boxes: list[str] = []
+        for item, (cx, cy) in self.pos.items():
+            kind, key = item
+            x, y = cx - box_w / 2, cy - box_h / 2
+            if kind == "node":
+                nd = self.graph.nodes[key]
+                name = self.graph.name_of(key)
+                boxes.append(
+                    f'<g class="node"><title>{_esc(name)} ({_esc(nd.op_type)})</title>'
+                    f'<rect x="{x:.1f}" y="{y:.1f}" width="{box_w}" height="{box_h}" rx="5" '
+                    f'fill="#ddf4ff" stroke="#0969da"/>'
+                    f'<text x="{cx:.1f}" y="{cy - 3:.1f}" text-anchor="middle" font-size="13" '
+                    f'font-weight="bold" fill="#0a3069">{_esc(nd.op_type)}</text>'
+                    f'<text x="{cx:.1f}" y="{cy + 13:.1f}" text-anchor="middle" font-size="10" '
+                    f'fill="#57606a">{_esc(_short(name, 28))}</text></g>')
+            else:
+                label = ("in: " if kind == "in" else "out: ") + _short(str(key), 22)
+                boxes.append(
+                    f'<g class="tensor {kind}"><title>{_esc(key)}</title>'
+                    f'<rect x="{x + 8:.1f}" y="{y + 8:.1f}" width="{box_w - 16}" '
+                    f'height="{box_h - 16}" rx="13" fill="#f6f8fa" stroke="#8c959f"/>'
+                    f'<text x="{cx:.1f}" y="{cy + 4:.1f}" text-anchor="middle" font-size="11" '
+                    f'fill="#24292f">{_esc(label)}</text></g>')
+        return boxes
 
-    pre = 'xml:space="preserve" style="white-space:pre"'
-    legend = [f'<text x="{margin}" y="{graph_h:.1f}" font-size="13" font-weight="bold" '
-              f'fill="#24292f">Insertion points: red = Q/DQ in the trial shown, '
-              f'* = committed, grey = off</text>']
-    y = graph_h + 20
-    state_w = 7 + max((len(types.get(p, "")) + 1 for p in chosen), default=0)
-    for pid, uses in point_uses.items():
-        tensors = sorted({u[0] for u in uses})
-        state = "off"
-        if pid in chosen:
-            state = " ".join(x for x in ("Q/DQ", types.get(pid, ""),
-                                         "*" if pid in committed else "") if x)
-        color = "#d1242f" if pid in chosen else "#57606a"
-        text = (f"{'p' + str(index[pid]):<4}{state:<{state_w}} {pid}  [{kinds.get(pid, '')}]  "
-                f"{_short(', '.join(tensors), 70)}")
-        legend.append(f'<text x="{margin}" y="{y:.1f}" font-size="11" fill="{color}" '
-                      f'font-family="monospace" {pre}>{esc(text)}</text>')
-        y += 16
-    height = y + margin - 10
-    head = "".join(
-        f'<text x="{margin}" y="{margin + 8 + 18 * i}" font-size="13" font-weight="bold" '
-        f'fill="#24292f">{esc(line)}</text>' for i, line in enumerate(title_lines))
-    arrow = ('<marker id="{id}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" '
-             'markerHeight="9" markerUnits="userSpaceOnUse" orient="auto">'
-             '<path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>')
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">'
-        f'<defs>{arrow.format(id="arrow", c="#57606a")}{arrow.format(id="arrow-on", c="#d1242f")}'
-        f'</defs><rect width="100%" height="100%" fill="#ffffff"/>{head}'
-        + "".join(parts) + "".join(boxes) + "".join(marks) + "".join(legend) + "</svg>\n"
-    )
+    def _legend(self) -> tuple[list[str], float]:
+        """The legend's lines, and the picture's height below it."""
+        margin, chosen, types = self.margin, self.chosen, self.types
+        pre = 'xml:space="preserve" style="white-space:pre"'
+        legend = [f'<text x="{margin}" y="{self.graph_h:.1f}" font-size="13" font-weight="bold" '
+                  f'fill="#24292f">Insertion points: red = Q/DQ in the trial shown, '
+                  f'* = committed, grey = off</text>']
+        y = self.graph_h + 20
+        state_w = 7 + max((len(types.get(p, "")) + 1 for p in chosen), default=0)
+        for pid, uses in self.point_uses.items():
+            tensors = sorted({u[0] for u in uses})
+            state = "off"
+            if pid in chosen:
+                state = " ".join(x for x in ("Q/DQ", types.get(pid, ""),
+                                             "*" if pid in self.committed else "") if x)
+            color = "#d1242f" if pid in chosen else "#57606a"
+            text = (f"{'p' + str(self.index[pid]):<4}{state:<{state_w}} {pid}  "
+                    f"[{self.kinds.get(pid, '')}]  {_short(', '.join(tensors), 70)}")
+            legend.append(f'<text x="{margin}" y="{y:.1f}" font-size="11" fill="{color}" '
+                          f'font-family="monospace" {pre}>{_esc(text)}</text>')
+            y += 16
+        return legend, y + margin - 10
+
+    def svg(self) -> str:
+        self._edges()
+        boxes = self._boxes()
+        legend, height = self._legend()
+        width, margin = self.width, self.margin
+        head = "".join(
+            f'<text x="{margin}" y="{margin + 8 + 18 * i}" font-size="13" font-weight="bold" '
+            f'fill="#24292f">{_esc(line)}</text>' for i, line in enumerate(self.title_lines))
+        arrow = ('<marker id="{id}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="9" '
+                 'markerHeight="9" markerUnits="userSpaceOnUse" orient="auto">'
+                 '<path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>')
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">'
+            f'<defs>{arrow.format(id="arrow", c="#57606a")}'
+            f'{arrow.format(id="arrow-on", c="#d1242f")}'
+            f'</defs><rect width="100%" height="100%" fill="#ffffff"/>{head}'
+            + "".join(self.parts) + "".join(boxes) + "".join(self.marks) + "".join(legend)
+            + "</svg>\n"
+        )
 
 
 def save_pattern_artifacts(study: optuna.Study, output_dir: str | Path, pp: PatternPoints,

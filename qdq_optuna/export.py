@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .calibration import QMAX, QUANT_TYPES
 from .errors import OptionError
 from .graph import (
     GRAPH_INITIALIZER,
@@ -45,13 +46,11 @@ from .graph import (
 )
 from .insertion.rules import WEIGHTED_OPS, RuntimeRules
 
-QUANT_TYPES = ("int8", "uint8", "fp8")
 _QTYPE_PROTO = {
     "int8": TensorProto.INT8,
     "uint8": TensorProto.UINT8,
     "fp8": TensorProto.FLOAT8E4M3FN,
 }
-_QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
 _MIN_SCALE = 1e-8
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
@@ -761,7 +760,7 @@ def _row_chunks(w: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
 def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
     """:func:`weight_scales` of a (memory-mapped) weight, read slice by slice: the same
     values, without holding the weight, its absolute values and its quotient at once."""
-    qmax = _QMAX["fp8" if qtype == "fp8" else "int8"]
+    qmax = QMAX["fp8" if qtype == "fp8" else "int8"]
     if axis is None or w.ndim == 0:
         amax = 0.0
         for _, c in _row_chunks(w):
@@ -803,7 +802,7 @@ def _quantized_chunks(w: np.ndarray, scales: np.ndarray, axis: int | None,
 
 def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
     """Symmetric max-abs scales, per channel along ``axis`` (or one per tensor)."""
-    qmax = _QMAX["fp8" if qtype == "fp8" else "int8"]
+    qmax = QMAX["fp8" if qtype == "fp8" else "int8"]
     if axis is None or w.ndim == 0:
         return np.array(max(float(np.abs(w).max(initial=0.0)) / qmax, _MIN_SCALE), dtype=np.float32)
     reduce = tuple(i for i in range(w.ndim) if i != axis)

@@ -205,6 +205,3 @@ def _loads_in_ort(model: onnx.ModelProto) -> bool:
         return False
     return True
 
-
-def output_path(path: str | os.PathLike) -> Path:
-    return Path(path).expanduser()

@@ -158,17 +158,30 @@ def _match(graph: Graph, rep: _Labelled, mem: _Labelled) -> tuple[dict[int, int]
     boundary sharing. Returns (node map, per-node slot permutation) or None."""
     if sorted(rep.labels.values()) != sorted(mem.labels.values()):
         return None
-    by_label: dict[str, list[int]] = defaultdict(list)
-    for m in mem.nodes:
-        by_label[mem.labels[m]].append(m)
-    iso: dict[int, int] = {}
-    perms: dict[int, tuple] = {}
-    used: set[int] = set()
-    ext: dict[str, str] = {}
-    ext_rev: dict[str, str] = {}
-    steps = [0]
+    matcher = _Matcher(graph, rep, mem)
+    if not matcher.assign(0):
+        return None
+    return matcher.iso, matcher.perms
 
-    def try_inputs(r: int, m: int):
+
+class _Matcher:
+    """The backtracking search of :func:`_match`: representative nodes in order, each tried
+    against the member's nodes of the same label, inputs slot by slot."""
+
+    def __init__(self, graph: Graph, rep: _Labelled, mem: _Labelled) -> None:
+        self.graph, self.rep, self.mem = graph, rep, mem
+        self.by_label: dict[str, list[int]] = defaultdict(list)
+        for m in mem.nodes:
+            self.by_label[mem.labels[m]].append(m)
+        self.iso: dict[int, int] = {}
+        self.perms: dict[int, tuple] = {}
+        self.used: set[int] = set()
+        self.ext: dict[str, str] = {}
+        self.ext_rev: dict[str, str] = {}
+        self.steps = 0
+
+    def try_inputs(self, r: int, m: int):
+        graph, rep, mem = self.graph, self.rep, self.mem
         rn, mn = graph.nodes[r], graph.nodes[m]
         if len(rn.input) != len(mn.input) or len(rn.output) != len(mn.output):
             return None
@@ -178,7 +191,7 @@ def _match(graph: Graph, rep: _Labelled, mem: _Labelled) -> tuple[dict[int, int]
         else:
             options = [tuple(range(arity))]
         for perm in options:
-            steps[0] += 1
+            self.steps += 1
             new_ext: dict[str, str] = {}
             ok = True
             for s in range(arity):
@@ -189,15 +202,15 @@ def _match(graph: Graph, rep: _Labelled, mem: _Labelled) -> tuple[dict[int, int]
                 elif kr == "i":
                     pr, orr = graph.producer[tr]
                     pm, om = graph.producer[tm]
-                    ok = iso.get(pr) == pm and orr == om
+                    ok = self.iso.get(pr) == pm and orr == om
                 elif kr == "k":
                     ok = _const_desc(graph, tr) == _const_desc(graph, tm)
                 elif kr == "b":
-                    mapped = ext.get(tr, new_ext.get(tr))
+                    mapped = self.ext.get(tr, new_ext.get(tr))
                     if mapped is not None:
                         ok = mapped == tm
                     else:
-                        back = ext_rev.get(tm) or next(
+                        back = self.ext_rev.get(tm) or next(
                             (a for a, b in new_ext.items() if b == tm), None
                         )
                         ok = back is None
@@ -209,36 +222,31 @@ def _match(graph: Graph, rep: _Labelled, mem: _Labelled) -> tuple[dict[int, int]
                 return perm, new_ext
         return None
 
-    order = rep.nodes
-
-    def assign(i: int) -> bool:
+    def assign(self, i: int) -> bool:
+        order = self.rep.nodes
         if i == len(order):
             return True
-        if steps[0] > _MATCH_STEP_LIMIT:
+        if self.steps > _MATCH_STEP_LIMIT:
             return False
         r = order[i]
-        for m in by_label[rep.labels[r]]:
-            if m in used:
+        for m in self.by_label[self.rep.labels[r]]:
+            if m in self.used:
                 continue
-            res = try_inputs(r, m)
+            res = self.try_inputs(r, m)
             if res is None:
                 continue
             perm, new_ext = res
-            iso[r], perms[r] = m, perm
-            used.add(m)
+            self.iso[r], self.perms[r] = m, perm
+            self.used.add(m)
             for a, b in new_ext.items():
-                ext[a], ext_rev[b] = b, a
-            if assign(i + 1):
+                self.ext[a], self.ext_rev[b] = b, a
+            if self.assign(i + 1):
                 return True
-            del iso[r], perms[r]
-            used.discard(m)
+            del self.iso[r], self.perms[r]
+            self.used.discard(m)
             for a, b in new_ext.items():
-                del ext[a], ext_rev[b]
+                del self.ext[a], self.ext_rev[b]
         return False
-
-    if not assign(0):
-        return None
-    return iso, perms
 
 
 @dataclass

@@ -287,7 +287,13 @@ def discover_regions(graph: Graph, config: RegionConfig | None = None) -> Region
         comp = new(RegionType.COMPOSITE, 2, "block", block_nodes, children)
         top.append(comp.id)
     flush_chain()
+    return _link(graph, regions, root, top, [leaf_region[lid] for lid in range(len(leaves))],
+                 leaves, tuning)
 
+
+def _link(graph: Graph, regions: list[Region], root: Region, top: list[int],
+          leaf_ids: list[int], leaves: list[list[int]], tuning: list[int]) -> RegionTree:
+    """The tree: parents and levels set, every node's leaf, the tuned regions in graph order."""
     for rid in top:
         regions[rid].parent = root.id
     root.children = top
@@ -298,6 +304,6 @@ def discover_regions(graph: Graph, config: RegionConfig | None = None) -> Region
     leaf_of = [0] * len(graph.nodes)
     for lid, nodes in enumerate(leaves):
         for n in nodes:
-            leaf_of[n] = leaf_region[lid]
+            leaf_of[n] = leaf_ids[lid]
     tuning.sort(key=lambda rid: regions[rid].all_nodes[0])
     return RegionTree(regions=regions, root=root.id, leaf_of=leaf_of, tuning=tuning)

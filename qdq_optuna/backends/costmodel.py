@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from qdq_optuna.backends.base import Backend, BackendError, FixedRunner, ModelSource, Runner
+from qdq_optuna.insertion.rules import COMPUTE_OPS as RULES_COMPUTE_OPS
 
 if TYPE_CHECKING:  # onnx is imported lazily: backends must stay cheap to import
     import onnx
@@ -39,8 +40,9 @@ BIAS_BYTES = 4
 Q_OP = "QuantizeLinear"
 DQ_OP = "DequantizeLinear"
 
-#: Tensor-core ops: roofline of FLOPs against bytes.
-COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+#: Tensor-core ops: roofline of FLOPs against bytes (the rules' compute ops; no FLOP count for
+#: Einsum here, so it is costed like any other op).
+COMPUTE_OPS = RULES_COMPUTE_OPS - {"Einsum"}
 #: Metadata-only ops: no kernel, and transparent when tracing Q/DQ producers and consumers.
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
 #: Ops whose output is known at build time once shapes are static.
@@ -181,12 +183,6 @@ class CostBreakdown:
     def kernels(self) -> int:
         """Number of kernels the engine would launch (entries with a cost)."""
         return sum(1 for entry in self.nodes if entry.ms > 0)
-
-    def ms_by_kind(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for entry in self.nodes:
-            out[entry.kind] = out.get(entry.kind, 0.0) + entry.ms
-        return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,20 +83,6 @@ class PatternPoints:
         return {r: sorted({u[0] for u in uses}) for r, uses in self.resolved[point_id].items()}
 
 
-def _children_in_order(tree: RegionTree, pattern: Pattern, region: int) -> list[int]:
-    """Member's children ordered like the representative's (by mapped first node)."""
-    rep = pattern.representative
-    rep_children = sorted(tree[rep].children, key=lambda c: tree[c].all_nodes[0])
-    index_of = {n: i for i, n in enumerate(pattern.node_maps[rep])}
-    out = []
-    for child in rep_children:
-        first = index_of[tree[child].all_nodes[0]]
-        member_node = pattern.node(region, first)
-        owner = next(c for c in tree[region].children if member_node in set(tree[c].all_nodes))
-        out.append(owner)
-    return out
-
-
 def enumerate_points(
     graph: Graph, tree: RegionTree, patterns: PatternIndex, pattern: Pattern, rules: RuntimeRules
 ) -> PatternPoints:

@@ -1,0 +1,77 @@
+"""The package's shape: no import circle, no unit over its size limit, one owner of the
+stored run's keys (measured with ``benchmarks/structure.py``, which prints the figures)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_structure():
+    spec = importlib.util.spec_from_file_location("structure", REPO / "benchmarks" / "structure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+structure = _load_structure()
+
+#: units over the limits in modules other changes are reshaping at the same time; each may not
+#: grow past its size here (split them there, then drop them from this list)
+KNOWN_OVER = {
+    "qdq_optuna.export.QDQExporter": 455,
+    "qdq_optuna.bench.load_recipe": 105,
+    "qdq_optuna.graph._load_model": 89,
+}
+
+
+def test_no_import_circle_in_the_package():
+    graph = structure.import_graph(REPO)
+    assert "qdq_optuna.search._run" in graph and graph["qdq_optuna.search._run"]
+    assert structure.circles(graph) == []
+
+
+def test_the_import_walk_finds_a_circle():
+    """The check itself: two modules importing each other (one inside a function) are one."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert structure.circles(graph) == [["a", "b", "c"]]
+    tree = ast.parse("import os\ndef f():\n    from .b import x\nif TYPE_CHECKING:\n"
+                     "    from .c import y\n")
+    assert structure._imports(tree, "qdq_optuna.a", False) == {"qdq_optuna.b", "qdq_optuna.b.x"}
+
+
+def test_no_class_over_400_and_no_function_over_80_lines():
+    over = {f"{r['module']}.{r['unit']}": r["lines"] for r in structure.too_long(
+        structure.units(REPO))}
+    new = {u: n for u, n in over.items() if u not in KNOWN_OVER}
+    assert not new, f"over the limits: {new}"
+    grown = {u: n for u, n in over.items() if u in KNOWN_OVER and n > KNOWN_OVER[u]}
+    assert not grown, f"grew past their size: {grown}"
+
+
+def test_unit_sizes_are_measured_from_the_first_line_to_the_last(tmp_path):
+    pkg = tmp_path / "qdq_optuna"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text("@decorator\ndef f():\n" + "    x = 1\n" * 80
+                              + "class C:\n    def g(self):\n        pass\n")
+    rows = {r["unit"]: r for r in structure.units(tmp_path)}
+    assert rows["f"]["lines"] == 82 and rows["C"]["lines"] == 3 and rows["C.g"]["lines"] == 2
+    assert [r["unit"] for r in structure.too_long(list(rows.values()))] == ["f"]
+
+
+@pytest.mark.parametrize("name", ["POINTS", "CONCAT_GROUPS", "FUSION_GROUPS", "POINT_USES",
+                                  "POINT_TENSORS", "NUM_CHOICES"])
+def test_the_record_writes_the_keys_our_sampler_reads(name):
+    from samplers.qdq_mutation import _sampler
+
+    from qdq_optuna.search._record import PatternAttr, SystemAttr
+
+    assert getattr(PatternAttr, name) == getattr(_sampler, f"{name}_ATTR")
+    assert SystemAttr.DUPLICATE == _sampler.DUPLICATE_KEY
+    assert SystemAttr.PHASE == _sampler.PHASE_KEY
