@@ -3,7 +3,7 @@
 The search trades latency against this error, so it must be cheap per candidate (the FP32
 reference is computed once) and never NaN: a candidate that produces non-finite outputs gets the
 worst possible error instead, which an optimizer can still rank. :class:`ErrorScorer` is what the
-search calls: errors of exported plans on the validation data, each plan scored once per run.
+search calls: errors of candidate models on the validation data.
 """
 
 from __future__ import annotations
@@ -326,31 +326,19 @@ def validation_data(model, *, validation: str | None, calibration_data: str | No
 
 
 class ErrorScorer:
-    """Output errors of exported plans against the FP32 model, each plan scored once.
+    """Output errors of candidate models against the FP32 model, as JSON-safe records.
 
     ``optimize``: run candidates with ONNX Runtime's full graph optimizations (its fused integer
     kernels, what an ONNX Runtime deployment runs) or with none (the ONNX semantics of the Q/DQ
     model: the better proxy for TensorRT, and the only correct one for FP8, see
-    :func:`run_model`). ``cache``: plan key -> error record, shared by a run's processes (any
-    object with ``get(key)`` and ``put(key, record)``).
+    :func:`run_model`).
     """
 
     def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
-                 error_measure: str, optimize: bool, cache=None) -> None:
+                 error_measure: str, optimize: bool) -> None:
         self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
                                            error_measure=error_measure, optimize=optimize)
-        self.cache = cache
         self.evaluations = 0
-
-    def score(self, exporter, plan) -> dict:
-        if self.cache is not None:
-            hit = self.cache.get(plan.key)
-            if hit is not None:
-                return dict(hit)
-        record = self.score_bytes(exporter.to_bytes(plan))
-        if self.cache is not None:
-            self.cache.put(plan.key, record)
-        return record
 
     def score_bytes(self, data: bytes) -> dict:
         self.evaluations += 1

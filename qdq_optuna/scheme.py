@@ -55,6 +55,8 @@ class Drawn:
     uses: dict[Use, str]
     #: tensors this scheme quantizes (over every member region)
     tensors: list[str]
+    #: the space is mixed precision (``types`` is then worth storing)
+    mixed: bool
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class ChoiceSpace:
         on = [p for p, v in params.items() if v]
         return Drawn(params=params, on=on, types=self.describe(params) if self.mixed else {},
                      uses=self.placed(around, pp, params),
-                     tensors=sorted({u[0] for u in pp.uses(on)}))
+                     tensors=sorted({u[0] for u in pp.uses(on)}), mixed=self.mixed)
 
     def on(self, params: Mapping[str, object]) -> list[str]:
         return [p for p, v in params.items() if self.index(v) != 0]

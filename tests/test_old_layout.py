@@ -15,7 +15,6 @@ import _latency_fns as fns
 import optuna
 import pytest
 import yaml
-from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend

@@ -68,10 +68,52 @@ def test_unit_sizes_are_measured_from_the_first_line_to_the_last(tmp_path):
 @pytest.mark.parametrize("name", ["POINTS", "CONCAT_GROUPS", "FUSION_GROUPS", "POINT_USES",
                                   "POINT_TENSORS", "NUM_CHOICES"])
 def test_the_record_writes_the_keys_our_sampler_reads(name):
-    from samplers.qdq_mutation import _sampler
-
     from qdq_optuna.search._record import PatternAttr, SystemAttr
+    from samplers.qdq_mutation import _sampler
 
     assert getattr(PatternAttr, name) == getattr(_sampler, f"{name}_ATTR")
     assert SystemAttr.DUPLICATE == _sampler.DUPLICATE_KEY
     assert SystemAttr.PHASE == _sampler.PHASE_KEY
+
+
+def _readme_map() -> list[str]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text.split("## How it works", 1)[1].split("```\n", 2)[1]
+    return block.splitlines()
+
+
+def test_the_readme_map_lists_every_module():
+    """Every module of the package is in the README's map, and the map names no other."""
+    listed, package = set(), ""
+    for line in _readme_map()[1:]:
+        words = line.split()
+        if not words or not (words[0].endswith(".py") or words[0].endswith("/")):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 2:
+            package = words[0] if words[0].endswith("/") else ""
+            if package:  # a package's header stands for its __init__.py
+                listed.add(package + "__init__.py")
+                continue
+        listed.add((package if indent > 2 else "") + words[0])
+    files = {p.relative_to(REPO / "qdq_optuna").as_posix()
+             for p in (REPO / "qdq_optuna").rglob("*.py")}
+    assert files - listed == set(), "modules missing from the README map"
+    assert listed - files == set(), "the README map names modules that do not exist"
+
+
+def test_search_modules_import_only_the_ones_listed_below_them():
+    lines = _readme_map()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  search/"))
+    order = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        if line.split()[0].endswith(".py"):
+            order.append(line.split()[0])
+    assert order[0] == "_run.py" and "_record.py" in order
+    graph = structure.import_graph(REPO)
+    rank = {f"qdq_optuna.search.{name[:-3]}": i for i, name in enumerate(order)}
+    for module, i in rank.items():
+        for target in graph[module]:
+            assert rank.get(target, len(order)) > i, f"{module} imports {target}, listed above it"

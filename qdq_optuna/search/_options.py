@@ -124,10 +124,11 @@ class Settings:
     space: ChoiceSpace
     refine_rounds: int
     max_output_error: float | None = None
+    #: two objectives (latency, error)
+    multi_objective: bool = field(init=False)
 
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.objectives) > 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "multi_objective", len(self.objectives) > 1)
 
     @staticmethod
     def runtime_of(options: TuneOptions, backend: Backend) -> str:

@@ -174,7 +174,7 @@ class PatternStudy:
         s.workers.admit(self.study, trial, self.budget)
         drawn = s.settings.space.draw(trial, self.pp, self.around)
         plan = s.exporter.plan(drawn.uses)
-        note_scheme(trial, drawn, plan, s.settings.space.mixed)
+        note_scheme(trial, drawn, plan)
         twin = s.workers.twin(self.study, trial, plan.key)
         if twin is not None:  # two workers drew the same scheme at once: measure it once
             trial.set_user_attr(TrialAttr.DUPLICATE_OF, twin)

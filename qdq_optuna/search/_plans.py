@@ -6,8 +6,8 @@ pattern study's reference, a candidate's latency against that reference (the scr
 interleaved A/B), confirmations and the final comparison, and scores a plan's output errors.
 It counts every time it asks the backend to time a model (``measurements``, per phase in
 ``by_phase``), never measures one model twice in a run (the run record's measurement memo,
-shared by workers), and remembers the plans that failed in this process, so a re-proposed
-failure is skipped rather than crashing the backend again.
+shared by workers; output errors likewise), and remembers the plans that failed in this
+process, so a re-proposed failure is skipped rather than crashing the backend again.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
     def __init__(self, measurer: Measurer, memo: MeasurementCache,
-                 scorer: ErrorScorer | None = None) -> None:
+                 scorer: ErrorScorer | None = None, errors: MeasurementCache | None = None) -> None:
         self.measurer = measurer
         self.memo = memo
         self.scorer = scorer
+        self.errors = errors
         self.measurements = 0
         self.by_phase: Counter[str] = Counter()
         self.cache_hits = 0
@@ -195,5 +196,12 @@ class PlanMeasurer:
 
     # -- errors --------------------------------------------------------------------------
     def error(self, exporter, plan: QuantPlan) -> dict:
-        """Output errors of ``plan`` vs FP32 on the validation data (accuracy modes)."""
-        return self.scorer.score(exporter, plan)
+        """Output errors of ``plan`` vs FP32 on the validation data (accuracy modes), scored
+        once per run (the record's error memo, shared by workers)."""
+        hit = self.errors.get(plan.key) if self.errors is not None else None
+        if hit is not None:
+            return dict(hit)
+        record = self.scorer.score_bytes(exporter.to_bytes(plan))
+        if self.errors is not None:
+            self.errors.put(plan.key, record)
+        return record

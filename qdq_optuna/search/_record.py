@@ -220,10 +220,10 @@ class ErrorCache(MeasurementCache):
 
 
 # -- trial notes ---------------------------------------------------------------------------------
-def note_scheme(trial: optuna.Trial, drawn, plan, mixed: bool) -> None:
+def note_scheme(trial: optuna.Trial, drawn, plan) -> None:
     """What a trial builds: its scheme, the model's plan key and size, the tensors it covers."""
     trial.set_user_attr(TrialAttr.SCHEME, drawn.on)
-    if mixed:
+    if drawn.mixed:
         trial.set_user_attr(TrialAttr.SCHEME_TYPES, drawn.types)
     trial.set_user_attr(TrialAttr.PLAN_KEY, plan.key)
     trial.set_user_attr(TrialAttr.QDQ_COUNT, len(plan))

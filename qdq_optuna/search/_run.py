@@ -129,7 +129,8 @@ class Tuner:
         self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        plans = PlanMeasurer(self.measurer, self.record.measured, self._scorer(exporter))
+        plans = PlanMeasurer(self.measurer, self.record.measured, self._scorer(exporter),
+                             self.record.errors)
         self.search = Search(
             prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
             record=self.record, rule=CommitRule(self.cfg.performance_threshold),
@@ -277,8 +278,7 @@ class Tuner:
                                   calibration_data=self.o.calibration_data, input_shapes=shapes)
         return ErrorScorer(exporter.to_bytes(exporter.plan(set())), data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
-                           optimize=self.settings.runtime == "onnxruntime",
-                           cache=self.record.errors)
+                           optimize=self.settings.runtime == "onnxruntime")
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
