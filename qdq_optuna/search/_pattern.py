@@ -92,11 +92,12 @@ class PatternStudy:
     scheme to start from (indices; None: the empty scheme, and the sampler proposes the empty
     and full schemes first); ``seeds``: schemes to try first; ``budget``: finished trials at
     most (default ``Config.schemes_per_region``; never more than the distinct models the
-    pattern's schemes build)."""
+    pattern's schemes build); ``rule``: when a candidate replaces the start (default: the
+    run's)."""
 
     def __init__(self, search: Search, pp: PatternPoints, *, order: int, around: Around,
                  rnd: int = 0, start: dict[str, int] | None = None, seeds: Sequence[Seed] = (),
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, rule: CommitRule | None = None) -> None:
         self.s = search
         self.pp = pp
         self.order = order
@@ -105,6 +106,7 @@ class PatternStudy:
         self.start = start
         self.seeds = list(seeds)
         self.cap = budget or search.config.schemes_per_region
+        self.rule = rule or search.rule
         self.study: optuna.Study | None = None
         self.sampler = None
         self.reference: Reference | None = None
@@ -293,7 +295,7 @@ class PatternStudy:
                     Agreed.REASON: "no trial beat the reference"}
         best, why = choose_candidate(complete, multi_objective=s.settings.multi_objective,
                                      constrained=s.settings.constrained,
-                                     threshold=s.rule.threshold)
+                                     threshold=self.rule.threshold)
         if best is None and complete:
             decision[Agreed.REASON] = why
         if best is not None:
@@ -311,7 +313,7 @@ class PatternStudy:
     def _judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
         """The decision about the best trial: committed when the rule confirms it."""
         s = self.s
-        rule = s.rule
+        rule = self.rule
         plan = self.plan(best.params)
         reference = self.reference.plan if self.reference else self.plan(self.start or {})
         needed = rule.needed(removes_only=quantized_uses(plan) < quantized_uses(reference))

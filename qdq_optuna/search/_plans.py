@@ -22,7 +22,7 @@ from ..backends.base import BackendError, BackendUnavailable
 from ..errors import UserError
 from ..export import QuantPlan
 from ..measure import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
-from ._record import MeasurementCache
+from ._record import PlanMemo
 
 log = logging.getLogger("qdq_optuna")
 
@@ -45,8 +45,8 @@ class Reference:
 class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
-    def __init__(self, measurer: Measurer, memo: MeasurementCache,
-                 scorer: ErrorScorer | None = None, errors: MeasurementCache | None = None) -> None:
+    def __init__(self, measurer: Measurer, memo: PlanMemo, scorer: ErrorScorer | None = None,
+                 errors: PlanMemo | None = None) -> None:
         self.measurer = measurer
         self.memo = memo
         self.scorer = scorer

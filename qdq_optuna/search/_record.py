@@ -185,20 +185,20 @@ def delete_run(storage, run_id: str) -> int:
 
 
 # -- per-model records -------------------------------------------------------------------------------
-class MeasurementCache:
-    """Plan key -> measured result, stored in the run study's user attrs (shared, persistent)."""
+class PlanMemo:
+    """Plan key -> a record of that model (its measurement, or its output errors), stored in
+    the run study's user attrs under ``prefix`` (shared by workers, kept across resumes)."""
 
-    PREFIX = RunAttr.MEASURED
-
-    def __init__(self, run_study: optuna.Study) -> None:
+    def __init__(self, run_study: optuna.Study, prefix: str) -> None:
         self.study = run_study
+        self.prefix = prefix
         self._local: dict[str, dict] = {}
 
     def refresh(self) -> None:
         attrs = self.study._storage.get_study_user_attrs(self.study._study_id)
         for k, v in attrs.items():
-            if k.startswith(self.PREFIX):
-                self._local[k[len(self.PREFIX):]] = v
+            if k.startswith(self.prefix):
+                self._local[k[len(self.prefix):]] = v
 
     def get(self, key: str) -> dict | None:
         if key not in self._local:
@@ -207,16 +207,10 @@ class MeasurementCache:
 
     def put(self, key: str, record: dict) -> None:
         self._local[key] = record
-        self.study.set_user_attr(self.PREFIX + key, record)
+        self.study.set_user_attr(self.prefix + key, record)
 
     def __len__(self) -> int:
         return len(self._local)
-
-
-class ErrorCache(MeasurementCache):
-    """Plan key -> output errors, in the run study's user attrs (shared by workers)."""
-
-    PREFIX = RunAttr.ERROR
 
 
 # -- trial notes ---------------------------------------------------------------------------------
@@ -292,8 +286,8 @@ class RunRecord:
         self.refine_rounds = refine_rounds
         self.run_study = optuna.create_study(study_name=run_study_name(run_id), storage=storage,
                                              load_if_exists=True)
-        self.measured = MeasurementCache(self.run_study)
-        self.errors = ErrorCache(self.run_study)
+        self.measured = PlanMemo(self.run_study, RunAttr.MEASURED)
+        self.errors = PlanMemo(self.run_study, RunAttr.ERROR)
 
     # -- agreement -------------------------------------------------------------------------
     def agree(self, key: str, value):

@@ -74,8 +74,11 @@ class Tuner:
         self.run_id = options.run_id_or_default
         self.storage_url = options.storage or default_storage_url(self.out)
         self.started = time.monotonic()
-        self.record: RunRecord | None = None
+        self.fingerprint_digest: str | None = None
+        self.record: RunRecord | None = None  # these four once the run is open
         self.search: Search | None = None
+        self.cache: PatternCache | None = None
+        self.baseline_q: set[str] | None = None
         self._calibrated: dict | None = None
 
     def remaining(self) -> float | None:
@@ -97,13 +100,10 @@ class Tuner:
     def _run(self) -> TuneResult:
         quiet_optuna(self.cfg.verbose)
         search = self._open()
-        search.baseline_ms = self.record.baseline(
-            lambda: search.plans.baseline(search.exporter, search.exporter.plan(set()),
-                                          self.settings.backend, self.o.model))
+        search.baseline_ms = self._baseline(search)
         self._write_state("running")
-        # (whole-model starts, measured before any pattern study, would go here)
         patterns = search.progress.patterns(len(self.prepared.tunable))
-        try:
+        try:  # rounds of pattern studies
             self._first_pass(search, patterns.step)
             for rnd in range(1, self.settings.refine_rounds + 1):
                 self._refine(search, rnd)
@@ -140,9 +140,13 @@ class Tuner:
             on_commit=[PatternPictures(self.out, self.prepared)])
         return self.search
 
+    def _baseline(self, search: Search) -> float:
+        """The float model's latency, measured once for all workers."""
+        return self.record.baseline(lambda: search.plans.baseline(
+            search.exporter, search.exporter.plan(set()), self.settings.backend, self.o.model))
+
     def _load_seeds(self) -> None:
         """The user's warm starts (``--pattern-cache``, ``--qdq-baseline``), checked."""
-        self.cache = None
         if self.o.pattern_cache:
             self.cache = PatternCache.load(self.o.pattern_cache)
             self.cache.check_matches(self.o.pattern_cache, self.prepared.tunable)
