@@ -4,7 +4,9 @@ Compares two output folders of ``qdq-optuna tune`` made on a deterministic backe
 model, or a callable), e.g. one made with an older checkout and one with this one:
 
 * ``report.json``: every key, except where the run was (``output``, ``storage``, ``model``),
-  when it ended (``finished``) and how long the timing code took (``seconds``);
+  when it ended (``finished``), how long the timing code took (``seconds``) and how busy the
+  machine was (``quiet``; rounds ``remeasured``, and the ``loads`` / ``timed_runs`` they
+  added: the measurer re-times a round another process disturbed, even on a callable);
 * ``state.yaml``: every key except ``storage``;
 * ``studies.db``: the same study names; per study the same user attrs and per trial the same
   state, parameters, values, user attrs and system attrs (artifact ids, creation times and
@@ -26,7 +28,8 @@ import yaml
 
 #: keys whose values name the place or the moment of a run, not its result
 VOLATILE = {"output", "storage", "model", "finished", "seconds", "created", "artifacts",
-            "datetime_start", "datetime_complete", "url", "artifact_id"}
+            "datetime_start", "datetime_complete", "url", "artifact_id",
+            "quiet", "remeasured", "loads", "timed_runs"}
 
 
 def clean(value):

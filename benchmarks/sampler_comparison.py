@@ -42,18 +42,12 @@ from qdq_optuna.model import PreparedModel  # noqa: E402
 from qdq_optuna.sampling import make_sampler  # noqa: E402
 
 
-def pattern_attrs(pp) -> dict:
-    """The study user attributes the search sets for our sampler (see search.py)."""
-    uses_index = {u: i for i, u in enumerate(sorted(pp.uses(pp.ids)))}
-    return {
-        "qdq_points": pp.ids,
-        "qdq_concat_groups": pp.concat_groups,
-        "qdq_fusion_groups": pp.fusion_groups,
-        "qdq_point_tensors": {pid: sorted({u[0] for us in pp.resolved[pid].values() for u in us})
-                              for pid in pp.ids},
-        "qdq_point_uses": {pid: sorted(uses_index[u] for us in pp.resolved[pid].values()
-                                       for u in us) for pid in pp.ids},
-    }
+def pattern_attrs(pm, pp) -> dict:
+    """The study user attributes the search sets for a pattern (its sampler reads them)."""
+    from qdq_optuna.scheme import ChoiceSpace
+    from qdq_optuna.search._record import pattern_attrs as stored
+
+    return stored(pp, pm, ChoiceSpace((pm.quant_type,)))
 
 
 def build_sampler(spec: str, **kwargs) -> optuna.samplers.BaseSampler:
@@ -99,7 +93,7 @@ def race(model_name: str, size: str, samplers: list[str], seeds: int, budget: in
                     scheme_key=lambda params, pp=pp: exporter.plan(
                         pp.uses([p for p, v in params.items() if v])).key)
                 study = optuna.create_study(sampler=sampler, direction="minimize")
-                for k, v in pattern_attrs(pp).items():
+                for k, v in pattern_attrs(pm, pp).items():
                     study.set_user_attr(k, v)
                 if not name.startswith("qdq"):
                     study.enqueue_trial(dict.fromkeys(pp.ids, 0))
