@@ -235,13 +235,27 @@ def quantized_reads(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, i
     return out
 
 
+def quantized_outputs(model: onnx.ModelProto) -> list[str]:
+    """Graph outputs a Q/DQ model computes through a DequantizeLinear."""
+    ix = _QDQIndex.of(model)
+    outs = []
+    for o in model.graph.output:
+        node = ix.producer.get(o.name)
+        while node is not None and node.op_type in _TRANSPARENT:
+            node = ix.producer.get(node.input[0])
+        if node is not None and node.op_type == "DequantizeLinear" and \
+                node.input[0] not in ix.constants:
+            outs.append(o.name)
+    return outs
+
+
 def read_placement(pm, qdq_model: str | os.PathLike | onnx.ModelProto
                    ) -> tuple[set[Use], list[str], dict[str, int]]:
     """The uses of ``pm``'s graph that ``qdq_model`` reads through Q/DQ.
 
     Tensors and nodes are matched by name first (ONNX Runtime's preprocessing and its
-    quantizer keep most names); a node that was renamed or removed is matched structurally, by
-    the tensor it reads and its op type. Returns (uses, notes on what could not be mapped,
+    quantizer keep most names); a renamed node is matched by the tensor it writes, else by the
+    tensor it reads and its op type. Returns (uses, notes on what could not be mapped,
     counts)."""
     model = qdq_model if isinstance(qdq_model, onnx.ModelProto) else _load_qdq(qdq_model)
     g = pm.graph
@@ -261,8 +275,12 @@ def read_placement(pm, qdq_model: str | os.PathLike | onnx.ModelProto
         notes.append(f"{len(unmapped)} quantized read(s) have no counterpart in the prepared "
                      f"graph: {', '.join(sorted(unmapped)[:6])}"
                      + (f" (+{len(unmapped) - 6} more)" if len(unmapped) > 6 else ""))
+    outputs = quantized_outputs(model)
+    if outputs:
+        notes.append(f"{len(outputs)} graph output(s) carry a Q/DQ pair, which no tensor use "
+                     f"expresses (left float): {', '.join(outputs[:6])}")
     counts = {"reads": len(reads), "mapped": len(reads) - len(unmapped),
-              "unmapped": len(unmapped)}
+              "unmapped": len(unmapped), "quantized_outputs": len(outputs)}
     return uses, notes, counts
 
 
@@ -277,6 +295,8 @@ def _map_read(g: Graph, by_name: dict[str, int], tensors: set[str], tensor: str,
               node: onnx.NodeProto, slot: int) -> Use | None:
     """One quantized read of a Q/DQ model as a use of ``g``: by names, else by structure."""
     idx = by_name.get(node.name) if node.name else None
+    if idx is None or g.nodes[idx].op_type != node.op_type:  # renamed: the one writing its output
+        idx = next((g.producer[o][0] for o in node.output if o in g.producer), None)
     if idx is not None and g.nodes[idx].op_type == node.op_type:
         ours = g.nodes[idx].input
         if tensor in tensors:  # same node, same tensor: the slot where it reads it
@@ -630,3 +650,21 @@ def run_modelopt(model: str | os.PathLike, output: str | os.PathLike, *,
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"NVIDIA Model Optimizer failed on {model}: {last}")
     return Path(output)
+
+
+def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tuple[float, int]]:
+    """Activation tensor -> (scale, zero point) of a Q/DQ model's QuantizeLinear nodes, for an
+    exporter that should reproduce its model (per-tensor activations only)."""
+    model = qdq_model if isinstance(qdq_model, onnx.ModelProto) else onnx.load(str(qdq_model))
+    ix = _QDQIndex.of(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    out: dict[str, tuple[float, int]] = {}
+    for q in ix.nodes:
+        if q.op_type != "QuantizeLinear" or q.input[0] in ix.constants or q.input[1] not in inits:
+            continue
+        scale = onnx.numpy_helper.to_array(inits[q.input[1]])
+        zp = onnx.numpy_helper.to_array(inits[q.input[2]]) if len(q.input) > 2 and \
+            q.input[2] in inits else np.zeros(())
+        if scale.size == 1:
+            out[ix.source(q.input[0])] = (float(scale.reshape(())), int(zp.reshape(())))
+    return out
