@@ -169,6 +169,8 @@ class Variant:
     patience: int = 0
     #: start from the best start (else float)
     best_start: bool = True
+    #: also descend from these starts (by name) and keep the best result
+    also_from: tuple[str, ...] = ()
     #: skip a pattern whose neighbourhood did not change since its last round
     skip_unchanged: bool = True
     max_rounds: int = 20
@@ -238,7 +240,21 @@ def _neighbourhood(space: Space, p: str) -> set[str]:
 
 def whole_model_descent(space: Space, measure: Counter, start_states: dict[str, State],
                         v: Variant) -> DescentResult:
-    """Starts -> standing model -> per-pattern rounds against the whole standing model."""
+    """Starts -> standing model -> per-pattern rounds against the whole standing model (and
+    from ``v.also_from`` too, keeping the best)."""
+    res = _descent(space, measure, start_states, v)
+    for name in v.also_from:
+        if name in start_states and name != res.start:
+            other = _descent(space, measure, {name: start_states[name]}, v)
+            other.phases = {**res.phases, **{f"{name}:{k}": c for k, c in other.phases.items()}}
+            if other.ms < res.ms:
+                res = other
+            res.measurements = measure.count
+    return res
+
+
+def _descent(space: Space, measure: Counter, start_states: dict[str, State],
+             v: Variant) -> DescentResult:
     phases = {}
     if v.best_start:
         scored = {name: measure(s) for name, s in start_states.items()}
@@ -278,13 +294,16 @@ def whole_model_descent(space: Space, measure: Counter, start_states: dict[str, 
 
 
 VARIANTS = [
-    Variant("recommended: best start, groups+chains+singles, prior, try all"),
+    Variant("recommended: best start and the recipe, groups+chains+singles, prior, try all",
+            also_from=("recipe",)),
+    Variant("best start only"),
     Variant("float start", best_start=False),
     Variant("no chains", kinds=("fusion", "concat", "single")),
     Variant("singles only", kinds=("single",)),
     Variant("no prior (natural order)", prior=False),
     Variant("patience 3", patience=3),
     Variant("patience 8", patience=8),
+    Variant("best start and the recipe, patience 8", also_from=("recipe",), patience=8),
     Variant("no skip of unchanged patterns", skip_unchanged=False),
 ]
 
