@@ -36,6 +36,7 @@ ModelLike = onnx.ModelProto | str | os.PathLike
 
 QUANT_TYPES = ("int8", "uint8", "fp8")
 METHODS = ("minmax", "percentile", "entropy", "mse")
+DEFAULT_METHOD = "entropy"  # provisional
 
 #: Smallest scale handed out. A tensor that is constant zero (a dead ReLU, padding) would
 #: otherwise get scale 0 and Q/DQ would divide by zero; 1e-8 is a normal float32 that still
