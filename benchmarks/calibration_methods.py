@@ -38,43 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_models  # noqa: E402
 
-from qdq_optuna import calibration, zoo  # noqa: E402
+from qdq_optuna import calibration  # noqa: E402
 from qdq_optuna.accuracy import AccuracyEvaluator  # noqa: E402
 from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function  # noqa: E402
 from qdq_optuna.model import PreparedModel  # noqa: E402
 
 METHODS = calibration.METHODS
-ZOO = ("resnet", "mobilenet", "yolo", "transformer")
+ZOO = real_models.ZOO
 RUNTIMES = {"tensorrt": "int8", "onnxruntime": "uint8"}
-
-
-def zoo_inputs(name: str, model, samples: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    vi = model.graph.input[0]
-    dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
-    if name == "transformer":
-        vocab = next(t for t in model.graph.initializer if t.name.endswith("word.weight")).dims[0]
-        return {vi.name: rng.integers(0, vocab, (samples, *dims[1:])).astype(np.int64)}
-    scenes = [real_models._imagenet(real_models._scene(rng, dims[2], dims[3]))
-              for _ in range(samples)]
-    return {vi.name: np.stack(scenes).astype(np.float32)}
-
-
-def model_and_data(name: str, size: str, samples: int, cache: str | None):
-    """(model path or proto, input shapes, calibration data, held-out data, what the data is)"""
-    if name in ZOO:
-        model = zoo.build(name, size)
-        return (model, None, zoo_inputs(name, model, samples, 0),
-                zoo_inputs(name, model, samples, 1), "generated")
-    path = real_models.fetch(name, cache)
-    return (str(path), real_models.MODELS[name].input_shapes,
-            real_models.feeds(name, path, samples, 0), real_models.feeds(name, path, samples, 1),
-            f"natural-looking ({real_models.MODELS[name].inputs})")
 
 
 def measure(name: str, runtime: str, args) -> dict:
     """Every method's worst-output errors for one model under one runtime's rules."""
-    model, shapes, cal, held, data_kind = model_and_data(name, args.size, args.samples, args.cache)
+    model, shapes, cal, held, data_kind = real_models.benchmark_model(name, args.size,
+                                                                      args.samples, args.cache)
     qtype = RUNTIMES[runtime]
     pm = PreparedModel.prepare(model, runtime=runtime, quant_type=qtype, input_shapes=shapes)
     uses = set().union(*(pp.uses(pp.ids) for pp in pm.tunable)) if pm.tunable else set()

@@ -294,6 +294,36 @@ def feeds(name: str, path: Path, samples: int = 8, seed: int = 0) -> dict[str, n
     return data
 
 
+ZOO = ("resnet", "mobilenet", "yolo", "transformer")
+
+
+def zoo_inputs(model, samples: int, seed: int) -> dict[str, np.ndarray]:
+    """Inputs for a zoo model: the generated scenes, ImageNet-normalized, for the image models;
+    uniform random token ids for the transformer."""
+    rng = np.random.default_rng(seed)
+    vi = model.graph.input[0]
+    dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+    if vi.type.tensor_type.elem_type in (6, 7):  # int32/int64 token ids
+        vocab = next(t for t in model.graph.initializer if t.name.endswith("word.weight")).dims[0]
+        return {vi.name: rng.integers(0, vocab, (samples, *dims[1:])).astype(np.int64)}
+    scenes = [_imagenet(_scene(rng, dims[2], dims[3])) for _ in range(samples)]
+    return {vi.name: np.stack(scenes).astype(np.float32)}
+
+
+def benchmark_model(name: str, size: str, samples: int, cache: str | None = None):
+    """(model: a zoo proto or a real model's path, --input-shapes, calibration inputs, held-out
+    inputs, which inputs those are) for a zoo name or a name of :data:`MODELS`."""
+    if name in ZOO:
+        from qdq_optuna import zoo
+
+        model = zoo.build(name, size)
+        return (model, None, zoo_inputs(model, samples, 0), zoo_inputs(model, samples, 1),
+                "generated")
+    path = fetch(name, cache)
+    return (str(path), MODELS[name].input_shapes, feeds(name, path, samples, 0),
+            feeds(name, path, samples, 1), f"natural-looking ({MODELS[name].inputs})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", help=f"cache folder (default ${CACHE_ENV} or ~/.cache/...)")

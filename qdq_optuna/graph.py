@@ -297,21 +297,24 @@ class Graph:
 
 
 def dim_of(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
-    """A dim's size, its symbol, or None; a stored value <= 0 (exporters write -1 for
-    "dynamic") is dynamic, not a size."""
-    if d.HasField("dim_value") and d.dim_value > 0:
+    """A dim's size, its symbol, or None; a negative stored value (exporters write -1 for
+    "dynamic") is dynamic, not a size (0 is the size of an empty tensor; graph inputs never
+    have it: there :func:`_clear_nonpositive_dims` makes it dynamic too)."""
+    if d.HasField("dim_value") and d.dim_value >= 0:
         return d.dim_value
     return d.dim_param or None
 
 
 def _clear_nonpositive_dims(model: onnx.ModelProto) -> None:
-    """Make every stored dim value <= 0 an unknown dim (on our copy): shape inference would
-    otherwise clash with the sizes it infers from ``--input-shapes``."""
+    """Make every stored dim value < 0, and a graph input's 0, an unknown dim (on our copy):
+    shape inference would otherwise clash with the sizes it infers from ``--input-shapes``."""
     graph = model.graph
+    inputs = {vi.name for vi in graph.input}
     for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            lowest = 0 if vi.name in inputs else -1
             for d in vi.type.tensor_type.shape.dim:
-                if d.HasField("dim_value") and d.dim_value <= 0:
+                if d.HasField("dim_value") and d.dim_value <= lowest:
                     d.ClearField("dim_value")
 
 
@@ -684,6 +687,8 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
     labels = [node_label(n, i) for i, n in enumerate(model.graph.node)]
     removed = set(fold_constant_weights(model))
     graph = Graph.from_model(model, path, init_fields=fields)
+    if not too_big and not on_disk and _set_value_info(model, shapes_by_running(graph)):
+        graph = Graph.from_model(model, path, init_fields=fields)
     graph.file_nodes = len(labels)
     if removed:
         graph.origins = [NodeOrigin(lb) for i, lb in enumerate(labels) if i not in removed]
@@ -738,6 +743,73 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
         return []
     graph.initializer.extend(folded.values())
     return _drop_unused(model, set(folded))
+
+
+def shapes_by_running(graph: Graph, runs: int = 3) -> list[onnx.ValueInfoProto]:
+    """Static shapes that onnx's inference leaves open although every input is static (a
+    Reshape whose shape is computed by Shape -> Cast -> Slice -> Concat, as exporters write
+    it): ONNX Runtime runs the model on ``runs`` different random inputs, and a tensor's shape
+    counts when every run agrees (a data-dependent one does not). Without them, whatever needs
+    static shapes (the cost model, per-tensor analysis) stops at such a tensor."""
+    import numpy as np
+    import onnxruntime as ort
+
+    inputs = [(name, graph.shapes.get(name)) for name in graph.graph_inputs]
+    if any(dims is None or not all(isinstance(d, int) for d in dims) for _, dims in inputs):
+        return []
+    open_ = [t for n in graph.nodes for t in n.output if t and not all(
+        isinstance(d, int) for d in (graph.shapes.get(t) or (None,)))]
+    if not open_ or any(n.op_type in ("If", "Loop", "Scan") for n in graph.nodes):
+        return []
+    probe = onnx.ModelProto()
+    probe.CopyFrom(graph.full_model())
+    del probe.graph.output[:]
+    probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in open_)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    rng = np.random.default_rng(0)
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), so,
+                                       providers=["CPUExecutionProvider"])
+        del probe
+        runs_out = []
+        for k in range(runs):  # centred differently, so value-dependent sizes differ
+            feeds = {}
+            for name, dims in inputs:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(graph.elem_types[name])
+                feeds[name] = ((rng.standard_normal(dims) + k - 1).astype(dtype)
+                               if np.dtype(dtype).kind == "f" else np.zeros(dims, dtype))
+            runs_out.append([np.shape(v) for v in session.run(None, feeds)])
+    except Exception:  # the model needs real data or an op ORT lacks: leave shapes open
+        return []
+    found = []
+    for k, name in enumerate(open_):
+        if all(run[k] == runs_out[0][k] for run in runs_out) and name in graph.elem_types:
+            found.append(onnx.helper.make_tensor_value_info(name, graph.elem_types[name],
+                                                            runs_out[0][k]))
+    return found
+
+
+def _set_value_info(model: onnx.ModelProto, infos: list[onnx.ValueInfoProto]) -> bool:
+    """Put ``infos`` into the model's value_info (graph outputs keep their entry, typed)."""
+    if not infos:
+        return False
+    by_name = {vi.name: vi for vi in infos}
+    names = set(by_name)
+    for vi in model.graph.output:
+        if vi.name in by_name:
+            vi.type.CopyFrom(by_name.pop(vi.name).type)
+    kept = [vi for vi in model.graph.value_info if vi.name not in names]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept + list(by_name.values()))
+    return True
+
+
+def _static(vi: onnx.ValueInfoProto) -> bool:
+    tt = vi.type.tensor_type
+    return vi.type.HasField("tensor_type") and tt.HasField("shape") and \
+        all(isinstance(dim_of(d), int) for d in tt.shape.dim)
 
 
 def _evaluate(node: onnx.NodeProto, inputs: list[TensorProto]) -> TensorProto | None:

@@ -150,3 +150,33 @@ def heavy_tail() -> onnx.ModelProto:
         helper.make_node("Sigmoid", ["c2"], ["y"], name="sigmoid"),
     ]
     return _model(nodes, [x], [y], inits)
+
+
+def computed_reshape() -> onnx.ModelProto:
+    """paddle2onnx's flatten before the classifier head: a Reshape whose target shape is
+    computed at run time (Shape -> Cast -> Slice with Constant-node bounds -> Cast -> Concat
+    with a Constant): onnx's shape inference leaves the result's shape open even though every
+    input is static, so anything needing static shapes stopped there."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    inits = [numpy_helper.from_array(_w(rng, 8, 3, 3, 3), "conv.w"),
+             numpy_helper.from_array(_w(rng, 8, 4), "fc.w")]
+    i64 = np.int64
+    nodes = [
+        helper.make_node("Conv", ["x", "conv.w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+        helper.make_node("Shape", ["p"], ["s"], name="shape"),
+        helper.make_node("Cast", ["s"], ["s32"], name="cast_shape", to=TensorProto.INT32),
+        _const("axes", np.array([0], i64)), _const("start", np.array([0], i64)),
+        _const("end", np.array([1], i64)), _const("step", np.array([1], i64)),
+        helper.make_node("Slice", ["s32", "start", "end", "axes", "step"], ["batch"],
+                         name="batch"),
+        helper.make_node("Cast", ["batch"], ["batch64"], name="cast_batch", to=TensorProto.INT64),
+        _const("width", np.array([8], np.int32)),
+        helper.make_node("Cast", ["width"], ["width64"], name="cast_width", to=TensorProto.INT64),
+        helper.make_node("Concat", ["batch64", "width64"], ["target"], name="target", axis=-1),
+        helper.make_node("Reshape", ["p", "target"], ["flat"], name="flatten"),
+        helper.make_node("MatMul", ["flat", "fc.w"], ["y"], name="fc"),
+    ]
+    return _model(nodes, [x], [y], inits, opset=11)  # (inference propagates Slice-13 only)

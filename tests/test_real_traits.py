@@ -272,3 +272,31 @@ def test_bisection_of_several_and_of_accumulated_errors():
     found = bisect_plan(exporter, plan, lambda p: 0.1 * len(p.tensors), bound=0.1 * 3)
     assert found.within and len(found.kept.tensors) <= 3
     assert sub_plan(exporter, plan, found.kept.tensors).key == found.kept.key
+
+
+# -- shapes only a run resolves -----------------------------------------------------------------
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_computed_reshape_gets_static_shapes(runtime):
+    from qdq_optuna.backends.costmodel import estimate
+
+    model = corpus.computed_reshape()
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    assert not any(vi.name == "flat" and vi.type.tensor_type.shape.dim
+                   for vi in inferred.graph.value_info)  # what onnx alone gives
+    pm = PreparedModel.prepare(model, runtime=runtime)
+    assert pm.graph.shapes["flat"] == (1, 8)
+    exporter = pm.exporter()
+    for plan in (exporter.plan(set()), exporter.plan(_all_uses(pm))):
+        assert estimate(exporter.to_model(plan)).total_ms > 0
+
+
+def test_data_dependent_shapes_stay_open():
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [2, "nonzeros"])
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["r"]),
+                                onnx.helper.make_node("NonZero", ["r"], ["y"])], "nz", [x], [y]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    graph = load_model(model)
+    assert graph.shapes["r"] == (2, 8)
+    assert graph.shapes.get("y") is None or not all(isinstance(d, int) for d in graph.shapes["y"])
