@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .backends.base import BackendError, BackendUnavailable
+from .calibration import DEFAULT_METHOD as DEFAULT_CALIBRATION_METHOD
 from .errors import OptionError, UserError
 
 EXIT_USAGE = 2
@@ -112,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
                    help="scales used in trials (auto: calibrated for ONNX Runtime, default for TensorRT)")
     t.add_argument("--calibration-data", help=".npz of input name -> array (batch on axis 0)")
-    t.add_argument("--calibration-method", default="minmax",
-                   choices=["minmax", "percentile", "entropy", "mse"])
+    t.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
+                   choices=["minmax", "percentile", "entropy", "mse"],
+                   help=f"activation scales (default {DEFAULT_CALIBRATION_METHOD}: the lowest "
+                        "output error in benchmarks/calibration_methods.py)")
     _add_accuracy_args(t)
     t.add_argument("--pattern-cache", help="YAML pattern cache of an earlier run (warm start)")
     t.add_argument("--qdq-baseline", help="Q/DQ model whose placement seeds the search")
