@@ -686,6 +686,7 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         raise ModelError(f"{label}: shape inference failed: {msg[0] if msg else exc}") from None
     labels = [node_label(n, i) for i, n in enumerate(model.graph.node)]
     removed = set(fold_constant_weights(model))
+    prune_opset_imports(model)  # exports declare only the domains their nodes use
     graph = Graph.from_model(model, path, init_fields=fields)
     if not too_big and not on_disk and _set_value_info(model, shapes_by_running(graph)):
         graph = Graph.from_model(model, path, init_fields=fields)
