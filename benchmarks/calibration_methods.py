@@ -20,7 +20,7 @@ Where every method breaks the bound (``--bound``, worst-output relative L2), the
 responsible are named by ``qdq_optuna.guard.bisect_plan`` under each method: a tensor named
 under all of them is an outlier no method handles.
 
-    python benchmarks/calibration_methods.py                       # everything (~15 min, 2 cores)
+    python benchmarks/calibration_methods.py                       # everything (~20 min, 2 cores)
     python benchmarks/calibration_methods.py --models resnet,ppocr-det --json out.json
 """
 

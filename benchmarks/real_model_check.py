@@ -19,7 +19,7 @@ relative L2 error against the FP32 model on 8 *held-out* inputs (ONNX Runtime ru
 ORT's optimizations, the deployed kernels; TensorRT rules: plain ONNX semantics) is within the
 guard's bound (``qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
 
-    python benchmarks/real_model_check.py                           # cost model runs only
+    python benchmarks/real_model_check.py                           # cost model runs (~50 min)
     python benchmarks/real_model_check.py --runs onnxruntime        # quiet machine
     python benchmarks/real_model_check.py --models ppocr-cls,resnet --out /some/folder
 """
