@@ -11,6 +11,7 @@ from pathlib import Path
 from . import __version__
 from .backends import BACKEND_HELP
 from .backends.base import BackendError, BackendUnavailable
+from .calibration import DEFAULT_METHOD as DEFAULT_CALIBRATION_METHOD
 from .errors import OptionError, UserError
 
 EXIT_USAGE = 2
@@ -111,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
                    help="scales used in trials (auto: calibrated for ONNX Runtime, default for TensorRT)")
     t.add_argument("--calibration-data", help=".npz of input name -> array (batch on axis 0)")
-    t.add_argument("--calibration-method", default="minmax",
-                   choices=["minmax", "percentile", "entropy", "mse"])
+    t.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
+                   choices=["minmax", "percentile", "entropy", "mse"],
+                   help=f"activation scales (default {DEFAULT_CALIBRATION_METHOD}: the lowest "
+                        "output error in benchmarks/calibration_methods.py)")
     _add_accuracy_args(t)
     t.add_argument("--pattern-cache", help="YAML pattern cache of an earlier run (warm start)")
     t.add_argument("--qdq-baseline", help="Q/DQ model whose placement seeds the search")
@@ -222,17 +225,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     leaves = sum(1 for r in doc["regions"] if r["type"] == "LEAF")
+    described = doc["graph"]
     print(f"{doc['model']}: {doc['nodes']} nodes, opset {doc['opset']}, {len(doc['regions'])} regions "
           f"({leaves} leaves), {len(doc['patterns'])} patterns, rules: {doc['runtime']}")
+    print(f"describes {described['description']} ({described['nodes']} nodes; the file has "
+          f"{described['file_nodes']}); nodes are named as in the file"
+          + (", fused nodes as listed under 'fused'" if doc["node_origins"] else ""))
     for p in doc["patterns"]:
         print(f"\n{p['id']} {p['signature'][:12]}  {len(p['regions'])} region(s) {p['regions']}  "
-              f"ops: {' '.join(p['ops'])}")
+              f"ops: {' '.join(p['ops'])}" + ("" if p["tuned"] else "  (no insertion point: not tuned)"))
         for pt in p["insertion_points"]:
             first = next(iter(pt["resolved"].values()))
             more = f" (+{len(pt['resolved']) - 1} regions)" if len(pt["resolved"]) > 1 else ""
-            print(f"  {pt['id']:<28} {pt['kind']:<17} -> {', '.join(first) or '-'}{more}")
+            weights = next(iter(pt["weights"].values()), [])
+            with_w = f"  + weights {', '.join(weights)}" if weights else ""
+            print(f"  {pt['id']:<28} {pt['kind']:<17} -> {', '.join(first) or '-'}{more}{with_w}")
         for g in p["concat_groups"]:
             print(f"  concat group: {' '.join(g)}")
+    if doc["node_origins"]:
+        print("\nfused (node here <- the file's nodes it stands for):")
+        for name, labels in doc["node_origins"].items():
+            print(f"  {name} <- {', '.join(labels) or '(new)'}")
+    w = doc["weights"]
+    print(f"\nweights: {len(w['quantized'])} can be quantized (with their activation's Q/DQ), "
+          f"{len(w['float'])} stay float")
+    for name, why in w["float"].items():
+        print(f"  float: {name}: {why}")
     return 0
 
 

@@ -89,6 +89,25 @@ def _product(values: Iterable[int]) -> int:
     return out
 
 
+@dataclass(frozen=True)
+class NodeOrigin:
+    """Which nodes of the user's file one node of the graph we work on stands for.
+
+    Loading folds constant weights and preprocessing fuses nodes, so the graph's node indices
+    are not the file's: ``inspect`` and reports name nodes by these labels (a file node's name,
+    or ``#<its index in the file>``)."""
+
+    #: the file's node this node is (None: preprocessing created it)
+    label: str | None
+    #: file nodes fused into this node or replaced by it (e.g. the BatchNormalization folded
+    #: into a Conv, the MatMul and Add behind a Gemm)
+    absorbed: tuple[str, ...] = ()
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return ((self.label,) if self.label else ()) + self.absorbed
+
+
 @dataclass
 class Graph:
     """A read-only index over a validated, shape-inferred model."""
@@ -113,6 +132,12 @@ class Graph:
     init_fields: dict[str, bytes] = field(default_factory=dict, repr=False)
     #: initializers whose data left ``model`` at :meth:`compact` (it lives in ``init_fields``)
     compacted: set[str] = field(default_factory=set, repr=False)
+    #: per node, the user's file nodes it stands for; empty: node i is the file's node i
+    origins: list[NodeOrigin] = field(default_factory=list, repr=False)
+    #: nodes in the user's file (None: unknown, the graph was built from a model directly)
+    file_nodes: int | None = None
+    #: the file's nodes with no counterpart here (folded into initializers, or removed)
+    vanished: tuple[str, ...] = ()
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, path: Path | None = None,
@@ -136,10 +161,7 @@ class Graph:
             if vi.type.HasField("tensor_type"):
                 g.elem_types[vi.name] = tt.elem_type
                 if tt.HasField("shape"):
-                    g.shapes[vi.name] = tuple(
-                        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                        for d in tt.shape.dim
-                    )
+                    g.shapes[vi.name] = tuple(dim_of(d) for d in tt.shape.dim)
         for t in graph.initializer:
             g.elem_types[t.name] = t.data_type
             g.shapes[t.name] = tuple(t.dims)
@@ -174,7 +196,17 @@ class Graph:
 
     # -- queries ---------------------------------------------------------------------------
     def name_of(self, idx: int) -> str:
-        return node_label(self.nodes[idx], idx)
+        """The node as the user's file names it (see :class:`NodeOrigin`); a node that
+        preprocessing created keeps the name preprocessing gave it."""
+        if not self.origins:
+            return node_label(self.nodes[idx], idx)
+        origin = self.origins[idx]
+        return origin.label or self.nodes[idx].name or f"<new {self.nodes[idx].op_type}>#{idx}"
+
+    def origin(self, idx: int) -> NodeOrigin:
+        if not self.origins:
+            return NodeOrigin(node_label(self.nodes[idx], idx))
+        return self.origins[idx]
 
     def is_constant(self, tensor: str) -> bool:
         return tensor in self.initializers or tensor in self.constants
@@ -262,6 +294,28 @@ class Graph:
             if t.name in self.compacted:
                 t.CopyFrom(self.tensor(t.name))
         return full
+
+
+def dim_of(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
+    """A dim's size, its symbol, or None; a negative stored value (exporters write -1 for
+    "dynamic") is dynamic, not a size (0 is the size of an empty tensor; graph inputs never
+    have it: there :func:`_clear_nonpositive_dims` makes it dynamic too)."""
+    if d.HasField("dim_value") and d.dim_value >= 0:
+        return d.dim_value
+    return d.dim_param or None
+
+
+def _clear_nonpositive_dims(model: onnx.ModelProto) -> None:
+    """Make every stored dim value < 0, and a graph input's 0, an unknown dim (on our copy):
+    shape inference would otherwise clash with the sizes it infers from ``--input-shapes``."""
+    graph = model.graph
+    inputs = {vi.name for vi in graph.input}
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            lowest = 0 if vi.name in inputs else -1
+            for d in vi.type.tensor_type.shape.dim:
+                if d.HasField("dim_value") and d.dim_value <= lowest:
+                    d.ClearField("dim_value")
 
 
 def node_label(node: onnx.NodeProto, idx: int) -> str:
@@ -485,7 +539,7 @@ def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object
             )
         if tt.HasField("shape"):
             for d, v in zip(tt.shape.dim, dims):
-                if d.HasField("dim_value") and d.dim_value != v:
+                if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != v:
                     raise OptionError(
                         f"--input-shapes: input {name!r} has static dim {d.dim_value}, got {v}"
                     )
@@ -496,13 +550,13 @@ def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object
         tt = vi.type.tensor_type
         if not tt.HasField("shape"):
             raise ModelError(f"input {name!r} has no shape; pass --input-shapes {name}:DxDx...")
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
-        bad = [d for d in dims if not isinstance(d, int) or d <= 0]
-        if bad:
+        dims = [dim_of(d) or "?" for d in tt.shape.dim]
+        if any(not isinstance(d, int) for d in dims):
             shown = "x".join(str(d) for d in dims)
             raise ModelError(
-                f"input {name!r} has unresolved dims [{shown}]; pass "
-                f"--input-shapes {name}:" + "x".join(str(d) if isinstance(d, int) and d > 0 else "N" for d in dims)
+                f"input {name!r} has unresolved dims [{shown}]; pass --input-shapes "
+                f"{name}:" + "x".join(str(d) if isinstance(d, int) else "N" for d in dims)
+                + " (N: the size to tune for, e.g. 1 for the batch)"
             )
         if _product(dims) > 2**34:
             raise ModelError(f"input {name!r} has absurd dims {dims}")
@@ -604,6 +658,7 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         raise ModelError(f"{label}: node name {dup!r} is used more than once")
     _check_order(model, label)
     _check_raw_data(model, label)
+    _clear_nonpositive_dims(model)
     apply_input_shapes(model, shapes, label)
     too_big = model.ByteSize() > PROTOBUF_LIMIT if hasattr(model, "ByteSize") else False
     on_disk = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
@@ -629,7 +684,179 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
     except Exception as exc:
         msg = str(exc).strip().splitlines()
         raise ModelError(f"{label}: shape inference failed: {msg[0] if msg else exc}") from None
-    return Graph.from_model(model, path, init_fields=fields)
+    labels = [node_label(n, i) for i, n in enumerate(model.graph.node)]
+    removed = set(fold_constant_weights(model))
+    prune_opset_imports(model)  # exports declare only the domains their nodes use
+    graph = Graph.from_model(model, path, init_fields=fields)
+    if not too_big and not on_disk and _set_value_info(model, shapes_by_running(graph)):
+        graph = Graph.from_model(model, path, init_fields=fields)
+    graph.file_nodes = len(labels)
+    if removed:
+        graph.origins = [NodeOrigin(lb) for i, lb in enumerate(labels) if i not in removed]
+        graph.vanished = tuple(labels[i] for i in sorted(removed))
+    return graph
+
+
+#: weight and bias inputs of the weighted ops (what the exporter quantizes as weights)
+WEIGHT_SLOTS: Mapping[str, tuple[int, ...]] = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,),
+}
+#: ops folded into an initializer when every input is constant and the result is a weight
+#: (Constant nodes, and the reshaping/casting exporters put between a constant and its op)
+FOLDABLE_OPS = frozenset({"Constant", "Identity", "Cast", "Transpose", "Reshape", "Squeeze",
+                          "Unsqueeze", "Flatten"})
+
+
+def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
+    """Weights that reach a weight/bias slot through Constant nodes (paddle2onnx keeps every
+    weight there) or foldable ops become initializers, in place on our copy, so every runtime's
+    rules see them as weights. Returns the indices of the nodes removed."""
+    graph = model.graph
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    values = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    folded: dict[str, TensorProto] = {}
+
+    def fold(name: str, depth: int = 0) -> TensorProto | None:
+        if name in values or name in folded:
+            return values.get(name) or folded[name]
+        idx = producer.get(name)
+        if idx is None or depth > 8 or name in outputs:
+            return None
+        node = graph.node[idx]
+        if node.op_type not in FOLDABLE_OPS or node.domain not in ("", "ai.onnx") \
+                or len(node.output) != 1:
+            return None
+        inputs = [fold(i, depth + 1) if i else None for i in node.input]
+        if any(i and t is None for i, t in zip(node.input, inputs)):
+            return None
+        tensor = _evaluate(node, [t for t in inputs if t is not None])
+        if tensor is not None:
+            tensor.name = name
+            folded[name] = tensor
+        return tensor
+
+    for node in graph.node:
+        for slot in WEIGHT_SLOTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
+            if slot < len(node.input) and node.input[slot]:
+                fold(node.input[slot])
+    if not folded:
+        return []
+    graph.initializer.extend(folded.values())
+    return _drop_unused(model, set(folded))
+
+
+def shapes_by_running(graph: Graph, runs: int = 3) -> list[onnx.ValueInfoProto]:
+    """Static shapes that onnx's inference leaves open although every input is static (a
+    Reshape whose shape is computed by Shape -> Cast -> Slice -> Concat, as exporters write
+    it): ONNX Runtime runs the model on ``runs`` different random inputs, and a tensor's shape
+    counts when every run agrees (a data-dependent one does not). Without them, whatever needs
+    static shapes (the cost model, per-tensor analysis) stops at such a tensor."""
+    import numpy as np
+    import onnxruntime as ort
+
+    inputs = [(name, graph.shapes.get(name)) for name in graph.graph_inputs]
+    if any(dims is None or not all(isinstance(d, int) for d in dims) for _, dims in inputs):
+        return []
+    open_ = [t for n in graph.nodes for t in n.output if t and not all(
+        isinstance(d, int) for d in (graph.shapes.get(t) or (None,)))]
+    if not open_ or any(n.op_type in ("If", "Loop", "Scan") for n in graph.nodes):
+        return []
+    probe = onnx.ModelProto()
+    probe.CopyFrom(graph.full_model())
+    del probe.graph.output[:]
+    probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in open_)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    rng = np.random.default_rng(0)
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), so,
+                                       providers=["CPUExecutionProvider"])
+        del probe
+        runs_out = []
+        for k in range(runs):  # centred differently, so value-dependent sizes differ
+            feeds = {}
+            for name, dims in inputs:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(graph.elem_types[name])
+                feeds[name] = ((rng.standard_normal(dims) + k - 1).astype(dtype)
+                               if np.dtype(dtype).kind == "f" else np.zeros(dims, dtype))
+            runs_out.append([np.shape(v) for v in session.run(None, feeds)])
+    except Exception:  # the model needs real data or an op ORT lacks: leave shapes open
+        return []
+    found = []
+    for k, name in enumerate(open_):
+        if all(run[k] == runs_out[0][k] for run in runs_out) and name in graph.elem_types:
+            found.append(onnx.helper.make_tensor_value_info(name, graph.elem_types[name],
+                                                            runs_out[0][k]))
+    return found
+
+
+def _set_value_info(model: onnx.ModelProto, infos: list[onnx.ValueInfoProto]) -> bool:
+    """Put ``infos`` into the model's value_info (graph outputs keep their entry, typed)."""
+    if not infos:
+        return False
+    by_name = {vi.name: vi for vi in infos}
+    names = set(by_name)
+    for vi in model.graph.output:
+        if vi.name in by_name:
+            vi.type.CopyFrom(by_name.pop(vi.name).type)
+    kept = [vi for vi in model.graph.value_info if vi.name not in names]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept + list(by_name.values()))
+    return True
+
+
+def _static(vi: onnx.ValueInfoProto) -> bool:
+    tt = vi.type.tensor_type
+    return vi.type.HasField("tensor_type") and tt.HasField("shape") and \
+        all(isinstance(dim_of(d), int) for d in tt.shape.dim)
+
+
+def _evaluate(node: onnx.NodeProto, inputs: list[TensorProto]) -> TensorProto | None:
+    """The value of one node whose inputs are constants (onnx's reference evaluator)."""
+    if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+        out = TensorProto()
+        out.CopyFrom(node.attribute[0].t)
+        return out
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        result = ReferenceEvaluator(node).run(
+            None, {i: numpy_helper.to_array(t) for i, t in zip(node.input, inputs)})
+    except Exception:  # an attribute form or type the evaluator lacks: leave the node
+        return None
+    return numpy_helper.from_array(result[0])
+
+
+def _drop_unused(model: onnx.ModelProto, folded: set[str]) -> list[int]:
+    """Remove the folded nodes (their output is an initializer now), then the folded
+    initializers nothing reads (the intermediate steps of a folded chain)."""
+    graph = model.graph
+    removed = [i for i, n in enumerate(graph.node) if n.output and n.output[0] in folded]
+    gone = set(removed)
+    keep = [n for i, n in enumerate(graph.node) if i not in gone]
+    del graph.node[:]
+    graph.node.extend(keep)
+    read = {i for n in keep for i in n.input} | {o.name for o in graph.output} \
+        | _subgraph_reads(graph)
+    unused = [t for t in graph.initializer if t.name in folded and t.name not in read]
+    for t in unused:
+        graph.initializer.remove(t)
+    return removed
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names read by the nodes of subgraphs (If/Loop/Scan bodies may read outer tensors)."""
+    reads: set[str] = set()
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for inner in sub.node:
+                    reads.update(i for i in inner.input if i)
+                reads |= _subgraph_reads(sub)
+    return reads
 
 
 def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -673,7 +900,134 @@ def ort_basic_optimize(model: onnx.ModelProto) -> onnx.ModelProto:
                 name, k = f"{node.op_type}_{idx}_{k}", k + 1
             node.name = name
             taken.add(name)
+    prune_opset_imports(optimized)
     return onnx.shape_inference.infer_shapes(optimized, strict_mode=False, data_prop=True)
+
+
+def used_domains(model: onnx.ModelProto) -> set[str]:
+    """Operator domains the model's nodes use (subgraphs and local functions included)."""
+    def walk(nodes) -> set[str]:
+        found: set[str] = set()
+        for node in nodes:
+            found.add(node.domain or "")
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    found |= walk(sub.node)
+        return found
+
+    domains = walk(model.graph.node)
+    for fn in model.functions:
+        domains |= walk(fn.node)
+    return {"" if d == "ai.onnx" else d for d in domains}
+
+
+def prune_opset_imports(model: onnx.ModelProto) -> None:
+    """Keep only the opset imports of domains some node uses (ONNX Runtime's optimized
+    models declare every domain it knows, e.g. com.microsoft.nchwc, org.pytorch.aten)."""
+    used = used_domains(model) | {""}
+    keep = [imp for imp in model.opset_import
+            if ("" if imp.domain == "ai.onnx" else imp.domain) in used]
+    if len(keep) != len(model.opset_import):
+        del model.opset_import[:]
+        model.opset_import.extend(keep)
+
+
+def transform_graph(graph: Graph, transform, created_prefix: str = "",
+                    name_all: bool = False) -> Graph:
+    """``transform(model) -> model`` (ONNX Runtime's preprocessing, the version converter)
+    applied to the graph's model, keeping track of which of the user's nodes each node of the
+    result stands for (:class:`NodeOrigin`). Nodes are matched by name: unnamed ones get a
+    temporary name for the transform and lose it again (``name_all``: get ``op_index`` like
+    :func:`ort_basic_optimize` gives); nodes it creates without a name get
+    ``created_prefix + op_index``."""
+    model = graph.full_model()
+    before = [(n.name, list(n.input), list(n.output)) for n in model.graph.node]
+    taken = {n.name for n in model.graph.node if n.name}
+    temp: dict[str, int] = {}
+    for idx, node in enumerate(model.graph.node):
+        if not node.name:
+            name, k = f"__qdq_optuna_node_{idx}", 0
+            while name in taken:
+                name, k = f"__qdq_optuna_node_{idx}_{k}", k + 1
+            node.name = name
+            temp[name] = idx
+    try:
+        result = transform(model)
+    finally:
+        for idx in temp.values():
+            model.graph.node[idx].name = ""
+    temp_of = {i: t for t, i in temp.items()}
+    keys = [name or temp_of[idx] for idx, (name, _, _) in enumerate(before)]
+    origins, vanished = _trace_origins(graph, before, keys, result)
+    taken = {n.name for n in result.graph.node if n.name and n.name not in temp}
+    for idx, node in enumerate(result.graph.node):
+        if node.name in temp and not name_all:
+            node.name = ""
+        elif not node.name or node.name in temp:
+            name, k = f"{created_prefix}{node.op_type}_{idx}", 1
+            while name in taken:
+                name, k = f"{created_prefix}{node.op_type}_{idx}_{k}", k + 1
+            node.name = name
+            taken.add(name)
+    new = Graph.from_model(result, graph.path)
+    new.origins, new.file_nodes = origins, graph.file_nodes
+    new.vanished = graph.vanished + vanished
+    return new
+
+
+def _trace_origins(graph: Graph, before: list[tuple[str, list[str], list[str]]],
+                   keys: list[str], result: onnx.ModelProto
+                   ) -> tuple[list[NodeOrigin], tuple[str, ...]]:
+    """Which of ``graph``'s nodes (``before``, named by ``keys``) each node of ``result``
+    stands for. A node whose name survives is that node; removed and created nodes that are
+    tied by tensors only one side has (a fused chain's inner tensors) or by an output the
+    result now computes elsewhere form one cluster, whose removed nodes each result node of the
+    cluster has absorbed. Removed nodes in no cluster vanished (folded, eliminated)."""
+    after = result.graph.node
+    index = {k: i for i, k in enumerate(keys)}
+    same = {j: index[n.name] for j, n in enumerate(after) if n.name in index}
+    removed = set(range(len(before))) - set(same.values())
+    b_tensors = {t for _, ins, outs in before for t in ins + outs}
+    a_tensors = {t for n in after for t in list(n.input) + list(n.output)}
+    b_prod = {t: i for i, (_, _, outs) in enumerate(before) for t in outs if t}
+    a_prod = {t: j for j, n in enumerate(after) for t in n.output if t}
+    parent: dict[tuple, tuple] = {}
+
+    def find(x):
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    def union(a, b):
+        parent[find(a)] = find(b)
+
+    for i in removed:
+        for t in before[i][2]:
+            if t in a_prod:
+                union(("b", i), ("a", a_prod[t]))
+        for t in before[i][1]:
+            if b_prod.get(t) in removed and t not in a_tensors:
+                union(("b", i), ("b", b_prod[t]))
+    for j, node in enumerate(after):
+        if j not in same:
+            for t in node.input:
+                if t in a_prod and a_prod[t] not in same and t not in b_tensors:
+                    union(("a", j), ("a", a_prod[t]))
+    absorbed: dict[tuple, list[str]] = {}
+    for i in sorted(removed):
+        absorbed.setdefault(find(("b", i)), []).extend(graph.origin(i).labels)
+    clustered = {find(("a", j)) for j in range(len(after))}
+    origins = []
+    for j in range(len(after)):
+        extra = tuple(absorbed.get(find(("a", j)), ()))
+        if j in same:
+            own = graph.origin(same[j])
+            origins.append(NodeOrigin(own.label, own.absorbed + extra))
+        else:
+            origins.append(NodeOrigin(None, extra))
+    vanished = tuple(lb for root, labels in absorbed.items() if root not in clustered
+                     for lb in labels)
+    return origins, vanished
 
 
 # -- protobuf wire format (exports are concatenations of serialized pieces) ----------------------

@@ -14,8 +14,15 @@ from pathlib import Path
 import onnx
 
 from .config import Config
-from .export import QDQExporter, check_quant_type, upgrade_for
-from .graph import Graph, InputShapes, inline_external_limit, load_model, ort_basic_optimize
+from .export import QDQExporter, check_quant_type, required_opset, upgrade_for
+from .graph import (
+    Graph,
+    InputShapes,
+    inline_external_limit,
+    load_model,
+    ort_basic_optimize,
+    transform_graph,
+)
 from .insertion.points import PatternPoints, enumerate_points
 from .insertion.rules import RuntimeRules, rules_for
 from .patterns import PatternIndex
@@ -103,14 +110,19 @@ class PreparedModel:
                         inline_external_limit())
             mode = "none"
         if mode == "ort-basic":
-            pre = ort_basic_optimize(graph.full_model())
-            if _loads_in_ort(pre):
-                graph = Graph.from_model(pre, graph.path)
+            pre = transform_graph(graph, ort_basic_optimize, name_all=True)
+            if _loads_in_ort(pre.model):
+                graph = pre
             else:  # never trade a working model for a preprocessed one ORT cannot load
                 log.warning("ONNX Runtime cannot reload its own preprocessed model; "
                             "tuning the model as given (--preprocess none)")
                 mode = "none"
-        graph = upgrade_for(graph, rules.quant_types if mixed else [qtype])
+        qtypes = rules.quant_types if mixed else [qtype]
+        need = required_opset(graph, qtypes)
+        if graph.opset < need:  # the version converter's new nodes are named opsetN/...
+            graph = transform_graph(
+                graph, lambda m: upgrade_for(Graph.from_model(m, graph.path), qtypes).model,
+                created_prefix=f"opset{need}/")
         tree = discover_regions(
             graph,
             RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
@@ -141,46 +153,31 @@ class PreparedModel:
         return sorted(tensors)
 
     def to_json(self) -> dict:
-        """The stable ``inspect --json`` document (add keys freely, never rename)."""
+        """The stable ``inspect --json`` document (add keys freely, never rename).
+
+        Nodes are named as in the user's file (:meth:`Graph.name_of`); ``graph`` says which
+        graph the regions describe and ``node_origins`` maps the nodes preprocessing created
+        or fused to the file's nodes they stand for."""
         g = self.graph
+        tuned = {r for pp in self.tunable for r in pp.pattern.regions}
         regions = []
         for r in self.tree.regions:
+            nodes = r.nodes if r.type.value == "LEAF" else r.all_nodes
             regions.append({
                 "id": r.id,
                 "type": r.type.value,
                 "level": r.level,
                 "parent": r.parent,
                 "children": list(r.children),
-                "nodes": [g.name_of(n) for n in (r.nodes if r.type.value == "LEAF" else r.all_nodes)],
+                "nodes": [g.name_of(n) for n in nodes],
+                "file_nodes": list(dict.fromkeys(lb for n in nodes for lb in g.origin(n).labels)),
                 "inputs": list(r.inputs),
                 "outputs": list(r.outputs),
                 "kind": r.kind,
-                "tuned": r.id in set(self.tree.tuning),
+                "tuned": r.id in tuned,
             })
-        patterns = []
-        for pp in self.points:
-            p = pp.pattern
-            patterns.append({
-                "id": p.id,
-                "signature": p.signature,
-                "regions": list(p.regions),
-                "ops": list(p.ops),
-                "insertion_points": [
-                    {
-                        "id": pt.id,
-                        "kind": pt.kind,
-                        "resolved": {str(r): tensors for r, tensors in pp.tensors(pt.id).items()},
-                        "uses": {
-                            str(r): [[t, g.name_of(n), s] for t, n, s in uses]
-                            for r, uses in pp.resolved[pt.id].items()
-                        },
-                    }
-                    for pt in pp.points
-                ],
-                "concat_groups": pp.concat_groups,
-                "fusion_groups": pp.fusion_groups,
-                "dropped_points": pp.dropped,
-            })
+        weights = self.weight_report()
+        patterns = [self._pattern_json(pp, weights["by_point"]) for pp in self.points]
         return {
             "model": self.source,
             "sha256": self.source_sha256,
@@ -189,9 +186,88 @@ class PreparedModel:
             "preprocess": self.preprocess,
             "opset": g.opset,
             "nodes": len(g.nodes),
+            "graph": self.described_graph(),
+            "node_origins": {g.name_of(i): list(o.labels) for i, o in enumerate(g.origins)
+                             if o.label is None or o.absorbed},
+            "weights": {"quantized": weights["quantized"], "float": weights["float"]},
             "regions": regions,
             "patterns": patterns,
         }
+
+    def _pattern_json(self, pp: PatternPoints, weights_by_point: dict) -> dict:
+        g = self.graph
+        p = pp.pattern
+        return {
+            "id": p.id,
+            "signature": p.signature,
+            "regions": list(p.regions),
+            "ops": list(p.ops),
+            "tuned": bool(pp.points),
+            "insertion_points": [
+                {
+                    "id": pt.id,
+                    "kind": pt.kind,
+                    "resolved": {str(r): tensors for r, tensors in pp.tensors(pt.id).items()},
+                    "uses": {
+                        str(r): [[t, g.name_of(n), s] for t, n, s in uses]
+                        for r, uses in pp.resolved[pt.id].items()
+                    },
+                    "weights": weights_by_point[(p.id, pt.id)],
+                }
+                for pt in pp.points
+            ],
+            "concat_groups": pp.concat_groups,
+            "fusion_groups": pp.fusion_groups,
+            "dropped_points": pp.dropped,
+        }
+
+    def described_graph(self) -> dict:
+        """Which graph the regions and points describe, next to the user's file."""
+        g = self.graph
+        if self.preprocess == "ort-basic":
+            text = ("ONNX Runtime's basic-optimized graph (constants folded, Conv+BatchNorm and "
+                    "MatMul+Add fused): the graph ONNX Runtime runs, so Q/DQ go where its "
+                    "kernels are")
+        else:
+            text = "the model as given"
+        folded = len(g.vanished) if g.origins else 0
+        if folded:
+            text += f"; {folded} of the file's nodes were folded into weights or removed"
+        return {"description": text, "file_nodes": g.file_nodes, "nodes": len(g.nodes),
+                "created": sum(1 for o in g.origins if o.label is None),
+                "vanished": list(g.vanished)}
+
+    def weight_report(self) -> dict:
+        """Which weights of Conv/ConvTranspose/Gemm/MatMul the Q/DQ of some insertion point
+        brings along (quantized when that point is on), which stay float and why."""
+        from .insertion.rules import WEIGHTED_OPS
+
+        g = self.graph
+        exporter = QDQExporter(g, self.rules, self.quant_type)
+        by_point: dict[tuple[str, str], dict[str, list[str]]] = {}
+        quantized: set[str] = set()
+        for pp in self.points:
+            for pt in pp.points:
+                per_region = {}
+                for r, uses in pp.resolved[pt.id].items():
+                    plan = exporter.plan(uses)
+                    per_region[str(r)] = sorted({g.nodes[n].input[s] for n, s, _ in plan.weights})
+                    quantized.update(per_region[str(r)])
+                by_point[(pp.pattern.id, pt.id)] = per_region
+        floats: dict[str, str] = {}
+        for idx, node in enumerate(g.nodes):
+            spec = WEIGHTED_OPS.get(node.op_type)
+            if spec is None or len(node.input) <= spec.weight_slot:
+                continue
+            w = node.input[spec.weight_slot]
+            if not w or w in quantized or not g.is_float(w) and w in g.initializers:
+                continue
+            if w in g.initializers:
+                floats[w] = f"no insertion point quantizes the input of {g.name_of(idx)}"
+            elif g.is_constant(w):
+                floats[w] = "computed from constants by a node loading does not fold"
+        return {"quantized": sorted(quantized), "float": dict(sorted(floats.items())),
+                "by_point": by_point}
 
 
 def _loads_in_ort(model: onnx.ModelProto) -> bool:

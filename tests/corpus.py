@@ -1,0 +1,184 @@
+"""Small generated models with the traits real third-party models showed (issue: real models).
+
+Each builder returns a valid ``ModelProto`` that ONNX Runtime runs; ``tests/test_real_traits.py``
+checks what the tool does with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+RNG_SEED = 0
+
+
+def _w(rng: np.random.Generator, *shape: int, scale: float | None = None) -> np.ndarray:
+    scale = scale if scale is not None else 1.0 / np.sqrt(np.prod(shape[1:]))
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset: int = 17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "corpus", inputs, outputs, initializer=list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              ir_version=8 if opset >= 13 else 7)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _const(name: str, value: np.ndarray, node_name: str = "") -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=node_name,
+                            value=numpy_helper.from_array(value, name))
+
+
+def dynamic_minus_one() -> onnx.ModelProto:
+    """paddle2onnx style: input dims ``[-1, 3, -1, -1]`` stored as ``dim_value: -1``, output
+    ``[-1, 4]`` the same way."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, -1, -1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 4])
+    inits = [numpy_helper.from_array(_w(rng, 8, 3, 3, 3), "conv.w"),
+             numpy_helper.from_array(_w(rng, 8, 4), "fc.w")]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv.w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("MatMul", ["f", "fc.w"], ["y"], name="fc"),
+    ]
+    return _model(nodes, [x], [y], inits)
+
+
+def constant_weights() -> onnx.ModelProto:
+    """paddle2onnx style: no initializers, every weight and bias a ``Constant`` node, none of
+    the nodes named (``#index`` labels); one MatMul weight reaches it through a Transpose."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])
+    nodes = [
+        _const("w1", _w(rng, 8, 3, 3, 3)), _const("b1", _w(rng, 8, scale=0.1)),
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        _const("w2", _w(rng, 8, 8, 3, 3)),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        _const("w3t", _w(rng, 5, 8)),
+        helper.make_node("Transpose", ["w3t"], ["w3"], perm=[1, 0]),
+        helper.make_node("MatMul", ["f", "w3"], ["y"]),
+    ]
+    return _model(nodes, [x], [y])
+
+
+def integer_path() -> onnx.ModelProto:
+    """A pattern with zero insertion points (magika's first op): the int32 input is reshaped
+    in a region of its own, in which no use is a float activation; the one-hot encoding after
+    it (Shape, Expand, Equal, Cast: a region that fills the size limit, so the Reshape stays
+    alone) and a residual float block follow, which do get points."""
+    rng = np.random.default_rng(RNG_SEED)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT32, [1, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])
+    inits = [numpy_helper.from_array(np.array([1, 16, 1], dtype=np.int64), "shape"),
+             numpy_helper.from_array(np.array([8], dtype=np.int64), "depth"),
+             numpy_helper.from_array(np.arange(8, dtype=np.int32).reshape(1, 1, 8), "classes"),
+             numpy_helper.from_array(_w(rng, 8, 8), "fc1.w"),
+             numpy_helper.from_array(_w(rng, 8, 8), "fc2.w")]
+    nodes = [
+        helper.make_node("Reshape", ["ids", "shape"], ["ids3"], name="reshape_ids"),
+        helper.make_node("Shape", ["ids"], ["ids_shape0"], name="shape_of_ids"),
+        *[helper.make_node("Identity", [f"ids_shape{k}"], [f"ids_shape{k + 1}"],
+                           name=f"identity{k}") for k in range(5)],
+        helper.make_node("Concat", ["ids_shape5", "depth"], ["hot_shape"], name="hot_shape",
+                         axis=0),
+        helper.make_node("Expand", ["classes", "hot_shape"], ["all_classes"], name="expand"),
+        helper.make_node("Equal", ["ids3", "all_classes"], ["hot"], name="equal"),
+        helper.make_node("Cast", ["hot"], ["x"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["x", "fc1.w"], ["m1"], name="fc1"),
+        helper.make_node("Relu", ["m1"], ["r1"], name="relu1"),
+        helper.make_node("MatMul", ["r1", "fc2.w"], ["m2"], name="fc2"),
+        helper.make_node("Add", ["m2", "x"], ["s"], name="residual"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu2"),
+    ]
+    return _model(nodes, [ids], [y], inits)
+
+
+def old_opset_unnamed() -> onnx.ModelProto:
+    """Opset 11, no node named: upgrading it for per-channel weights (opset 13) makes onnx's
+    version converter add nodes in the middle of the graph (around the Softmax)."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
+    inits = [numpy_helper.from_array(_w(rng, 8, 3, 3, 3), "w1"),
+             numpy_helper.from_array(_w(rng, 8, 8, 1, 1), "w2")]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Softmax", ["c1"], ["s"], axis=1),
+        helper.make_node("Conv", ["s", "w2"], ["c2"]),
+        helper.make_node("Relu", ["c2"], ["y"]),
+    ]
+    return _model(nodes, [x], [y], inits, opset=11)
+
+
+def heavy_tail(cut: float = 3.3, gain: float = 100.0) -> onnx.ModelProto:
+    """An activation with a heavy tail, like the PP-OCR detector's that broke a shipped model:
+    a bulk around 0.8 (std 0.3) plus outliers of up to about 100 (``heavy``: ``gain`` x how far
+    a Conv output exceeds ``cut``; on standard normal inputs 1 in 1,000 values at 3.3, 1 in
+    16,000 at 4.6 (gain 300): rarer than the 99.99th percentile, given enough data). The next
+    Conv subtracts the bulk's centre and amplifies (as a folded BatchNorm does), the Sigmoid
+    output is near 0 in FP32. Min/max scales are set by the tail, so the bulk rounds to
+    zero and the output lights up everywhere, as spurious detections do."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])
+    w1 = rng.standard_normal((8, 4, 1, 1)).astype(np.float32) / 2.0  # c1 ~ N(0, 1)
+    inits = [numpy_helper.from_array(w1, "w1"),
+             numpy_helper.from_array(np.array(cut, np.float32), "cut"),
+             numpy_helper.from_array(np.array(gain, np.float32), "gain"),
+             numpy_helper.from_array(np.array(0.3, np.float32), "spread"),
+             numpy_helper.from_array(np.array(0.8, np.float32), "centre"),
+             numpy_helper.from_array((np.eye(8, dtype=np.float32) * -10.0).reshape(8, 8, 1, 1),
+                                     "w2"),
+             numpy_helper.from_array(np.full(8, -1.0, np.float32), "b2")]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
+        helper.make_node("Sub", ["c1", "cut"], ["over"], name="over"),
+        helper.make_node("Relu", ["over"], ["tail"], name="tail"),
+        helper.make_node("Mul", ["tail", "gain"], ["spike"], name="spike"),
+        helper.make_node("Mul", ["c1", "spread"], ["scaled"], name="scaled"),
+        helper.make_node("Add", ["scaled", "centre"], ["bulk"], name="bulk"),
+        helper.make_node("Add", ["bulk", "spike"], ["heavy"], name="heavy"),
+        helper.make_node("Conv", ["heavy", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Sigmoid", ["c2"], ["y"], name="sigmoid"),
+    ]
+    return _model(nodes, [x], [y], inits)
+
+
+def computed_reshape() -> onnx.ModelProto:
+    """paddle2onnx's flatten before the classifier head: a Reshape whose target shape is
+    computed at run time (Shape -> Cast -> Slice with Constant-node bounds -> Cast -> Concat
+    with a Constant): onnx's shape inference leaves the result's shape open even though every
+    input is static, so anything needing static shapes stopped there."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    inits = [numpy_helper.from_array(_w(rng, 8, 3, 3, 3), "conv.w"),
+             numpy_helper.from_array(_w(rng, 8, 4), "fc.w")]
+    i64 = np.int64
+    nodes = [
+        helper.make_node("Conv", ["x", "conv.w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+        helper.make_node("Shape", ["p"], ["s"], name="shape"),
+        helper.make_node("Cast", ["s"], ["s32"], name="cast_shape", to=TensorProto.INT32),
+        _const("axes", np.array([0], i64)), _const("start", np.array([0], i64)),
+        _const("end", np.array([1], i64)), _const("step", np.array([1], i64)),
+        helper.make_node("Slice", ["s32", "start", "end", "axes", "step"], ["batch"],
+                         name="batch"),
+        helper.make_node("Cast", ["batch"], ["batch64"], name="cast_batch", to=TensorProto.INT64),
+        _const("width", np.array([8], np.int32)),
+        helper.make_node("Cast", ["width"], ["width64"], name="cast_width", to=TensorProto.INT64),
+        helper.make_node("Concat", ["batch64", "width64"], ["target"], name="target", axis=-1),
+        helper.make_node("Reshape", ["p", "target"], ["flat"], name="flatten"),
+        helper.make_node("MatMul", ["flat", "fc.w"], ["y"], name="fc"),
+    ]
+    return _model(nodes, [x], [y], inits, opset=11)  # (inference propagates Slice-13 only)
