@@ -53,6 +53,9 @@ class KeepFP32:
 
 
 _FP16 = frozenset({"fp16"})
+#: nodes whose values exceed this (on the range data) stay FP32; the default of NVIDIA's
+#: ONNX autocast (its ``data_max``)
+MAX_ABS = 512.0
 
 #: Ops kept in FP32 (Casts at their boundaries). Each entry is an op whose own computation
 #: overflows FP16's range (largest finite 65504) or needs more exact values than FP16/BF16 hold
@@ -186,6 +189,8 @@ def convert_precision(
     keep_io_types: bool = True,
     keep_fp32: Mapping[str, KeepFP32 | str] | None = None,
     upgrade_opset: bool = True,
+    range_data: Mapping[str, np.ndarray] | None = None,
+    max_abs: float | None = MAX_ABS,
 ) -> HighPrecisionModel | None:
     """The model with its float part in ``precision`` (None for fp32: nothing to convert).
 
@@ -193,6 +198,10 @@ def convert_precision(
     ``keep_fp32``: op -> reason (or :class:`KeepFP32`) kept in FP32; :data:`KEEP_FP32` by
     default. ``upgrade_opset``: bring the model to the opset whose schemas accept the type
     (BF16 Conv/pooling need 22) with onnx's version converter; refused when False.
+    ``max_abs``: nodes that read or write values above this on ``range_data`` (the FP32 model
+    run once by ONNX Runtime; one seeded random sample when None) stay FP32 too: large values
+    lose their low bits (FP16 steps are 0.5 above 512, BF16 4) and cancel badly in a following
+    subtraction (a BatchNormalization after a ConvTranspose); None turns this off.
     """
     check_precision(precision)
     if precision == "fp32":
@@ -202,6 +211,8 @@ def convert_precision(
         raise OptionError(f"--high-precision {precision}: the model's weights stay on disk "
                           "(external data over the in-memory limit); convert it beforehand")
     source = graph.full_model()
+    if _constants_to_initializers(source):  # a copy: the caller's graph is left alone
+        graph = Graph.from_model(source, graph.path)
     keep = _keep_list(keep_fp32, precision)
     blocked, need = _schema_blocks(source, precision, keep)
     opset = opset_of(source)
@@ -217,13 +228,17 @@ def convert_precision(
         source = onnx.shape_inference.infer_shapes(source, strict_mode=False, data_prop=True)
         graph = Graph.from_model(source, graph.path)
     blocked = {**_unsupported(source, precision), **keep}
-    converted = _convert_fp16(source, keep_io_types, sorted(blocked))
-    source_names = _source_names(source, converted)
+    by_range = _range_blocks(source, range_data, max_abs) if max_abs else {}
+    converted = _convert_fp16(source, keep_io_types, sorted(blocked), sorted(by_range))
+    source_names = _source_names(source, converted)  # before Cast pairs go: they link names
+    _drop_cast_pairs(converted)
+    _place_casts(converted)
     if precision == "bf16":
         _retype_bf16(converted, graph, source_names)
     converted = _checked(converted, precision)
-    kept = {node_label(n, i): blocked[n.op_type] for i, n in enumerate(converted.graph.node)
-            if n.op_type in blocked}
+    kept = {node_label(n, i): blocked.get(n.op_type) or by_range[n.name]
+            for i, n in enumerate(converted.graph.node)
+            if n.op_type in blocked or (n.name in by_range and n.op_type != "Cast")}
     return HighPrecisionModel(precision, converted, graph, source_names, kept, keep_io_types,
                               (opset_of(model.model if isinstance(model, Graph) else model),
                                opset_of(converted)))
@@ -301,21 +316,93 @@ def _unsupported(model: onnx.ModelProto, precision: str) -> dict[str, str]:
 
 
 # -- conversion --------------------------------------------------------------------------------
-def _convert_fp16(model: onnx.ModelProto, keep_io_types: bool,
-                  blocked: list[str]) -> onnx.ModelProto:
+def _convert_fp16(model: onnx.ModelProto, keep_io_types: bool, blocked: list[str],
+                  blocked_nodes: list[str]) -> onnx.ModelProto:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # the tool converts in place
     try:
         converted = convert_float_to_float16(copy, keep_io_types=keep_io_types,
-                                             op_block_list=blocked, disable_shape_infer=False)
+                                             op_block_list=blocked, node_block_list=blocked_nodes,
+                                             disable_shape_infer=False)
     except Exception as exc:  # the tool asserts and raises several types
         raise ModelError(f"--high-precision: ONNX Runtime's float16 converter failed: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    _drop_cast_pairs(converted)
-    _place_casts(converted)
     return converted
+
+
+def _constants_to_initializers(model: onnx.ModelProto) -> bool:
+    """Float Constant nodes become initializers of the same name (in place; True if any). The
+    converter keeps an initializer FP32 where only FP32 nodes read it, but converts every
+    Constant: a BatchNormalization variance of 1e8 (exporters write weights as Constants) would
+    become FP16's 65504 even with the BatchNormalization kept FP32."""
+    found = [n for n in model.graph.node if n.op_type == "Constant" and len(n.attribute) == 1
+             and n.attribute[0].name == "value"
+             and n.attribute[0].t.data_type == TensorProto.FLOAT]
+    if not found:
+        return False
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    drop = {n.output[0] for n in found}
+    kept = [n for n in copy.graph.node if not (n.op_type == "Constant" and n.output[0] in drop)]
+    for node in found:
+        t = onnx.TensorProto()
+        t.CopyFrom(node.attribute[0].t)
+        t.name = node.output[0]
+        copy.graph.initializer.append(t)
+    del copy.graph.node[:]
+    copy.graph.node.extend(kept)
+    infos = [vi for vi in copy.graph.value_info if vi.name not in drop]
+    del copy.graph.value_info[:]
+    copy.graph.value_info.extend(infos)
+    model.CopyFrom(copy)
+    return True
+
+
+def _range_blocks(model: onnx.ModelProto, data: Mapping[str, np.ndarray] | None,
+                  max_abs: float) -> dict[str, str]:
+    """Named nodes whose float inputs or outputs exceed ``max_abs`` on ``data`` (one FP32 run
+    of ONNX Runtime with every float tensor as an output) -> why they stay FP32."""
+    import onnxruntime as ort
+
+    from . import calibration
+
+    if data is None:
+        data = calibration.random_calibration_data(model, samples=1, seed=0)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.value_info}
+    outputs = {o.name for o in model.graph.output}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for name, elem in types.items():
+        if elem == TensorProto.FLOAT and name not in outputs:
+            probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), so,
+                                       providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        peak: dict[str, float] = dict.fromkeys(names, 0.0)
+        for feed in calibration.iter_batches(session, data, 1):
+            for name, value in zip(names, session.run(names, feed)):
+                if np.issubdtype(np.asarray(value).dtype, np.floating) and np.size(value):
+                    peak[name] = max(peak[name], float(np.nanmax(np.abs(value))))
+    except Exception as exc:  # ORT raises its own types
+        raise ModelError(f"--high-precision: ONNX Runtime cannot run the FP32 model to find "
+                         f"its value ranges: {str(exc).splitlines()[0]}") from None
+    peak.update({k: float(np.abs(v).max(initial=0.0)) for k, v in data.items()
+                 if np.issubdtype(np.asarray(v).dtype, np.floating)})
+    for t in model.graph.initializer:  # a weight FP16 cannot hold keeps its reader FP32
+        if t.data_type == TensorProto.FLOAT:
+            peak[t.name] = float(np.abs(numpy_helper.to_array(t)).max(initial=0.0))
+    out = {}
+    for node in model.graph.node:
+        big = max((peak.get(x, 0.0) for x in (*node.input, *node.output) if x), default=0.0)
+        if node.name and big > max_abs and node.op_type not in ("Cast", "Shape", "Constant"):
+            out[node.name] = f"reads or writes values up to {big:.4g} (> {max_abs:g})"
+    return out
 
 
 def _inserted(node: onnx.NodeProto) -> bool:

@@ -320,3 +320,37 @@ def test_fp16_qdq_model_computes_what_the_fp32_one_does(zoo_model):
     # FP16 around the Q/DQ costs next to nothing next to INT8's own error
     assert errors["fp16"] < 1.25 * errors["fp32"] + FP16_TOLERANCE
     assert errors["fp32"] > FP16_TOLERANCE  # and that error is measurable
+
+
+def test_values_fp16_cannot_hold_keep_their_nodes_fp32():
+    """Nodes whose inputs or outputs exceed MAX_ABS on the range data stay FP32, Constant
+    weights included (exporters write weights as Constant nodes; the converter would clamp a
+    1e5 to FP16's 65504)."""
+    from onnx.reference import ReferenceEvaluator
+
+    nodes = [
+        helper.make_node("Constant", [], ["big"], name="c_big",
+                         value=numpy_helper.from_array(np.array(1e5, np.float32))),
+        helper.make_node("Constant", [], ["small"], name="c_small",
+                         value=numpy_helper.from_array(np.array(1e-5, np.float32))),
+        helper.make_node("Mul", ["x", "big"], ["up"], name="up"),
+        helper.make_node("Mul", ["up", "small"], ["down"], name="down"),
+        helper.make_node("Relu", ["down"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes, "scale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": np.linspace(-2, 2, 16, dtype=np.float32).reshape(2, 8)}
+    (want,) = run_ort(model, feeds)
+    hp = convert_precision(model, "fp16")
+    assert set(hp.kept_fp32) == {"up", "down"}
+    assert hp.kept_fp32["up"].startswith("reads or writes values up to ")
+    (got,) = ReferenceEvaluator(hp.model).run(None, feeds)
+    assert rel_l2(want, got) < FP16_TOLERANCE
+    off = convert_precision(model, "fp16", max_abs=None)
+    assert off.kept_fp32 == {}
+    with np.errstate(all="ignore"):
+        (bad,) = ReferenceEvaluator(off.model).run(None, feeds)
+    assert not np.isfinite(bad).all() or rel_l2(want, bad) > 0.1
