@@ -372,10 +372,11 @@ def _range_blocks(model: onnx.ModelProto, data: Mapping[str, np.ndarray] | None,
         data = calibration.random_calibration_data(model, samples=1, seed=0)
     types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.value_info}
     outputs = {o.name for o in model.graph.output}
+    produced = {o for n in model.graph.node for o in n.output}
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     for name, elem in types.items():
-        if elem == TensorProto.FLOAT and name not in outputs:
+        if elem == TensorProto.FLOAT and name in produced and name not in outputs:
             probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
