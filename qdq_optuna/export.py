@@ -45,6 +45,7 @@ from .graph import (
     wire_field,
 )
 from .insertion.rules import WEIGHTED_OPS, RuntimeRules
+from .precision import HighPrecisionModel
 
 _QTYPE_PROTO = {
     "int8": TensorProto.INT8,
@@ -148,8 +149,12 @@ class QDQExporter:
         default_scale: float = 0.1,
         default_zero_point: int | None = None,
         data_dir: str | os.PathLike | None = None,
+        high_precision: HighPrecisionModel | None = None,
     ) -> None:
         self.graph = graph
+        #: the graph's float part was converted (FP16/BF16): scales are looked up under the
+        #: FP32 model's tensor names too, and weights are quantized from their FP32 values
+        self.high_precision = high_precision
         #: external mode (the model's big weights stay on disk, see graph.INLINE_EXTERNAL_LIMIT):
         #: exports are files in a work folder under ``data_dir`` (a temporary folder if None),
         #: next to links to the weight files and one file of quantized weights
@@ -271,9 +276,10 @@ class QDQExporter:
     def activation_params(self, tensor: str, qtype: str) -> tuple[float, int]:
         # ``scales`` keys are a tensor name (for the exporter's own quant type) or a
         # (tensor, quant type) pair (mixed precision: one calibration per type)
-        found = self.scales.get((tensor, qtype))
-        if found is None and qtype == self.quant_type:
-            found = self.scales.get(tensor)
+        found = self._scale_entry(tensor, qtype)
+        if found is None and self.high_precision is not None:
+            source = self.high_precision.source_name(tensor)
+            found = self._scale_entry(source, qtype) if source != tensor else None
         if found is not None:
             scale, zp = found
             return max(float(scale), _MIN_SCALE), int(zp)
@@ -284,6 +290,12 @@ class QDQExporter:
             # Runtime then drops the Relu between a quantized Conv and its Q
             return self.default_scale, 0 if self._non_negative(tensor) else 128
         return self.default_scale, 0
+
+    def _scale_entry(self, tensor: str, qtype: str) -> tuple[float, int] | None:
+        found = self.scales.get((tensor, qtype))
+        if found is None and qtype == self.quant_type:
+            found = self.scales.get(tensor)
+        return found
 
     def _non_negative(self, tensor: str) -> bool:
         op = self.graph.producer_op(tensor)
@@ -298,8 +310,7 @@ class QDQExporter:
         return any(a.name == "min" and a.f >= 0 for a in node.attribute)
 
     def _scalar(self, name: str, value: float, elem_type: int) -> bytes:
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
-        t = numpy_helper.from_array(np.array(value, dtype=dtype), name)
+        t = numpy_helper.from_array(scales_as(np.array(value, np.float32), elem_type), name)
         return wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
     def _zero_point(self, name: str, zp: int, qtype: str, shape: tuple = ()) -> bytes:
@@ -340,8 +351,12 @@ class QDQExporter:
                 and graph.initializer(name).data_location == TensorProto.EXTERNAL:
             self._weight_cache[key] = self._external_weight(name, axis, qtype)
         if key not in self._weight_cache:
-            w = graph.array(name).astype(np.float32)
-            scales = weight_scales(w, axis, qtype)
+            w = self._fp32_weight(name)
+            elem = graph.elem_types.get(name, TensorProto.FLOAT)
+            # scales in the weight's own type (the DQ's output type is its scale's), and the
+            # integers from the FP32 values and those scales, so DQ gives back w within a step
+            scales_lp = scales_as(weight_scales(w, axis, qtype), elem)
+            scales = scales_lp.astype(np.float32)
             shape = [1] * w.ndim
             if axis is not None and w.ndim:
                 shape[axis] = -1
@@ -360,7 +375,7 @@ class QDQExporter:
                                         qw.astype(np.float32).reshape(-1).tolist())
             else:
                 qt = numpy_helper.from_array(np.clip(np.rint(scaled), -127, 127).astype(np.int8), q_name)
-            st = numpy_helper.from_array(scales.astype(np.float32), s_name)
+            st = numpy_helper.from_array(scales_lp, s_name)
             inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
                      + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", zshape))
             attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
@@ -369,14 +384,25 @@ class QDQExporter:
             self._weight_cache[key] = (dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()), scales)
         return self._weight_cache[key]
 
+    def _fp32_weight(self, name: str) -> np.ndarray:
+        """A weight's FP32 values: from the FP32 model when the graph was converted (never
+        quantized from FP16-rounded values)."""
+        if self.high_precision is not None:
+            w = self.high_precision.fp32_weight(name)
+            if w is not None:
+                return w
+        return self.graph.array(name).astype(np.float32)
+
     def _bias(self, node: int, act: str, act_qtype: str, w_scales: np.ndarray) -> tuple[str, bytes, bytes] | None:
-        """int32 bias for runtimes whose kernel needs it (ONNX Runtime's QGemm)."""
+        """int32 bias for runtimes whose kernel needs it (ONNX Runtime's QGemm); an FP16/BF16
+        bias stays float (its int32 scale, input scale x weight scale, underflows them)."""
         graph = self.graph
         n = graph.nodes[node]
         if n.op_type not in self.rules.quantize_bias_ops or len(n.input) < 3 or not n.input[2]:
             return None
         bias = n.input[2]
-        if bias not in graph.initializers or act_qtype == "fp8":
+        if bias not in graph.initializers or act_qtype == "fp8" \
+                or graph.elem_types.get(bias) != TensorProto.FLOAT:
             return None
         a_scale, _ = self.activation_params(act, act_qtype)
         key = (bias, act, act_qtype)
@@ -798,6 +824,28 @@ def _quantized_chunks(w: np.ndarray, scales: np.ndarray, axis: int | None,
             yield np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).tobytes()
         else:
             yield np.clip(np.rint(scaled), -127, 127).astype(np.int8).tobytes()
+
+
+#: smallest normal number of the low-precision scale types: no scale is subnormal or zero
+_SMALLEST_NORMAL = {TensorProto.FLOAT16: 2.0**-14, TensorProto.BFLOAT16: 2.0**-126}
+
+
+def scales_as(scales: np.ndarray, elem_type: int) -> np.ndarray:
+    """FP32 scales in the graph's float type (a DQ outputs its scale's type): FP16/BF16 ones
+    are rounded up, so ``amax / scale`` never leaves the quantized range, and held at the
+    type's smallest normal number or above."""
+    scales = np.asarray(scales, np.float32)
+    floor = _SMALLEST_NORMAL.get(elem_type)
+    if floor is None:
+        return scales
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+    want = np.maximum(scales, np.float32(floor))
+    low = np.atleast_1d(want.astype(dtype))
+    below = np.atleast_1d(low.astype(np.float32) < want)
+    if below.any():  # positive floats order like their bit patterns: one ulp up is bits + 1
+        bits = low.view(np.uint16)
+        bits[below] += 1
+    return low.reshape(scales.shape)
 
 
 def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:

@@ -26,6 +26,7 @@ from .graph import (
 from .insertion.points import PatternPoints, enumerate_points
 from .insertion.rules import RuntimeRules, rules_for
 from .patterns import PatternIndex
+from .precision import HighPrecisionModel, convert_precision
 from .regions import RegionConfig, RegionTree, discover_regions
 
 PREPROCESS = ("auto", "none", "ort-basic")
@@ -67,6 +68,9 @@ class PreparedModel:
     #: where exporters of a model whose weights stay on disk (external mode) keep their work
     #: folders (the run's output folder; a temporary folder when None)
     data_dir: Path | None = None
+    #: the float part converted to FP16/BF16 before region search (None: FP32), with the FP32
+    #: model that calibration and weight quantization read
+    high_precision: HighPrecisionModel | None = None
 
     @classmethod
     def prepare(
@@ -78,6 +82,8 @@ class PreparedModel:
         input_shapes: InputShapes | str | None = None,
         config: Config | None = None,
         preprocess: str = "auto",
+        high_precision: str = "fp32",
+        keep_io_types: bool = True,
     ) -> PreparedModel:
         cfg = config or Config()
         rules = rules_for(runtime)
@@ -117,6 +123,16 @@ class PreparedModel:
                 log.warning("ONNX Runtime cannot reload its own preprocessed model; "
                             "tuning the model as given (--preprocess none)")
                 mode = "none"
+        # -- high precision (see precision.py): regions, points and exports on the converted graph
+        hp = None
+        if high_precision != "fp32":
+            def to_high_precision(m: onnx.ModelProto) -> onnx.ModelProto:
+                nonlocal hp
+                hp = convert_precision(Graph.from_model(m, graph.path), high_precision,
+                                       keep_io_types=keep_io_types)
+                return hp.model
+
+            graph = transform_graph(graph, to_high_precision, created_prefix=f"{high_precision}/")
         qtypes = rules.quant_types if mixed else [qtype]
         need = required_opset(graph, qtypes)
         if graph.opset < need:  # the version converter's new nodes are named opsetN/...
@@ -130,7 +146,7 @@ class PreparedModel:
         index = PatternIndex(graph, tree)
         points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
         return cls(graph, tree, index, points, rules, qtype, source, digest, mode,
-                   mixed_types=tuple(rules.quant_types) if mixed else ())
+                   mixed_types=tuple(rules.quant_types) if mixed else (), high_precision=hp)
 
     @property
     def tunable(self) -> list[PatternPoints]:
@@ -142,7 +158,7 @@ class PreparedModel:
         return QDQExporter(
             self.graph, self.rules, quant_type or self.quant_type, scales=scales,
             default_scale=cfg.default_q_scale, default_zero_point=cfg.default_q_zero_point,
-            data_dir=self.data_dir,
+            data_dir=self.data_dir, high_precision=self.high_precision,
         )
 
     def candidate_tensors(self) -> list[str]:
@@ -184,6 +200,7 @@ class PreparedModel:
             "runtime": self.rules.name,
             "quant_type": self.quant_type,
             "preprocess": self.preprocess,
+            "high_precision": self.high_precision.precision if self.high_precision else "fp32",
             "opset": g.opset,
             "nodes": len(g.nodes),
             "graph": self.described_graph(),

@@ -1,7 +1,9 @@
 """A stand-in ``trtexec`` (a Python script) for testing the trtexec backend without a GPU.
 
 It logs its arguments to ``$FAKE_TRTEXEC_LOG``, answers ``--help`` like TensorRT
-``$FAKE_TRTEXEC_VERSION`` (default 10.3), "builds" an engine whose size is the model's, and
+``$FAKE_TRTEXEC_VERSION`` (default 10.3; 8.6 has no ``--stronglyTyped`` but the ``--fp16``/
+``--bf16``/``--int8`` precision flags, 11.x neither: strongly typed always), refuses an option
+its help does not list (as trtexec does), "builds" an engine whose size is the model's, and
 reports a GPU compute time proportional to it. ``$FAKE_TRTEXEC_MODE=fail|sleep`` makes it fail
 or hang.
 """
@@ -20,12 +22,20 @@ with open(os.environ["FAKE_TRTEXEC_LOG"], "a") as f:
 version = os.environ.get("FAKE_TRTEXEC_VERSION", "100300")
 print(f"&&&& RUNNING TensorRT.trtexec [TensorRT v{version}] # trtexec " + " ".join(args))
 mode = os.environ.get("FAKE_TRTEXEC_MODE", "ok")
+flags = ("--onnx --saveEngine --loadEngine --warmUp --iterations --duration --shapes "
+         "--skipInference --timingCacheFile --staticPlugins --useCudaGraph --noDataTransfers")
+if version.startswith("10"):
+    flags += " --stronglyTyped --fp16 --bf16 --int8 --fp8"
+elif version.startswith("8"):
+    flags += " --fp16 --int8"
 if args == ["--help"]:
-    flags = "--onnx --saveEngine --loadEngine --warmUp --iterations --duration --shapes"
-    if version.startswith("10"):
-        flags += " --stronglyTyped"
-    print("=== Build Options ===", flags, "--skipInference --timingCacheFile --staticPlugins")
+    print("=== Build Options ===", flags)
     sys.exit(0)
+unknown = [a for a in args if a.split("=", 1)[0] not in flags.split()]
+if unknown:
+    print(f"[E] Unknown option: {unknown[0]}")
+    print("&&&& FAILED TensorRT.trtexec")
+    sys.exit(1)
 if mode == "sleep":
     time.sleep(30)
 if mode == "fail":

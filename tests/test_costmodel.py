@@ -14,12 +14,16 @@ from qdq_optuna.backends.costmodel import CostModelBackend, GpuSpec, estimate
 # ------------------------------------------------------------------------------------------
 # graph building helpers
 
+#: the float type of the test models: FP16, what TensorRT users deploy (the model prices each
+#: float tensor at its own type; FP32 models are tested below with ``float_type=FLOAT``)
+FLOAT = TensorProto.FLOAT16
 
-def _placeholder(name: str, dims: list[int], dtype: int = TensorProto.FLOAT) -> TensorProto:
+
+def _placeholder(name: str, dims: list[int], dtype: int | None = None) -> TensorProto:
     """A weight with dims but its data 'elsewhere': the cost model must never need the data."""
     t = TensorProto()
     t.name = name
-    t.data_type = dtype
+    t.data_type = FLOAT if dtype is None else dtype
     t.dims.extend(dims)
     t.data_location = TensorProto.EXTERNAL
     entry = t.external_data.add()
@@ -30,13 +34,14 @@ def _placeholder(name: str, dims: list[int], dtype: int = TensorProto.FLOAT) -> 
 class Builder:
     """Float graphs with named nodes, so Q/DQ can be added afterwards by node/tensor name."""
 
-    def __init__(self) -> None:
+    def __init__(self, float_type: int | None = None) -> None:
+        self.float_type = FLOAT if float_type is None else float_type
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
 
     def input(self, name: str, dims: list) -> str:
-        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+        self.inputs.append(helper.make_tensor_value_info(name, self.float_type, dims))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, **attrs) -> str:
@@ -62,9 +67,13 @@ class Builder:
         return self.node("MatMul", [x, f"{name}.w"], name)
 
     def model(self, outputs: list[str]) -> onnx.ModelProto:
-        outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+        outs = [helper.make_tensor_value_info(o, self.float_type, None) for o in outputs]
+        for t in self.inits:
+            if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16):
+                t.data_type = self.float_type
         graph = helper.make_graph(self.nodes, "g", self.inputs, outs, self.inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        # FP16 scales (and so FP16 Q/DQ) need QuantizeLinear-19
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
 
 
 def with_qdq(
@@ -82,8 +91,9 @@ def with_qdq(
     m.CopyFrom(model)
     g = m.graph
     inits = {t.name: t for t in g.initializer}
+    float_type = model.graph.input[0].type.tensor_type.elem_type
     extra = [
-        helper.make_tensor("qs", TensorProto.FLOAT, [], [0.05]),
+        helper.make_tensor("qs", float_type, [], [0.05]),
         helper.make_tensor("qzp", TensorProto.INT8, [], [0]),
     ]
     counter = iter(range(1_000_000))
@@ -506,3 +516,129 @@ def test_fast_on_small_and_large_models():
     t0 = time.perf_counter()
     estimate(big)
     assert time.perf_counter() - t0 < 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# precision: float tensors are priced at their own type (strongly typed engines)
+
+
+def _fp32(build, *args, **kw) -> onnx.ModelProto:
+    """``build`` with FP32 float tensors instead of the module's FP16."""
+    global FLOAT
+    saved, FLOAT = FLOAT, TensorProto.FLOAT
+    try:
+        return build(*args, **kw)
+    finally:
+        FLOAT = saved
+
+
+def test_fp32_model_runs_fp32_and_slower_than_fp16():
+    fp16, fp32 = estimate(residual_block()), estimate(_fp32(residual_block))
+    assert {n.precision for n in fp32.nodes} == {"fp32"}
+    assert {n.precision for n in fp16.nodes} == {"fp16"}
+    # compute at the TF32 rate (half FP16) and twice the bytes
+    assert 1.5 < fp32.total_ms / fp16.total_ms <= 2.0
+    ms16, ms32 = _ms(resnet18_like()), _ms(_fp32(resnet18_like))
+    assert 1.5 < ms32 / ms16 <= 2.0
+
+
+def _big_conv(quantized: bool) -> onnx.ModelProto:
+    b = Builder()
+    x = b.input("x", [1, 256, 56, 56])
+    y = b.conv(x, 256, 256, 3, "conv")
+    model = b.model([y])
+    return with_qdq(model, edges=(("conv", 0),), weights=("conv",)) if quantized else model
+
+
+def test_int8_conv_gains_at_most_2x_over_fp16():
+    """A compute-bound Conv: INT8 tensor cores do 2x FP16 at best; against FP32 (TF32) the
+    gain would look like 4x, which is why the baseline must be the deployed precision."""
+    int8 = estimate(_big_conv(True)).node("conv")
+    fp16 = estimate(_big_conv(False)).node("conv")
+    fp32 = estimate(_fp32(_big_conv, False)).node("conv")
+    assert int8.precision == "int8" and fp16.precision == "fp16" and fp32.precision == "fp32"
+    assert 1.5 <= fp16.ms / int8.ms <= 2.0
+    assert 3.0 <= fp32.ms / int8.ms <= 4.0
+
+
+def test_int8_conv_fuses_the_add_only_with_an_int8_residual():
+    base = residual_block()
+    # shared Q/DQ on the stem output: the residual reaches the Add through the DQ
+    shared = estimate(with_qdq(base, tensors=("stem_relu", "relu1"), weights=BLOCK_CONVS[1:]))
+    assert shared.node("conv2").precision == "int8" and shared.node("add").kind == "fused"
+    # per-edge Q/DQ on the conv inputs only: the residual stays FP16, TensorRT cannot fuse it
+    # into the INT8 conv2, the Add is a kernel of its own
+    edges = estimate(with_qdq(base, edges=(("conv1", 0), ("conv2", 0)), weights=BLOCK_CONVS[1:]))
+    assert edges.node("conv2").precision == "int8" and edges.node("add").kind == "memory"
+    # an FP16 conv2 fuses an FP16 residual as before
+    assert estimate(base).node("add").kind == "fused"
+
+
+def test_graph_input_cast_fuses_with_its_q():
+    """keep_io_types models start with a Cast of the FP32 input: with a Q after it, the two
+    are one kernel that writes INT8 (no stand-alone Q)."""
+    from qdq_optuna import zoo
+    from qdq_optuna.export import QDQExporter
+    from qdq_optuna.graph import Graph
+    from qdq_optuna.insertion.rules import TENSORRT
+    from qdq_optuna.precision import convert_precision
+
+    hp = convert_precision(zoo.build("resnet", "small"), "fp16")
+    graph = Graph.from_model(hp.model)
+    from qdq_optuna.export import upgrade_for
+
+    graph = upgrade_for(graph, ["int8"])
+    exporter = QDQExporter(graph, TENSORRT, "int8", high_precision=hp)
+    cast = graph.nodes[0]
+    assert cast.op_type == "Cast"
+    plan = exporter.plan(set(graph.uses(cast.output[0])))
+    bd = estimate(exporter.to_bytes(plan))
+    q = next(n for n in bd.nodes if n.op == "QuantizeLinear")
+    assert q.kind == "qdq" and q.ms == 0.0
+    assert bd.node(cast.name).kind == "memory"
+
+
+def test_resnet_downsampling_shortcut_is_offered_and_pays():
+    """The TensorRT rules offer Q/DQ on the shortcut Conv's output of a downsampling block
+    (never on the main path's); with it the main path's INT8 Conv takes the Add, and the best
+    placement a climb finds on the cost model is faster than the best without it."""
+    from qdq_optuna import PreparedModel, zoo
+    from qdq_optuna.insertion.rules import residual_conv
+
+    pm = PreparedModel.prepare(zoo.resnet_like(image=64, width=32, blocks=(1, 1, 1, 1),
+                                               num_classes=10),
+                               runtime="tensorrt", high_precision="fp16")
+    g = pm.graph
+    pts = {(pp.pattern.id, pid): pp.uses([pid]) for pp in pm.tunable for pid in pp.ids}
+    offered = {u for uses in pts.values() for u in uses}
+    adds = [i for i, n in enumerate(g.nodes) if n.op_type == "Add" and residual_conv(g, i) is not None]
+    assert len(adds) == 3  # layer2-4 downsample
+    shortcut = set()
+    for add in adds:
+        slot = residual_conv(g, add)
+        main, short = g.nodes[add].input[1 - slot], g.nodes[add].input[slot]
+        assert "downsample" in short and "downsample" not in main
+        assert (short, add, slot) in offered and (main, add, 1 - slot) not in offered
+        shortcut |= {k for k, uses in pts.items() if (short, add, slot) in uses}
+    exporter = pm.exporter()
+
+    def ms(scheme) -> float:
+        uses = set().union(*(pts[k] for k in scheme)) if scheme else set()
+        return estimate(exporter.to_bytes(exporter.plan(uses))).total_ms
+
+    def climb(keys, start) -> float:
+        best, best_ms, improved = frozenset(start), ms(start), True
+        while improved:  # first improvement, in a fixed order (sets iterate by hash)
+            improved = False
+            for k in sorted(keys):
+                cand = best ^ {k}
+                if ms(cand) < best_ms:
+                    best, best_ms, improved = cand, ms(cand), True
+        return best_ms
+
+    def best(keys) -> float:
+        return min(climb(keys, start) for start in (set(), keys))
+
+    without = best(set(pts) - shortcut)
+    with_shortcut = best(set(pts))
+    assert with_shortcut < 0.99 * without

@@ -20,6 +20,7 @@ from qdq_optuna.insertion.rules import (
     STRUCTURAL_INPUTS,
     TENSORRT,
     OptionError,
+    residual_conv,
     rules_for,
 )
 
@@ -168,8 +169,7 @@ def test_rules_for():
     [
         ("layer1.0/bn2_out", "layer1.0/add"),
         ("layer2.0/bn2_out", "layer2.0/add"),
-        ("layer2.0/downsample/bn_out", "layer2.0/add"),
-        ("layer4.0/downsample/bn_out", "layer4.0/add"),
+        ("layer4.0/bn2_out", "layer4.0/add"),
     ],
 )
 def test_tensorrt_never_offers_conv_bn_into_add_relu(analyzed, tensor, add):
@@ -186,6 +186,24 @@ def test_tensorrt_never_offers_conv_bn_into_add_relu(analyzed, tensor, add):
     # ONNX Runtime has no such fusion: the same use is offered there
     ort_rules = analyzed("resnet", ONNXRUNTIME_CPU)
     assert use in ort_rules.all_uses()
+
+
+@pytest.mark.parametrize("block", ["layer2.0", "layer3.0", "layer4.0"])
+def test_tensorrt_offers_the_downsampling_shortcut(analyzed, block):
+    """Both Add inputs of a downsampling block come from Convs: TensorRT fuses the Add into the
+    main path's last Conv and wants the other input, the 1x1 shortcut's output, in INT8. That
+    one is offered; the main path's stays withheld (never both)."""
+    trt = analyzed("resnet", TENSORRT)
+    graph = trt.graph
+    node = trt.node(f"{block}/add")
+    inputs = list(graph.nodes[node].input)
+    short = inputs.index(f"{block}/downsample/bn_out")
+    main = inputs.index(f"{block}/bn2_out")
+    assert residual_conv(graph, node) == short
+    assert TENSORRT.use_reason(graph, (inputs[short], node, short)) is None
+    assert (inputs[short], node, short) in trt.all_uses()
+    assert "Conv+Add+Relu" in TENSORRT.use_reason(graph, (inputs[main], node, main))
+    assert (inputs[main], node, main) not in trt.all_uses()
 
 
 def test_tensorrt_offers_the_identity_shortcut_of_a_basic_block(analyzed):

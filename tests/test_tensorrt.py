@@ -347,3 +347,75 @@ def test_real_trtexec(tmp_path):
     finally:
         runner.close()
     assert (tmp_path / "tc.bin").is_file()
+
+
+def _fp16_qdq_model(tmp_path) -> str:
+    """resnet (small) converted to FP16 with every TensorRT point quantized, as a file."""
+    from qdq_optuna import PreparedModel, zoo
+
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="tensorrt",
+                               high_precision="fp16")
+    exporter = pm.exporter()
+    uses: set = set()
+    for pp in pm.tunable:
+        uses |= pp.uses(pp.ids)
+    path = tmp_path / "fp16_qdq.onnx"
+    exporter.save(exporter.plan(uses), path)
+    return str(path)
+
+
+def test_trtexec_10_builds_fp16_models_strongly_typed(fake_trtexec, tmp_path):
+    script, log = fake_trtexec
+    TrtexecBackend(trtexec=str(script)).load(_fp16_qdq_model(tmp_path)).close()
+    build = log.read_text().splitlines()[1].split()
+    assert "--stronglyTyped" in build
+    assert not {"--fp16", "--int8", "--bf16", "--best"} & set(build)
+
+
+def test_trtexec_without_strong_typing_gets_the_models_precisions(fake_trtexec, tmp_path,
+                                                                  monkeypatch):
+    """TensorRT 8.6 has no --stronglyTyped: the weakly typed build gets the precision flags
+    the model's types ask for (its help lists them), or the FP16 layers would run FP32."""
+    script, log = fake_trtexec
+    monkeypatch.setenv("FAKE_TRTEXEC_VERSION", "8601")
+    backend = TrtexecBackend(trtexec=str(script))
+    backend.load(_fp16_qdq_model(tmp_path)).close()
+    backend.load(_tiny_model_bytes()).close()
+    calls = log.read_text().splitlines()
+    fp16_build, fp32_build = calls[1].split(), calls[2].split()
+    assert "--stronglyTyped" not in fp16_build
+    assert {"--fp16", "--int8"} <= set(fp16_build) and "--bf16" not in fp16_build
+    assert not {"--fp16", "--int8", "--stronglyTyped"} & set(fp32_build)
+    desc = backend.describe()
+    assert desc["strongly_typed"] is False and desc["tensorrt"] == "8.6.1"
+
+
+def test_fake_trtexec_refuses_flags_it_does_not_know(fake_trtexec, monkeypatch):
+    script, _ = fake_trtexec
+    monkeypatch.setenv("FAKE_TRTEXEC_VERSION", "110000")
+    backend = TrtexecBackend(trtexec=str(script), strongly_typed=True)
+    with pytest.raises(BackendError, match="Unknown option: --stronglyTyped"):
+        backend.load(_tiny_model_bytes())
+
+
+class _FakeFlag:
+    """Stands in for tensorrt.NetworkDefinitionCreationFlag (TensorRT is not installed here)."""
+
+    def __init__(self, **members):
+        self.__dict__.update(members)
+
+
+@pytest.mark.parametrize(("version", "members", "flags"), [
+    ("10.3.0", {"STRONGLY_TYPED": 1}, 1 << 1),   # opted into on 10.x
+    ("11.0.0", {"STRONGLY_TYPED": 1}, 0),        # always strongly typed, flag deprecated
+    ("10.0.0", {}, 0),                           # a build without the flag
+])
+def test_tensorrt_network_is_strongly_typed(version, members, flags):
+    from types import SimpleNamespace
+
+    from qdq_optuna.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend()
+    backend._trt = SimpleNamespace(__version__=version,
+                                   NetworkDefinitionCreationFlag=_FakeFlag(**members))
+    assert backend._network_flags() == flags

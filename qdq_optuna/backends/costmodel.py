@@ -30,8 +30,11 @@ __all__ = [
     "estimate",
 ]
 
-#: Bytes per element of a float tensor in the engine (TensorRT with FP16 enabled).
+#: Bytes per element of a float tensor in the engine, by ONNX element type. TensorRT builds
+#: strongly typed networks: a float tensor runs in its own type (FP32, FP16, BF16).
+FP32_BYTES = 4
 FP16_BYTES = 2
+FLOAT_BYTES: dict[int, int] = {1: FP32_BYTES, 10: FP16_BYTES, 16: FP16_BYTES, 11: 8}
 #: Bytes per element of a quantized tensor.
 INT8_BYTES = 1
 #: Bytes per element of a Conv/Gemm bias (TensorRT keeps biases in FP32).
@@ -125,7 +128,9 @@ KIND_COMPUTE, KIND_MEMORY, KIND_QDQ, KIND_REFORMAT, KIND_FUSED = (
     "reformat",
     "fused",
 )
-FP16, INT8 = "fp16", "int8"
+FP32, FP16, BF16, INT8 = "fp32", "fp16", "bf16", "int8"
+#: ONNX float element type -> the precision a kernel on it runs at
+_PRECISION: dict[int, str] = {1: FP32, 10: FP16, 16: BF16, 11: "fp64"}
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,11 @@ class GpuSpec:
     """
 
     name: str = "generic-datacenter-gpu"
-    #: dense FP16 tensor-core throughput at full efficiency
+    #: dense FP16 (and BF16) tensor-core throughput at full efficiency
     fp16_tflops: float = 150.0
+    #: FP32 convolutions and matmuls: TensorRT runs them on TF32 tensor cores (on by default
+    #: since Ampere), at half the FP16 rate
+    tf32_tflops: float = 75.0
     #: dense INT8 tensor-core throughput at full efficiency (2x FP16)
     int8_tops: float = 300.0
     #: DRAM bandwidth
@@ -161,7 +169,7 @@ class NodeCost(NamedTuple):
 
     name: str
     op: str
-    precision: str  # "fp16" | "int8"
+    precision: str  # "fp32" | "fp16" | "bf16" | "int8"
     kind: str  # "compute" | "memory" | "qdq" | "reformat" | "fused"
     ms: float
 
@@ -385,10 +393,10 @@ class _Graph:
         return self.dtype.get(tensor, 1) in _FLOAT_TYPES
 
     def nbytes(self, tensor: str, int8: bool) -> int:
-        """Engine bytes: floats run in FP16 (INT8 when quantized); other dtypes as stored."""
+        """Engine bytes: floats in their own type (INT8 when quantized); others as stored."""
         dtype = self.dtype.get(tensor, 1)
         if dtype in _FLOAT_TYPES:
-            size = INT8_BYTES if int8 else FP16_BYTES
+            size = INT8_BYTES if int8 else FLOAT_BYTES[dtype]
         elif dtype in _BYTE_TYPES:
             size = INT8_BYTES
         else:
@@ -442,6 +450,7 @@ class _Estimator:
         self.kernel_final: dict[str, int] = {}
         self.int8_mem: set[int] = set()
         self.mem_tail: dict[int, int] = {}
+        self.input_casts: set[int] = set()
         self._quantized: Callable[[str], bool] = lambda t: False
 
     # -- passes ------------------------------------------------------------------------------
@@ -462,10 +471,13 @@ class _Estimator:
 
         Later kernels claim first, so an Add of two conv outputs joins the conv that runs last.
         A Q/DQ between kernel and Add leaves the Add's input produced by DQ, so it cannot join.
+        An INT8 kernel takes a residual Add only when the residual is quantized (TensorRT
+        fuses the Add into an INT8 convolution with an INT8 residual operand, never FP16).
         """
         g = self.g
         for head in sorted(self.kernels, reverse=True):
             kernel = self.kernels[head]
+            int8 = self._int8_inputs(head)
             t = kernel.final
             while t not in g.outputs:
                 cons = g.consumers.get(t, [])
@@ -484,6 +496,7 @@ class _Estimator:
                         and kernel.residual is None
                         and len(variable) == 1
                         and variable[0] != t
+                        and (not int8 or self._from_dq(variable[0]))
                     ):
                         kernel.residual = (j, 1 - k)
                     else:
@@ -501,6 +514,23 @@ class _Estimator:
                     break
             kernel.final = t
             self.kernel_final[t] = head
+
+    def _from_dq(self, t: str, depth: int = 0) -> bool:
+        """``t`` comes from a DQ, directly or through INT8 movement ops (Concat, MaxPool, ...)
+        over DQ'd tensors: quantized before the INT8 pass decides it (see int8_precision)."""
+        g = self.g
+        found = g.src(t)
+        if found is None or depth > 32:
+            return False
+        op = g.op(found[0])
+        if op == DQ_OP:
+            return True
+        data = self._float_data(found[0])
+        return op in MOVEMENT_OPS and bool(data) and all(self._from_dq(x, depth + 1) for x in data)
+
+    def _int8_inputs(self, head: int) -> bool:
+        node = self.g.nodes[head]
+        return self._from_dq(node.input[0]) and self._from_dq(node.input[1])
 
     def _silu(self, t: str, cons: list[tuple[int, int]]) -> tuple[int, int] | None:
         """x * Sigmoid(x) on a kernel output fuses like any activation."""
@@ -675,7 +705,8 @@ class _Estimator:
             users, _ = g.users(base)
             return all(g.op(j) == Q_OP for j, _ in users)
         p, base = found
-        writer = self.kernel_final.get(base) is not None or p in self.int8_mem
+        writer = self.kernel_final.get(base) is not None or p in self.int8_mem \
+            or p in self.input_casts
         if not writer:
             return False
         users, to_output = g.users(base)
@@ -733,7 +764,10 @@ class _Estimator:
         nbytes += g.nbytes(kernel.final, kernel.out_int8)
         if depthwise:  # too little reuse for tensor cores: bytes decide
             flops = 0.0
-        tput = spec.int8_tops if kernel.int8 else spec.fp16_tflops
+        if kernel.int8:
+            tput = spec.int8_tops
+        else:
+            tput = spec.tf32_tflops if g.dtype.get(x, 1) in (1, 11) else spec.fp16_tflops
         return self._ms(flops, nbytes, tput, spec.efficiency(k, n))
 
     def _memory_ms(self, head: int, int8: bool) -> float:
@@ -741,7 +775,7 @@ class _Estimator:
         node = g.nodes[head]
         tail = g.nodes[self.mem_tail.get(head, head)]
         outs = [o for o in tail.output if o]
-        written = sum(g.nbytes(o, int8) for o in outs)
+        written = sum(g.nbytes(o, int8 or head in self.input_casts) for o in outs)
         if node.op_type in OUTPUT_SIZED_READ_OPS:
             read = written
         else:
@@ -749,7 +783,31 @@ class _Estimator:
         return self._ms(0.0, read + written, 1.0, 1.0)
 
     def _reformat_ms(self, tensor: str) -> float:
-        return self._ms(0.0, self.g.numel(tensor) * (FP16_BYTES + INT8_BYTES), 1.0, 1.0)
+        """A stand-alone Q or DQ: reads/writes ``tensor`` (its float side) and the INT8 one."""
+        g = self.g
+        return self._ms(0.0, g.nbytes(tensor, False) + g.numel(tensor) * INT8_BYTES, 1.0, 1.0)
+
+    def precision(self, i: int) -> str:
+        """The float type node ``i`` runs at: its first float data input's (or output's)."""
+        g = self.g
+        node = g.nodes[i]
+        for x in (*node.input, *node.output):
+            if x and x not in g.const and g.dtype.get(x, 1) in _PRECISION:
+                return _PRECISION[g.dtype[x]]
+        return FP32
+
+    def find_input_casts(self) -> None:
+        """A Cast of a graph input (``keep_io_types``) read only by Qs: one pointwise kernel
+        with them, that writes INT8 (as the engine's input copy does for a graph input)."""
+        g = self.g
+        for i, node in enumerate(g.nodes):
+            if node.op_type != "Cast" or g.const_node[i] or not node.input:
+                continue
+            if g.src(node.input[0]) is not None or not g.is_float(node.input[0]):
+                continue
+            users, to_output = g.users(node.output[0])
+            if users and not to_output and all(g.op(j) == Q_OP for j, _ in users):
+                self.input_casts.add(i)
 
     def run(self) -> CostBreakdown:
         g = self.g
@@ -758,6 +816,7 @@ class _Estimator:
         self.int8_precision()
         self.propagate_q()
         self.fuse_pointwise()
+        self.find_input_casts()
         for kernel in self.kernels.values():
             kernel.out_int8 = self._writes_int8(kernel.final)
 
@@ -772,25 +831,27 @@ class _Estimator:
                 if free:
                     entries.append(NodeCost(name, op, INT8, KIND_QDQ, 0.0))
                 else:
-                    ms = self._reformat_ms(node.input[0])
+                    ms = self._reformat_ms(node.input[0] if op == Q_OP else node.output[0])
                     entries.append(NodeCost(name, op, INT8, KIND_REFORMAT, ms))
             elif g.const_node[i] or op in VIEW_OPS:
-                entries.append(NodeCost(name, op, FP16, KIND_FUSED, 0.0))
+                entries.append(NodeCost(name, op, self.precision(i), KIND_FUSED, 0.0))
             elif i in self.kernels:
                 kernel = self.kernels[i]
-                precision = INT8 if kernel.int8 else FP16
+                precision = INT8 if kernel.int8 else self.precision(i)
                 entries.append(NodeCost(name, op, precision, KIND_COMPUTE, self._kernel_ms(kernel)))
             elif self.owner[i] != -1:
                 head = self.owner[i]
                 int8 = self.kernels[head].int8 if head in self.kernels else head in self.int8_mem
-                entries.append(NodeCost(name, op, INT8 if int8 else FP16, KIND_FUSED, 0.0))
+                entries.append(NodeCost(name, op, INT8 if int8 else self.precision(i), KIND_FUSED,
+                                        0.0))
             elif i in self.int8_mem and op == "Concat":
                 # TensorRT elides the copy: producers write straight into the INT8 concat buffer.
                 entries.append(NodeCost(name, op, INT8, KIND_FUSED, 0.0))
             else:
                 int8 = i in self.int8_mem
                 ms = self._memory_ms(i, int8)
-                entries.append(NodeCost(name, op, INT8 if int8 else FP16, KIND_MEMORY, ms))
+                entries.append(NodeCost(name, op, INT8 if int8 else self.precision(i), KIND_MEMORY,
+                                        ms))
         total = sum(entry.ms for entry in entries)
         return CostBreakdown(total_ms=total, nodes=tuple(entries))
 
@@ -816,7 +877,7 @@ def estimate(
 
 
 class CostModelBackend(Backend):
-    """TensorRT-like INT8/FP16 latency from graph analysis alone: no GPU, no noise."""
+    """TensorRT-like INT8/FP16/FP32 latency from graph analysis alone: no GPU, no noise."""
 
     name = "costmodel"
     deterministic = True

@@ -5,7 +5,10 @@ Design notes:
 * Explicit quantization only: the network is strongly typed and no precision flags are set, so
   the Q/DQ placement under test is exactly what TensorRT builds. On 10.x strong typing is opted
   into with ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; 11.x always types strongly and
-  deprecates that flag, so it is not passed there.
+  deprecates that flag, so it is not passed there. Every layer then runs in its ONNX tensors'
+  type: the high precision (FP16/BF16) is the model's own, converted beforehand
+  (``qdq_optuna.precision``), never a builder flag (those are refused on strongly typed
+  networks). FP32 layers still use TF32 tensor cores, which TensorRT enables by default.
 * Logger, builder and runtime are created once, on the first ``load``, and reused for every
   build; so is the timing cache, which makes repeated builds of similar candidates fast and their
   tactic choice stable. It is saved atomically (temp file + ``os.replace``, merged with what other
@@ -305,6 +308,7 @@ class TensorRTBackend(Backend):
             "device": self._device or None,
             "plugins": list(self.plugins),
             "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
+            "strongly_typed": True,
             "builder_optimization_level": self.builder_optimization_level,
             "workspace_mb": self.workspace_mb,
         }

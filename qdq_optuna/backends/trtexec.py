@@ -8,6 +8,11 @@ milliseconds) and repetitions (at least ``--iterations`` runs and ``--duration``
 iteration count. Every call has a subprocess timeout; a timeout is a
 :class:`TransientBackendError`, a non-zero exit a :class:`BackendError` carrying trtexec's last
 lines, and a missing binary :class:`BackendUnavailable` (never "infinite latency, exit 0").
+
+Builds are strongly typed (``--stronglyTyped`` where ``trtexec --help`` lists it; TensorRT 11
+always types strongly): every layer runs in its ONNX tensors' type, so the high precision is
+the model's own (FP16/BF16, see ``qdq_optuna.precision``). A trtexec without strong typing
+(8.x) gets the builder precision flags the model's types ask for instead (:func:`precision_flags`).
 """
 
 from __future__ import annotations
@@ -101,6 +106,39 @@ def median_gpu_compute_ms(text: str) -> float:
     return stats["median"]
 
 
+def precision_flags(onnx_path: str | os.PathLike) -> list[str]:
+    """Builder precision flags for a weakly typed build (TensorRT before strong typing): the
+    model's float types (``--fp16``, ``--bf16``) and its Q/DQ types (``--int8``, ``--fp8``),
+    so the engine runs the precisions the model was converted and quantized to."""
+    import onnx
+    from onnx import TensorProto
+
+    try:
+        model = onnx.load(os.fspath(onnx_path), load_external_data=False)
+    except Exception as exc:  # DecodeError, OSError
+        raise BackendError(f"trtexec: cannot read {onnx_path}: {exc}") from exc
+    g = model.graph
+    types = {t.data_type for t in g.initializer}
+    types |= {vi.type.tensor_type.elem_type for vi in (*g.input, *g.output, *g.value_info)}
+    types |= {a.i for n in g.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"}
+    flags = []
+    if TensorProto.FLOAT16 in types:
+        flags.append("--fp16")
+    if TensorProto.BFLOAT16 in types:
+        flags.append("--bf16")
+    inits = {t.name: t.data_type for t in g.initializer}
+    quantized = set()  # the zero points' types: what each Q/DQ quantizes to
+    for n in g.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            zp = n.input[2] if len(n.input) > 2 else ""
+            quantized.add(inits.get(zp, TensorProto.UINT8))
+    if quantized & {TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2}:
+        flags.append("--fp8")
+    if quantized & {TensorProto.INT8, TensorProto.UINT8}:
+        flags.append("--int8")
+    return flags
+
+
 def _tail(text: str, lines: int = 12) -> str:
     rows = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in rows if "[E]" in ln or "Error" in ln]
@@ -184,13 +222,24 @@ class TrtexecBackend(Backend):
         text = self._probe()
         return not text or flag in text  # unknown help text: assume a current trtexec
 
-    def _typing_flags(self) -> list[str]:
+    def _strong_flag(self) -> list[str] | None:
+        """``["--stronglyTyped"]`` (10.x), ``[]`` (11.x: always strongly typed, the flag is
+        redundant), or None: this trtexec builds weakly typed networks (8.x, or
+        ``strongly_typed=False``)."""
         if self.strongly_typed is not None:
-            return ["--stronglyTyped"] if self.strongly_typed else []
+            return ["--stronglyTyped"] if self.strongly_typed else None
         version = self.tensorrt_version
         if version and int(version.split(".")[0]) >= 11:
-            return []  # always strongly typed; the flag is redundant there
-        return ["--stronglyTyped"] if self._knows("--stronglyTyped") else []
+            return []
+        return ["--stronglyTyped"] if self._knows("--stronglyTyped") else None
+
+    def _typing_flags(self, onnx_path: str | None = None) -> list[str]:
+        strong = self._strong_flag()
+        if strong is not None:
+            return strong
+        # weakly typed: the builder needs the precisions the model's own types ask for
+        flags = precision_flags(onnx_path) if onnx_path else []
+        return [f for f in flags if self._knows(f)]
 
     def _common_flags(self) -> list[str]:
         flags = [f"--staticPlugins={p}" for p in self.plugins]
@@ -200,7 +249,7 @@ class TrtexecBackend(Backend):
 
     def build_command(self, onnx_path: str, engine_path: str) -> list[str]:
         cmd = [self.binary, f"--onnx={onnx_path}", f"--saveEngine={engine_path}"]
-        cmd += self._typing_flags()
+        cmd += self._typing_flags(onnx_path)
         if self.timing_cache:
             cmd.append(f"--timingCacheFile={self.timing_cache}")
         cmd += self._common_flags()
@@ -278,7 +327,8 @@ class TrtexecBackend(Backend):
             "duration_s": self.duration_s,
             "use_cuda_graph": self.use_cuda_graph,
             "no_data_transfers": self.no_data_transfers,
-            "strongly_typed_flag": bool(self._typing_flags()),
+            "strongly_typed_flag": bool(self._strong_flag()),
+            "strongly_typed": self._strong_flag() is not None,
             "plugins": list(self.plugins),
             "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
             "extra_args": list(self.extra_args),

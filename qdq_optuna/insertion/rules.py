@@ -102,30 +102,72 @@ COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
 
 
 # -- use filters: (graph, use) -> reason the use is not offered, or None --------------------
-def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
-    """TensorRT fuses Conv->[BN->]Add->Relu into one INT8 kernel; Q/DQ on the Conv (or BN)
-    output that feeds the Add breaks it. Fires only when that output has a single consumer and
-    the Add feeds a Relu (the review's refinement of the upstream rule)."""
-    tensor, consumer, _ = use
-    if graph.nodes[consumer].op_type != "Add":
-        return None
+def _fusable_conv(graph: Graph, tensor: str) -> int | None:
+    """The Conv whose (BN'd) output ``tensor`` is, when TensorRT can fuse an Add reading it
+    into that Conv: a Conv or Conv->BN output with a single consumer."""
     prod = graph.producer.get(tensor)
     if prod is None or len(graph.consumers.get(tensor, [])) != 1:
         return None
-    op = graph.nodes[prod[0]].op_type
-    if op == "BatchNormalization":
-        bn_in = graph.nodes[prod[0]].input[0]
-        conv = graph.producer.get(bn_in)
-        if conv is None or graph.nodes[conv[0]].op_type not in ("Conv", "ConvTranspose"):
+    node = graph.nodes[prod[0]]
+    if node.op_type == "BatchNormalization":
+        conv = graph.producer.get(node.input[0])
+        if conv is None or graph.nodes[conv[0]].op_type not in ("Conv", "ConvTranspose") \
+                or len(graph.consumers.get(node.input[0], [])) != 1:
             return None
-        if len(graph.consumers.get(bn_in, [])) != 1:
-            return None
-    elif op not in ("Conv", "ConvTranspose"):
+        return conv[0]
+    return prod[0] if node.op_type in ("Conv", "ConvTranspose") else None
+
+
+def _reaches(graph: Graph, source: str, target: str) -> bool:
+    """Whether ``target`` is computed from ``source`` (walking producers back from target)."""
+    seen, stack = set(), [target]
+    while stack:
+        t = stack.pop()
+        if t == source:
+            return True
+        if t in seen or t not in graph.producer:
+            continue
+        seen.add(t)
+        stack.extend(x for x in graph.nodes[graph.producer[t][0]].input if x)
+    return False
+
+
+def residual_conv(graph: Graph, add: int) -> int | None:
+    """Of an Add of two fusable Conv outputs (a ResNet downsampling block), the input slot that
+    TensorRT reads as the quantized residual; the other Conv gets the Add fused into it. The
+    residual is the shortcut: the Conv whose input the other branch is computed from (the 1x1
+    downsampling Conv reads the block input, the main path's last Conv is two Convs deeper).
+    Ties (two independent branches) go to the earlier Conv, so the later one, which runs when
+    both inputs exist, takes the Add. None when the Add is not of two fusable Conv outputs."""
+    node = graph.nodes[add]
+    if node.op_type != "Add" or len(node.input) != 2:
+        return None
+    convs = [_fusable_conv(graph, t) for t in node.input]
+    if None in convs or convs[0] == convs[1]:
+        return None
+    inputs = [graph.nodes[c].input[0] for c in convs]
+    for slot in (0, 1):
+        if _reaches(graph, inputs[slot], inputs[1 - slot]) and \
+                not _reaches(graph, inputs[1 - slot], inputs[slot]):
+            return slot
+    return 0 if convs[0] < convs[1] else 1
+
+
+def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
+    """TensorRT fuses Conv->[BN->]Add->Relu into one INT8 kernel; Q/DQ on the Conv (or BN)
+    output that feeds the Add breaks it. Fires only when that output has a single consumer and
+    the Add feeds a Relu (the review's refinement of the upstream rule). When both Add inputs
+    are such Conv outputs, TensorRT fuses the Add into one Conv and wants the other input, the
+    residual, in INT8: that one (the shortcut, see :func:`residual_conv`) is offered."""
+    tensor, consumer, slot = use
+    if graph.nodes[consumer].op_type != "Add" or _fusable_conv(graph, tensor) is None:
         return None
     add_out = graph.nodes[consumer].output[0]
-    if any(graph.nodes[n].op_type == "Relu" for n, _ in graph.consumers.get(add_out, [])):
-        return "breaks TensorRT's Conv+Add+Relu fusion"
-    return None
+    if not any(graph.nodes[n].op_type == "Relu" for n, _ in graph.consumers.get(add_out, [])):
+        return None
+    if residual_conv(graph, consumer) == slot:
+        return None
+    return "breaks TensorRT's Conv+Add+Relu fusion"
 
 
 def _fused_activation(graph: Graph, use: Use) -> str | None:
