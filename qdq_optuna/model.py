@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import onnx
 from .config import Config
 from .export import QDQExporter, check_quant_type, upgrade_for
 from .graph import Graph, InputShapes, inline_external_limit, load_model, ort_basic_optimize
+from .insertion.filters import NodeFilter
 from .insertion.points import PatternPoints, enumerate_points
 from .insertion.rules import RuntimeRules, rules_for
 from .patterns import PatternIndex
@@ -60,6 +62,8 @@ class PreparedModel:
     #: where exporters of a model whose weights stay on disk (external mode) keep their work
     #: folders (the run's output folder; a temporary folder when None)
     data_dir: Path | None = None
+    #: nodes and op types kept free of Q/DQ (``--exclude-nodes``, ``--op-types``)
+    node_filter: NodeFilter = NodeFilter()
 
     @classmethod
     def prepare(
@@ -71,8 +75,13 @@ class PreparedModel:
         input_shapes: InputShapes | str | None = None,
         config: Config | None = None,
         preprocess: str = "auto",
+        exclude_nodes: str | Iterable[str] | None = None,
+        op_types: str | Iterable[str] | None = None,
     ) -> PreparedModel:
+        """``exclude_nodes`` (names or regular expressions) and ``op_types`` (the op types
+        whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`)."""
         cfg = config or Config()
+        node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = rules_for(runtime)
         mixed = quant_type == "mixed"  # every point chooses none or one of the rules' types
         qtype = check_quant_type(rules.default_quant_type if mixed else
@@ -111,6 +120,7 @@ class PreparedModel:
                             "tuning the model as given (--preprocess none)")
                 mode = "none"
         graph = upgrade_for(graph, rules.quant_types if mixed else [qtype])
+        rules = node_filter.restrict(rules, graph)
         tree = discover_regions(
             graph,
             RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
@@ -118,7 +128,7 @@ class PreparedModel:
         index = PatternIndex(graph, tree)
         points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
         return cls(graph, tree, index, points, rules, qtype, source, digest, mode,
-                   mixed_types=tuple(rules.quant_types) if mixed else ())
+                   mixed_types=tuple(rules.quant_types) if mixed else (), node_filter=node_filter)
 
     @property
     def tunable(self) -> list[PatternPoints]:
