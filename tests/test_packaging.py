@@ -111,3 +111,18 @@ def test_the_installed_wheel():
     assert meta["License-Expression"] == "Apache-2.0 AND MIT"
     assert "onnx-graphsurgeon" not in " ".join(meta.get_all("Requires-Dist") or [])
     assert qdq_optuna.__version__ == importlib.metadata.version("qdq-optuna")
+
+
+def test_the_gp_extra_runs_the_gp_sampler(tmp_path):
+    """``pip install qdq-optuna[gp]`` brings torch; then --sampler gp tunes (skipped without
+    torch, where tests/test_search.py checks the clear error instead)."""
+    pytest.importorskip("torch")
+    from qdq_optuna import Config, zoo
+    from qdq_optuna.search import tune
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(zoo.build("tiny_residual").SerializeToString())
+    result = tune(model, tmp_path / "gp", benchmark="costmodel", sampler="gp",
+                  config=Config(schemes_per_region=4, refine_rounds=0), progress=False)
+    assert result.report["sampler"] == "gp" and result.report["complete"]
+    assert all(p["trials"] >= 1 for p in result.report["patterns"])
