@@ -393,17 +393,19 @@ COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
             "dashboard": cmd_dashboard, "bench": cmd_bench}
 
 
-def _setup_logging(verbosity: int) -> logging.Handler:
-    """Log records and Python warnings as ``qdq-optuna: LEVEL: message`` lines on stderr."""
+def _setup_logging(verbosity: int) -> None:
+    """Log records and Python warnings as ``qdq-optuna: LEVEL: message`` lines on stderr, unless
+    the process configured logging itself (as ``logging.basicConfig`` decides)."""
     root = logging.getLogger()
-    for h in [h for h in root.handlers if getattr(h, "_qdq_optuna", False)]:
-        root.removeHandler(h)  # main() called again in the same process
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("qdq-optuna: %(levelname)s: %(message)s"))
-    handler._qdq_optuna = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
+    ours = [h for h in root.handlers if getattr(h, "_qdq_optuna", False)]
+    for h in ours:
+        root.removeHandler(h)  # main() called again in the same process: today's stderr
+    if ours or not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("qdq-optuna: %(levelname)s: %(message)s"))
+        handler._qdq_optuna = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING)
-    return handler
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:

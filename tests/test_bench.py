@@ -171,7 +171,7 @@ def test_first_reach_and_step() -> None:
 
 
 def test_without_matplotlib_everything_but_the_plot_is_written(smoke_run, tmp_path, monkeypatch,
-                                                                capsys):
+                                                                capsys, caplog):
     """A default install has no matplotlib: bench writes its tables and says in one warning
     line that the plot was skipped."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
@@ -182,7 +182,8 @@ def test_without_matplotlib_everything_but_the_plot_is_written(smoke_run, tmp_pa
     for name in ("results.csv", "results.json", "summary.md"):
         assert (out / name).is_file(), name
     assert not (out / "bench.png").exists()
-    warnings = [line for line in err.splitlines() if "bench.png" in line]
-    assert warnings == [f"qdq-optuna: WARNING: {out / 'bench.png'} not written: matplotlib is "
-                        "not installed (pip install matplotlib; everything else is)"], err
+    warnings = [r.getMessage() for r in caplog.records if "bench.png" in r.getMessage()]
+    assert warnings == [f"{out / 'bench.png'} not written: matplotlib is not installed (pip "
+                        "install matplotlib; everything else is)"]
+    assert [r.levelname for r in caplog.records if "bench.png" in r.getMessage()] == ["WARNING"]
     assert "bench.png" not in stdout.splitlines()[-1]  # not listed as written

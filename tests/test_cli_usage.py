@@ -139,23 +139,21 @@ def test_inspect_honours_the_node_filter(model):
                                   "type (did you mean Conv?)")
 
 
-def test_python_warnings_are_one_log_line(model, capsys):
+def test_python_warnings_are_one_log_line(model, tmp_path):
     """A warning raised while a command runs is one ``qdq-optuna: WARNING:`` line."""
-    import warnings
-
-    from qdq_optuna import model as model_module
-
-    real = model_module.PreparedModel.prepare.__func__
-
-    def warn_then_prepare(cls, *args, **kwargs):
-        warnings.warn("a library's deprecation notice", DeprecationWarning, stacklevel=1)
-        return real(cls, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        warnings.simplefilter("always")
-        mp.setattr(model_module.PreparedModel, "prepare", classmethod(warn_then_prepare))
-        mp.setattr(warnings, "showwarning", warnings.showwarning)
-        assert main(["inspect", str(model), "--json"]) == 0
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "qdq-optuna: WARNING: DeprecationWarning: a library's deprecation notice (test_cli_usage.py:")
+    (tmp_path / "warny_backend_xyz.py").write_text(
+        "import warnings\n"
+        "def fn(model):\n"
+        "    warnings.warn('the device runs slow today')\n"
+        "    return 1.0\n")
+    env_path = os.pathsep.join([str(tmp_path), str(REPO)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tmp_path / "o"),
+         "-b", "warny_backend_xyz:fn", "-n", "2", "--refine-rounds", "0", "-q"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": env_path}, capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "slow today" in line]
+    assert lines and set(lines) == {"qdq-optuna: WARNING: UserWarning: the device runs slow "
+                                    "today (warny_backend_xyz.py:3)"}, proc.stderr
+    assert "warnings.warn(" not in proc.stderr  # no source line echoed below it
