@@ -1,11 +1,13 @@
-"""Sampler comparisons from YAML recipes: ``qdq-optuna bench studies/RECIPE.yaml``.
+"""Sampler comparisons from YAML recipes: ``qdq-optuna bench RECIPE``.
 
-A recipe names models x samplers x seeds x budgets on one backend (see ``studies/``). Every
+A recipe names models x samplers x seeds x budgets on one backend (see ``studies/``; those ship
+with the package and are found by name: ``qdq-optuna bench smoke``). Every
 combination is one ordinary tuning run, ``tune(...)`` into ``DIR/runs/<name>/``; when it ends,
 its record goes to ``DIR/runs/<name>/record.json``. A run with a record is skipped on the next
 invocation; an interrupted run resumes through tune's own resume. After the runs,
 ``DIR/results.csv`` / ``DIR/results.json`` (one row per run), ``DIR/summary.md`` and
-``DIR/bench.png`` are rewritten from all records of the recipe.
+``DIR/bench.png`` are rewritten from all records of the recipe (the plot needs matplotlib;
+without it the rest is written and one warning says so).
 
 **Progress curve of a run.** Read back from the run's ``studies.db``. The x axis is the
 cumulative number of *measurements*: times the backend was asked to time a model, counted as the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import statistics
 import time
@@ -45,6 +48,7 @@ import yaml
 from .errors import UserError
 from .export import atomic_write_bytes
 
+log = logging.getLogger("qdq_optuna")
 #: a run "reached" the best-known result once it is within this fraction of it
 TARGET_FRACTION = 0.99
 CSV_COLUMNS = (
@@ -117,13 +121,41 @@ def _model_label(model: str) -> str:
 
 
 # -- recipes -------------------------------------------------------------------------------------
+def recipe_dir() -> Path:
+    """The shipped recipes: ``qdq_optuna/studies`` in an installed wheel, the repository's
+    ``studies/`` folder in a source checkout."""
+    installed = Path(__file__).resolve().parent / "studies"
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / "studies"
+
+
+def recipe_names() -> list[str]:
+    folder = recipe_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """A recipe file: ``recipe`` itself when it names a file, else the shipped recipe of that
+    name (``smoke`` or ``smoke.yaml``)."""
+    path = Path(recipe)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    shipped = recipe_dir() / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if shipped.is_file():
+        return shipped
+    raise UserError(f"{recipe}: no such recipe file, and not a shipped recipe "
+                    f"({', '.join(recipe_names()) or 'none found'})")
+
+
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and check a recipe; any problem is one :class:`UserError` line naming file and key."""
+    """Read and check a recipe (a path or a shipped recipe's name); any problem is one
+    :class:`UserError` line naming file and key."""
     from . import zoo
     from .config import Config
     from .sampling import SAMPLERS
 
-    path = Path(path)
+    path = find_recipe(path)
     where = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -372,8 +404,15 @@ def write_outputs(recipe: Recipe, out: Path, records: list[dict]) -> dict[str, P
     slim = [{k: v for k, v in r.items() if k != "curve"} for r in records]
     atomic_write_bytes(paths["json"], json.dumps(slim, indent=1).encode())
     atomic_write_bytes(paths["summary"], summary_markdown(recipe, records).encode())
-    if records:
-        plot(recipe, records, paths["plot"])
+    if not records:
+        return paths
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("%s not written: matplotlib is not installed (pip install matplotlib; "
+                    "everything else is)", paths.pop("plot"))
+        return paths
+    plot(recipe, records, paths["plot"])
     return paths
 
 
@@ -502,6 +541,7 @@ def bench(recipe_path: str | Path, output: str | Path | None = None, only: str |
     """Run every (model, sampler, seed, budget) of a recipe that has no record yet (filtered by
     ``only``, a substring of the run name), then rewrite the results. Returns (records, paths)."""
     recipe = load_recipe(recipe_path)
+    recipe_path = recipe.path
     out = Path(output) if output is not None else recipe.default_output()
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out}: exists and is not a folder")

@@ -1,4 +1,4 @@
-"""``qdq-optuna``: a thin layer over the library (every command is one library call)."""
+"""qdq-optuna: a thin layer over the library (every command is one library call)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -16,9 +17,28 @@ from .errors import OptionError, UserError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+#: where ``tune`` writes when no --output is given (a folder in the working directory)
+DEFAULT_OUTPUT = "qdq_optuna_output"
+
+DESCRIPTION = """\
+qdq-optuna decides where Quantize/Dequantize (Q/DQ) pairs go in an ONNX model so that the
+quantized model runs fastest on its target runtime: one Optuna study per region pattern."""
+
+TUNE_EXAMPLES = """\
+examples:
+  qdq-optuna tune -m model.onnx                       # ONNX Runtime CPU; results in ./qdq_optuna_output
+  qdq-optuna tune -m model.onnx -o out --mode quick   # fewer schemes per pattern: a first look
+  qdq-optuna tune -m model.onnx -o out -b costmodel --runtime tensorrt
+  qdq-optuna tune -m model.onnx -o out --calibration-data calib.npz --max-output-error 0.05
+  qdq-optuna tune -m model.onnx -o out --exclude-nodes '/head/.*' --op-types Conv,MatMul
+rerun the same command to resume an interrupted run; --fresh starts over."""
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2
         raise OptionError(message)
 
@@ -40,115 +60,204 @@ _port = _number(int, lambda v: 0 <= v <= 65535, "a port 0-65535 (0: any free por
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _count = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
+_threshold = _number(float, lambda v: 1.0 <= v < float("inf"), "a number >= 1.0 (1.02: 2 % faster)")
 
 
-def _add_accuracy_args(t: argparse.ArgumentParser) -> None:
-    t.add_argument("--validation-data", metavar="FILE.npz",
+def _add_verbosity(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """-v / -q, accepted before the command and after it (the command's value wins)."""
+    g = p.add_argument_group("output detail") if not top else p
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("-v", "--verbose", action="count", default=0 if top else argparse.SUPPRESS,
+                   help="more detail: INFO log lines, and the traceback of an internal error "
+                        "(-vv: DEBUG)")
+    x.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="no progress output, only warnings and errors")
+
+
+def _add_filter_args(g) -> None:
+    g.add_argument("--exclude-nodes", nargs="+", action="extend", metavar="NAME",
+                   help="nodes whose inputs never carry Q/DQ: names or regular expressions "
+                        "matching a whole name (as 'inspect' prints them; unnamed nodes are "
+                        "#INDEX), like quantize_static's nodes_to_exclude")
+    g.add_argument("--op-types", nargs="+", action="extend", metavar="OP",
+                   help="quantize only the inputs of these op types (space- or comma-separated, "
+                        "e.g. Conv,MatMul), like quantize_static's op_types_to_quantize")
+
+
+def _add_model_args(g) -> None:
+    g.add_argument("--input-shapes", metavar="NAME:DxD,...",
+                   help="fix symbolic input dims, e.g. input:1x3x224x224")
+    g.add_argument("--quant-type", choices=["int8", "uint8", "fp8", "mixed"],
+                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT); "
+                        "mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
+    g.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
+                   help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
+                        "ONNX Runtime rules, none for TensorRT")
+    _add_filter_args(g)
+    g.add_argument("--maximum-sequence-region-size", type=_positive_int, metavar="N",
+                   help="largest sequence region top-down refinement cuts (default 10 nodes)")
+    g.add_argument("--minimum-topdown-search-size", type=_positive_int, metavar="N",
+                   help="blocks of more nodes than this are refined top-down (default 10)")
+
+
+def _add_accuracy_args(g) -> None:
+    g.add_argument("--validation-data", metavar="FILE.npz",
                    help="inputs the output errors are measured on (default: the calibration "
                         "data; random inputs with a warning otherwise)")
-    t.add_argument("--metric", metavar="MODULE:FUNCTION",
+    g.add_argument("--metric", metavar="MODULE:FUNCTION",
                    help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is "
                         "better (replaces --error-measure)")
-    t.add_argument("--error-measure", choices=["relative_l2", "1-cosine", "max_abs"],
-                   default="relative_l2", help="error of a trial's model vs FP32 (worst output)")
-    t.add_argument("--max-output-error", type=_positive_float, metavar="X",
+    g.add_argument("--error-measure", choices=["relative_l2", "1-cosine", "max_abs"],
+                   default="relative_l2",
+                   help="error of a trial's model vs FP32, worst output (default %(default)s)")
+    g.add_argument("--max-output-error", type=_positive_float, metavar="X",
                    help="error budget: trials above it are infeasible; commits take the fastest "
                         "feasible scheme")
-    t.add_argument("--objectives", default="latency", metavar="latency[,error]",
+    g.add_argument("--objectives", default="latency", metavar="latency[,error]",
                    help="latency (default) or latency,error (two-objective studies, Pareto "
                         "front of the whole model in OUTPUT/pareto/)")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input-shapes", metavar="NAME:DxD,...",
-                   help="fix symbolic input dims, e.g. input:1x3x224x224")
-    p.add_argument("--quant-type", choices=["int8", "uint8", "fp8", "mixed"],
-                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT); "
-                        "mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
-    p.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
-                   help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
-                        "ONNX Runtime rules, none for TensorRT")
-    p.add_argument("--maximum-sequence-region-size", type=_positive_int)
-    p.add_argument("--minimum-topdown-search-size", type=_positive_int)
+def _add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune", help="search the Q/DQ placement (resumes automatically)",
+        usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
+        description="Search where Q/DQ pairs go in MODEL, pattern by pattern, measuring every "
+                    "candidate\non the backend; writes DIR/optimized.onnx, report.md, "
+                    "report.json and the studies.",
+        epilog=TUNE_EXAMPLES)
+    g = t.add_argument_group("model")
+    g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
+    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
+                   help="whose fusion rules place the Q/DQ (default: follows --backend)")
+    _add_model_args(g)
+
+    g = t.add_argument_group("search")
+    g.add_argument("-s", "--sampler", default="qdq", metavar="NAME",
+                   choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"],
+                   help="qdq: ours, a seeded climb with group moves (default); tpe, cmaes, "
+                        "random, gp (needs torch), nsga2, bruteforce: Optuna's, to compare")
+    g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
+                   help="finished trials per pattern study (default 30; --mode sets it too)")
+    g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
+                   help="budget preset: quick (10 schemes per pattern), default (30), "
+                        "extensive (80, larger mutations)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampler seed: the same seed and settings propose the same schemes "
+                        "(default %(default)s)")
+    g.add_argument("--converged-patience", type=_count, metavar="N",
+                   help="our sampler: stop a pattern study early after N exploration trials "
+                        "in a row that did not improve (default 1; 0: spend every budget)")
+    g.add_argument("--refine-rounds", type=_count, metavar="N",
+                   help="after the pattern-by-pattern pass, re-tune each pattern N more times "
+                        "with every other pattern's scheme in place (default 1; 0: one pass)")
+    g.add_argument("--performance-threshold", type=_threshold, metavar="RATIO",
+                   help="a pattern commits its best scheme only if a re-measurement confirms it "
+                        "this much faster than its reference (default 1.02, i.e. 2 %%)")
+    g.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="seconds for the whole run; what is committed by then is saved")
+    g.add_argument("--pattern-cache", metavar="FILE.yaml",
+                   help="pattern cache of an earlier run: its schemes seed the studies")
+    g.add_argument("--qdq-baseline", metavar="MODEL.onnx",
+                   help="a Q/DQ model whose placement seeds the search")
+    g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
+
+    g = t.add_argument_group("measurement")
+    g.add_argument("-b", "--backend", default="onnxruntime", help=BACKEND_HELP)
+    g.add_argument("--timing", choices=["fast", "robust"], default="robust",
+                   help="robust: every candidate A/B-compared with its pattern's reference in "
+                        "interleaved fresh sessions (default); fast: one screen per candidate, "
+                        "for a quiet, dedicated machine")
+    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads (default 1: ranks most reliably)")
+    g.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="build and time in a worker subprocess, so a crash or hang fails only "
+                        "that trial (default; --no-isolate runs the backend in this process)")
+    g.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
+                   help="scales used in trials (auto: calibrated for ONNX Runtime, default for "
+                        "TensorRT)")
+    g.add_argument("--calibration-data", metavar="FILE.npz",
+                   help=".npz of input name -> array (samples on axis 0); random inputs "
+                        "otherwise")
+    g.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
+                   choices=["minmax", "percentile", "entropy", "mse"],
+                   help="how activation statistics become scales (default %(default)s: the "
+                        "lowest output error in benchmarks/calibration_methods.py)")
+
+    _add_accuracy_args(t.add_argument_group(
+        "accuracy", "any of these turns accuracy on: trials use calibrated scales and record "
+                    "their output errors"))
+
+    g = t.add_argument_group("storage and workers")
+    g.add_argument("--storage", metavar="URL",
+                   help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for "
+                        "several workers)")
+    g.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
+    g.add_argument("--worker", action="store_true",
+                   help="cooperate with other workers on the same --storage run")
+    g.add_argument("--heartbeat-grace", type=_positive_float, metavar="S",
+                   help="seconds without a heartbeat before a worker's trial is failed and "
+                        "retried (default 180; workers only)")
+
+    g = t.add_argument_group("output")
+    g.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="DIR",
+                   help="output folder, also holds the studies (default ./%(default)s)")
+    g.add_argument("--fresh", action="store_true",
+                   help="discard this run's studies and start over")
+    _add_verbosity(t)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qdq-optuna", description=__doc__)
+    parser = _Parser(prog="qdq-optuna", description=DESCRIPTION,
+                     epilog="run 'qdq-optuna COMMAND -h' for the options of a command")
     parser.add_argument("--version", action="version", version=f"qdq-optuna {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_verbosity(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    t = sub.add_parser("tune", help="search the Q/DQ placement (resumes automatically)")
-    t.add_argument("--model", required=True, help="float ONNX model (never modified)")
-    t.add_argument("--output", required=True, help="output folder (also holds the studies)")
-    _add_model_args(t)
-    t.add_argument("--backend", default="onnxruntime", help=BACKEND_HELP)
-    t.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
-                   help="fusion rules to place Q/DQ for (default: follows --backend)")
-    t.add_argument("--sampler", default="qdq",
-                   choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"])
-    t.add_argument("--schemes-per-region", type=_positive_int,
-                   help="finished trials per pattern study (default 30; --mode sets it too)")
-    t.add_argument("--converged-patience", type=_count,
-                   help="our sampler: stop a pattern study early after N exploration trials "
-                        "in a row that did not improve (default 1; 0: spend every budget)")
-    t.add_argument("--refine-rounds", type=_count,
-                   help="after the pattern-by-pattern pass, re-tune each pattern N more times "
-                        "with every other pattern's scheme in place (default 1; 0: one pass)")
-    t.add_argument("--mode", choices=["quick", "default", "extensive"], default="default")
-    t.add_argument("--config", help="YAML file with Config settings")
-    t.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db)")
-    t.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
-    t.add_argument("--worker", action="store_true",
-                   help="cooperate with other workers on the same --storage run")
-    t.add_argument("--heartbeat-grace", type=_positive_float,
-                   help="seconds without a heartbeat before a worker's trial is failed and "
-                        "retried (default 180; workers only)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--timing", choices=["fast", "robust"], default="robust")
-    t.add_argument("--threads", type=_positive_int, default=1, help="ONNX Runtime intra-op threads")
-    t.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
-                   help="build and time in a worker subprocess, so a crash or hang fails only "
-                        "that trial (default; --no-isolate runs the backend in this process)")
-    t.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
-                   help="scales used in trials (auto: calibrated for ONNX Runtime, default for TensorRT)")
-    t.add_argument("--calibration-data", help=".npz of input name -> array (batch on axis 0)")
-    t.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
-                   choices=["minmax", "percentile", "entropy", "mse"],
-                   help=f"activation scales (default {DEFAULT_CALIBRATION_METHOD}: the lowest "
-                        "output error in benchmarks/calibration_methods.py)")
-    _add_accuracy_args(t)
-    t.add_argument("--pattern-cache", help="YAML pattern cache of an earlier run (warm start)")
-    t.add_argument("--qdq-baseline", help="Q/DQ model whose placement seeds the search")
-    t.add_argument("--performance-threshold", type=_positive_float)
-    t.add_argument("--timeout", type=_positive_float, help="seconds for the whole run")
-    t.add_argument("--fresh", action="store_true", help="discard this run's studies and start over")
-    t.add_argument("-q", "--quiet", action="store_true")
-    t.add_argument("-v", "--verbose", action="store_true")
+    _add_tune(sub)
 
-    i = sub.add_parser("inspect", help="print regions, patterns and insertion points")
-    i.add_argument("model")
+    i = sub.add_parser("inspect", help="print regions, patterns and insertion points",
+                       description="Print the regions, patterns and insertion points of MODEL "
+                                   "and the tensors they resolve to.")
+    i.add_argument("model", help="ONNX model")
+    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                   help="whose fusion rules place the Q/DQ (default %(default)s)")
     _add_model_args(i)
-    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime")
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
+    _add_verbosity(i)
 
-    d = sub.add_parser("dashboard", help="open a run's studies in optuna-dashboard")
+    d = sub.add_parser("dashboard", help="open a run's studies in optuna-dashboard",
+                       description="Serve a run's studies and artifacts with optuna-dashboard.")
     d.add_argument("output", help="the run's output folder")
     d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    d.add_argument("--port", type=_port, default=8080,
+    d.add_argument("-p", "--port", type=_port, default=8080,
                    help="TCP port (default 8080; 0 picks a free one, printed at start)")
-    d.add_argument("--storage", help="storage URL when the run did not use OUTPUT/studies.db")
+    d.add_argument("--storage", metavar="URL",
+                   help="storage URL when the run did not use OUTPUT/studies.db")
+    _add_verbosity(d)
 
-    e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, transformer, ...)")
-    e.add_argument("name")
-    e.add_argument("output")
-    e.add_argument("--size", choices=["full", "medium", "small"], default="medium")
+    e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, "
+                                       "transformer, ...)",
+                       description="Write one of the built-in example models to an ONNX file.")
+    e.add_argument("name", help="resnet, mobilenet, yolo, transformer, or a tiny_* model")
+    e.add_argument("output", help="the .onnx file to write")
+    e.add_argument("--size", choices=["full", "medium", "small"], default="medium",
+                   help="model size (default %(default)s)")
+    _add_verbosity(e)
 
-    b = sub.add_parser("bench", help="run a sampler-comparison recipe (studies/*.yaml); resumes")
-    b.add_argument("recipe", help="YAML recipe: models x samplers x seeds x budgets x backend")
-    b.add_argument("--output", help="results folder (default: the recipe's output, or runs/NAME)")
+    from .bench import recipe_names
+
+    b = sub.add_parser("bench", help="run a sampler-comparison recipe; resumes",
+                       description="Run every model x sampler x seed x budget of a recipe as "
+                                   "one tune run, then\nwrite results.csv, results.json, "
+                                   "summary.md and bench.png (with matplotlib).")
+    b.add_argument("recipe", help="a shipped recipe by name "
+                                  f"({', '.join(recipe_names()) or 'none found'}) or a YAML file")
+    b.add_argument("-o", "--output",
+                   help="results folder (default: the recipe's output, or runs/NAME)")
     b.add_argument("--only", metavar="SUBSTRING",
                    help="run only the runs whose name (MODEL-SAMPLER-sSEED-bBUDGET) contains it")
-    b.add_argument("-q", "--quiet", action="store_true")
+    _add_verbosity(b)
     return parser
 
 
@@ -163,9 +272,15 @@ def _config_from(args: argparse.Namespace):
         "performance_threshold": getattr(args, "performance_threshold", None),
         "maximum_sequence_region_size": args.maximum_sequence_region_size,
         "minimum_topdown_search_size": args.minimum_topdown_search_size,
-        "verbose": getattr(args, "verbose", False) or None,
+        "verbose": bool(getattr(args, "verbose", 0)) or None,
     }
     return Config.preset(getattr(args, "mode", "default"), **{**base, **overrides})
+
+
+def _node_filter(args: argparse.Namespace) -> dict:
+    """--exclude-nodes / --op-types as keyword arguments (only those given)."""
+    given = {"exclude_nodes": args.exclude_nodes, "op_types": args.op_types}
+    return {k: v for k, v in given.items() if v}
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -188,7 +303,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         threads=args.threads, isolate=args.isolate, progress=not args.quiet,
         validation_data=args.validation_data, metric=args.metric,
         error_measure=args.error_measure, max_output_error=args.max_output_error,
-        objectives=args.objectives,
+        objectives=args.objectives, **_node_filter(args),
     )
     result = Tuner(opts).run()
     r = result.report
@@ -218,7 +333,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         minimum_topdown_search_size=args.minimum_topdown_search_size or 10,
     )
     pm = PreparedModel.prepare(args.model, runtime=args.runtime, quant_type=args.quant_type,
-                               input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess)
+                               input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess,
+                               **_node_filter(args))
     doc = pm.to_json()
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -292,10 +408,30 @@ COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
             "dashboard": cmd_dashboard, "bench": cmd_bench}
 
 
+def _setup_logging(verbosity: int) -> None:
+    """Log records and Python warnings as ``qdq-optuna: LEVEL: message`` lines on stderr, unless
+    the process configured logging itself (as ``logging.basicConfig`` decides)."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_qdq_optuna", False)]
+    for h in ours:
+        root.removeHandler(h)  # main() called again in the same process: today's stderr
+    if ours or not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("qdq-optuna: %(levelname)s: %(message)s"))
+        handler._qdq_optuna = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s: %s (%s:%s)", category.__name__, message,
+                                             Path(filename).name, lineno)
+
+
 def main(argv: list[str] | None = None) -> int:
-    verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="qdq-optuna: %(levelname)s: %(message)s")
+    parser = build_parser()
+    verbose = 0
+    showwarning = warnings.showwarning
     try:
         import onnxruntime
 
@@ -303,7 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
+        verbose = args.verbose
+        _setup_logging(verbose)
+        warnings.showwarning = _warning_line
+        if args.command is None:  # bare qdq-optuna: what there is to run
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
         return COMMANDS[args.command](args)
     except UserError as exc:  # one line even if a file or tensor name holds a line break
         message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
@@ -330,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qdq-optuna: internal error: {type(exc).__name__}: {first[0] if first else ''} "
               "(rerun with -v for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        warnings.showwarning = showwarning
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -893,12 +893,31 @@ def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def new_file_mode(path: str | os.PathLike) -> int:
+    """The mode ``open(path, "w")`` would leave: an existing file's own, else 0o666 less the
+    umask (``mkstemp`` makes 0600 files, which other users and groups could not read)."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        pass
+    try:  # Linux: read the umask without changing it (no window for other threads)
+        with open("/proc/self/status", encoding="ascii") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = new_file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

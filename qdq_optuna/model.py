@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from .graph import (
     ort_basic_optimize,
     transform_graph,
 )
+from .insertion.filters import NodeFilter
 from .insertion.points import PatternPoints, enumerate_points
 from .insertion.rules import RuntimeRules, rules_for
 from .patterns import PatternIndex
@@ -71,6 +73,8 @@ class PreparedModel:
     #: the float part converted to FP16/BF16 before region search (None: FP32), with the FP32
     #: model that calibration and weight quantization read
     high_precision: HighPrecisionModel | None = None
+    #: nodes and op types kept free of Q/DQ (``--exclude-nodes``, ``--op-types``)
+    node_filter: NodeFilter = NodeFilter()
 
     @classmethod
     def prepare(
@@ -84,8 +88,13 @@ class PreparedModel:
         preprocess: str = "auto",
         high_precision: str = "fp32",
         keep_io_types: bool = True,
+        exclude_nodes: str | Iterable[str] | None = None,
+        op_types: str | Iterable[str] | None = None,
     ) -> PreparedModel:
+        """``exclude_nodes`` (names or regular expressions) and ``op_types`` (the op types
+        whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`)."""
         cfg = config or Config()
+        node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = rules_for(runtime)
         mixed = quant_type == "mixed"  # every point chooses none or one of the rules' types
         qtype = check_quant_type(rules.default_quant_type if mixed else
@@ -139,6 +148,7 @@ class PreparedModel:
             graph = transform_graph(
                 graph, lambda m: upgrade_for(Graph.from_model(m, graph.path), qtypes).model,
                 created_prefix=f"opset{need}/")
+        rules = node_filter.restrict(rules, graph)
         tree = discover_regions(
             graph,
             RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
@@ -146,7 +156,8 @@ class PreparedModel:
         index = PatternIndex(graph, tree)
         points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
         return cls(graph, tree, index, points, rules, qtype, source, digest, mode,
-                   mixed_types=tuple(rules.quant_types) if mixed else (), high_precision=hp)
+                   mixed_types=tuple(rules.quant_types) if mixed else (), high_precision=hp,
+                   node_filter=node_filter)
 
     @property
     def tunable(self) -> list[PatternPoints]:

@@ -24,7 +24,7 @@ def make_sampler(
     """``refine``: the study starts from an enqueued scheme (a refinement round), so our
     sampler does not propose the empty and full schemes first."""
     if name == "qdq":
-        from samplers.qdq_mutation import QDQMutationSampler
+        from .samplers.qdq_mutation import QDQMutationSampler
 
         return QDQMutationSampler(
             seed=seed,

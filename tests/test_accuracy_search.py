@@ -269,7 +269,7 @@ def test_choose_candidate_rules():
 
 
 def test_our_sampler_ranks_feasible_trials_first():
-    from samplers.qdq_mutation import QDQMutationSampler
+    from qdq_optuna.samplers.qdq_mutation import QDQMutationSampler
 
     study = optuna.create_study()
     trials = [_trial(0, [5.0], 0.3), _trial(1, [9.0], -0.1), _trial(2, [7.0], 0.0),

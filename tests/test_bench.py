@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,7 @@ import pytest
 from qdq_optuna import bench
 from qdq_optuna.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "studies" / "smoke.yaml"
+SMOKE = bench.find_recipe("smoke")  # the shipped recipe (a checkout's studies/ or the wheel's)
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -156,11 +156,10 @@ def test_missing_key_and_seed_count(tmp_path: Path) -> None:
     assert r.seeds == [0, 1, 2] and len(r.runs()) == 12 and r.name == "r"
 
 
-@pytest.mark.parametrize("name", ["sampler_comparison.yaml", "sampler_comparison_ort.yaml",
-                                  "smoke.yaml"])
+@pytest.mark.parametrize("name", ["sampler_comparison", "sampler_comparison_ort", "smoke"])
 def test_committed_recipes_load(name: str) -> None:
-    r = bench.load_recipe(ROOT / "studies" / name)
-    assert r.runs()
+    r = bench.load_recipe(name)  # by name, as `qdq-optuna bench NAME` finds it
+    assert r.runs() and r.path == bench.recipe_dir() / f"{name}.yaml"
 
 
 def test_first_reach_and_step() -> None:
@@ -169,3 +168,22 @@ def test_first_reach_and_step() -> None:
     assert bench.first_reach(curve, 1.2) == 9
     assert bench.first_reach(curve, 1.31) is None
     assert bench._step(curve, [1, 4, 5, 8, 9, 20]) == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3]
+
+
+def test_without_matplotlib_everything_but_the_plot_is_written(smoke_run, tmp_path, monkeypatch,
+                                                                capsys, caplog):
+    """A default install has no matplotlib: bench writes its tables and says in one warning
+    line that the plot was skipped."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "smoke"
+    shutil.copytree(smoke_run / "runs", out / "runs")  # finished runs: skipped, then aggregated
+    rc, stdout, err = _cli(capsys, "smoke", "-o", str(out))  # a shipped recipe by name
+    assert rc == 0, err
+    for name in ("results.csv", "results.json", "summary.md"):
+        assert (out / name).is_file(), name
+    assert not (out / "bench.png").exists()
+    warnings = [r.getMessage() for r in caplog.records if "bench.png" in r.getMessage()]
+    assert warnings == [f"{out / 'bench.png'} not written: matplotlib is not installed (pip "
+                        "install matplotlib; everything else is)"]
+    assert [r.levelname for r in caplog.records if "bench.png" in r.getMessage()] == ["WARNING"]
+    assert "bench.png" not in stdout.splitlines()[-1]  # not listed as written

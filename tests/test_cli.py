@@ -118,7 +118,6 @@ BAD = {
                          "warp-drive"], "warp-drive"),
     "negative refine rounds": (["tune", "--model", "{model}", "--output", "{tmp}/o",
                                 "--refine-rounds", "-1"], "--refine-rounds"),
-    "no subcommand": ([], ""),
 }
 
 

@@ -556,9 +556,9 @@ for _id, _extra, _needles in [
     CASES.append(Case(_id, _option_case(*_extra), _needles))
 
 
-@case("--output")
-def tune_without_output(ctx: Ctx) -> list[str]:
-    return ["tune", "--model", str(ctx.good)]
+@case("--model")
+def tune_without_model(ctx: Ctx) -> list[str]:
+    return ["tune", "--output", str(ctx.out)]  # --output is optional (./qdq_optuna_output)
 
 
 @case("frobnicate")

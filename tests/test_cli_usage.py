@@ -1,0 +1,159 @@
+"""The command line's surface: usage, help, -v/-q everywhere, short flags, defaults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from qdq_optuna import __version__, zoo
+from qdq_optuna.cli import DEFAULT_OUTPUT, build_parser, main
+
+REPO = Path(__file__).resolve().parent.parent
+COMMANDS = ("tune", "inspect", "dashboard", "example", "bench")
+MINIMAL = {"tune": ["-m", "m.onnx"], "inspect": ["m.onnx"], "dashboard": ["out"],
+           "example": ["resnet", "m.onnx"], "bench": ["smoke"]}
+
+
+def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    return subprocess.run([sys.executable, "-m", "qdq_optuna", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("m") / "tiny_residual.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(path))
+    return path
+
+
+def test_bare_command_prints_usage_and_exits_2():
+    proc = run()
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: qdq-optuna")
+    for command in COMMANDS:
+        assert command in proc.stderr
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"qdq-optuna {__version__}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_verbosity_on_every_command_before_and_after_it(command):
+    parser = build_parser()
+    rest = MINIMAL[command]
+    assert parser.parse_args([command, *rest]).verbose == 0
+    assert parser.parse_args(["-v", command, *rest]).verbose == 1
+    assert parser.parse_args([command, *rest, "-v"]).verbose == 1
+    assert parser.parse_args([command, "-vv", *rest]).verbose == 2
+    assert parser.parse_args(["-q", command, *rest]).quiet
+    assert parser.parse_args([command, *rest, "--quiet"]).quiet
+    assert not parser.parse_args([command, *rest]).quiet
+
+
+def test_rerun_with_v_shows_the_traceback(model, monkeypatch, capsys):
+    """The internal-error hint is not a dead end: -v (anywhere) gives the traceback."""
+    from qdq_optuna import model as model_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something internal")
+
+    monkeypatch.setattr(model_module.PreparedModel, "prepare", broken)
+    assert main(["inspect", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == ("qdq-optuna: internal error: RuntimeError: something internal "
+                           "(rerun with -v for the traceback)")
+    for argv in (["-v", "inspect", str(model)], ["inspect", str(model), "-v"]):
+        with pytest.raises(RuntimeError, match="something internal"):
+            main(argv)
+
+
+def test_tune_help_is_grouped_with_help_for_every_option():
+    parser = build_parser()
+    tune = _subparsers(parser)["tune"]
+    titles = {g.title for g in tune._action_groups}
+    assert {"model", "search", "measurement", "accuracy", "storage and workers",
+            "output"} <= titles
+    for action in tune._actions:
+        assert action.help, action.option_strings
+    text = tune.format_help()
+    assert "examples:" in text and "qdq-optuna tune -m model.onnx" in text
+    assert len(text.splitlines()[0]) < 80  # a short usage line, not every option
+
+
+def test_no_rst_markup_in_help():
+    parser = build_parser()
+    for p in [parser, *_subparsers(parser).values()]:
+        text = p.format_help()
+        assert "``" not in text and ":func:" not in text, p.prog
+
+
+def test_short_flags_and_output_default():
+    parser = build_parser()
+    args = parser.parse_args(["tune", "-m", "m.onnx", "-b", "costmodel", "-s", "tpe", "-n", "4"])
+    assert (args.model, args.backend, args.sampler, args.schemes_per_region) == \
+        ("m.onnx", "costmodel", "tpe", 4)
+    assert args.output == DEFAULT_OUTPUT == "qdq_optuna_output"
+    assert parser.parse_args(["tune", "-m", "m", "-o", "out"]).output == "out"
+    assert parser.parse_args(["bench", "smoke", "-o", "x"]).output == "x"
+    assert parser.parse_args(["dashboard", "out", "-p", "0"]).port == 0
+
+
+def test_node_filter_options_parse_like_quantize_static_lists():
+    parser = build_parser()
+    args = parser.parse_args(["tune", "-m", "m", "--exclude-nodes", "a/b", ".*head.*",
+                              "--op-types", "Conv,MatMul", "--exclude-nodes", "c"])
+    assert args.exclude_nodes == ["a/b", ".*head.*", "c"]
+    assert args.op_types == ["Conv,MatMul"]  # split (and checked) by NodeFilter.parse
+
+
+def test_inspect_honours_the_node_filter(model):
+    excluded = "layer1.0/conv1"
+    proc = run("inspect", model, "--json", "--exclude-nodes", excluded, "-q")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    consumers = {u[1] for p in doc["patterns"] for pt in p["insertion_points"]
+                 for uses in pt["uses"].values() for u in uses}
+    assert consumers and excluded not in consumers
+    free = json.loads(run("inspect", model, "--json").stdout)
+    assert excluded in {u[1] for p in free["patterns"] for pt in p["insertion_points"]
+                        for uses in pt["uses"].values() for u in uses}
+    bad = run("inspect", model, "--op-types", "Konv")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("qdq-optuna: error: --op-types: 'Konv' is not an ONNX op "
+                                  "type (did you mean Conv?)")
+
+
+def test_python_warnings_are_one_log_line(model, tmp_path):
+    """A warning raised while a command runs is one ``qdq-optuna: WARNING:`` line."""
+    (tmp_path / "warny_backend_xyz.py").write_text(
+        "import warnings\n"
+        "def fn(model):\n"
+        "    warnings.warn('the device runs slow today')\n"
+        "    return 1.0\n")
+    env_path = os.pathsep.join([str(tmp_path), str(REPO)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tmp_path / "o"),
+         "-b", "warny_backend_xyz:fn", "-n", "2", "--refine-rounds", "0", "-q"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": env_path}, capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "slow today" in line]
+    assert lines and set(lines) == {"qdq-optuna: WARNING: UserWarning: the device runs slow "
+                                    "today (warny_backend_xyz.py:3)"}, proc.stderr
+    assert "warnings.warn(" not in proc.stderr  # no source line echoed below it
