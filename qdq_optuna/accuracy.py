@@ -23,7 +23,6 @@ import onnx
 
 from qdq_optuna.calibration import iter_batches, make_session, one_line
 from qdq_optuna.errors import ModelError, OptionError, UserError
-from qdq_optuna.model import file_sha256
 
 log = logging.getLogger("qdq_optuna")
 
@@ -303,25 +302,23 @@ def error_record(error: float, details: Mapping) -> dict:
     return rec
 
 
-def validation_data(model, *, validation: str | None, calibration_data: str | None,
-                    input_shapes: Mapping | None, samples: int = 8) -> tuple[dict, str]:
-    """The data trials are scored on, and an id for fingerprints: ``--validation-data``, else the
-    calibration data, else random inputs (with a warning: errors on noise are only a sanity
-    check)."""
-    from qdq_optuna import calibration
+def validation_data(model, *, validation: tuple[dict, str] | None,
+                    calibration: tuple[dict, str] | None, input_shapes: Mapping | None,
+                    samples: int = 8) -> tuple[dict, str]:
+    """The data trials are scored on, and an id for fingerprints and reports: the validation
+    data, else the calibration data (each ``(arrays, id)``, loaded by
+    :func:`qdq_optuna.data.input_data`), else random inputs (with a warning: errors on noise are
+    only a sanity check)."""
+    from qdq_optuna import calibration as _calibration
 
-    path = validation or calibration_data
-    if path:
-        option = "--validation-data" if validation else "--calibration-data"
-        try:
-            data = calibration.load_calibration_data(path, model)
-        except UserError as exc:
-            raise type(exc)(f"{option}: {exc}") from exc
-        return data, f"{option}:{file_sha256(path)[:16]}"
+    if validation is not None:
+        return validation[0], f"--validation-data {validation[1]}"
+    if calibration is not None:
+        return calibration[0], f"--calibration-data {calibration[1]}"
     log.warning("no --validation-data or --calibration-data: output errors are measured on "
                 "random inputs (a sanity check only; pass real data for meaningful errors)")
-    data = calibration.random_calibration_data(model, input_shapes or None, samples=samples,
-                                               seed=1)
+    data = _calibration.random_calibration_data(model, input_shapes or None, samples=samples,
+                                                seed=1)
     return data, f"random:{samples}:1"
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.errors import ModelError, OptionError, UserError
 
 #: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
@@ -550,16 +550,7 @@ def save_statistics(
         "fingerprint": fingerprint,
         "tensors": {name: s.to_dict() for name, s in stats.items()},
     }
-    # the writer's pid in the name lets a resumed run remove what a killed one left
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.pid{os.getpid()}.",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(target, json.dumps(payload).encode())
 
 
 def load_statistics(

@@ -74,6 +74,18 @@ def input_data(data: DataLike, model: calibration.ModelLike,
                     f"dicts or a CalibrationDataReader, got {type(data).__name__}")
 
 
+def data_id(given: DataLike, loaded: Mapping[str, np.ndarray]) -> str:
+    """How fingerprints and reports name input data: ``FILE.npz:<sha256>`` for a file, else
+    ``python:<content digest>``."""
+    if isinstance(given, (str, os.PathLike)):
+        h = hashlib.sha256()
+        with open(given, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return f"{os.path.basename(os.fspath(given))}:{h.hexdigest()[:16]}"
+    return "python:" + data_digest(loaded)[:16]
+
+
 def data_digest(data: Mapping[str, np.ndarray]) -> str:
     """A content digest of stacked input data (a resume fingerprint's stand-in for a file's
     sha256 when the data came from Python)."""

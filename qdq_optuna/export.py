@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ._files import atomic_write_bytes, new_file_mode, remove_stale_temps, temp_prefix  # noqa: F401
 from .calibration import QMAX, QUANT_TYPES
 from .errors import OptionError
 from .graph import (
@@ -856,78 +857,6 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
     reduce = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=reduce, initial=0.0) if reduce else np.abs(w)
     return np.maximum(amax / qmax, _MIN_SCALE).astype(np.float32)
-
-
-def temp_prefix(path: Path) -> str:
-    """Prefix of the temporary files written next to ``path``: they carry the writer's pid, so
-    :func:`remove_stale_temps` can tell a dead process's leftovers from a live write."""
-    return f".{path.name}.pid{os.getpid()}."
-
-
-def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
-    """Delete temporary files (``.NAME.pidN.*.tmp``) that killed processes left in ``folder``
-    and its subfolders; a file whose writer still runs is left alone."""
-    removed: list[Path] = []
-    for tmp in sorted(Path(folder).rglob(".*.tmp")):
-        if any(tmp.is_relative_to(r) for r in removed):
-            continue  # inside a folder removed already
-        parts = tmp.name.split(".")
-        pid = next((int(p[3:]) for p in parts if p.startswith("pid") and p[3:].isdigit()), None)
-        if pid is None or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # the writer is alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, someone else's
-        try:
-            if tmp.is_dir() and not tmp.is_symlink():  # an external-mode work folder
-                shutil.rmtree(tmp)
-            else:
-                tmp.unlink()
-            removed.append(tmp)
-        except OSError:
-            pass
-    return removed
-
-
-def new_file_mode(path: str | os.PathLike) -> int:
-    """The mode ``open(path, "w")`` would leave: an existing file's own, else 0o666 less the
-    umask (``mkstemp`` makes 0600 files, which other users and groups could not read)."""
-    try:
-        return os.stat(path).st_mode & 0o777
-    except OSError:
-        pass
-    try:  # Linux: read the umask without changing it (no window for other threads)
-        with open("/proc/self/status", encoding="ascii") as fh:
-            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return 0o666 & ~mask
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = new_file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def quantized_tensors(model: onnx.ModelProto) -> set[str]:

@@ -57,7 +57,7 @@ def make_sampler(
             import torch  # noqa: F401
         except ImportError:
             raise OptionError(
-                "--sampler gp needs torch and scipy: pip install torch scipy"
+                "--sampler gp needs torch and scipy: pip install \"qdq-optuna[gp]\""
             ) from None
         return optuna.samplers.GPSampler(seed=seed)
     if name == "nsga2":

@@ -11,7 +11,7 @@ import pytest
 from qdq_optuna import OptionError, PreparedModel, zoo
 from qdq_optuna.cache import baseline_seed
 from qdq_optuna.insertion.filters import NodeFilter
-from qdq_optuna.search import compute_inputs_scheme
+from qdq_optuna.scheme import compute_inputs_scheme
 
 
 def _dq_consumers(model: onnx.ModelProto) -> list[onnx.NodeProto]:

@@ -7,21 +7,26 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import onnx
 
 from ..backends import BACKENDS, make_backend, runtime_for_backend
 from ..backends.base import Backend
 from ..backends.callable import CallableBackend
+from ..calibration import DEFAULT_METHOD
 from ..config import Config
 from ..errors import OptionError
 from ..graph import InputShapes
-from ..model import PreparedModel, file_sha256
+from ..model import PreparedModel
 from ..objectives import CATEGORICAL_SAMPLERS, check_error_options, check_sampler, parse_objectives
 from ..scheme import ChoiceSpace
 
 
 @dataclass
 class TuneOptions:
-    model: str
+    #: a path, or an ``onnx.ModelProto`` (see :func:`qdq_optuna.data.model_argument`)
+    model: str | onnx.ModelProto
     output_dir: str
     #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
     backend: str | Backend | Callable = "onnxruntime"
@@ -34,8 +39,10 @@ class TuneOptions:
     seed: int | None = 0
     timing: str = "robust"
     scales: str = "auto"
-    calibration_data: str | None = None
-    calibration_method: str = "minmax"
+    #: an .npz path, a dict of arrays, an iterable of feeds or a CalibrationDataReader
+    #: (:func:`qdq_optuna.data.input_data`)
+    calibration_data: Any = None
+    calibration_method: str = DEFAULT_METHOD
     pattern_cache: str | None = None
     qdq_baseline: str | None = None
     fresh: bool = False
@@ -51,7 +58,7 @@ class TuneOptions:
     #: accuracy (see qdq_optuna.objectives): data the output errors are measured on (default:
     #: the calibration data), a user metric ``module:function`` (lower is better), the error
     #: measure, an error budget, and the objectives (``latency`` or ``latency,error``)
-    validation_data: str | None = None
+    validation_data: Any = None
     metric: str | None = None
     error_measure: str = "relative_l2"
     max_output_error: float | None = None
@@ -59,6 +66,15 @@ class TuneOptions:
     #: seconds without a heartbeat after which a ``worker``'s RUNNING trial counts as dead and
     #: is retried (default: $QDQ_OPTUNA_HEARTBEAT_GRACE, else storage.GRACE_PERIOD_S)
     heartbeat_grace: float | None = None
+    #: the float part's precision (``fp32``, ``fp16``, ``bf16``; None: the backend's default,
+    #: see :func:`qdq_optuna.precision.resolve_high_precision`) and whether the graph's inputs
+    #: and outputs keep their types
+    high_precision: str | None = None
+    keep_io_types: bool = True
+    #: nodes (names or regular expressions) whose inputs never get Q/DQ, and the op types whose
+    #: inputs may (``--exclude-nodes``, ``--op-types``; :mod:`qdq_optuna.insertion.filters`)
+    exclude_nodes: list[str] | None = None
+    op_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
@@ -163,7 +179,7 @@ class Settings:
 
 
 def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
-                backend: Backend) -> dict:
+                backend: Backend, validation_id: str | None = None) -> dict:
     """The settings that change a run's result: a resumed run must have the same."""
     o = options
     fp = {
@@ -184,24 +200,20 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
     # options existed still resume
     if settings.space.mixed:
         fp["mixed_types"] = list(settings.space.types)
+    if prepared.high_precision is not None:
+        fp["high_precision"] = prepared.high_precision.describe()
+    if prepared.node_filter:
+        fp["node_filter"] = prepared.node_filter.to_dict()
     if settings.accuracy:
         fp["accuracy"] = {
             "objectives": list(settings.objectives),
             "max_output_error": o.max_output_error,
             "error_measure": o.error_measure,
             "metric": o.metric,
-            "validation_data": (
-                Path(o.validation_data).name + ":" + file_digest(o.validation_data)
-                if o.validation_data and Path(o.validation_data).is_file()
-                else o.validation_data),
+            "validation_data": validation_id,
         }
     return fp
 
 
 def digest(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def file_digest(path: str) -> str:
-    """The short file digest fingerprints and calibration caches name data files by."""
-    return file_sha256(path)[:16]

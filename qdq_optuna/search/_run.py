@@ -23,17 +23,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
+
 from ..accuracy import ErrorScorer, validation_data
 from ..backends.base import Backend
 from ..cache import PatternCache, baseline_seed, baseline_tensors
 from ..config import Config
 from ..dashboard import PatternPictures
+from ..data import data_id, describe_model, input_data, model_argument
 from ..errors import OptionError, UserError
 from ..export import QDQExporter, atomic_write_bytes, remove_stale_temps
 from ..graph import InputShapes
 from ..insertion.points import PatternPoints
 from ..measure import CommitRule, Measurer, TimingProtocol
 from ..model import PreparedModel
+from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
 from ._options import (
@@ -41,8 +45,8 @@ from ._options import (
     TuneOptions,
     TuneResult,
     backend_for,
+    backend_name,
     digest,
-    file_digest,
     fingerprint,
 )
 from ._pattern import OutOfTime, PatternStudy, Search, Seed
@@ -62,11 +66,18 @@ class Tuner:
         self.cfg = options.config
         self.out = Path(options.output_dir)
         self.backend = backend_for(options)
+        runtime = Settings.runtime_of(options, self.backend)
         self.prepared = PreparedModel.prepare(
-            options.model, runtime=Settings.runtime_of(options, self.backend),
-            quant_type=options.quant_type, input_shapes=options.input_shapes, config=self.cfg,
-            preprocess=options.preprocess,
+            options.model, runtime=runtime, quant_type=options.quant_type,
+            input_shapes=options.input_shapes, config=self.cfg, preprocess=options.preprocess,
+            high_precision=resolve_high_precision(
+                options.high_precision, backend_name(options, self.backend), runtime),
+            keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
+            op_types=options.op_types,
         )
+        # the user's data, read once (a CalibrationDataReader can be drained only once)
+        self.calibration = self._data(options.calibration_data, "calibration data")
+        self.validation = self._data(options.validation_data, "validation data")
         # a model whose weights stay on disk is exported into work folders of the output folder
         self.prepared.data_dir = self.out
         self.measurer = Measurer(self.backend, TimingProtocol.from_name(options.timing))
@@ -80,6 +91,13 @@ class Tuner:
         self.cache: PatternCache | None = None
         self.baseline_q: set[str] | None = None
         self._calibrated: dict | None = None
+
+    def _data(self, given, what: str) -> tuple[dict, str] | None:
+        """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
+        if given is None:
+            return None
+        arrays = input_data(given, self.prepared.graph.model, what=what)
+        return arrays, data_id(given, arrays)
 
     def remaining(self) -> float | None:
         if self.o.timeout is None:
@@ -120,7 +138,8 @@ class Tuner:
         remove_stale_temps(self.out)  # half-written outputs of a killed process
         storage = open_storage(self.storage_url, heartbeat=self.o.worker,
                                grace=self.o.heartbeat_grace, on_stale=retry_stale_trial)
-        fp = fingerprint(self.o, self.settings, self.prepared, self.backend)
+        fp = fingerprint(self.o, self.settings, self.prepared, self.backend,
+                         validation_id=self.validation[1] if self.validation else None)
         self.fingerprint_digest = digest(fp)
         if self.o.fresh and not self.o.worker:
             delete_run(storage, self.run_id)
@@ -143,7 +162,7 @@ class Tuner:
     def _baseline(self, search: Search) -> float:
         """The float model's latency, measured once for all workers."""
         return self.record.baseline(lambda: search.plans.baseline(
-            search.exporter, search.exporter.plan(set()), self.settings.backend, self.o.model))
+            search.exporter, search.exporter.plan(set()), self.settings.backend, describe_model(self.o.model)))
 
     def _load_seeds(self) -> None:
         """The user's warm starts (``--pattern-cache``, ``--qdq-baseline``), checked."""
@@ -269,7 +288,8 @@ class Tuner:
         if purpose == "trials" and self.settings.scales == "default":
             return None
         if self._calibrated is None:
-            self._calibrated = calibrated_scales(self.prepared, self.o, self.out)
+            self._calibrated = calibrated_scales(self.prepared, self.o, self.out,
+                                                 self.calibration)
         return self._calibrated
 
     def _scorer(self, exporter: QDQExporter) -> ErrorScorer | None:
@@ -278,9 +298,12 @@ class Tuner:
         if not self.settings.accuracy:
             return None
         shapes = InputShapes.parse(self.o.input_shapes).shapes
-        data, _ = validation_data(self.prepared.graph.model, validation=self.o.validation_data,
-                                  calibration_data=self.o.calibration_data, input_shapes=shapes)
-        return ErrorScorer(exporter.to_bytes(exporter.plan(set())), data, metric=self.o.metric,
+        data, _ = validation_data(self.prepared.graph.model, validation=self.validation,
+                                  calibration=self.calibration, input_shapes=shapes)
+        hp = self.prepared.high_precision  # errors are against FP32, whatever runs
+        reference = (hp.source.full_model().SerializeToString() if hp is not None
+                     else exporter.to_bytes(exporter.plan(set())))
+        return ErrorScorer(reference, data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
                            optimize=self.settings.runtime == "onnxruntime")
 
@@ -306,29 +329,33 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path) -> dict:
-    """Activation scales from one calibration pass (statistics cached in
+def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
+                      data: tuple[dict, str] | None) -> dict:
+    """Activation scales from one calibration pass on the FP32 model (statistics cached in
     ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
     from .. import calibration
 
-    model = prepared.graph.model
+    hp = prepared.high_precision
+    source = hp.source if hp is not None else prepared.graph  # statistics of FP32 values
     tensors = prepared.candidate_tensors()
+    if hp is not None:
+        tensors = hp.source_tensors(tensors)
     shapes = InputShapes.parse(options.input_shapes).shapes
-    if options.calibration_data:
-        data = calibration.load_calibration_data(options.calibration_data, model)
-        data_id = Path(options.calibration_data).name + ":" + file_digest(options.calibration_data)
+    if data is not None:
+        arrays, data_name = data
     else:
         log.warning("no --calibration-data: calibrating on random inputs (scales are only "
                     "placeholders; pass real data for a deployable model)")
-        data = calibration.random_calibration_data(model, shapes or None, samples=4, seed=0)
-        data_id = "random:4:0"
-    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_id,
+        arrays = calibration.random_calibration_data(source.model, shapes or None, samples=4,
+                                                     seed=0)
+        data_name = "random:4:0"
+    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_name,
                                     tensors], default=str).encode()).hexdigest()[:16]
     stats_path = out / "calibration_stats.json"
     stats = calibration.load_statistics(stats_path, fingerprint=fp)
     if stats is None:
-        stats = calibration.collect_statistics(prepared.graph.full_model(), tensors, data,
-                                               external_data_dir=prepared.graph.external_dir)
+        stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
+                                               external_data_dir=source.external_dir)
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
     scales = calibration.activation_scales(stats, method=options.calibration_method,
                                            quant_type=prepared.quant_type)
@@ -339,7 +366,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path) 
     return scales
 
 
-def tune(model: str | os.PathLike, output_dir: str | os.PathLike, *,
+def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
          backend: Callable | Backend | str | None = None, config: Config | None = None,
          benchmark: Callable | Backend | str | None = None, **options) -> TuneResult:
     """Tune ``model``; results go to ``output_dir`` (see README: outputs).
@@ -352,7 +379,7 @@ def tune(model: str | os.PathLike, output_dir: str | os.PathLike, *,
     if backend is not None and benchmark is not None:
         raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
     chosen = backend if backend is not None else benchmark
-    opts = TuneOptions(model=str(model), output_dir=str(output_dir),
+    opts = TuneOptions(model=model_argument(model), output_dir=str(output_dir),
                        backend=chosen if chosen is not None else "onnxruntime",
                        config=config or Config(), **options)
     return Tuner(opts).run()
