@@ -18,6 +18,7 @@ from ..calibration import DEFAULT_METHOD
 from ..config import Config
 from ..errors import OptionError
 from ..graph import InputShapes
+from ..guard import DEFAULT_MAX_OUTPUT_ERROR
 from ..model import PreparedModel
 from ..objectives import CATEGORICAL_SAMPLERS, check_error_options, check_sampler, parse_objectives
 from ..scheme import ChoiceSpace
@@ -140,6 +141,9 @@ class Settings:
     space: ChoiceSpace
     refine_rounds: int
     max_output_error: float | None = None
+    #: the accuracy guard's bound on the output error (``--max-output-error``, else
+    #: :data:`~qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR`)
+    error_bound: float = DEFAULT_MAX_OUTPUT_ERROR
     #: two objectives (latency, error)
     multi_objective: bool = field(init=False)
 
@@ -174,8 +178,10 @@ class Settings:
         # none with two objectives: the report's Pareto chain is built from one decision per
         # pattern
         refine_rounds = 0 if multi else options.config.refine_rounds
+        bound = (float(options.max_output_error) if options.max_output_error is not None
+                 else DEFAULT_MAX_OUTPUT_ERROR)
         return cls(backend_name(options, backend), runtime, scales, objectives, constrained,
-                   accuracy, space, refine_rounds, options.max_output_error)
+                   accuracy, space, refine_rounds, options.max_output_error, bound)
 
 
 def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,

@@ -27,6 +27,7 @@ from ..model import PreparedModel
 from ..objectives import METRIC_NAMES, choose_candidate
 from ..sampling import make_sampler
 from ..scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
+from ._guard import Guard
 from ._options import Settings
 from ._plans import PlanMeasurer, Reference
 from ._progress import Bar, Progress
@@ -79,6 +80,8 @@ class Search:
     remaining: Callable[[], float | None] = lambda: None
     baseline_ms: float | None = None
     neighbourhood: Neighbourhood | None = None
+    #: the accuracy guard (None: no errors are checked, e.g. ask/tell)
+    guard: Guard | None = None
 
     def __post_init__(self) -> None:
         if self.neighbourhood is None:
@@ -162,7 +165,7 @@ class PatternStudy:
         ms, screen_ms = s.record.reference(self.study, lambda: s.plans.reference(source))
         self.reference = Reference(plan, source, ms, screen_ms)
         s.plans.known(self.reference)
-        if s.plans.scorer is not None:
+        if s.settings.accuracy:
             s.record.reference_error(self.study, lambda: s.plans.error(s.exporter, plan))
         distinct = distinct_schemes(s.settings.space, self.pp, self.around,
                                     lambda uses: s.exporter.plan(uses).key)
@@ -194,7 +197,7 @@ class PatternStudy:
                          s.plans.measurements - before)
             raise
         note_measurement(trial, record, s.plans.measurements - before)
-        if s.plans.scorer is None:
+        if not s.settings.accuracy:
             return latency
         err = s.plans.error(s.exporter, plan)
         excess = (err["error"] - float(s.settings.max_output_error)

@@ -40,6 +40,7 @@ from ..model import PreparedModel
 from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
+from ._guard import Guard
 from ._options import (
     Settings,
     TuneOptions,
@@ -148,14 +149,19 @@ class Tuner:
         self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        plans = PlanMeasurer(self.measurer, self.record.measured, self._scorer(exporter),
-                             self.record.errors)
+        scorer, data_name = self._scorer(exporter)
+        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
+        calibrated = (exporter if self.settings.scales == "calibrated"
+                      else self.prepared.exporter(self._scales("final"), self.cfg))
+        guard = Guard(plans, calibrated, self.settings.error_bound,
+                      f"metric {self.o.metric}" if self.o.metric else self.o.error_measure,
+                      data_name)
         self.search = Search(
             prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
             record=self.record, rule=CommitRule(self.cfg.performance_threshold),
             sampler=self.o.sampler, seed=self.o.seed, plans=plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
-            progress=Progress(self.o.progress), remaining=self.remaining,
+            progress=Progress(self.o.progress), remaining=self.remaining, guard=guard,
             on_commit=[PatternPictures(self.out, self.prepared)])
         return self.search
 
@@ -292,20 +298,19 @@ class Tuner:
                                                  self.calibration)
         return self._calibrated
 
-    def _scorer(self, exporter: QDQExporter) -> ErrorScorer | None:
-        """Output errors vs FP32 on the validation data (accuracy modes only); bad validation
-        data or a bad metric fails here, before any measurement."""
-        if not self.settings.accuracy:
-            return None
+    def _scorer(self, exporter: QDQExporter) -> tuple[ErrorScorer, str]:
+        """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
+        which data they are measured on; bad validation data or a bad metric fails here,
+        before any measurement."""
         shapes = InputShapes.parse(self.o.input_shapes).shapes
-        data, _ = validation_data(self.prepared.graph.model, validation=self.validation,
-                                  calibration=self.calibration, input_shapes=shapes)
+        data, data_name = validation_data(self.prepared.graph.model, validation=self.validation,
+                                          calibration=self.calibration, input_shapes=shapes)
         hp = self.prepared.high_precision  # errors are against FP32, whatever runs
         reference = (hp.source.full_model().SerializeToString() if hp is not None
                      else exporter.to_bytes(exporter.plan(set())))
         return ErrorScorer(reference, data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
-                           optimize=self.settings.runtime == "onnxruntime")
+                           optimize=self.settings.runtime == "onnxruntime"), data_name
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
