@@ -151,11 +151,12 @@ def find_recipe(recipe: str | Path) -> Path:
 def load_recipe(path: str | Path) -> Recipe:
     """Read and check a recipe (a path or a shipped recipe's name); any problem is one
     :class:`UserError` line naming file and key."""
-    from . import zoo
-    from .config import Config
-    from .sampling import SAMPLERS
-
     path = find_recipe(path)
+    return _RecipeDoc(path, _read_recipe(path)).recipe()
+
+
+def _read_recipe(path: Path) -> dict:
+    """The recipe's YAML mapping, its keys checked (known, and the required ones there)."""
     where = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -174,86 +175,117 @@ def load_recipe(path: str | Path) -> Recipe:
     for key in ("models", "samplers", "seeds", "budgets"):
         if key not in doc:
             raise UserError(f"{where}: missing key {key!r} ({RECIPE_KEYS[key]})")
+    return doc
 
-    def fail(key: str, msg: str) -> UserError:
-        return UserError(f"{where}: {key}: {msg}")
 
-    def str_list(key: str) -> list[str]:
-        v = doc[key]
+class _RecipeDoc:
+    """A recipe's values, each checked as it is read (errors name the file and the key)."""
+
+    def __init__(self, path: Path, doc: dict) -> None:
+        self.path = path
+        self.doc = doc
+
+    def fail(self, key: str, msg: str) -> UserError:
+        return UserError(f"{self.path}: {key}: {msg}")
+
+    def str_list(self, key: str) -> list[str]:
+        v = self.doc[key]
         if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
-            raise fail(key, f"expected a non-empty list of names, got {v!r}")
+            raise self.fail(key, f"expected a non-empty list of names, got {v!r}")
         if len(set(v)) != len(v):
-            raise fail(key, f"duplicate entries in {v!r}")
+            raise self.fail(key, f"duplicate entries in {v!r}")
         return list(v)
 
-    def int_list(key: str, minimum: int) -> list[int]:
-        v = doc[key]
+    def int_list(self, key: str, minimum: int) -> list[int]:
+        v = self.doc[key]
         if key == "seeds" and _is_int(v) and v >= 1:
             return list(range(v))
         if not isinstance(v, list) or not v or not all(_is_int(x) and x >= minimum for x in v):
-            raise fail(key, f"expected a non-empty list of integers >= {minimum}, got {v!r}")
+            raise self.fail(key, f"expected a non-empty list of integers >= {minimum}, got {v!r}")
         if len(set(v)) != len(v):
-            raise fail(key, f"duplicate entries in {v!r}")
+            raise self.fail(key, f"duplicate entries in {v!r}")
         return list(v)
 
-    def choice(key: str, choices: tuple[str, ...], default: str) -> str:
-        v = doc.get(key, default)
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        v = self.doc.get(key, default)
         if v not in choices:
-            raise fail(key, f"unknown {v!r} (choose from {', '.join(choices)})")
+            raise self.fail(key, f"unknown {v!r} (choose from {', '.join(choices)})")
         return v
 
-    name = doc.get("name", path.stem)
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise fail("name", f"expected a plain name, got {name!r}")
-    description = doc.get("description", "")
-    if not isinstance(description, str):
-        raise fail("description", "expected text")
-    backend = doc.get("backend", "costmodel")
-    if not isinstance(backend, str) or not backend:
-        raise fail("backend", f"expected a backend name, got {backend!r}")
+    def text(self, key: str, default: str, what: str, plain: bool = False) -> str:
+        v = self.doc.get(key, default)
+        bad = not isinstance(v, str) or (plain and (not v or "/" in v or v.startswith(".")))
+        if bad:
+            raise self.fail(key, f"expected {what}, got {v!r}" if plain else f"expected {what}")
+        return v
 
-    models = str_list("models")
-    for m in models:
-        if m.endswith(".onnx"):
-            if not (path.parent / m).is_file():
-                raise fail("models", f"{m}: no such file (paths are relative to the recipe)")
-        elif m not in zoo.EXAMPLES:
-            raise fail("models", f"unknown zoo model {m!r} (zoo: {', '.join(zoo.EXAMPLES)}; "
-                                 "or a path ending in .onnx)")
-    labels = [_model_label(m) for m in models]
-    if len(set(labels)) != len(labels):
-        raise fail("models", f"two models share the name {labels!r}")
-    samplers = str_list("samplers")
-    for s in samplers:
-        if s not in SAMPLERS:
-            raise fail("samplers", f"unknown sampler {s!r} (choose from {', '.join(SAMPLERS)})")
-    seeds = int_list("seeds", 0)
-    budgets = int_list("budgets", 1)
-    threads = doc.get("threads", 1)
-    if not _is_int(threads) or threads < 1:
-        raise fail("threads", f"expected an integer >= 1, got {threads!r}")
-    config = doc.get("config") or {}
-    if not isinstance(config, dict):
-        raise fail("config", "expected a mapping of Config settings")
-    known = {f.name for f in Config.__dataclass_fields__.values()}
-    for k in config:
-        if k not in known or k == "schemes_per_region":
-            why = "use budgets" if k == "schemes_per_region" else "not a Config setting"
-            raise fail(f"config.{k}", why)
-    mode = choice("mode", MODES, "default")
-    try:
-        Config.preset(mode, **config)
-    except (TypeError, UserError) as exc:
-        raise fail("config", " ".join(str(exc).split())) from None
-    output = doc.get("output")
-    if output is not None and (not isinstance(output, str) or not output):
-        raise fail("output", f"expected a folder name, got {output!r}")
-    return Recipe(
-        path=path, name=name, description=description, backend=backend, models=models,
-        size=choice("size", SIZES, "medium"), samplers=samplers, seeds=seeds, budgets=budgets,
-        mode=mode, timing=choice("timing", TIMINGS, "robust"), threads=threads, config=config,
-        output=output,
-    )
+    def models(self) -> list[str]:
+        from . import zoo
+
+        models = self.str_list("models")
+        for m in models:
+            if m.endswith(".onnx"):
+                if not (self.path.parent / m).is_file():
+                    raise self.fail("models", f"{m}: no such file (paths are relative to the "
+                                              "recipe)")
+            elif m not in zoo.EXAMPLES:
+                raise self.fail("models", f"unknown zoo model {m!r} (zoo: "
+                                          f"{', '.join(zoo.EXAMPLES)}; or a path ending in .onnx)")
+        labels = [_model_label(m) for m in models]
+        if len(set(labels)) != len(labels):
+            raise self.fail("models", f"two models share the name {labels!r}")
+        return models
+
+    def samplers(self) -> list[str]:
+        from .sampling import SAMPLERS
+
+        samplers = self.str_list("samplers")
+        for s in samplers:
+            if s not in SAMPLERS:
+                raise self.fail("samplers", f"unknown sampler {s!r} (choose from "
+                                            f"{', '.join(SAMPLERS)})")
+        return samplers
+
+    def config(self, mode: str) -> dict:
+        from .config import Config
+
+        config = self.doc.get("config") or {}
+        if not isinstance(config, dict):
+            raise self.fail("config", "expected a mapping of Config settings")
+        known = {f.name for f in Config.__dataclass_fields__.values()}
+        for k in config:
+            if k not in known or k == "schemes_per_region":
+                why = "use budgets" if k == "schemes_per_region" else "not a Config setting"
+                raise self.fail(f"config.{k}", why)
+        try:
+            Config.preset(mode, **config)
+        except (TypeError, UserError) as exc:
+            raise self.fail("config", " ".join(str(exc).split())) from None
+        return config
+
+    def recipe(self) -> Recipe:
+        doc = self.doc
+        name = self.text("name", self.path.stem, "a plain name", plain=True)
+        description = self.text("description", "", "text")
+        backend = doc.get("backend", "costmodel")
+        if not isinstance(backend, str) or not backend:
+            raise self.fail("backend", f"expected a backend name, got {backend!r}")
+        models, samplers = self.models(), self.samplers()
+        seeds, budgets = self.int_list("seeds", 0), self.int_list("budgets", 1)
+        threads = doc.get("threads", 1)
+        if not _is_int(threads) or threads < 1:
+            raise self.fail("threads", f"expected an integer >= 1, got {threads!r}")
+        mode = self.choice("mode", MODES, "default")
+        config = self.config(mode)
+        output = doc.get("output")
+        if output is not None and (not isinstance(output, str) or not output):
+            raise self.fail("output", f"expected a folder name, got {output!r}")
+        return Recipe(
+            path=self.path, name=name, description=description, backend=backend, models=models,
+            size=self.choice("size", SIZES, "medium"), samplers=samplers, seeds=seeds,
+            budgets=budgets, mode=mode, timing=self.choice("timing", TIMINGS, "robust"),
+            threads=threads, config=config, output=output,
+        )
 
 
 def _is_int(v: object) -> bool:

@@ -118,21 +118,7 @@ def _add_accuracy_args(g) -> None:
                         "front of the whole model in OUTPUT/pareto/)")
 
 
-def _add_tune(sub) -> None:
-    t = sub.add_parser(
-        "tune", help="search the Q/DQ placement (resumes automatically)",
-        usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
-        description="Search where Q/DQ pairs go in MODEL, pattern by pattern, measuring every "
-                    "candidate\non the backend; writes DIR/optimized.onnx, report.md, "
-                    "report.json and the studies.",
-        epilog=TUNE_EXAMPLES)
-    g = t.add_argument_group("model")
-    g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
-    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
-                   help="whose fusion rules place the Q/DQ (default: follows --backend)")
-    _add_model_args(g)
-
-    g = t.add_argument_group("search")
+def _add_search_args(g) -> None:
     g.add_argument("-s", "--sampler", default="qdq", metavar="NAME",
                    choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"],
                    help="qdq: ours, a seeded climb with group moves (default); tpe, cmaes, "
@@ -162,7 +148,8 @@ def _add_tune(sub) -> None:
                    help="a Q/DQ model whose placement seeds the search")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
 
-    g = t.add_argument_group("measurement")
+
+def _add_measurement_args(g) -> None:
     g.add_argument("-b", "--backend", default="onnxruntime", help=BACKEND_HELP)
     g.add_argument("--timing", choices=["fast", "robust"], default="robust",
                    help="robust: every candidate A/B-compared with its pattern's reference in "
@@ -184,6 +171,23 @@ def _add_tune(sub) -> None:
                    help="how activation statistics become scales (default %(default)s: the "
                         "lowest output error in benchmarks/calibration_methods.py)")
 
+
+def _add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune", help="search the Q/DQ placement (resumes automatically)",
+        usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
+        description="Search where Q/DQ pairs go in MODEL, pattern by pattern, measuring every "
+                    "candidate\non the backend; writes DIR/optimized.onnx, report.md, "
+                    "report.json and the studies.",
+        epilog=TUNE_EXAMPLES)
+    g = t.add_argument_group("model")
+    g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
+    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
+                   help="whose fusion rules place the Q/DQ (default: follows --backend)")
+    _add_model_args(g)
+
+    _add_search_args(t.add_argument_group("search"))
+    _add_measurement_args(t.add_argument_group("measurement"))
     _add_accuracy_args(t.add_argument_group(
         "accuracy", "any of these turns accuracy on: trials use calibrated scales and record "
                     "their output errors"))

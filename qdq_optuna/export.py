@@ -133,12 +133,11 @@ class QuantPlan:
         return len(self.activations)
 
 
-class QDQExporter:
-    """Builds Q/DQ models for one graph, one runtime's rules and one set of scales.
-
-    ``scales`` maps an activation tensor name to ``(scale, zero_point)`` (calibrated statistics);
-    tensors without an entry use ``default_scale`` and the quant type's default zero point.
-    """
+class _QDQPieces:
+    """The pieces every export of one graph is made of, built once and kept serialized: each
+    activation's Q/DQ pair with its scale, each weight's quantized values and DQ, int32 biases;
+    their names, unique in the model, so a plan always exports to the same bytes. In external
+    mode quantized weights go to a work folder's weight file once."""
 
     def __init__(
         self,
@@ -178,27 +177,7 @@ class QDQExporter:
                     f"for {self.quant_type}"
                 )
         self.default_zero_point = default_zero_point
-        graph.compact()  # before any copy of the model below: those copy no weights then
-        model = graph.model
-        prefix = onnx.ModelProto()
-        prefix.CopyFrom(model)
-        prefix.ClearField("graph")
-        self._prefix = prefix.SerializeToString()
-        static = onnx.GraphProto()
-        static.CopyFrom(model.graph)
-        static.ClearField("node")
-        static.ClearField("initializer")
-        self._static = static.SerializeToString()
-        #: each initializer serialized once, by the graph (shared with its other exporters); a
-        #: float weight that Q/DQ replaced everywhere is left out of the exported bytes
-        self._init_bytes = {t.name: graph.init_fields[t.name] for t in model.graph.initializer}
-        #: a big in-memory model is exported to files, written piece by piece, instead of bytes:
-        #: the weights stay in memory once (see :func:`file_export_bytes`)
-        limit = file_export_bytes()
-        self.to_files = not self.external and limit is not None and \
-            sum(map(len, self._init_bytes.values())) >= limit
-        self._listed_inputs = {i.name for i in model.graph.input}
-        self._node_bytes = [wire_field(GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
+        graph.compact()  # before any copy of the model: those copy no weights then
         # generated names are the tensor's own name plus a suffix, made unique against every
         # tensor and node name of the model, so a plan always exports to the same bytes
         self._names: set[str] = (set(graph.producer) | graph.initializers | set(graph.graph_inputs)
@@ -206,65 +185,8 @@ class QDQExporter:
         self._act_cache: dict[tuple[str, str], tuple[str, bytes, bytes]] = {}
         self._weight_cache: dict[tuple[str, int | None, str], tuple[str, bytes, bytes, np.ndarray]] = {}
         self._bias_cache: dict[tuple, tuple[str, bytes, bytes]] = {}
-        self._recent: dict[str, bytes] = {}
-        #: per-tensor planning results and rewired node bytes, by their inputs: trials of one
-        #: pattern differ from each other in a few tensors, and the committed ones repeat
-        self._tensor_plans: dict[tuple, tuple[list, list]] = {}
-        self._rewired: dict[tuple, bytes] = {}
-
-    # -- planning ----------------------------------------------------------------------------
-    def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
-        """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
-        typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
-        by_tensor: dict[str, dict[tuple[int, int], str]] = {}
-        for (t, n, s), q in typed.items():
-            if q in (None, "none", 0):
-                continue
-            by_tensor.setdefault(t, {})[(n, s)] = q
-        activations = []
-        weights: dict[tuple[int, int], str] = {}
-        memo = self._tensor_plans
-        if len(memo) > _MEMO_PER_NODE * len(self.graph.nodes) + 1000:
-            memo.clear()
-        for t in sorted(by_tensor):
-            key = (t, tuple(sorted(by_tensor[t].items())))
-            found = memo.get(key)
-            if found is None:
-                found = memo[key] = self._plan_tensor(t, by_tensor[t])
-            activations.extend(found[0])
-            weights.update(found[1])
-        return QuantPlan(
-            activations=tuple(activations),
-            weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
-        )
-
-    def _plan_tensor(self, t: str, covered: dict[tuple[int, int], str]) -> tuple[list, list]:
-        """One tensor's Q/DQ pairs and the weights that come with them (see :meth:`plan`)."""
-        graph = self.graph
-        covered = dict(sorted(covered.items()))  # the memo's key order
-        activations: list = []
-        weights: list = []
-        qtypes = sorted(set(covered.values()))
-        qtype = qtypes[0] if len(qtypes) == 1 else max(qtypes, key=list(covered.values()).count)
-        uncovered = [c for c in graph.consumers.get(t, []) if c not in covered]
-        for promote in self.rules.promotions:
-            if promote(graph, t, uncovered):
-                covered.update(dict.fromkeys(uncovered, qtype))
-                break
-        # one Q/DQ pair per (tensor, type): mixed precision keeps every use's chosen type
-        for q in sorted(set(covered.values())):
-            activations.append((t, tuple(sorted(c for c, v in covered.items() if v == q)), q))
-        for (n, s), use_q in covered.items():
-            spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
-            if spec is None or s not in spec.activation_slots:
-                continue
-            inputs = graph.nodes[n].input
-            if len(inputs) > spec.weight_slot and graph.is_constant(inputs[spec.weight_slot]) \
-                    and inputs[spec.weight_slot] in graph.initializers \
-                    and graph.is_float(inputs[spec.weight_slot]):
-                wq = "fp8" if use_q == "fp8" else "int8"
-                weights.append(((n, spec.weight_slot), wq))
-        return activations, weights
+        #: whole models exported to files (set by the exporter; the store keeps few of them)
+        self.to_files = False
 
     # -- naming and cached pieces ---------------------------------------------------------------
     def _unique(self, base: str) -> str:
@@ -425,6 +347,145 @@ class QDQExporter:
             self._bias_cache[key] = (dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()))
         return self._bias_cache[key]
 
+    # -- external mode: quantized weights written once ---------------------------------------
+    @property
+    def work_folder(self) -> Path:
+        return self._store().folder
+
+    def _store(self) -> _ExternalStore:
+        if self._store_obj is None:
+            # whole models, in file mode: keep few of them on disk
+            self._store_obj = _ExternalStore(self.graph, self.data_dir,
+                                             keep=2 if self.to_files else None)
+        return self._store_obj
+
+    def _external_weight(self, name: str, axis: int | None,
+                         qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
+        """A weight that stays on disk: scales and quantized values computed in chunks of a
+        memory map, the quantized values appended once to the work folder's weight file."""
+        w = self.graph.array(name)
+        scales = chunked_weight_scales(w, axis, qtype)
+        q_name = self._unique(f"{name}_quantized")
+        s_name = self._unique(f"{name}_scale")
+        z_name = self._unique(f"{name}_zero_point")
+        dq_out = self._unique(f"{name}_dequantized")
+        offset, length = self._store().append(_quantized_chunks(w, scales, axis, qtype))
+        qt = TensorProto()
+        qt.name = q_name
+        qt.data_type = TensorProto.FLOAT8E4M3FN if qtype == "fp8" else TensorProto.INT8
+        qt.dims.extend(w.shape)
+        _set_external(qt, _ExternalStore.WEIGHTS, offset, length)
+        st = numpy_helper.from_array(scales.astype(np.float32), s_name)
+        inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
+                 + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", tuple(scales.shape)))
+        attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
+        dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                              name=self._unique(f"{name}_DequantizeLinear"), **attrs)
+        return dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()), scales
+
+
+class QDQExporter(_QDQPieces):
+    """Builds Q/DQ models for one graph, one runtime's rules and one set of scales.
+
+    ``scales`` maps an activation tensor name to ``(scale, zero_point)`` (calibrated statistics);
+    tensors without an entry use ``default_scale`` and the quant type's default zero point.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        rules: RuntimeRules,
+        quant_type: str,
+        *,
+        scales: Mapping[str, tuple[float, int]] | None = None,
+        default_scale: float = 0.1,
+        default_zero_point: int | None = None,
+        data_dir: str | os.PathLike | None = None,
+        high_precision: HighPrecisionModel | None = None,
+    ) -> None:
+        super().__init__(graph, rules, quant_type, scales=scales, default_scale=default_scale,
+                         default_zero_point=default_zero_point, data_dir=data_dir,
+                         high_precision=high_precision)
+        model = graph.model
+        prefix = onnx.ModelProto()
+        prefix.CopyFrom(model)
+        prefix.ClearField("graph")
+        self._prefix = prefix.SerializeToString()
+        static = onnx.GraphProto()
+        static.CopyFrom(model.graph)
+        static.ClearField("node")
+        static.ClearField("initializer")
+        self._static = static.SerializeToString()
+        #: each initializer serialized once, by the graph (shared with its other exporters); a
+        #: float weight that Q/DQ replaced everywhere is left out of the exported bytes
+        self._init_bytes = {t.name: graph.init_fields[t.name] for t in model.graph.initializer}
+        #: a big in-memory model is exported to files, written piece by piece, instead of bytes:
+        #: the weights stay in memory once (see :func:`file_export_bytes`)
+        limit = file_export_bytes()
+        self.to_files = not self.external and limit is not None and \
+            sum(map(len, self._init_bytes.values())) >= limit
+        self._listed_inputs = {i.name for i in model.graph.input}
+        self._node_bytes = [wire_field(GRAPH_NODE, n.SerializeToString()) for n in graph.nodes]
+        self._recent: dict[str, bytes] = {}
+        #: per-tensor planning results and rewired node bytes, by their inputs: trials of one
+        #: pattern differ from each other in a few tensors, and the committed ones repeat
+        self._tensor_plans: dict[tuple, tuple[list, list]] = {}
+        self._rewired: dict[tuple, bytes] = {}
+
+    # -- planning ----------------------------------------------------------------------------
+    def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
+        """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
+        typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
+        by_tensor: dict[str, dict[tuple[int, int], str]] = {}
+        for (t, n, s), q in typed.items():
+            if q in (None, "none", 0):
+                continue
+            by_tensor.setdefault(t, {})[(n, s)] = q
+        activations = []
+        weights: dict[tuple[int, int], str] = {}
+        memo = self._tensor_plans
+        if len(memo) > _MEMO_PER_NODE * len(self.graph.nodes) + 1000:
+            memo.clear()
+        for t in sorted(by_tensor):
+            key = (t, tuple(sorted(by_tensor[t].items())))
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._plan_tensor(t, by_tensor[t])
+            activations.extend(found[0])
+            weights.update(found[1])
+        return QuantPlan(
+            activations=tuple(activations),
+            weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
+        )
+
+    def _plan_tensor(self, t: str, covered: dict[tuple[int, int], str]) -> tuple[list, list]:
+        """One tensor's Q/DQ pairs and the weights that come with them (see :meth:`plan`)."""
+        graph = self.graph
+        covered = dict(sorted(covered.items()))  # the memo's key order
+        activations: list = []
+        weights: list = []
+        qtypes = sorted(set(covered.values()))
+        qtype = qtypes[0] if len(qtypes) == 1 else max(qtypes, key=list(covered.values()).count)
+        uncovered = [c for c in graph.consumers.get(t, []) if c not in covered]
+        for promote in self.rules.promotions:
+            if promote(graph, t, uncovered):
+                covered.update(dict.fromkeys(uncovered, qtype))
+                break
+        # one Q/DQ pair per (tensor, type): mixed precision keeps every use's chosen type
+        for q in sorted(set(covered.values())):
+            activations.append((t, tuple(sorted(c for c, v in covered.items() if v == q)), q))
+        for (n, s), use_q in covered.items():
+            spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
+            if spec is None or s not in spec.activation_slots:
+                continue
+            inputs = graph.nodes[n].input
+            if len(inputs) > spec.weight_slot and graph.is_constant(inputs[spec.weight_slot]) \
+                    and inputs[spec.weight_slot] in graph.initializers \
+                    and graph.is_float(inputs[spec.weight_slot]):
+                wq = "fp8" if use_q == "fp8" else "int8"
+                weights.append(((n, spec.weight_slot), wq))
+        return activations, weights
+
     # -- export --------------------------------------------------------------------------------
     def to_bytes(self, plan: QuantPlan) -> bytes:
         # the same plan is exported again for references and confirmations: keep the last one
@@ -535,44 +596,9 @@ class QDQExporter:
         return atomic_write_bytes(path, model.SerializeToString())
 
     # -- external mode -----------------------------------------------------------------------
-    @property
-    def work_folder(self) -> Path:
-        return self._store().folder
-
-    def _store(self) -> _ExternalStore:
-        if self._store_obj is None:
-            # whole models, in file mode: keep few of them on disk
-            self._store_obj = _ExternalStore(self.graph, self.data_dir,
-                                             keep=2 if self.to_files else None)
-        return self._store_obj
-
     def materialize(self, plan: QuantPlan) -> Path:
         """The exported model as a file in the work folder (external mode, big models)."""
         return self._store().model_file(plan.key, lambda: self._parts(plan))
-
-    def _external_weight(self, name: str, axis: int | None,
-                         qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
-        """A weight that stays on disk: scales and quantized values computed in chunks of a
-        memory map, the quantized values appended once to the work folder's weight file."""
-        w = self.graph.array(name)
-        scales = chunked_weight_scales(w, axis, qtype)
-        q_name = self._unique(f"{name}_quantized")
-        s_name = self._unique(f"{name}_scale")
-        z_name = self._unique(f"{name}_zero_point")
-        dq_out = self._unique(f"{name}_dequantized")
-        offset, length = self._store().append(_quantized_chunks(w, scales, axis, qtype))
-        qt = TensorProto()
-        qt.name = q_name
-        qt.data_type = TensorProto.FLOAT8E4M3FN if qtype == "fp8" else TensorProto.INT8
-        qt.dims.extend(w.shape)
-        _set_external(qt, _ExternalStore.WEIGHTS, offset, length)
-        st = numpy_helper.from_array(scales.astype(np.float32), s_name)
-        inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
-                 + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", tuple(scales.shape)))
-        attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
-        dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
-                              name=self._unique(f"{name}_DequantizeLinear"), **attrs)
-        return dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()), scales
 
     def _save_external(self, plan: QuantPlan, path: Path) -> Path:
         """``path`` and one data file beside it (``<name>.<id>.data``) with every tensor the

@@ -595,6 +595,43 @@ def load_model(
                          f"UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+def _read_model_file(path: Path) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+    """A model file, parsed, with its external data (the big weights stay on disk above the
+    in-memory limit), and the big initializers read straight into their serialized form."""
+    fields: dict[str, bytes] = {}
+    if not path.exists():
+        raise ModelError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelError(f"{path}: is a directory, expected an .onnx file")
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelError(f"{path}: empty file")
+    split = read_split(path)
+    try:
+        if split is not None:
+            model, fields = split
+        else:
+            with open(path, "rb") as fh:
+                model = onnx.ModelProto()
+                model.ParseFromString(fh.read())
+    except Exception as exc:
+        raise ModelError(
+            f"{path}: not a readable ONNX model (protobuf parse failed: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    if not model.HasField("graph") or not model.graph.node:
+        raise ModelError(f"{path}: not an ONNX model (no graph or no nodes)")
+    _check_external_data(model, path.parent, path)
+    try:
+        if external_bytes(model) > inline_external_limit():
+            _load_small_external(model, path.parent)  # the big weights stay on disk
+        else:
+            onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot read external data: {exc}") from None
+    return model, fields
+
+
 def _load_model(source: str | os.PathLike | onnx.ModelProto,
                 input_shapes: InputShapes | None, allow_qdq: bool) -> Graph:
     shapes = input_shapes or InputShapes({})
@@ -608,36 +645,7 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
     else:
         path = Path(source)
         label = path
-        if not path.exists():
-            raise ModelError(f"{path}: no such file")
-        if path.is_dir():
-            raise ModelError(f"{path}: is a directory, expected an .onnx file")
-        size = path.stat().st_size
-        if size == 0:
-            raise ModelError(f"{path}: empty file")
-        split = read_split(path)
-        try:
-            if split is not None:
-                model, fields = split
-            else:
-                with open(path, "rb") as fh:
-                    model = onnx.ModelProto()
-                    model.ParseFromString(fh.read())
-        except Exception as exc:
-            raise ModelError(
-                f"{path}: not a readable ONNX model (protobuf parse failed: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-            ) from None
-        if not model.HasField("graph") or not model.graph.node:
-            raise ModelError(f"{path}: not an ONNX model (no graph or no nodes)")
-        _check_external_data(model, path.parent, path)
-        try:
-            if external_bytes(model) > inline_external_limit():
-                _load_small_external(model, path.parent)  # the big weights stay on disk
-            else:
-                onnx.load_external_data_for_model(model, str(path.parent))
-        except Exception as exc:
-            raise ModelError(f"{path}: cannot read external data: {exc}") from None
+        model, fields = _read_model_file(path)
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
     opset = opset_of(model)

@@ -118,30 +118,8 @@ class PreparedModel:
             source, digest = str(model), file_sha256(model)
             if graph.external_dir is not None:  # the weights on disk are part of the model
                 digest = _external_digest(model, digest)
-        mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
-        if mode == "ort-basic" and graph.external_dir is not None:
-            log.warning("the model's weights stay on disk (external data over %d bytes): "
-                        "tuning it without ONNX Runtime preprocessing (--preprocess none)",
-                        inline_external_limit())
-            mode = "none"
-        if mode == "ort-basic":
-            pre = transform_graph(graph, ort_basic_optimize, name_all=True)
-            if _loads_in_ort(pre.model):
-                graph = pre
-            else:  # never trade a working model for a preprocessed one ORT cannot load
-                log.warning("ONNX Runtime cannot reload its own preprocessed model; "
-                            "tuning the model as given (--preprocess none)")
-                mode = "none"
-        # -- high precision (see precision.py): regions, points and exports on the converted graph
-        hp = None
-        if high_precision != "fp32":
-            def to_high_precision(m: onnx.ModelProto) -> onnx.ModelProto:
-                nonlocal hp
-                hp = convert_precision(Graph.from_model(m, graph.path), high_precision,
-                                       keep_io_types=keep_io_types)
-                return hp.model
-
-            graph = transform_graph(graph, to_high_precision, created_prefix=f"{high_precision}/")
+        graph, mode = _preprocessed(graph, rules, preprocess)
+        graph, hp = _high_precision(graph, high_precision, keep_io_types)
         qtypes = rules.quant_types if mixed else [qtype]
         need = required_opset(graph, qtypes)
         if graph.opset < need:  # the version converter's new nodes are named opsetN/...
@@ -296,6 +274,42 @@ class PreparedModel:
                 floats[w] = "computed from constants by a node loading does not fold"
         return {"quantized": sorted(quantized), "float": dict(sorted(floats.items())),
                 "by_point": by_point}
+
+
+def _preprocessed(graph: Graph, rules: RuntimeRules, preprocess: str) -> tuple[Graph, str]:
+    """The graph the rules see (ONNX Runtime's basic fusions for its own rules, by default)
+    and the preprocessing actually applied."""
+    mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
+    if mode == "ort-basic" and graph.external_dir is not None:
+        log.warning("the model's weights stay on disk (external data over %d bytes): "
+                    "tuning it without ONNX Runtime preprocessing (--preprocess none)",
+                    inline_external_limit())
+        mode = "none"
+    if mode == "ort-basic":
+        pre = transform_graph(graph, ort_basic_optimize, name_all=True)
+        if _loads_in_ort(pre.model):
+            graph = pre
+        else:  # never trade a working model for a preprocessed one ORT cannot load
+            log.warning("ONNX Runtime cannot reload its own preprocessed model; "
+                        "tuning the model as given (--preprocess none)")
+            mode = "none"
+    return graph, mode
+
+
+def _high_precision(graph: Graph, high_precision: str,
+                    keep_io_types: bool) -> tuple[Graph, HighPrecisionModel | None]:
+    """The float part converted (see precision.py): regions, points and exports then work on
+    the converted graph."""
+    hp = None
+    if high_precision != "fp32":
+        def to_high_precision(m: onnx.ModelProto) -> onnx.ModelProto:
+            nonlocal hp
+            hp = convert_precision(Graph.from_model(m, graph.path), high_precision,
+                                   keep_io_types=keep_io_types)
+            return hp.model
+
+        graph = transform_graph(graph, to_high_precision, created_prefix=f"{high_precision}/")
+    return graph, hp
 
 
 def _loads_in_ort(model: onnx.ModelProto) -> bool:

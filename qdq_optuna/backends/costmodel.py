@@ -440,7 +440,10 @@ class _Kernel:
 # the model
 
 
-class _Estimator:
+class _Fusion:
+    """The passes that turn a graph into TensorRT-like kernels: which nodes fuse into which,
+    and which run INT8."""
+
     def __init__(self, g: _Graph, spec: GpuSpec) -> None:
         self.g = g
         self.spec = spec
@@ -714,6 +717,23 @@ class _Estimator:
             return False
         return all(g.op(j) == Q_OP or j in self.int8_mem for j, _ in users)
 
+    def find_input_casts(self) -> None:
+        """A Cast of a graph input (``keep_io_types``) read only by Qs: one pointwise kernel
+        with them, that writes INT8 (as the engine's input copy does for a graph input)."""
+        g = self.g
+        for i, node in enumerate(g.nodes):
+            if node.op_type != "Cast" or g.const_node[i] or not node.input:
+                continue
+            if g.src(node.input[0]) is not None or not g.is_float(node.input[0]):
+                continue
+            users, to_output = g.users(node.output[0])
+            if users and not to_output and all(g.op(j) == Q_OP for j, _ in users):
+                self.input_casts.add(i)
+
+
+class _Estimator(_Fusion):
+    """Prices the kernels :class:`_Fusion` formed, node by node (:meth:`run`)."""
+
     # -- costs -------------------------------------------------------------------------------
 
     def _ms(self, flops: float, nbytes: float, tput_tflops: float, eff: float) -> float:
@@ -795,19 +815,6 @@ class _Estimator:
             if x and x not in g.const and g.dtype.get(x, 1) in _PRECISION:
                 return _PRECISION[g.dtype[x]]
         return FP32
-
-    def find_input_casts(self) -> None:
-        """A Cast of a graph input (``keep_io_types``) read only by Qs: one pointwise kernel
-        with them, that writes INT8 (as the engine's input copy does for a graph input)."""
-        g = self.g
-        for i, node in enumerate(g.nodes):
-            if node.op_type != "Cast" or g.const_node[i] or not node.input:
-                continue
-            if g.src(node.input[0]) is not None or not g.is_float(node.input[0]):
-                continue
-            users, to_output = g.users(node.output[0])
-            if users and not to_output and all(g.op(j) == Q_OP for j, _ in users):
-                self.input_casts.add(i)
 
     def run(self) -> CostBreakdown:
         g = self.g
