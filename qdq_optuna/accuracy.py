@@ -61,7 +61,12 @@ def run_model(
             raise ModelError(
                 f"model too large to serialize in memory; pass its path ({one_line(exc)})"
             ) from exc
-    session = make_session(model, optimize=optimize, threads=threads)
+    files = None
+    if not isinstance(model, bytes):  # an export in a work folder: the input's weight files
+        from qdq_optuna.export import external_sources
+
+        files = external_sources(model)
+    session = make_session(model, optimize=optimize, threads=threads, external_files=files)
     names = [o.name for o in session.get_outputs()]
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in iter_batches(session, data, batch_size):
@@ -337,7 +342,9 @@ class ErrorScorer:
                                            error_measure=error_measure, optimize=optimize)
         self.evaluations = 0
 
-    def score_bytes(self, data: bytes) -> dict:
+    def score_bytes(self, data: bytes | os.PathLike) -> dict:
+        """The errors of a model given as bytes (or as a path, when its weights stay on
+        disk)."""
         self.evaluations += 1
         error, details = self.evaluator.evaluate(data)
         return error_record(error, details)

@@ -303,8 +303,11 @@ def make_session(
     threads: int = 0,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     external_data_dir: str | None = None,
+    external_files: Mapping[str, str] | None = None,
 ):
-    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes."""
+    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes;
+    ``external_files`` (location -> file) gives ONNX Runtime, from memory maps, the weight files
+    an exported model references where they are (``qdq_optuna.export.external_sources``)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -320,8 +323,15 @@ def make_session(
         opts.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", external_data_dir
         )
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, opts, providers=list(providers))
+    maps = []
+    if external_files:
+        maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in external_files.values()]
+        opts.add_external_initializers_from_files_in_memory(
+            list(external_files), maps, [m.size for m in maps])
+    source = model if isinstance(model, bytes) else os.fspath(model)
+    session = ort.InferenceSession(source, opts, providers=list(providers))
+    del maps  # the session has copied what it needs
+    return session
 
 
 def iter_batches(

@@ -307,7 +307,7 @@ class Tuner:
                                           calibration=self.calibration, input_shapes=shapes)
         hp = self.prepared.high_precision  # errors are against FP32, whatever runs
         reference = (hp.source.full_model().SerializeToString() if hp is not None
-                     else exporter.to_bytes(exporter.plan(set())))
+                     else exporter.source(exporter.plan(set())))
         return ErrorScorer(reference, data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
                            optimize=self.settings.runtime == "onnxruntime"), data_name
