@@ -337,14 +337,22 @@ class ErrorScorer:
     """
 
     def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
-                 error_measure: str, optimize: bool) -> None:
+                 error_measure: str, optimize: bool, bf16: bool = False) -> None:
         self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
                                            error_measure=error_measure, optimize=optimize)
         self.evaluations = 0
+        #: candidates are BF16 models: scored as :func:`~qdq_optuna.precision.
+        #: bf16_computed_in_fp32` (ONNX Runtime's CPU provider has no BF16 kernels)
+        self.bf16 = bf16
 
     def score_bytes(self, data: bytes | os.PathLike) -> dict:
         """The errors of a model given as bytes (or as a path, when its weights stay on
         disk)."""
         self.evaluations += 1
+        if self.bf16:
+            from qdq_optuna.precision import bf16_computed_in_fp32
+
+            data = bf16_computed_in_fp32(data if isinstance(data, bytes)
+                                         else onnx.load(os.fspath(data)))
         error, details = self.evaluator.evaluate(data)
         return error_record(error, details)

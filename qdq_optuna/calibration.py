@@ -179,14 +179,16 @@ def sample_count(data: Mapping[str, np.ndarray], source: str = "calibration data
     return count
 
 
-def load_calibration_data(path: str | os.PathLike, model: ModelLike) -> dict[str, np.ndarray]:
+def load_calibration_data(path: str | os.PathLike, model: ModelLike,
+                          what: str = "calibration data") -> dict[str, np.ndarray]:
     """Read an ``.npz`` of graph-input arrays (samples on axis 0) checked against the model.
 
     Floating-point arrays are cast to the model's float type (``float64`` data is common) and
     integer arrays to its integer type when the values fit; int/float mismatches are refused,
-    since they usually mean the arrays were saved under the wrong names.
+    since they usually mean the arrays were saved under the wrong names. ``what`` names the
+    argument in errors.
     """
-    source = f"calibration data {path}"
+    source = f"{what} {path}"
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{source}: file not found")
@@ -334,6 +336,11 @@ def make_session(
     return session
 
 
+#: ONNX Runtime's names of the float input types numpy has
+_FLOAT_INPUTS = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+                 "tensor(double)": np.float64}
+
+
 def iter_batches(
     session: Any, data: Mapping[str, np.ndarray], batch_size: int
 ) -> Iterator[dict[str, np.ndarray]]:
@@ -345,7 +352,11 @@ def iter_batches(
     for meta in session.get_inputs():
         if meta.name not in data:
             raise UserError(f"calibration data: input {meta.name!r} is missing")
-        feeds[meta.name] = data[meta.name]
+        arr = data[meta.name]
+        want = _FLOAT_INPUTS.get(meta.type)
+        if want is not None and arr.dtype.kind == "f" and arr.dtype != want:
+            arr = arr.astype(want)  # the same data for an FP32 model and its FP16 version
+        feeds[meta.name] = arr
         if meta.shape and isinstance(meta.shape[0], int) and meta.shape[0] > 0:
             batch_size, fixed = meta.shape[0], True
     total = sample_count(feeds)

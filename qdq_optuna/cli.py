@@ -84,6 +84,19 @@ def _add_filter_args(g) -> None:
                         "e.g. Conv,MatMul), like quantize_static's op_types_to_quantize")
 
 
+def _add_precision_args(g) -> None:
+    g.add_argument("--high-precision", choices=["fp32", "fp16", "bf16"],
+                   help="precision of the float part, converted before the search (tune's "
+                        "default: the backend's, fp16 for TensorRT-like backends and ort-cuda, "
+                        "fp32 for ONNX Runtime CPU; inspect's: fp32, the model as given)")
+    g.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
+                   help="with fp16/bf16, graph inputs and outputs keep their FP32 type "
+                        "(default; --no-keep-io-types converts them too)")
+    g.add_argument("--opset-upgrade", action=argparse.BooleanOptionalAction, default=True,
+                   help="upgrade the model's opset when the precision or the quant type needs "
+                        "it (default; --no-opset-upgrade refuses such a model instead)")
+
+
 def _add_model_args(g) -> None:
     g.add_argument("--input-shapes", metavar="NAME:DxD,...",
                    help="fix symbolic input dims, e.g. input:1x3x224x224")
@@ -93,6 +106,7 @@ def _add_model_args(g) -> None:
     g.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
                    help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
                         "ONNX Runtime rules, none for TensorRT")
+    _add_precision_args(g)
     _add_filter_args(g)
     g.add_argument("--maximum-sequence-region-size", type=_positive_int, metavar="N",
                    help="largest sequence region top-down refinement cuts (default 10 nodes)")
@@ -208,6 +222,9 @@ def _add_tune(sub) -> None:
                    help="output folder, also holds the studies (default ./%(default)s)")
     g.add_argument("--fresh", action="store_true",
                    help="discard this run's studies and start over")
+    g.add_argument("--remeasure", action="store_true",
+                   help="a finished run: measure the final model again and rewrite the report "
+                        "(otherwise a rerun prints the stored result and exits)")
     _add_verbosity(t)
 
 
@@ -307,25 +324,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
         threads=args.threads, isolate=args.isolate, progress=not args.quiet,
         validation_data=args.validation_data, metric=args.metric,
         error_measure=args.error_measure, max_output_error=args.max_output_error,
-        objectives=args.objectives, **_node_filter(args),
+        objectives=args.objectives, high_precision=args.high_precision,
+        keep_io_types=args.keep_io_types, opset_upgrade=args.opset_upgrade,
+        remeasure=args.remeasure, **_node_filter(args),
     )
     result = Tuner(opts).run()
+    if not args.quiet:
+        _print_result(result)
+    return 0
+
+
+def _print_result(result) -> None:
+    """tune's summary lines on stdout (the report's figures)."""
     r = result.report
     lo, hi = r["speedup_ci"]
-    if not args.quiet:
-        print(
-            f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
-            f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
-            f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements"
-        )
-        if "final_output_error" in r:
-            print(f"output error vs FP32 ({r['error_measure']}): {r['final_output_error']:.4g}"
-                  + (f" (budget {r['max_output_error']:g})" if r.get("max_output_error") else ""))
-        if r.get("pareto"):
-            print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
-                  f"in {result.output_dir}/pareto/")
-        print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
-    return 0
+    if result.finished_before:
+        print(f"run {r['run_id']!r} finished on {r.get('finished')}; its report is unchanged "
+              "(--remeasure measures the final model again, --fresh starts over)")
+    print(f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
+          f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
+          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements")
+    acc = r.get("accuracy")
+    if acc:
+        left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
+                    if acc["status"] != "within bound" else "")
+        print(f"output error vs FP32 ({acc['measure']}, worst output, on {acc['data_kind']}): "
+              f"{acc['error']:.4g}, bound {acc['bound']:g}: {acc['status']}{left_out}")
+    if r.get("pareto"):
+        print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
+              f"in {result.output_dir}/pareto/")
+    print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -338,6 +366,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     pm = PreparedModel.prepare(args.model, runtime=args.runtime, quant_type=args.quant_type,
                                input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess,
+                               high_precision=args.high_precision or "fp32",
+                               keep_io_types=args.keep_io_types, upgrade_opset=args.opset_upgrade,
                                **_node_filter(args))
     doc = pm.to_json()
     if args.json:

@@ -170,6 +170,12 @@ class PatternPictures:
     def __call__(self, study: optuna.Study, pp: PatternPoints) -> None:
         save_pattern_artifacts(study, self.out, pp, self.prepared)  # logs, never raises
         save_pattern_note(study)
+        run_id = study.user_attrs.get(A.RUN_ID)
+        if run_id is not None:  # the run's note follows the run as it goes
+            try:
+                save_run_note(study._storage, run_id)
+            except Exception as exc:  # a note must never cost a run
+                log.warning("dashboard note of run %s not saved: %s", run_id, exc)
 
 
 def save_pattern_note(study: optuna.Study) -> None:
@@ -578,6 +584,222 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
         study.set_user_attr(ARTIFACTS_ATTR, made)
     log.debug("%s: artifacts in %.3f s", study.study_name, time.perf_counter() - started)
     return made
+
+
+# -- the run's overview ------------------------------------------------------------------------
+def _study_rows(storage, run_id: str) -> list[dict]:
+    """Per pattern study of the run, in search order: what the overview lists."""
+    from .search._record import studies_in_order
+
+    rows = []
+    for study, attrs in studies_in_order(storage, run_id):
+        complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        on = [p for p, v in (attrs.get(A.COMMITTED) or {}).items() if _on(v)]
+        rows.append({"name": study.study_name, "pattern": attrs.get(A.PATTERN_ID, "?"),
+                     "round": int(attrs.get(A.ROUND) or 0), "trials": len(complete),
+                     "points": len(attrs.get(A.POINTS) or []),
+                     "decided": A.COMMITTED in attrs, "on": on,
+                     "gain": float(attrs.get(A.GAIN, 1.0)),
+                     "reason": attrs.get(A.COMMIT_REASON) or ""})
+    return rows
+
+
+def _phase_lines(rows: list[dict], phases: dict | None) -> list[str]:
+    """The run's phases as a table: what each did and what it measured."""
+    measured = phases or {}
+
+    def m(*keys: str) -> str:
+        return str(sum(int(measured.get(k, 0)) for k in keys)) if phases else "—"
+
+    lines = ["### Phases", "",
+             "| phase | what | trials | measurements |", "|---|---|---|---|",
+             f"| baseline | the model without Q/DQ, timed once for all workers | — | "
+             f"{m('baseline')} |"]
+    for rnd in sorted({r["round"] for r in rows}):
+        its = [r for r in rows if r["round"] == rnd]
+        moved = sum(1 for r in its if r["gain"] != 1.0)
+        name = "first pass" if rnd == 0 else f"refinement round {rnd}"
+        what = (f"{len(its)} pattern studies, {sum(r['decided'] for r in its)} decided, "
+                f"{moved} changed the model (product of their gains "
+                f"{math.prod(r['gain'] for r in its):.3f}x)")
+        lines.append(f"| {name} | {what} | {sum(r['trials'] for r in its)} | "
+                     + (m("reference", "trial", "confirmation") if rnd == max(
+                         r["round"] for r in rows) else "") + " |")
+    lines.append(f"| final | the accuracy guard, then `optimized.onnx` timed against the "
+                 f"baseline (interleaved A/B) | — | {m('final', 'pareto')} |")
+    if phases:
+        lines += ["", "Measurements: times the backend was asked to time a model, by this "
+                      "process (a resumed run counts its last part); the reference, trial and "
+                      "confirmation measurements of every round are on the last round's row."]
+    return lines
+
+
+def _accuracy_lines(acc: dict) -> list[str]:
+    from .search._guard import data_phrase
+
+    worst = min((e.get("cosine", 1.0) for e in acc.get("output_errors", {}).values()),
+                default=1.0)
+    lines = ["### Accuracy", "",
+             f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output): "
+             f"**{acc['error']:.4g}** (cosine {worst:.4f}), measured on "
+             f"{data_phrase(acc['data'])}; bound {acc['bound']:g} ({acc['bound_from']}): "
+             f"**{acc['status']}**."]
+    if acc.get("responsible_tensors"):
+        lines += ["", f"The tuned placement's error was {acc['tuned_error']:.4g}: Q/DQ on "
+                      + ", ".join(_code(t) for t in acc["responsible_tensors"])
+                      + f" broke the bound, so `optimized.onnx` is the {acc['shipped']}."]
+    return lines
+
+
+def run_note(run_id: str, baseline_ms: float | None, rows: list[dict], *,
+             report: dict | None = None, phases: dict | None = None,
+             picture: dict | None = None) -> str:
+    """The Markdown note of the run study: the run at a glance (``report``: once finished)."""
+    r = report or {}
+    state = ("running" if report is None else "finished" if r.get("complete")
+             else "stopped by its timeout")
+    lines = [f"## Run {run_id} — {state}", ""]
+    if report is not None:
+        hp = r.get("high_precision") or {}
+        lines += [f"- model {_code(r.get('model'))}, backend {_code(r['backend'].get('name'))} "
+                  f"(rules: {r.get('runtime')}), quant type {r.get('quant_type')}, high "
+                  f"precision {hp.get('precision', 'fp32')}",
+                  f"- output folder {_code(r.get('output'))}", "",
+                  "| | latency (ms) |", "|---|---|",
+                  f"| baseline (no Q/DQ) | {r['baseline_latency_ms']:.4f} |",
+                  f"| tuned (`optimized.onnx`) | {r['final_latency_ms']:.4f} |", ""]
+        lo, hi = r["speedup_ci"]
+        lines += [f"**Speedup {r['speedup']:.3f}x** ({int(r['speedup_confidence'] * 100)} % "
+                  f"interval {lo:.3f}–{hi:.3f}; interleaved re-measurement of the saved model "
+                  f"against the baseline)", ""]
+        if r.get("accuracy"):
+            lines += _accuracy_lines(r["accuracy"]) + [""]
+    else:
+        so_far = math.prod(row["gain"] for row in rows)
+        lines += [f"- float baseline: {baseline_ms:.4f} ms" if baseline_ms else
+                  "- float baseline: not measured yet",
+                  f"- {sum(row['decided'] for row in rows)} of {len(rows)} pattern studies "
+                  f"decided so far; their gains multiply to {so_far:.3f}x (the search's "
+                  "estimate; the final figure is measured when the run ends)", ""]
+    if rows:
+        lines += _phase_lines(rows, phases) + [""]
+        lines += ["### Pattern studies", "", "| study | trials | committed | gain | note |",
+                  "|---|---|---|---|---|"]
+        for row in rows:
+            scheme = ", ".join(_code(p) for p in row["on"][:NOTE_MAX_TENSORS])
+            more = len(row["on"]) - NOTE_MAX_TENSORS
+            scheme = (scheme + (f" … (+{more})" if more > 0 else "")) or "—"
+            lines.append(f"| {_code(row['name'])} | {row['trials']} | "
+                         f"{scheme if row['decided'] else 'running'} | {row['gain']:.3f}x | "
+                         f"{row['reason'].replace('|', '/')} |")
+        lines.append("")
+    if picture:
+        lines += ["### The whole run", "", f"![whole-run convergence]({picture['url']})", "",
+                  "Speedup over the float model the run would deliver had it stopped after "
+                  "each measurement (committed gains times the running pattern's best "
+                  "in-loop gain); the final A/B's figure and interval on the right.", ""]
+    lines += ["---", "",
+              "This study also holds the run's bookkeeping, out of the way: its trials are the "
+              "values the run's workers agreed on (a baseline, each study's reference, each "
+              "commit), stored without values; the settings and every measured model are in "
+              "its system attrs."]
+    return "\n".join(lines) + "\n"
+
+
+def run_convergence_png(path: str | Path, curve: list[list[float]], *, title: str,
+                        final: tuple[float, float | None, float | None] | None) -> None:
+    """The whole run's progress curve (speedup estimate against measurements) and the final
+    A/B's speedup with its interval."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = [c[0] for c in curve]
+    ax.step(xs, [c[1] for c in curve], where="post", color="#1f6feb", linewidth=2,
+            label="committed x best in-loop gain")
+    ax.axhline(1.0, color="#57606a", linestyle=":", linewidth=1, label="float model")
+    if final is not None:
+        speedup, lo, hi = final
+        x = xs[-1] if xs else 0
+        yerr = None
+        if lo is not None and hi is not None:
+            yerr = [[max(speedup - lo, 0.0)], [max(hi - speedup, 0.0)]]
+        ax.errorbar([x], [speedup], yerr=yerr, fmt="o", color="#d1242f", capsize=4,
+                    label=f"final A/B {speedup:.3f}x")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("measurements")
+    ax.set_ylabel("speedup over the float model")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+
+
+def save_run_note(storage, run_id: str, *, report: dict | None = None,
+                  phases: dict | None = None, picture: dict | None = None) -> None:
+    """Write the run study's note (needs optuna-dashboard; nothing without it)."""
+    try:
+        from optuna_dashboard import save_note
+    except ImportError:
+        return
+    from .search._record import RunAttr, run_study_name
+
+    run_study = optuna.load_study(study_name=run_study_name(run_id), storage=storage)
+    baseline = run_study.user_attrs.get(RunAttr.BASELINE_MS)
+    save_note(run_study, run_note(run_id, baseline, _study_rows(storage, run_id),
+                                  report=report, phases=phases, picture=picture))
+
+
+def save_run_overview(record, output_dir: str | Path, report: dict, phases: dict | None,
+                      threshold: float) -> None:
+    """At the end of a run: the whole-run picture (uploaded to the run study once per curve)
+    and the run study's note. Never raises: a failure is one warning, the run stands."""
+    try:
+        picture = _run_picture(record, Path(output_dir), report, threshold)
+        save_run_note(record.storage, record.run_id, report=report, phases=phases,
+                      picture=picture)
+    except Exception as exc:  # the overview must never cost a run
+        log.warning("dashboard overview of run %s not saved: %s: %s", record.run_id,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def _run_picture(record, out: Path, report: dict, threshold: float) -> dict | None:
+    """The whole-run convergence picture as an artifact of the run study (the one uploaded
+    before when the curve and the final figure are the same)."""
+    import hashlib
+    import json
+
+    from optuna.artifacts import upload_artifact
+
+    from .bench import progress_curve
+    from .search._record import RunAttr, run_attrs, set_system_attr
+
+    curve = progress_curve(record.storage, record.run_id, threshold)["curve"]
+    lo, hi = report["speedup_ci"]
+    final = (report["speedup"], lo, hi)
+    digest = hashlib.sha256(json.dumps([curve, final]).encode()).hexdigest()[:16]
+    stored = run_attrs(record.run_study).get(RunAttr.PICTURE)
+    if stored and stored.get("digest") == digest:
+        return stored
+    with tempfile.TemporaryDirectory(prefix="qdq-artifacts-") as tmp:
+        png = Path(tmp) / "run_convergence.png"
+        try:
+            run_convergence_png(png, curve, final=final,
+                                title=f"run {record.run_id}: {report['speedup']:.3f}x")
+        except ImportError:
+            _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
+                       "the dashboard (pip install 'qdq-optuna[dashboard]')")
+            return None
+        artifact_id = upload_artifact(artifact_store=artifact_store(out), file_path=str(png),
+                                      study_or_trial=record.run_study)
+    picture = {"file": "run_convergence.png", "artifact_id": artifact_id, "digest": digest,
+               "url": f"/artifacts/{record.run_study._study_id}/{artifact_id}"}
+    set_system_attr(record.run_study, RunAttr.PICTURE, picture)
+    return picture
 
 
 # -- the server -----------------------------------------------------------------------------

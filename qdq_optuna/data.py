@@ -61,7 +61,7 @@ def input_data(data: DataLike, model: calibration.ModelLike,
     takes them (concatenated on axis 0). ``what`` names the argument in errors.
     """
     if isinstance(data, (str, os.PathLike)):
-        return calibration.load_calibration_data(data, model)
+        return calibration.load_calibration_data(data, model, what)
     if isinstance(data, Mapping):
         return _checked(dict(data), model, f"{what} (dict)")
     if callable(getattr(data, "get_next", None)):

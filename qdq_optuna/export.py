@@ -133,6 +133,12 @@ class QuantPlan:
         return len(self.activations)
 
 
+def plan_uses(plan: QuantPlan) -> dict[Use, str]:
+    """The typed uses a plan quantizes (promotions included): the same plan again from any
+    exporter of the same graph (``exporter.plan(plan_uses(plan))``)."""
+    return {(t, n, s): q for t, consumers, q in plan.activations for n, s in consumers}
+
+
 class _QDQPieces:
     """The pieces every export of one graph is made of, built once and kept serialized: each
     activation's Q/DQ pair with its scale, each weight's quantized values and DQ, int32 biases;

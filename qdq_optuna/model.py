@@ -90,9 +90,12 @@ class PreparedModel:
         keep_io_types: bool = True,
         exclude_nodes: str | Iterable[str] | None = None,
         op_types: str | Iterable[str] | None = None,
+        upgrade_opset: bool = True,
     ) -> PreparedModel:
         """``exclude_nodes`` (names or regular expressions) and ``op_types`` (the op types
-        whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`)."""
+        whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`).
+        ``upgrade_opset=False``: a model below the opset that ``high_precision`` or the quant
+        types need is refused (one line) instead of upgraded with onnx's version converter."""
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = rules_for(runtime)
@@ -119,9 +122,15 @@ class PreparedModel:
             if graph.external_dir is not None:  # the weights on disk are part of the model
                 digest = _external_digest(model, digest)
         graph, mode = _preprocessed(graph, rules, preprocess)
-        graph, hp = _high_precision(graph, high_precision, keep_io_types)
+        graph, hp = _high_precision(graph, high_precision, keep_io_types, upgrade_opset)
         qtypes = rules.quant_types if mixed else [qtype]
         need = required_opset(graph, qtypes)
+        if graph.opset < need and not upgrade_opset:
+            from .errors import OptionError
+
+            raise OptionError(f"--no-opset-upgrade: quantizing with {', '.join(qtypes)} "
+                              f"(per-channel weights{', FP16/BF16 scales' if hp else ''}) needs "
+                              f"opset >= {need}; the model has opset {graph.opset}")
         if graph.opset < need:  # the version converter's new nodes are named opsetN/...
             graph = transform_graph(
                 graph, lambda m: upgrade_for(Graph.from_model(m, graph.path), qtypes).model,
@@ -296,8 +305,8 @@ def _preprocessed(graph: Graph, rules: RuntimeRules, preprocess: str) -> tuple[G
     return graph, mode
 
 
-def _high_precision(graph: Graph, high_precision: str,
-                    keep_io_types: bool) -> tuple[Graph, HighPrecisionModel | None]:
+def _high_precision(graph: Graph, high_precision: str, keep_io_types: bool,
+                    upgrade_opset: bool = True) -> tuple[Graph, HighPrecisionModel | None]:
     """The float part converted (see precision.py): regions, points and exports then work on
     the converted graph."""
     hp = None
@@ -305,7 +314,7 @@ def _high_precision(graph: Graph, high_precision: str,
         def to_high_precision(m: onnx.ModelProto) -> onnx.ModelProto:
             nonlocal hp
             hp = convert_precision(Graph.from_model(m, graph.path), high_precision,
-                                   keep_io_types=keep_io_types)
+                                   keep_io_types=keep_io_types, upgrade_opset=upgrade_opset)
             return hp.model
 
         graph = transform_graph(graph, to_high_precision, created_prefix=f"{high_precision}/")

@@ -220,7 +220,8 @@ def convert_precision(
         if not upgrade_opset:
             why = ", ".join(sorted(o for o, v in blocked.items() if v == need))
             raise OptionError(f"--high-precision {precision} needs opset >= {need} ({why}); "
-                              f"the model has opset {opset} and the opset upgrade is off")
+                              f"the model has opset {opset} and the opset upgrade is off "
+                              "(--no-opset-upgrade)")
         try:
             source = ensure_opset(source, need, f"--high-precision {precision}")
         except ModelError as exc:
@@ -574,12 +575,46 @@ def float_types(model: onnx.ModelProto) -> dict[str, int]:
     return {k: v for k, v in out.items() if v in floats}
 
 
+def bf16_computed_in_fp32(model: bytes | onnx.ModelProto) -> bytes:
+    """``model`` with every BF16 tensor, constant, Cast and type retyped to FP32 (values kept:
+    BF16 values are exact in FP32). ONNX Runtime's CPU provider has no BF16 kernels for Conv,
+    MatMul and most ops, so a BF16 model's output errors are measured on this stand-in: the
+    same weights and Q/DQ, with FP32 arithmetic between them."""
+    m = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
+    bf16, fp32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+
+    def retype(t: TensorProto) -> None:
+        if t.data_type == bf16:
+            t.CopyFrom(numpy_helper.from_array(
+                numpy_helper.to_array(t).astype(np.float32), t.name))
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for t in graph.initializer:
+            retype(t)
+        for vi in (*graph.input, *graph.output, *graph.value_info):
+            if vi.type.tensor_type.elem_type == bf16:
+                vi.type.tensor_type.elem_type = fp32
+        for node in graph.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    retype(a.t)
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    visit(a.g)
+                elif a.type == onnx.AttributeProto.INT and a.i == bf16 and a.name in (
+                        "to", "dtype", "output_dtype"):
+                    a.i = fp32
+
+    visit(m.graph)
+    return m.SerializeToString()
+
+
 __all__ = [
     "DEFAULT_FOR_BACKEND",
     "KEEP_FP32",
     "PRECISIONS",
     "HighPrecisionModel",
     "KeepFP32",
+    "bf16_computed_in_fp32",
     "check_precision",
     "convert_precision",
     "float_types",

@@ -148,6 +148,50 @@ def _f(x, fmt="{:.3f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _precision_line(hp: dict | None) -> str:
+    """What ran at which precision: the float part, the graph's inputs and outputs, the nodes
+    kept FP32."""
+    if not hp or hp.get("precision", "fp32") == "fp32":
+        return "FP32 (the model's float part as given)"
+    kept = hp.get("kept_fp32") or {}
+    io = "kept FP32" if hp.get("keep_io_types", True) else f"{hp['precision'].upper()} too"
+    shown = ", ".join(f"`{n}`" for n in list(kept)[:5]) + (f" … (+{len(kept) - 5})"
+                                                            if len(kept) > 5 else "")
+    return (f"{hp['precision'].upper()} (converted before the search; graph inputs and outputs "
+            f"{io}; {len(kept)} nodes kept FP32{': ' + shown if kept else ''})")
+
+
+def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
+    """The accuracy guard's section: the errors of what ships, the data they were measured on,
+    the bound and whether the guard stepped in."""
+    from .search._guard import data_phrase
+
+    lines = ["## Accuracy", "",
+             f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "
+             f"calibrated scales): **{acc['error']:.4g}**, measured on {data_phrase(acc['data'])}. "
+             f"Bound {acc['bound']:g} ({acc['bound_from']}"
+             + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
+             f"**{acc['status']}**.", ""]
+    if acc.get("scored_as", "").startswith("BF16"):
+        lines += [f"Scored as {acc['scored_as']}.", ""]
+    if acc.get("data_kind") == "random inputs":
+        lines += ["Random inputs show only that nothing is badly broken; pass "
+                  "`--validation-data` or `--calibration-data` for errors that mean something.",
+                  ""]
+    if acc["status"] != "within bound":
+        culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
+        lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
+                  f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "
+                  f"evaluations): {culprits}. `optimized.onnx` is the {acc['shipped']}; every "
+                  "figure in this report is that model's.", ""]
+    lines += ["| output | cosine | relative L2 | max abs |", "|---|---|---|---|"]
+    for name, e in acc.get("output_errors", {}).items():
+        lines.append(f"| `{name}` | {e.get('cosine', float('nan')):.5f} | "
+                     f"{e.get('relative_l2', float('nan')):.4g} | "
+                     f"{e.get('max_abs', float('nan')):.4g} |")
+    return lines + [""]
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -156,6 +200,7 @@ def render_markdown(r: dict) -> str:
         f"- model: `{r['model']}`",
         f"- backend: `{r['backend'].get('name')}` (rules: {r['runtime']}), quant type `{r['quant_type']}`,"
         f" sampler `{r['sampler']}`, timing `{r['timing']}`, scales `{r['scales']}`",
+        f"- high precision: {_precision_line(r.get('high_precision'))}",
         f"- run: `{r['run_id']}` in `{r['storage']}`" + ("" if r["complete"] else " — **incomplete (timeout)**"),
         "",
         "| | latency (ms) |",
@@ -171,15 +216,9 @@ def render_markdown(r: dict) -> str:
         *_statistics_lines(r.get("search_statistics")),
         "",
     ]
-    accuracy = "final_output_error" in r
-    if accuracy:
-        budget = r.get("max_output_error")
-        lines += [
-            f"Output error of `optimized.onnx` vs FP32 ({r.get('error_measure')}, worst output, "
-            f"validation data, calibrated scales): **{r['final_output_error']:.4g}**"
-            + ("" if budget is None else f" (budget {budget:g})") + ".",
-            "",
-        ]
+    if r.get("accuracy"):
+        lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))
+    accuracy = any("committed_error" in p for p in r["patterns"])
     lines += [
         "## Patterns",
         "",

@@ -132,8 +132,14 @@ def quiet_optuna(verbose: bool) -> None:
     logging.getLogger("optuna.study._optimize").addFilter(_INTERRUPT_FILTER)
 
 
+#: the state of a proposal trial: not COMPLETE, so the run study has no trial values to plot
+#: or to compute importances of (runs made before kept their COMPLETE proposals of value 0)
+PROPOSAL_STATE = TrialState.PRUNED
+
+
 def _claims(run_study: optuna.Study, key: str) -> list:
-    return [t for t in run_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return [t for t in run_study.get_trials(deepcopy=False,
+                                            states=(TrialState.COMPLETE, PROPOSAL_STATE))
             if t.user_attrs.get(AGREE_KEY) == key]
 
 
@@ -142,17 +148,21 @@ def agreed(run_study: optuna.Study, key: str) -> dict | None:
     claims = _claims(run_study, key)
     if not claims:
         return None
-    return {"value": min(claims, key=lambda t: t.number).user_attrs.get(AGREE_VALUE)}
+    first = min(claims, key=lambda t: t.number)
+    if AGREE_VALUE in first.user_attrs:  # a proposal stored by an earlier version
+        return {"value": first.user_attrs[AGREE_VALUE]}
+    return {"value": first.system_attrs.get(AGREE_VALUE)}
 
 
 def agree(run_study: optuna.Study, key: str, value: Any | Callable[[], Any]) -> Any:
     """The first value stored for ``key`` in this run: a compare-and-set over the storage.
 
-    Each proposal is one COMPLETE trial of the run study, created in a single transaction with
-    the value in its user attrs. Optuna numbers a study's trials under a lock on the study row
-    (PostgreSQL) or the database write lock (SQLite), so a later proposal always gets a higher
-    number: the lowest-numbered proposal is the decision, the same for every worker and every
-    resumed process, and a process that dies part way leaves either a whole proposal or none.
+    Each proposal is one trial of the run study (:data:`PROPOSAL_STATE`, its key in its user
+    attrs, the value in its system attrs), created in a single transaction. Optuna numbers a
+    study's trials under a lock on the study row (PostgreSQL) or the database write lock
+    (SQLite), so a later proposal always gets a higher number: the lowest-numbered proposal is
+    the decision, the same for every worker and every resumed process, and a process that dies
+    part way leaves either a whole proposal or none.
     ``value`` may be a function, called only when no decision exists yet.
     """
     found = agreed(run_study, key)
@@ -161,8 +171,7 @@ def agree(run_study: optuna.Study, key: str, value: Any | Callable[[], Any]) -> 
     if callable(value):
         value = value()
     run_study.add_trial(optuna.trial.create_trial(
-        state=TrialState.COMPLETE, value=0.0,
-        user_attrs={AGREE_KEY: key, AGREE_VALUE: value},
+        state=PROPOSAL_STATE, user_attrs={AGREE_KEY: key}, system_attrs={AGREE_VALUE: value},
     ))
     found = agreed(run_study, key)
     assert found is not None, f"the proposal for {key!r} is not in the storage"

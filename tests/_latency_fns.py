@@ -9,6 +9,7 @@ They are importable by module path, so the CLI can load them with
   ``latency = 10 - 0.5 * full groups + 0.2 * stray activation Q nodes`` (a stray Q belongs to
   no full group).
 * :func:`every_qdq_slower`: each Q/DQ node only costs time; the float model is optimal.
+* :func:`every_qdq_faster`: each activation Q/DQ pair saves time; quantizing all is optimal.
 * :func:`sleepy`: :func:`rewards_groups` after a sleep of ``QDQ_TEST_SLEEP_S`` seconds
   (default 0.2), to make a run slow enough to kill it part way. While the file named by
   ``QDQ_TEST_HOLD_FILE`` exists it does not return, so a test can freeze a run mid-trial.
@@ -77,6 +78,12 @@ def rewards_groups(model) -> float:
 def every_qdq_slower(model) -> float:
     nodes = sum(1 for n in model.graph.node if n.op_type in (Q, DQ))
     return 10.0 + 0.5 * nodes
+
+
+def every_qdq_faster(model) -> float:
+    """Each activation Q/DQ pair saves time: the model with every offered pair is fastest (a
+    search commits everything it can, accurate or not)."""
+    return 10.0 - 0.1 * len(activation_qs(model))
 
 
 def sleepy(model) -> float:

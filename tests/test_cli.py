@@ -16,6 +16,7 @@ import yaml
 
 from qdq_optuna import zoo
 from qdq_optuna.model import PreparedModel
+from qdq_optuna.search._record import run_attrs
 
 REPO = Path(__file__).resolve().parent.parent
 ERROR = "qdq-optuna: error:"
@@ -149,7 +150,7 @@ def test_search_options_reach_the_run(models, tmp_path):
                "--converged-patience", "0", "-q")
     assert proc.returncode == 0, proc.stderr
     storage = f"sqlite:///{out / 'studies.db'}"
-    settings = optuna.load_study(study_name="o/_run", storage=storage).user_attrs["settings"]
+    settings = run_attrs(optuna.load_study(study_name="o/_run", storage=storage))["settings"]
     assert settings["config"]["refine_rounds"] == 2
     assert settings["config"]["converged_patience"] == 0
     assert settings["config"]["schemes_per_region"] == 3

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..export import QDQExporter, QuantPlan
+from ..guard import bisect_plan
 from ._plans import PlanMeasurer
 
 
@@ -37,3 +38,73 @@ class Guard:
 
     def describe(self) -> dict:
         return {"bound": self.bound, "measure": self.measure, "data": self.data}
+
+    def final(self, plan: QuantPlan, *, max_evaluations: int = 64) -> Verdict:
+        """What may ship of the tuned ``plan``: the plan itself when it is within the bound;
+        else, with the Q/DQ pairs responsible named by bisection
+        (:func:`~qdq_optuna.guard.bisect_plan`), the plan without them (every other commit
+        kept), or the model without Q/DQ when that is all that is within the bound."""
+        tuned = self.error(plan)
+        if tuned["error"] <= self.bound:
+            return Verdict(plan, WITHIN_BOUND, SHIPPED_TUNED, tuned, tuned, [], 0, plan.tensors)
+        found = bisect_plan(self.exporter, plan, lambda p: self.error(p)["error"], self.bound,
+                            max_evaluations=max_evaluations)
+        kept, shipped = found.kept, SHIPPED_WITHOUT
+        if not found.within or not found.kept.activations:
+            kept, shipped = self.exporter.plan(set()), SHIPPED_FLOAT
+        errors = self.error(kept)
+        status = FALLBACK if errors["error"] <= self.bound else FLOAT_PAST_BOUND
+        return Verdict(kept, status, shipped, errors, tuned, list(found.responsible),
+                       found.evaluations, plan.tensors)
+
+
+#: :attr:`Verdict.status`: the tuned model ships
+WITHIN_BOUND = "within bound"
+#: the tuned model broke the bound: a model within it ships instead
+FALLBACK = "fallback"
+#: not even the model without Q/DQ (in the run's high precision) is within the bound: it ships
+FLOAT_PAST_BOUND = "float model past bound"
+#: :attr:`Verdict.shipped`
+SHIPPED_TUNED = "tuned model"
+SHIPPED_WITHOUT = "tuned model without the responsible tensors' Q/DQ"
+SHIPPED_FLOAT = "model without Q/DQ"
+
+
+@dataclass
+class Verdict:
+    """The guard's decision about the model a run ships (:meth:`Guard.final`)."""
+
+    #: the plan that ships
+    plan: QuantPlan
+    status: str
+    shipped: str
+    #: output errors of what ships, and of the tuned plan (error records, see
+    #: :func:`qdq_optuna.accuracy.error_record`)
+    errors: dict
+    tuned_errors: dict
+    #: activation tensors whose Q/DQ broke the bound (empty when within it)
+    responsible: list[str]
+    #: error evaluations the bisection made
+    evaluations: int
+    #: activation tensors the tuned plan quantizes
+    tuned_tensors: list[str]
+
+
+def data_kind(data: str) -> str:
+    """Which data the guard's figures come from: ``validation data``, ``calibration data`` or
+    ``random inputs``."""
+    if data.startswith("--validation-data"):
+        return "validation data"
+    if data.startswith("--calibration-data"):
+        return "calibration data"
+    return "random inputs"
+
+
+def data_phrase(data: str) -> str:
+    """:attr:`Guard.data` for people: ``the calibration data (cal.npz:1a2b...)``, or random
+    inputs named as such."""
+    kind = data_kind(data)
+    if kind == "random inputs":
+        _, samples, seed = (data.split(":") + ["?", "?"])[:3]
+        return f"random inputs ({samples} samples, seed {seed}; a sanity check only)"
+    return f"the {kind} ({data.split(' ', 1)[-1]})"

@@ -76,6 +76,12 @@ class TuneOptions:
     #: inputs may (``--exclude-nodes``, ``--op-types``; :mod:`qdq_optuna.insertion.filters`)
     exclude_nodes: list[str] | None = None
     op_types: list[str] | None = None
+    #: a run that finished already is measured again (its final A/B and report); without it
+    #: a rerun returns the stored report unchanged
+    remeasure: bool = False
+    #: the model's opset may be upgraded (high precision, per-channel weights, FP8); when
+    #: False a model below the opset its options need is refused
+    opset_upgrade: bool = True
 
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
@@ -96,6 +102,8 @@ class TuneOptions:
 class TuneResult:
     output_dir: Path
     report: dict
+    #: the run had finished before: ``report`` is its stored report, nothing was measured
+    finished_before: bool = False
 
     @property
     def speedup(self) -> float:

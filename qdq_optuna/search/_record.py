@@ -2,10 +2,15 @@
 
 A run ``RUN`` is the Optuna studies named ``RUN/...`` in one storage:
 
-* ``RUN/_run``: the run study. Its user attrs hold the settings' fingerprint, the float
-  baseline, and every measured model (``measured:<plan key>``) and scored error
-  (``error:<plan key>``); its trials record the values workers agreed on
-  (:func:`~qdq_optuna.storage.agree`: the baseline, each study's reference, each commit);
+* ``RUN/_run``: the run study, what optuna-dashboard shows of the whole run: its note (the
+  run's overview, :func:`qdq_optuna.dashboard.save_run_overview`) and its whole-run picture.
+  Its user attrs are few and small (the settings' digest, when it was made, the float
+  baseline); the bookkeeping is in its system attrs, out of sight: the settings, every
+  measured model (``measured:<plan key>``) and scored error (``error:<plan key>``), and
+  whether the run finished. Its trials record the values workers agreed on
+  (:func:`~qdq_optuna.storage.agree`: the baseline, each study's reference, each commit), as
+  trials without values. A run stored by an earlier version kept all of this in user attrs
+  and COMPLETE trials of value 0: both are read;
 * ``RUN/P003``: pattern ``P003``'s first-pass study; ``RUN/P003/refine1``: its first
   refinement round. A study's user attrs describe the pattern and, once decided, hold its
   commit (``committed`` last: its presence means the whole decision is stored).
@@ -17,6 +22,7 @@ attributes; the search, the report, the dashboard and ``qdq-optuna bench`` go th
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -39,13 +45,20 @@ REFINE = "refine"
 
 
 class RunAttr:
-    """User attrs of the run study."""
+    """Attrs of the run study: user attrs (small, shown by ``optuna studies`` and the
+    dashboard) and system attrs (the bookkeeping; earlier versions kept them in user attrs)."""
 
+    # user attrs
     FINGERPRINT = "fingerprint"
-    SETTINGS = "settings"
     CREATED = "created"
     BASELINE_MS = "baseline_latency_ms"
+    # system attrs
+    SETTINGS = "settings"
     BASELINE_MEASUREMENT = "baseline_measurement"
+    #: the run's last finish: ``fingerprint``, ``at``, ``speedup``, ``report_sha256``
+    FINISHED = "qdq:finished"
+    #: the whole-run picture uploaded to the run study: ``artifact_id``, ``digest``, ``url``
+    PICTURE = "qdq:run_picture"
     #: prefixes of the per-model records: plan key -> measurement / output errors
     MEASURED = "measured:"
     ERROR = "error:"
@@ -184,10 +197,22 @@ def delete_run(storage, run_id: str) -> int:
     return n
 
 
+# -- the run study's attrs ---------------------------------------------------------------------------
+def run_attrs(run_study: optuna.Study) -> dict:
+    """The run study's user and system attrs in one view (a key is in one or the other)."""
+    storage, sid = run_study._storage, run_study._study_id
+    return {**storage.get_study_system_attrs(sid), **storage.get_study_user_attrs(sid)}
+
+
+def set_system_attr(study: optuna.Study, key: str, value) -> None:
+    study._storage.set_study_system_attr(study._study_id, key, value)
+
+
 # -- per-model records -------------------------------------------------------------------------------
 class PlanMemo:
     """Plan key -> a record of that model (its measurement, or its output errors), stored in
-    the run study's user attrs under ``prefix`` (shared by workers, kept across resumes)."""
+    the run study's system attrs under ``prefix`` (shared by workers, kept across resumes; a
+    run stored by an earlier version has them in user attrs)."""
 
     def __init__(self, run_study: optuna.Study, prefix: str) -> None:
         self.study = run_study
@@ -195,8 +220,7 @@ class PlanMemo:
         self._local: dict[str, dict] = {}
 
     def refresh(self) -> None:
-        attrs = self.study._storage.get_study_user_attrs(self.study._study_id)
-        for k, v in attrs.items():
+        for k, v in run_attrs(self.study).items():
             if k.startswith(self.prefix):
                 self._local[k[len(self.prefix):]] = v
 
@@ -207,7 +231,7 @@ class PlanMemo:
 
     def put(self, key: str, record: dict) -> None:
         self._local[key] = record
-        self.study.set_user_attr(self.prefix + key, record)
+        set_system_attr(self.study, self.prefix + key, record)
 
     def __len__(self) -> int:
         return len(self._local)
@@ -299,15 +323,15 @@ class RunRecord:
     def settle_fingerprint(self, settings: dict, digest: str, where: str) -> None:
         """Store the run's settings once (workers starting together agree on one set); refuse
         a process whose settings differ, naming what changed."""
-        attrs = self.run_study.user_attrs
+        attrs = run_attrs(self.run_study)
         if RunAttr.FINGERPRINT not in attrs:
             won = self.agree(Agreed.FINGERPRINT, {
                 "digest": digest, "settings": json.loads(json.dumps(settings, default=str))})
-            self.run_study.set_user_attr(RunAttr.SETTINGS, won["settings"])
+            set_system_attr(self.run_study, RunAttr.SETTINGS, won["settings"])
             self.run_study.set_user_attr(RunAttr.CREATED,
                                          _dt.datetime.now(_dt.timezone.utc).isoformat())
             self.run_study.set_user_attr(RunAttr.FINGERPRINT, won["digest"])
-            attrs = self.run_study.user_attrs
+            attrs = run_attrs(self.run_study)
         if RunAttr.FINGERPRINT in attrs and attrs[RunAttr.FINGERPRINT] != digest:
             old = attrs.get(RunAttr.SETTINGS, {})
             changed = sorted(k for k in settings
@@ -322,9 +346,27 @@ class RunRecord:
         """The float model's latency, measured once for all workers."""
         if RunAttr.BASELINE_MS not in self.run_study.user_attrs:
             base_ms, record = self.agree(Agreed.BASELINE, lambda: list(measure()))
-            self.run_study.set_user_attr(RunAttr.BASELINE_MEASUREMENT, record)
+            set_system_attr(self.run_study, RunAttr.BASELINE_MEASUREMENT, record)
             self.run_study.set_user_attr(RunAttr.BASELINE_MS, base_ms)
         return self.run_study.user_attrs[RunAttr.BASELINE_MS]
+
+    def settings(self) -> dict:
+        """The run's stored settings (what its fingerprint digests)."""
+        return run_attrs(self.run_study).get(RunAttr.SETTINGS, {})
+
+    # -- a finished run --------------------------------------------------------------------
+    def mark_finished(self, digest: str | None, report: dict) -> None:
+        """The run finished with these settings and this report (a rerun prints it and exits,
+        see :meth:`finished`)."""
+        text = json.dumps(report, indent=2, default=str).encode()
+        set_system_attr(self.run_study, RunAttr.FINISHED, {
+            "fingerprint": digest, "at": report.get("finished"),
+            "speedup": report.get("speedup"),
+            "report_sha256": hashlib.sha256(text).hexdigest()})
+
+    def finished(self) -> dict | None:
+        """How the run last finished (None: it has not)."""
+        return run_attrs(self.run_study).get(RunAttr.FINISHED)
 
     # -- pattern studies -------------------------------------------------------------------
     def study_name(self, pp: PatternPoints, rnd: int = 0) -> str:

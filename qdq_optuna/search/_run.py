@@ -29,10 +29,10 @@ from ..accuracy import ErrorScorer, validation_data
 from ..backends.base import Backend
 from ..cache import PatternCache, baseline_seed, baseline_tensors
 from ..config import Config
-from ..dashboard import PatternPictures
+from ..dashboard import PatternPictures, save_run_overview
 from ..data import data_id, describe_model, input_data, model_argument
 from ..errors import OptionError, UserError
-from ..export import QDQExporter, atomic_write_bytes, remove_stale_temps
+from ..export import QDQExporter, QuantPlan, atomic_write_bytes, plan_uses, remove_stale_temps
 from ..graph import InputShapes
 from ..insertion.points import PatternPoints
 from ..measure import CommitRule, Measurer, TimingProtocol
@@ -40,7 +40,7 @@ from ..model import PreparedModel
 from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
-from ._guard import Guard
+from ._guard import FALLBACK, WITHIN_BOUND, Guard, Verdict, data_kind, data_phrase
 from ._options import (
     Settings,
     TuneOptions,
@@ -74,7 +74,7 @@ class Tuner:
             high_precision=resolve_high_precision(
                 options.high_precision, backend_name(options, self.backend), runtime),
             keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
-            op_types=options.op_types,
+            op_types=options.op_types, upgrade_opset=options.opset_upgrade,
         )
         # the user's data, read once (a CalibrationDataReader can be drained only once)
         self.calibration = self._data(options.calibration_data, "calibration data")
@@ -97,6 +97,8 @@ class Tuner:
         """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
         if given is None:
             return None
+        if isinstance(given, (str, os.PathLike)):  # a file: errors name the option
+            what = "--" + what.replace(" ", "-")
         arrays = input_data(given, self.prepared.graph.model, what=what)
         return arrays, data_id(given, arrays)
 
@@ -119,6 +121,9 @@ class Tuner:
     def _run(self) -> TuneResult:
         quiet_optuna(self.cfg.verbose)
         search = self._open()
+        done = None if self.o.remeasure else self._finished_report()
+        if done is not None:  # a finished run: its result, nothing measured again
+            return TuneResult(self.out, done, finished_before=True)
         search.baseline_ms = self._baseline(search)
         self._write_state("running")
         patterns = search.progress.patterns(len(self.prepared.tunable))
@@ -239,22 +244,14 @@ class Tuner:
         plans = self.search.plans
         uses, rows = self.record.committed()
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
-        plan = final_exporter.plan(uses)
+        verdict = self._guarded(final_exporter.plan(uses))
+        plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
         base_bytes = final_exporter.source(final_exporter.plan(set()))
         cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
         report = build_report(self._header(), self.record, plans, self.prepared, plan, cmp,
                               rows=rows, baseline_ms=self.search.baseline_ms, partial=partial)
-        if self.settings.accuracy:
-            err = plans.error(final_exporter, plan)
-            report.update({
-                "objectives": list(self.settings.objectives),
-                "error_measure": (f"metric {self.o.metric}" if self.o.metric
-                                  else self.o.error_measure),
-                "max_output_error": self.o.max_output_error,
-                "final_output_error": err["error"],
-                "final_output_errors": err["output_errors"],
-            })
+        report.update(self._accuracy_keys(verdict))
         if self.settings.multi_objective:
             from ..pareto import model_front
 
@@ -267,7 +264,81 @@ class Tuner:
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern)
         self._write_state("timeout" if partial else "done")
+        if not partial:
+            self.record.mark_finished(self.fingerprint_digest, report)
+        save_run_overview(self.record, self.out, report, dict(plans.by_phase),
+                          self.cfg.performance_threshold)
         return TuneResult(self.out, report)
+
+    def _guarded(self, tuned: QuantPlan) -> Verdict:
+        """The accuracy guard's decision about the tuned plan (a model past the bound never
+        ships), said in one line when it had to step in."""
+        guard = self.search.guard
+        verdict = guard.final(guard.exporter.plan(plan_uses(tuned)))
+        if verdict.status != WITHIN_BOUND:
+            where = data_phrase(guard.data)
+            culprits = ", ".join(verdict.responsible[:6]) + (
+                f" (+{len(verdict.responsible) - 6})" if len(verdict.responsible) > 6 else "")
+            log.warning(
+                "accuracy guard: the tuned model's output error %.4g (%s, worst output, on %s) "
+                "is past the bound %g; Q/DQ on %s caused it: optimized.onnx is the %s instead "
+                "(error %.4g%s)", verdict.tuned_errors["error"], guard.measure, where,
+                guard.bound, culprits or "no single tensor", verdict.shipped,
+                verdict.errors["error"],
+                "" if verdict.status == FALLBACK else ", still past the bound: the "
+                f"{self.prepared.high_precision.precision if self.prepared.high_precision else 'fp32'}"
+                " model alone drifts that far")
+        return verdict
+
+    def _accuracy_keys(self, verdict: Verdict) -> dict:
+        """report.json's accuracy keys: always ``accuracy`` (the guard: bound, measure, data,
+        errors of what ships and of the tuned placement, status, responsible tensors) and
+        ``final_output_error(s)``; the accuracy modes' keys as before."""
+        guard = self.search.guard
+        errors = verdict.errors
+        keys = {
+            "accuracy": {
+                **guard.describe(),
+                "bound_from": ("--max-output-error" if self.o.max_output_error is not None
+                               else "default"),
+                "data_kind": data_kind(guard.data),
+                "scored_as": ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has "
+                              "no BF16 kernels)" if self.search.plans.scorer.bf16
+                              else "the saved model in ONNX Runtime"),
+                "status": verdict.status,
+                "shipped": verdict.shipped,
+                "error": errors["error"],
+                "output_errors": errors["output_errors"],
+                "tuned_error": verdict.tuned_errors["error"],
+                "tuned_output_errors": verdict.tuned_errors["output_errors"],
+                "tuned_tensors": verdict.tuned_tensors,
+                "responsible_tensors": verdict.responsible,
+                "bisection_evaluations": verdict.evaluations,
+            },
+            "final_output_error": errors["error"],
+            "final_output_errors": errors["output_errors"],
+        }
+        if self.settings.accuracy:
+            keys.update({"objectives": list(self.settings.objectives),
+                         "error_measure": guard.measure,
+                         "max_output_error": self.o.max_output_error})
+        return keys
+
+    def _finished_report(self) -> dict | None:
+        """The report of this run when it finished with these settings and this output
+        folder holds that report and its model (a worker's own folder may not: it finishes)."""
+        done = self.record.finished()
+        path = self.out / "report.json"
+        if done is None or done.get("fingerprint") != self.fingerprint_digest \
+                or not path.is_file() or not (self.out / "optimized.onnx").is_file():
+            return None
+        text = path.read_bytes()
+        if hashlib.sha256(text).hexdigest() != done.get("report_sha256"):
+            return None
+        log.info("run %r finished on %s (speedup %.3fx): its report stands; --remeasure "
+                 "measures the final model again, --fresh starts over", self.run_id,
+                 done.get("at"), done.get("speedup") or float("nan"))
+        return json.loads(text)
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""
@@ -286,7 +357,15 @@ class Tuner:
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
                 "sampler": self.o.sampler, "timing": self.o.timing,
-                "scales": self.settings.scales}
+                "scales": self.settings.scales, "high_precision": self._high_precision()}
+
+    def _high_precision(self) -> dict:
+        """report.json's ``high_precision``: the float part's precision, whether the graph's
+        inputs and outputs kept their types, the opsets and the nodes kept FP32 (with why)."""
+        hp = self.prepared.high_precision
+        if hp is None:
+            return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
+        return hp.describe()
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
@@ -310,7 +389,8 @@ class Tuner:
                      else exporter.source(exporter.plan(set())))
         return ErrorScorer(reference, data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
-                           optimize=self.settings.runtime == "onnxruntime"), data_name
+                           optimize=self.settings.runtime == "onnxruntime",
+                           bf16=hp is not None and hp.precision == "bf16"), data_name
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:

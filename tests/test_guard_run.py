@@ -1,0 +1,216 @@
+"""The accuracy guard at the end of every run: the final model's errors are always measured and
+reported, and a model past the bound is never written as ``optimized.onnx``.
+
+A deterministic callable backend (``_latency_fns.every_qdq_faster``: every activation Q/DQ pair
+saves time) makes the search commit every pair it is offered, accurate or not. On
+``corpus.heavy_tail`` (dense outliers) with min/max scales that placement breaks the bound; the
+run falls back to the placement without the pairs bisection names and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import _latency_fns as fns
+import corpus
+import numpy as np
+import onnx
+import pytest
+from test_resume import REPO, cli_env
+
+from qdq_optuna import Config, tune, zoo
+from qdq_optuna.accuracy import output_errors, run_model, summarize
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.export import quantized_tensors
+from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.search._guard import FALLBACK, WITHIN_BOUND
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+#: the tensors whose values carry the tail (``heavy`` and the Conv output it runs into)
+TAILED = {"heavy", "c2"}
+
+
+def _backend():
+    return CallableBackend(fns.every_qdq_faster, deterministic=True)
+
+
+def _calibration() -> dict:
+    return {"x": np.random.default_rng(0).standard_normal((8, 4, 16, 16)).astype(np.float32)}
+
+
+def _independent_error(model: onnx.ModelProto, optimized, data: dict) -> dict:
+    """Worst-output errors of ``optimized`` vs the FP32 model, without the search's code."""
+    ref = run_model(model.SerializeToString(), data)
+    got = run_model(str(optimized), data)
+    return summarize(output_errors(ref, got))
+
+
+@pytest.fixture(scope="module")
+def heavy_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("guard") / "heavy"
+    model = corpus.heavy_tail(3.3, 100.0)
+    logger = logging.getLogger("qdq_optuna")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        result = tune(model, out, backend=_backend(), runtime="onnxruntime",
+                      calibration_data=_calibration(), calibration_method="minmax",
+                      config=Config(schemes_per_region=6), progress=False)
+    finally:
+        logger.removeHandler(handler)
+    return model, result, [r.getMessage() for r in records]
+
+
+def test_a_model_past_the_bound_falls_back_and_names_the_tensor(heavy_run):
+    model, result, messages = heavy_run
+    report = result.report
+    acc = report["accuracy"]
+    assert acc["status"] == FALLBACK
+    assert acc["bound"] == DEFAULT_MAX_OUTPUT_ERROR and acc["bound_from"] == "default"
+    assert acc["measure"] == "relative_l2"
+    assert acc["data_kind"] == "calibration data" and acc["data"].startswith("--calibration-data")
+    # the tuned placement broke the bound; what ships is within it
+    assert acc["tuned_error"] > DEFAULT_MAX_OUTPUT_ERROR >= acc["error"]
+    assert acc["responsible_tensors"] and set(acc["responsible_tensors"]) <= TAILED
+    assert acc["bisection_evaluations"] >= 2
+    assert report["final_output_error"] == acc["error"]
+    assert set(report["final_output_errors"]) == {"y"}
+    assert set(report["final_output_errors"]["y"]) == {"cosine", "relative_l2", "max_abs"}
+    # every other commit stands: what ships is the tuned placement minus the responsible pairs
+    shipped = quantized_tensors(onnx.load(str(result.optimized_model)))
+    assert shipped == set(report["quantized_tensors"])
+    assert shipped and not shipped & set(acc["responsible_tensors"])
+    assert shipped == set(acc["tuned_tensors"]) - set(acc["responsible_tensors"])
+    # measured independently: optimized.onnx is within the bound
+    independent = _independent_error(model, result.optimized_model, _calibration())
+    assert independent["worst_relative_l2"] == pytest.approx(acc["error"], rel=1e-4, abs=1e-6)
+    assert independent["worst_relative_l2"] <= DEFAULT_MAX_OUTPUT_ERROR
+    # one clear line says so
+    said = [m for m in messages if m.startswith("accuracy guard:")]
+    assert len(said) == 1, messages
+    for tensor in acc["responsible_tensors"]:
+        assert tensor in said[0]
+    assert "past the bound 0.5" in said[0] and "calibration data" in said[0]
+    md = (result.output_dir / "report.md").read_text()
+    assert "**fallback**" in md and "The tuned placement broke the bound" in md
+    for tensor in acc["responsible_tensors"]:
+        assert f"`{tensor}`" in md
+    # the final A/B measured what ships: every pair left costs its 0.1 ms on this backend
+    assert report["final_latency_ms"] == pytest.approx(10.0 - 0.1 * len(shipped))
+
+
+def test_the_guard_lets_nothing_past_the_bound_without_falling_back(heavy_run, tmp_path):
+    """A run whose bound is large enough for the tuned placement ships it as tuned."""
+    model, broken, _ = heavy_run
+    loose = broken.report["accuracy"]["tuned_error"] * 1.01
+    result = tune(model, tmp_path / "loose", backend=_backend(), runtime="onnxruntime",
+                  calibration_data=_calibration(), calibration_method="minmax",
+                  max_output_error=loose, config=Config(schemes_per_region=6), progress=False)
+    acc = result.report["accuracy"]
+    assert acc["status"] == WITHIN_BOUND and acc["bound_from"] == "--max-output-error"
+    assert acc["responsible_tensors"] == [] and acc["bisection_evaluations"] == 0
+    assert acc["error"] == acc["tuned_error"] <= loose
+
+
+def test_a_healthy_model_reports_its_errors_on_random_inputs(tmp_path, caplog):
+    model = zoo.build("tiny_residual")
+    with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
+        result = tune(model, tmp_path / "ok", backend=_backend(), runtime="onnxruntime",
+                      config=Config(schemes_per_region=4), progress=False)
+    report = result.report
+    acc = report["accuracy"]
+    assert acc["status"] == WITHIN_BOUND and acc["shipped"] == "tuned model"
+    assert acc["responsible_tensors"] == []
+    assert report["quantized_tensors"], "nothing quantized: the errors would prove nothing"
+    assert 0 < acc["error"] <= DEFAULT_MAX_OUTPUT_ERROR
+    assert acc["data_kind"] == "random inputs" and acc["data"].startswith("random:")
+    outputs = {o.name for o in model.graph.output}
+    assert set(report["final_output_errors"]) == outputs
+    for errors in report["final_output_errors"].values():
+        assert 0.9 < errors["cosine"] <= 1.0 and errors["max_abs"] > 0
+    assert "accuracy guard:" not in caplog.text
+    md = (result.output_dir / "report.md").read_text()
+    assert "## Accuracy" in md and "**within bound**" in md
+    assert "random inputs (8 samples, seed 1; a sanity check only)" in md
+    for name in outputs:
+        assert f"| `{name}` |" in md
+    # accuracy modes add their keys; the guard's are there without them
+    assert "objectives" not in report and "max_output_error" not in report
+
+
+def test_a_fallback_exits_0_through_the_cli(tmp_path):
+    model = tmp_path / "heavy.onnx"
+    onnx.save(corpus.heavy_tail(3.3, 100.0), str(model))
+    cal = tmp_path / "cal.npz"
+    np.savez(cal, **_calibration())
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(out),
+         "-b", "tests._latency_fns:every_qdq_faster", "--runtime", "onnxruntime",
+         "--calibration-data", str(cal), "--calibration-method", "minmax", "-n", "6", "-q"],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "accuracy guard:" in line]
+    assert len(lines) == 1 and lines[0].startswith("qdq-optuna: WARNING: accuracy guard:")
+    report = json.loads((out / "report.json").read_text())
+    assert report["accuracy"]["status"] == FALLBACK
+    assert "cal.npz" in report["accuracy"]["data"]
+
+
+def _guard(model: onnx.ModelProto, bound: float):
+    """A Guard of real parts: the minmax-calibrated exporter, ONNX Runtime scoring against the
+    FP32 model on the calibration data, the error memo in an Optuna study."""
+    import optuna
+
+    from qdq_optuna import calibration
+    from qdq_optuna.accuracy import ErrorScorer
+    from qdq_optuna.measure import Measurer
+    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.search._guard import Guard
+    from qdq_optuna.search._plans import PlanMeasurer
+    from qdq_optuna.search._record import PlanMemo, RunAttr
+
+    pm = PreparedModel.prepare(model, runtime="onnxruntime")
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),
+                                           _calibration())
+    exporter = pm.exporter(calibration.activation_scales(stats, method="minmax",
+                                                         quant_type=pm.quant_type))
+    scorer = ErrorScorer(model.SerializeToString(), _calibration(), metric=None,
+                         error_measure="relative_l2", optimize=True)
+    study = optuna.create_study()
+    plans = PlanMeasurer(Measurer(_backend()), PlanMemo(study, RunAttr.MEASURED), scorer,
+                         PlanMemo(study, RunAttr.ERROR))
+    everything = set()
+    for pp in pm.tunable:
+        everything |= pp.uses(pp.ids)
+    return Guard(plans, exporter, bound, "relative_l2", "--calibration-data test"), \
+        exporter.plan(everything), scorer
+
+
+def test_the_final_check_alone_bisects_and_keeps_the_rest():
+    """:meth:`Guard.final` on a plan, whatever placed it (a search whose commits check the
+    bound too never gets here with a broken plan; this is the net under it)."""
+    guard, plan, scorer = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
+    verdict = guard.final(plan)
+    assert verdict.status == FALLBACK
+    assert verdict.tuned_errors["error"] > DEFAULT_MAX_OUTPUT_ERROR >= verdict.errors["error"]
+    assert verdict.responsible and set(verdict.responsible) <= TAILED
+    assert set(verdict.plan.tensors) == set(plan.tensors) - set(verdict.responsible)
+    # errors are scored once per plan: asking again costs nothing
+    before = scorer.evaluations
+    assert guard.final(plan).plan.key == verdict.plan.key and scorer.evaluations == before
+    # a bound not even the model without Q/DQ keeps: it ships, and says so
+    guard.bound = -1.0
+    worst = guard.final(plan)
+    assert worst.status == "float model past bound" and worst.plan.tensors == []
+    assert worst.shipped == "model without Q/DQ"
