@@ -46,8 +46,8 @@ def count(out: Path) -> dict:
     c = {"patterns": 0, "trials": 0, "measured": 0, "cache_hits": 0,
          "hits_on_reference": 0, "hits_other": 0, "failed_or_pruned": 0}
     for s in storage.get_all_studies():
-        if s.study_name.endswith("/_run"):
-            continue
+        if s.study_name.endswith("/_run") or "/" not in s.study_name:
+            continue  # the run's bookkeeping and its overview
         c["patterns"] += 1
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         for t in study.get_trials(deepcopy=False):

@@ -61,6 +61,8 @@ def studies(folder: Path) -> dict:
     storage = optuna.storages.RDBStorage(f"sqlite:///{(folder / 'studies.db').resolve()}")
     run = {}
     for s in storage.get_all_studies():
+        if "/" not in s.study_name:  # the run's overview: no trials, a note
+            continue
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         trials = [{"number": t.number, "state": t.state.name, "params": t.params,
                    "values": t.values, "user_attrs": t.user_attrs,

@@ -169,8 +169,8 @@ def trial_seconds(out: Path) -> list[float]:
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     secs = []
     for s in storage.get_all_studies():
-        if s.study_name.endswith("/_run"):
-            continue
+        if s.study_name.endswith("/_run") or "/" not in s.study_name:
+            continue  # the run's bookkeeping and its overview
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if t.datetime_start and t.datetime_complete:

@@ -605,32 +605,24 @@ def _study_rows(storage, run_id: str) -> list[dict]:
 
 
 def _phase_lines(rows: list[dict], phases: dict | None) -> list[str]:
-    """The run's phases as a table: what each did and what it measured."""
-    measured = phases or {}
-
-    def m(*keys: str) -> str:
-        return str(sum(int(measured.get(k, 0)) for k in keys)) if phases else "—"
-
-    lines = ["### Phases", "",
-             "| phase | what | trials | measurements |", "|---|---|---|---|",
-             f"| baseline | the model without Q/DQ, timed once for all workers | — | "
-             f"{m('baseline')} |"]
+    """The run's phases as a table (what each did, its trials) and what was measured."""
+    lines = ["### Phases", "", "| phase | what | trials |", "|---|---|---|",
+             "| baseline | the model without Q/DQ, timed once for all workers | — |"]
     for rnd in sorted({r["round"] for r in rows}):
         its = [r for r in rows if r["round"] == rnd]
         moved = sum(1 for r in its if r["gain"] != 1.0)
         name = "first pass" if rnd == 0 else f"refinement round {rnd}"
-        what = (f"{len(its)} pattern studies, {sum(r['decided'] for r in its)} decided, "
-                f"{moved} changed the model (product of their gains "
-                f"{math.prod(r['gain'] for r in its):.3f}x)")
-        lines.append(f"| {name} | {what} | {sum(r['trials'] for r in its)} | "
-                     + (m("reference", "trial", "confirmation") if rnd == max(
-                         r["round"] for r in rows) else "") + " |")
-    lines.append(f"| final | the accuracy guard, then `optimized.onnx` timed against the "
-                 f"baseline (interleaved A/B) | — | {m('final', 'pareto')} |")
+        lines.append(f"| {name} | {len(its)} pattern studies, {sum(r['decided'] for r in its)} "
+                     f"decided, {moved} changed the model (their gains multiply to "
+                     f"{math.prod(r['gain'] for r in its):.3f}x) | "
+                     f"{sum(r['trials'] for r in its)} |")
+    lines.append("| final | the accuracy guard, then `optimized.onnx` timed against the "
+                 "baseline (interleaved A/B) | — |")
     if phases:
-        lines += ["", "Measurements: times the backend was asked to time a model, by this "
-                      "process (a resumed run counts its last part); the reference, trial and "
-                      "confirmation measurements of every round are on the last round's row."]
+        counted = ", ".join(f"{k} {v}" for k, v in phases.items() if v)
+        lines += ["", f"Measurements (times the backend was asked to time a model) by the "
+                      f"process that finished the run: {counted}; {sum(phases.values())} in "
+                      "all."]
     return lines
 
 
@@ -699,10 +691,10 @@ def run_note(run_id: str, baseline_ms: float | None, rows: list[dict], *,
                   "each measurement (committed gains times the running pattern's best "
                   "in-loop gain); the final A/B's figure and interval on the right.", ""]
     lines += ["---", "",
-              "This study also holds the run's bookkeeping, out of the way: its trials are the "
-              "values the run's workers agreed on (a baseline, each study's reference, each "
-              "commit), stored without values; the settings and every measured model are in "
-              "its system attrs."]
+              f"Pattern studies: {_code(run_id + '/P000')} and on (one per pattern and round); "
+              f"bookkeeping: {_code(run_id + '/_run')}."
+              + ("" if report is not None else
+                 f" When the run finishes, its overview is the study {_code(run_id)}.")]
     return "\n".join(lines) + "\n"
 
 
@@ -739,9 +731,17 @@ def run_convergence_png(path: str | Path, curve: list[list[float]], *, title: st
     fig.savefig(str(path), format="png")
 
 
-def save_run_note(storage, run_id: str, *, report: dict | None = None,
-                  phases: dict | None = None, picture: dict | None = None) -> None:
-    """Write the run study's note (needs optuna-dashboard; nothing without it)."""
+def bookkeeping_note(run_id: str) -> str:
+    """The note of a finished run's bookkeeping study (``RUN/_run``)."""
+    return (f"## Bookkeeping of run {run_id}\n\nThe run's overview is the study "
+            f"{_code(run_id)}. This study holds what the run's workers agreed on (the baseline, "
+            "each study's reference, each commit: its trials, stored without values) and, in "
+            "its system attrs, the settings and every model measured.\n")
+
+
+def save_run_note(storage, run_id: str) -> None:
+    """While the run runs: its progress as the note of its bookkeeping study (the only
+    run-level study until it finishes). Needs optuna-dashboard; nothing without it."""
     try:
         from optuna_dashboard import save_note
     except ImportError:
@@ -750,39 +750,61 @@ def save_run_note(storage, run_id: str, *, report: dict | None = None,
 
     run_study = optuna.load_study(study_name=run_study_name(run_id), storage=storage)
     baseline = run_study.user_attrs.get(RunAttr.BASELINE_MS)
-    save_note(run_study, run_note(run_id, baseline, _study_rows(storage, run_id),
-                                  report=report, phases=phases, picture=picture))
+    save_note(run_study, run_note(run_id, baseline, _study_rows(storage, run_id)))
 
 
 def save_run_overview(record, output_dir: str | Path, report: dict, phases: dict | None,
                       threshold: float) -> None:
-    """At the end of a run: the whole-run picture (uploaded to the run study once per curve)
-    and the run study's note. Never raises: a failure is one warning, the run stands."""
+    """At the end of a run: the overview study (its small user attrs, the whole-run picture
+    uploaded once per curve, its note) and the bookkeeping study's note. Never raises: a
+    failure is one warning, the run stands."""
     try:
-        picture = _run_picture(record, Path(output_dir), report, threshold)
-        save_run_note(record.storage, record.run_id, report=report, phases=phases,
-                      picture=picture)
+        _save_run_overview(record, Path(output_dir), report, phases, threshold)
     except Exception as exc:  # the overview must never cost a run
         log.warning("dashboard overview of run %s not saved: %s: %s", record.run_id,
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
 
-def _run_picture(record, out: Path, report: dict, threshold: float) -> dict | None:
-    """The whole-run convergence picture as an artifact of the run study (the one uploaded
-    before when the curve and the final figure are the same)."""
+def _save_run_overview(record, out: Path, report: dict, phases: dict | None,
+                       threshold: float) -> None:
+    from .search._record import OverviewAttr as O
+
+    view = record.overview_study()
+    acc = report.get("accuracy") or {}
+    for key, value in ((O.RUN_ID, record.run_id),
+                       (O.STATUS, "finished" if report.get("complete") else "timeout"),
+                       (O.BASELINE_MS, report["baseline_latency_ms"]),
+                       (O.FINAL_MS, report["final_latency_ms"]),
+                       (O.SPEEDUP, round(float(report["speedup"]), 4)),
+                       (O.ACCURACY, acc.get("status"))):
+        view.set_user_attr(key, value)
+    picture = _run_picture(record, view, out, report, threshold)
+    try:
+        from optuna_dashboard import save_note
+    except ImportError:
+        return
+    save_note(view, run_note(record.run_id, None, _study_rows(record.storage, record.run_id),
+                             report=report, phases=phases, picture=picture))
+    save_note(record.run_study, bookkeeping_note(record.run_id))
+
+
+def _run_picture(record, view: optuna.Study, out: Path, report: dict,
+                 threshold: float) -> dict | None:
+    """The whole-run convergence picture as an artifact of the overview study (the one
+    uploaded before when the curve and the final figure are the same)."""
     import hashlib
     import json
 
     from optuna.artifacts import upload_artifact
 
     from .bench import progress_curve
-    from .search._record import RunAttr, run_attrs, set_system_attr
+    from .search._record import OverviewAttr, set_system_attr
 
     curve = progress_curve(record.storage, record.run_id, threshold)["curve"]
     lo, hi = report["speedup_ci"]
     final = (report["speedup"], lo, hi)
     digest = hashlib.sha256(json.dumps([curve, final]).encode()).hexdigest()[:16]
-    stored = run_attrs(record.run_study).get(RunAttr.PICTURE)
+    stored = view._storage.get_study_system_attrs(view._study_id).get(OverviewAttr.PICTURE)
     if stored and stored.get("digest") == digest:
         return stored
     with tempfile.TemporaryDirectory(prefix="qdq-artifacts-") as tmp:
@@ -795,10 +817,10 @@ def _run_picture(record, out: Path, report: dict, threshold: float) -> dict | No
                        "the dashboard (pip install 'qdq-optuna[dashboard]')")
             return None
         artifact_id = upload_artifact(artifact_store=artifact_store(out), file_path=str(png),
-                                      study_or_trial=record.run_study)
+                                      study_or_trial=view)
     picture = {"file": "run_convergence.png", "artifact_id": artifact_id, "digest": digest,
-               "url": f"/artifacts/{record.run_study._study_id}/{artifact_id}"}
-    set_system_attr(record.run_study, RunAttr.PICTURE, picture)
+               "url": f"/artifacts/{view._study_id}/{artifact_id}"}
+    set_system_attr(view, OverviewAttr.PICTURE, picture)
     return picture
 
 

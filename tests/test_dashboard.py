@@ -7,6 +7,10 @@ One run of ``zoo.build("tiny_concat")`` with a deterministic latency function
   representative region) in ``OUTPUT/artifacts``, uploaded through Optuna's artifact API;
 * ``python -m qdq_optuna dashboard OUTPUT --port N`` is started as a subprocess and its API
   lists the studies, serves the notes and the artifacts;
+* the run's overview study (``RUN``: a note with the run's figures, phases and studies, the
+  whole-run convergence picture, small user attrs, no trials) is the first card of the study
+  list; the bookkeeping study ``RUN/_run`` has small user attrs and no trial values, so no
+  plot or importance of it errs, and ``optuna studies`` prints short lines for both;
 * when Chromium is on PATH (``chromium`` or ``chromium-browser``), headless Chromium renders the
   study list and a study's pages: ``--dump-dom`` must show the study names and the note after
   the client-side rendering, and the screenshots must be non-blank PNGs. The screenshots and DOM
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import struct
@@ -47,6 +52,8 @@ SVG_NS = "{http://www.w3.org/2000/svg}"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SERVER_START_S = 60
 BROWSER_TIMEOUT_S = 90
+#: the dashboard server's stderr (set by the ``server`` fixture)
+SERVER_LOGS: dict[str, Path] = {}
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -156,6 +163,7 @@ def server(run, tmp_path_factory):
             time.sleep(0.1)
         line = (logs / "stdout").read_text().strip().splitlines()[0]
         assert line.startswith(f"optuna-dashboard: {base}/dashboard"), line
+        SERVER_LOGS["stderr"] = logs / "stderr"
         yield base
     finally:
         proc.terminate()
@@ -231,6 +239,57 @@ def test_every_pattern_study_has_note_attrs_and_artifacts(run):
     assert any("/refine" in name for name in studies)
 
 
+def _note(study: optuna.Study) -> str:
+    from optuna_dashboard._note import get_note_from_system_attrs
+
+    attrs = study._storage.get_study_system_attrs(study._study_id)
+    return get_note_from_system_attrs(attrs, None)["body"]
+
+
+def test_the_run_has_an_overview_and_small_bookkeeping(run):
+    storage = open_storage(f"sqlite:///{run / 'studies.db'}", heartbeat=False)
+    report = json.loads((run / "report.json").read_text())
+    view = optuna.load_study(study_name=RUN_ID, storage=storage)
+    assert view.user_attrs == {
+        "run_id": RUN_ID, "status": "finished", "speedup": round(report["speedup"], 4),
+        "baseline_latency_ms": report["baseline_latency_ms"],
+        "final_latency_ms": report["final_latency_ms"], "accuracy_status": "within bound"}
+    assert view.get_trials(deepcopy=False) == []
+    note = _note(view)
+    lo, hi = report["speedup_ci"]
+    for expected in (f"## Run {RUN_ID} — finished", f"**Speedup {report['speedup']:.3f}x**",
+                     f"interval {lo:.3f}–{hi:.3f}", f"{report['baseline_latency_ms']:.4f}",
+                     "### Accuracy", "**within bound**", "random inputs", "### Phases",
+                     "| first pass |", "| refinement round 1 |", "| final |",
+                     "### Pattern studies", "### The whole run", "high precision fp32"):
+        assert expected in note, expected
+    for name in pattern_studies(run):
+        assert f"`{name}`" in note
+    # the whole-run picture: an artifact of the overview, embedded in its note
+    (meta,) = optuna.artifacts.get_all_artifact_meta(view)
+    assert meta.filename == "run_convergence.png" and meta.mimetype == "image/png"
+    assert f"(/artifacts/{view._study_id}/{meta.artifact_id})" in note
+    assert_non_blank_png(run / ARTIFACT_DIR / meta.artifact_id, (640, 360))
+    # the bookkeeping: a few small user attrs, proposals without values, a note pointing on
+    books = optuna.load_study(study_name=f"{RUN_ID}/_run", storage=storage)
+    assert set(books.user_attrs) == {"fingerprint", "created", "baseline_latency_ms"}
+    proposals = books.get_trials(deepcopy=False)
+    assert proposals and all(t.state == optuna.trial.TrialState.PRUNED and t.values is None
+                             and set(t.user_attrs) == {"qdq:agree"} for t in proposals)
+    assert f"The run's overview is the study `{RUN_ID}`" in _note(books)
+    system = storage.get_study_system_attrs(books._study_id)
+    assert any(k.startswith("measured:") for k in system) and "settings" in system
+    # what `optuna studies` prints of them: short
+    proc = subprocess.run([sys.executable, "-c", "import sys, optuna.cli; "
+                           "sys.argv[0] = 'optuna'; sys.exit(optuna.cli.main())", "studies",
+                           "--storage", f"sqlite:///{run / 'studies.db'}", "-f", "json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = {s["name"]: s for s in json.loads(proc.stdout)}
+    for name in (RUN_ID, f"{RUN_ID}/_run"):
+        assert len(json.dumps(listed[name])) < 600, listed[name]
+
+
 def test_drawing_is_cheap(tmp_path):
     """The pictures cost well under 0.3 s per pattern once matplotlib is loaded."""
     pm = PreparedModel.prepare(zoo.build("yolo", "small"))
@@ -293,6 +352,15 @@ def test_server_lists_studies_notes_and_artifacts(run, server):
             assert body == (run / ARTIFACT_DIR / a["artifact_id"]).read_bytes()
     status, ctype, body = get(f"{server}/dashboard")
     assert status == 200 and "text/html" in ctype
+    # the overview and the bookkeeping: notes, the picture, no importance to compute
+    view = get_json(f"{server}/api/studies/{names[RUN_ID]}")
+    assert view["note"]["body"].startswith(f"## Run {RUN_ID} — finished")
+    (art,) = view["artifacts"]
+    status, ctype, body = get(f"{server}/artifacts/{names[RUN_ID]}/{art['artifact_id']}")
+    assert status == 200 and ctype == "image/png" and body[:8] == PNG_MAGIC
+    for name in (RUN_ID, f"{RUN_ID}/_run"):
+        status, _, body = get(f"{server}/api/studies/{names[name]}/param_importances")
+        assert status == 200 and json.loads(body) == {"param_importances": [[]]}
 
 
 def test_busy_port_and_port_zero(run, tmp_path):
@@ -352,6 +420,9 @@ def test_browser_renders_the_studies_and_the_note(run, server, tmp_path):
         "studies": f"{server}/dashboard",
         "study_top": f"{server}/dashboard/studies/{sid}",
         "study_note": f"{server}/dashboard/studies/{sid}/note",
+        "run_note": f"{server}/dashboard/studies/{names[RUN_ID]}/note",
+        "run_top": f"{server}/dashboard/studies/{names[RUN_ID]}",
+        "bookkeeping_top": f"{server}/dashboard/studies/{names[RUN_ID + '/_run']}",
     }
 
     def dom(page: str) -> str:
@@ -368,6 +439,19 @@ def test_browser_renders_the_studies_and_the_note(run, server, tmp_path):
     listing = dom("studies")
     for n in studies:
         assert n in listing, f"{n} not rendered in the study list"
+    # the first card (newest first, the list's default order) is the run's overview
+    cards = re.findall(r"<h5[^>]*>\d+\. ([^<]+)</h5>", listing)
+    assert cards[0] == RUN_ID and f"{RUN_ID}/_run" in cards, cards
+    overview = dom("run_note")
+    report = json.loads((run / "report.json").read_text())
+    for expected in [f"Run {RUN_ID} — finished", f"Speedup {report['speedup']:.3f}x", "Phases",
+                     "Accuracy", "within bound", "Pattern studies", "The whole run",
+                     *studies]:
+        assert expected in overview, f"{expected!r} not rendered in the run's note"
+    (art,) = get_json(f"{server}/api/studies/{names[RUN_ID]}")["artifacts"]
+    assert f'src="/artifacts/{names[RUN_ID]}/{art["artifact_id"]}"' in overview
+    assert "run_convergence.png" in dom("run_top")
+    dom("bookkeeping_top")
     note = dom("study_note")
     rep = str(attrs["regions"][0])
     for expected in [f"Pattern {attrs['pattern_id']}", "Member regions", "Insertion points",
@@ -383,9 +467,13 @@ def test_browser_renders_the_studies_and_the_note(run, server, tmp_path):
     shots = [(page, url, (1400, 1000)) for page, url in pages.items()]
     # the whole note with its embedded pictures (convergence curve, region)
     shots.append(("study_note_full", pages["study_note"], (1400, 2600)))
+    shots.append(("run_note_full", pages["run_note"], (1400, 2600)))
     for page, url, window in shots:
         shot = keep / f"{page}.png"
         shot.unlink(missing_ok=True)
         r = run_chromium(exe, url, profile, f"--screenshot={shot}", window=window)
         assert r.returncode == 0 and shot.is_file(), r.stderr.decode("utf-8", "replace")[-2000:]
         assert_non_blank_png(shot, window)
+    # every page rendered without an error in the server (importances, plots)
+    log = SERVER_LOGS["stderr"].read_text()
+    assert "Traceback" not in log and "division by zero" not in log, log[-3000:]

@@ -165,8 +165,8 @@ def test_mixed_search_end_to_end(sampler, runtime, tmp_path):
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     seen_types = set()
     for s in storage.get_all_studies():
-        if s.study_name.endswith("/_run"):
-            continue
+        if s.study_name.endswith("/_run") or not s.study_name.startswith(f"{run_id}/"):
+            continue  # the run's bookkeeping and its overview
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         assert study.user_attrs["qdq_num_choices"] == 3
         assert study.user_attrs["qdq_choice_names"] == ["none", *TYPES[runtime]]

@@ -41,7 +41,8 @@ def studies(result) -> dict[str, optuna.Study]:
     run_id = result.report["run_id"]
     return {s.study_name[len(run_id) + 1:]: optuna.load_study(study_name=s.study_name,
                                                                storage=storage)
-            for s in storage.get_all_studies() if s.study_name != f"{run_id}/_run"}
+            for s in storage.get_all_studies()
+            if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"}
 
 
 def test_refinement_finds_what_the_single_pass_cannot(runs):

@@ -133,7 +133,9 @@ def test_quantized_tensors_are_the_q_inputs_of_the_optimized_model(e2e):
 def test_studies_named_per_pattern_with_attrs(e2e):
     report = e2e.report
     all_studies = studies(e2e.output_dir)
-    assert set(all_studies) == {"run/_run"} | {f"run/{p['id']}" for p in report["patterns"]} | {
+    # the run's overview ("run"), its bookkeeping, one study per pattern and round
+    assert set(all_studies) == {"run", "run/_run"} | {
+        f"run/{p['id']}" for p in report["patterns"]} | {
         f"run/{p['id']}/refine{r['round']}" for p in report["patterns"]
         for r in p.get("refinements", [])}
     for p in report["patterns"]:

@@ -2,15 +2,17 @@
 
 A run ``RUN`` is the Optuna studies named ``RUN/...`` in one storage:
 
-* ``RUN/_run``: the run study, what optuna-dashboard shows of the whole run: its note (the
-  run's overview, :func:`qdq_optuna.dashboard.save_run_overview`) and its whole-run picture.
-  Its user attrs are few and small (the settings' digest, when it was made, the float
-  baseline); the bookkeeping is in its system attrs, out of sight: the settings, every
-  measured model (``measured:<plan key>``) and scored error (``error:<plan key>``), and
-  whether the run finished. Its trials record the values workers agreed on
-  (:func:`~qdq_optuna.storage.agree`: the baseline, each study's reference, each commit), as
-  trials without values. A run stored by an earlier version kept all of this in user attrs
-  and COMPLETE trials of value 0: both are read;
+* ``RUN``: the run's overview for optuna-dashboard, made when the run finishes (so it is the
+  first card of the study list): a note with the run's figures, phases and studies, the
+  whole-run convergence picture, a few small user attrs (speedup, latencies, the guard's
+  status) and no trials (:func:`qdq_optuna.dashboard.save_run_overview`);
+* ``RUN/_run``: the run's bookkeeping, kept small and out of sight. Its user attrs are the
+  settings' digest, when it was made and the float baseline; its system attrs hold the
+  settings, every measured model (``measured:<plan key>``) and scored error
+  (``error:<plan key>``) and whether the run finished. Its trials are the values workers
+  agreed on (:func:`~qdq_optuna.storage.agree`: the baseline, each study's reference, each
+  commit), without values. Its note follows the run while it runs. A run stored by an earlier
+  version kept all of this in user attrs and COMPLETE trials of value 0: both are read;
 * ``RUN/P003``: pattern ``P003``'s first-pass study; ``RUN/P003/refine1``: its first
   refinement round. A study's user attrs describe the pattern and, once decided, hold its
   commit (``committed`` last: its presence means the whole decision is stored).
@@ -57,11 +59,23 @@ class RunAttr:
     BASELINE_MEASUREMENT = "baseline_measurement"
     #: the run's last finish: ``fingerprint``, ``at``, ``speedup``, ``report_sha256``
     FINISHED = "qdq:finished"
-    #: the whole-run picture uploaded to the run study: ``artifact_id``, ``digest``, ``url``
-    PICTURE = "qdq:run_picture"
     #: prefixes of the per-model records: plan key -> measurement / output errors
     MEASURED = "measured:"
     ERROR = "error:"
+
+
+class OverviewAttr:
+    """Attrs of the run's overview study: small user attrs (what ``optuna studies`` shows) and
+    its picture (a system attr)."""
+
+    RUN_ID = "run_id"
+    STATUS = "status"
+    BASELINE_MS = "baseline_latency_ms"
+    FINAL_MS = "final_latency_ms"
+    SPEEDUP = "speedup"
+    ACCURACY = "accuracy_status"
+    #: the whole-run picture uploaded to it: ``artifact_id``, ``digest``, ``url``
+    PICTURE = "qdq:run_picture"
 
 
 class PatternAttr:
@@ -174,6 +188,11 @@ def run_study_name(run_id: str) -> str:
     return f"{run_id}/{RUN_STUDY}"
 
 
+def overview_study_name(run_id: str) -> str:
+    """The run's overview study (see the module docstring): the run's own name."""
+    return run_id
+
+
 def pattern_study_name(run_id: str, pattern_id: str, rnd: int = 0) -> str:
     name = f"{run_id}/{pattern_id}"
     return f"{name}/{REFINE}{rnd}" if rnd else name
@@ -191,7 +210,7 @@ def delete_run(storage, run_id: str) -> int:
     """Remove every study of a run (``--fresh``)."""
     n = 0
     for s in storage.get_all_studies():
-        if s.study_name.startswith(f"{run_id}/"):
+        if s.study_name.startswith(f"{run_id}/") or s.study_name == overview_study_name(run_id):
             optuna.delete_study(study_name=s.study_name, storage=storage)
             n += 1
     return n
@@ -367,6 +386,11 @@ class RunRecord:
     def finished(self) -> dict | None:
         """How the run last finished (None: it has not)."""
         return run_attrs(self.run_study).get(RunAttr.FINISHED)
+
+    def overview_study(self) -> optuna.Study:
+        """The run's overview study (made when first asked for: when the run finishes)."""
+        return optuna.create_study(study_name=overview_study_name(self.run_id),
+                                   storage=self.storage, load_if_exists=True)
 
     # -- pattern studies -------------------------------------------------------------------
     def study_name(self, pp: PatternPoints, rnd: int = 0) -> str:
