@@ -339,77 +339,18 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
 
 def run_history(run_dir: Path, run_id: str, threshold: float) -> dict:
     """The progress curve of a finished run (see the module docstring), from its studies.db."""
+    from .search._record import progress_curve
     from .storage import default_storage_url, open_storage, quiet_optuna
 
     quiet_optuna(False)
     storage = open_storage(default_storage_url(run_dir), heartbeat=False)
     try:
-        return progress_curve(storage, run_id, threshold)
+        return progress_curve(storage, run_id, threshold)  # see search/_record.py
     finally:
         storage.remove_session()
         storage.engine.dispose()
 
 
-def progress_curve(storage, run_id: str, threshold: float) -> dict:
-    """``{"measurements": n, "curve": [[x, speedup], ...]}`` of a run in ``storage`` (see the
-    module docstring; read through the run record, gains counted as the commit rule would)."""
-    from optuna.trial import TrialState
-
-    from .measure import CommitRule
-    from .search._record import PatternAttr, studies_in_order
-
-    rule = CommitRule(threshold)
-    x = 1  # the float baseline
-    committed = 1.0
-    curve = [(x, 1.0)]
-    for study, attrs in studies_in_order(storage, run_id):
-        ref = attrs.get(PatternAttr.REFERENCE_MS)
-        if ref is None:  # a study cut off before its reference was measured
-            continue
-        ref = float(ref)
-        x += 1  # the pattern's reference
-        curve.append((x, committed))
-        best = math.inf
-        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
-            x += _trial_cost(t)
-            if t.state == TrialState.COMPLETE and t.values:
-                best = min(best, float(t.values[0]))
-            gain = ref / best if rule.promising(best, ref, rule.threshold) else 1.0
-            curve.append((x, committed * gain))
-        if PatternAttr.CONFIRMATION in attrs:
-            x += 1
-        committed *= float(attrs.get(PatternAttr.GAIN, 1.0))
-        curve.append((x, committed))
-    x += 1  # the final A/B against the float model
-    curve.append((x, committed))
-    return {"measurements": x, "curve": _compress(curve)}
-
-
-def _trial_cost(t) -> int:
-    from .search._record import TrialAttr
-
-    n = t.user_attrs.get(TrialAttr.MEASUREMENTS)
-    if _is_int(n):
-        return n
-    record = t.user_attrs.get(TrialAttr.MEASUREMENT)  # runs made before trials carried a count
-    return 0 if not isinstance(record, dict) or record.get("cached") else 1
-
-
-def _compress(curve: list[tuple[int, float]]) -> list[list[float]]:
-    """Keep the last point of every x and drop points that change nothing."""
-    by_x: dict[int, float] = {}
-    for x, y in curve:
-        by_x[x] = y
-    out: list[list[float]] = []
-    items = sorted(by_x.items())
-    for i, (x, y) in enumerate(items):
-        if out and out[-1][1] == y and i != len(items) - 1:
-            continue
-        out.append([x, y])
-    return out
-
-
-# -- aggregation ---------------------------------------------------------------------------------
 def first_reach(curve: list[list[float]], target: float) -> int | None:
     for x, y in curve:
         if y >= target * (1 - 1e-12):

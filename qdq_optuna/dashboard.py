@@ -797,8 +797,7 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict,
 
     from optuna.artifacts import upload_artifact
 
-    from .bench import progress_curve
-    from .search._record import OverviewAttr, set_system_attr
+    from .search._record import OverviewAttr, progress_curve, set_system_attr
 
     curve = progress_curve(record.storage, record.run_id, threshold)["curve"]
     lo, hi = report["speedup_ci"]

@@ -101,3 +101,24 @@ def test_the_cli_prints_the_result_of_a_finished_run(tmp_path):
     assert lines[0].startswith("run 'out' finished on ") and "--remeasure" in lines[0]
     # the same result lines as the first time
     assert lines[1:] == first.stdout.splitlines()
+
+
+def test_every_file_a_run_writes_follows_the_umask(tmp_path):
+    """report.*, optimized.onnx, state.yaml, pattern_cache.yaml, calibration_stats.json, the
+    storage and the dashboard's artifacts: the mode ``open()`` gives a file under the umask."""
+    import os
+    import stat
+
+    out = tmp_path / "run"
+    old = os.umask(0o027)
+    try:
+        _tune(zoo.build("tiny_residual"), out, Counting())
+    finally:
+        os.umask(old)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"report.json", "report.md", "optimized.onnx", "state.yaml", "pattern_cache.yaml",
+            "calibration_stats.json", "studies.db"} <= names
+    assert any(p.parent.name == "artifacts" for p in files)
+    modes = {p.relative_to(out).as_posix(): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {oct(0o640)}, modes

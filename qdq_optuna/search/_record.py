@@ -587,3 +587,63 @@ def studies_in_order(storage, run_id: str) -> list[tuple[optuna.Study, dict]]:
     found.sort(key=lambda s: s.user_attrs[PatternAttr.ORDER])
     return [(optuna.load_study(study_name=s.study_name, storage=storage), s.user_attrs)
             for s in found]
+
+
+def progress_curve(storage, run_id: str, threshold: float) -> dict:
+    """``{"measurements": n, "curve": [[x, speedup], ...]}`` of a run in ``storage``: after each
+    measurement (the baseline, each study's reference, each trial's own count, each commit
+    confirmation, the final A/B), the speedup the run would deliver had it stopped there (the
+    committed gains times the running study's best in-loop gain, counted only where the commit
+    rule's ``threshold`` would; see :mod:`qdq_optuna.bench`)."""
+    from ..measure import CommitRule
+
+    rule = CommitRule(threshold)
+    x = 1  # the float baseline
+    committed = 1.0
+    curve = [(x, 1.0)]
+    for study, attrs in studies_in_order(storage, run_id):
+        ref = attrs.get(PatternAttr.REFERENCE_MS)
+        if ref is None:  # a study cut off before its reference was measured
+            continue
+        ref = float(ref)
+        x += 1  # the pattern's reference
+        curve.append((x, committed))
+        best = math.inf
+        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+            x += _trial_cost(t)
+            if t.state == TrialState.COMPLETE and t.values:
+                best = min(best, float(t.values[0]))
+            gain = ref / best if rule.promising(best, ref, rule.threshold) else 1.0
+            curve.append((x, committed * gain))
+        if PatternAttr.CONFIRMATION in attrs:
+            x += 1
+        committed *= float(attrs.get(PatternAttr.GAIN, 1.0))
+        curve.append((x, committed))
+    x += 1  # the final A/B against the float model
+    curve.append((x, committed))
+    return {"measurements": x, "curve": _compress(curve)}
+
+
+def _trial_cost(t) -> int:
+    n = t.user_attrs.get(TrialAttr.MEASUREMENTS)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    record = t.user_attrs.get(TrialAttr.MEASUREMENT)  # runs made before trials carried a count
+    return 0 if not isinstance(record, dict) or record.get("cached") else 1
+
+
+def _compress(curve: list[tuple[int, float]]) -> list[list[float]]:
+    """Keep the last point of every x and drop points that change nothing."""
+    by_x: dict[int, float] = {}
+    for x, y in curve:
+        by_x[x] = y
+    out: list[list[float]] = []
+    items = sorted(by_x.items())
+    for i, (x, y) in enumerate(items):
+        if out and out[-1][1] == y and i != len(items) - 1:
+            continue
+        out.append([x, y])
+    return out
+
+
+# -- aggregation ---------------------------------------------------------------------------------
