@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna._files import atomic_write_bytes, map_external_sources
 from qdq_optuna.errors import ModelError, OptionError, UserError
 
 #: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
@@ -320,8 +320,12 @@ def make_session(
         opts.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", external_data_dir
         )
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, opts, providers=list(providers))
+    source = model if isinstance(model, bytes) else os.fspath(model)
+    # an export in external mode references the input's weight files where they are
+    mapped = map_external_sources(opts, source) if isinstance(source, str) else []
+    session = ort.InferenceSession(source, opts, providers=list(providers))
+    del mapped  # the session has copied what it needs
+    return session
 
 
 def iter_batches(

@@ -97,7 +97,11 @@ class Tuner:
         """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
         if given is None:
             return None
-        arrays = input_data(given, self.prepared.graph.model, what=what)
+        option = "--" + what.replace(" ", "-")
+        try:
+            arrays = input_data(given, self.prepared.graph.model, what=what)
+        except UserError as exc:
+            raise type(exc)(f"{option}: {exc}") from exc
         return arrays, data_id(given, arrays)
 
     def remaining(self) -> float | None:
@@ -307,7 +311,7 @@ class Tuner:
                                           calibration=self.calibration, input_shapes=shapes)
         hp = self.prepared.high_precision  # errors are against FP32, whatever runs
         reference = (hp.source.full_model().SerializeToString() if hp is not None
-                     else exporter.to_bytes(exporter.plan(set())))
+                     else exporter.source(exporter.plan(set())))
         return ErrorScorer(reference, data, metric=self.o.metric,
                            error_measure=self.o.error_measure,
                            optimize=self.settings.runtime == "onnxruntime"), data_name
