@@ -79,6 +79,11 @@ def _feeds(session, seed: int = 0) -> dict:
     return feeds
 
 
+#: inputs the re-measurement feeds (one sample of each input, from --feeds FILE.npz); random
+#: inputs with dynamic dims set to 1 otherwise
+FEEDS: dict | None = None
+
+
 def _session_min(path: str, warmup: int, runs: int) -> float:
     import onnxruntime as ort
 
@@ -89,7 +94,7 @@ def _session_min(path: str, warmup: int, runs: int) -> float:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     sess = ort.InferenceSession(path, sess_options=so, providers=["CPUExecutionProvider"])
-    feeds = _feeds(sess)
+    feeds = dict(FEEDS) if FEEDS is not None else _feeds(sess)
     for _ in range(warmup):
         sess.run(None, feeds)
     best = math.inf
@@ -138,10 +143,11 @@ def remeasure(float_path: str, tuned_path: str, rounds: int, warmup_rounds: int,
     }
 
 
-def remeasure_in_fresh_process(float_path: Path, tuned_path: Path, args) -> dict:
+def remeasure_in_fresh_process(float_path: Path, tuned_path: Path, args,
+                               feeds: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--remeasure", str(float_path), str(tuned_path),
            "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
-           "--runs", str(args.runs)]
+           "--runs", str(args.runs)] + (["--feeds", str(feeds)] if feeds else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -320,7 +326,14 @@ def main() -> None:
                     help="measure the worker process's cost instead (tune with and without)")
     ap.add_argument("--overhead-repeats", type=int, default=6)
     ap.add_argument("--remeasure", nargs=2, metavar=("FLOAT", "TUNED"), help=argparse.SUPPRESS)
+    ap.add_argument("--feeds", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.feeds:
+        import numpy as np
+
+        global FEEDS
+        with np.load(args.feeds) as data:
+            FEEDS = {k: data[k][:1] for k in data.files}
     if args.remeasure:
         print(json.dumps(remeasure(*args.remeasure, args.rounds, args.warmup_rounds, args.runs)))
         return

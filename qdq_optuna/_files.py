@@ -3,10 +3,17 @@ give, and temp files of killed processes cleaned up on the next start."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
+
+#: in an exporter's work folder (external mode): the quantized weights, and where the input
+#: model's own weight files are
+WORK_WEIGHTS = "qdq_weights.bin"
+WORK_SOURCES = "external_sources.json"
 
 
 def temp_prefix(path: Path) -> str:
@@ -79,3 +86,37 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def external_sources(model_path: str | os.PathLike) -> dict[str, str]:
+    """Location -> file of every external data file a model in a work folder may reference:
+    the input model's weight files where they are (``external_sources.json``) and the folder's
+    quantized weights; {} for any other model. Whoever loads such a model by path gives these
+    files to ONNX Runtime (:func:`map_external_sources`)."""
+    folder = Path(model_path).parent
+    manifest = folder / WORK_SOURCES
+    if not manifest.is_file():
+        return {}
+    try:
+        sources = dict(json.loads(manifest.read_text()))
+    except (OSError, ValueError):
+        return {}
+    weights = folder / WORK_WEIGHTS
+    if weights.is_file() and weights.stat().st_size:
+        sources[WORK_WEIGHTS] = str(weights)
+    return sources
+
+
+def map_external_sources(options: Any, path: str) -> list:
+    """Give ONNX Runtime (its ``SessionOptions``), from memory maps, the external data files an
+    exported model references in the input model's folder; keep the returned maps alive until
+    the session is created. Raises OSError when a file cannot be mapped."""
+    import numpy as np
+
+    sources = external_sources(path)
+    if not sources:
+        return []
+    maps = [np.memmap(src, dtype=np.uint8, mode="r") for src in sources.values()]
+    options.add_external_initializers_from_files_in_memory(
+        list(sources), maps, [m.size for m in maps])
+    return maps

@@ -61,12 +61,7 @@ def run_model(
             raise ModelError(
                 f"model too large to serialize in memory; pass its path ({one_line(exc)})"
             ) from exc
-    files = None
-    if not isinstance(model, bytes):  # an export in a work folder: the input's weight files
-        from qdq_optuna.export import external_sources
-
-        files = external_sources(model)
-    session = make_session(model, optimize=optimize, threads=threads, external_files=files)
+    session = make_session(model, optimize=optimize, threads=threads)
     names = [o.name for o in session.get_outputs()]
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in iter_batches(session, data, batch_size):

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna._files import atomic_write_bytes, map_external_sources
 from qdq_optuna.errors import ModelError, OptionError, UserError
 
 #: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
@@ -305,11 +305,8 @@ def make_session(
     threads: int = 0,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     external_data_dir: str | None = None,
-    external_files: Mapping[str, str] | None = None,
 ):
-    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes;
-    ``external_files`` (location -> file) gives ONNX Runtime, from memory maps, the weight files
-    an exported model references where they are (``qdq_optuna.export.external_sources``)."""
+    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -325,14 +322,11 @@ def make_session(
         opts.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", external_data_dir
         )
-    maps = []
-    if external_files:
-        maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in external_files.values()]
-        opts.add_external_initializers_from_files_in_memory(
-            list(external_files), maps, [m.size for m in maps])
     source = model if isinstance(model, bytes) else os.fspath(model)
+    # an export in external mode references the input's weight files where they are
+    mapped = map_external_sources(opts, source) if isinstance(source, str) else []
     session = ort.InferenceSession(source, opts, providers=list(providers))
-    del maps  # the session has copied what it needs
+    del mapped  # the session has copied what it needs
     return session
 
 

