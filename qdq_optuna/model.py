@@ -245,6 +245,11 @@ class PreparedModel:
                     "kernels are")
         else:
             text = "the model as given"
+        hp = self.high_precision
+        if hp is not None:
+            text += (f", its float part converted to {hp.precision.upper()} ({len(hp.kept_fp32)} "
+                     "nodes kept FP32, Casts at their boundaries"
+                     + ("" if hp.keep_io_types else ", inputs and outputs converted too") + ")")
         folded = len(g.vanished) if g.origins else 0
         if folded:
             text += f"; {folded} of the file's nodes were folded into weights or removed"

@@ -101,6 +101,7 @@ def test_inspect_takes_the_precision(models, capsys):
                  "--high-precision", "fp16", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["high_precision"] == "fp16" and doc["patterns"]
+    assert "its float part converted to FP16" in doc["graph"]["description"]
 
 
 def test_bf16_runs_are_scored(models, tmp_path, capsys):
