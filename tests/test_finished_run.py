@@ -15,6 +15,7 @@ from test_resume import REPO, cli_env
 
 from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
@@ -69,6 +70,12 @@ def test_rerunning_a_finished_run_measures_nothing_and_changes_nothing(tmp_path)
     assert _digests(out)["optimized.onnx"] == before["optimized.onnx"]
     # and the run is finished with that report now
     assert _tune(model, out, Counting()).report == remeasured.report
+    # --fresh starts over: every study of the run goes, its overview too, and is made again
+    fresh = Counting()
+    assert not _tune(model, out, fresh, fresh=True).finished_before and fresh.calls > 2
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    names = [s.study_name for s in storage.get_all_studies()]
+    assert names.count("run") == 1 and names.count("run/_run") == 1
 
 
 def test_a_finished_run_with_a_changed_report_is_finished_again(tmp_path):
