@@ -1003,8 +1003,20 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
 
 
 def quantized_tensors(model: onnx.ModelProto) -> set[str]:
-    """Float tensors that feed a QuantizeLinear (activations carrying Q/DQ in ``model``)."""
-    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    """Float tensors that feed a QuantizeLinear (activations carrying Q/DQ in ``model``); a
+    quantized graph output by its own name (its producer writes another: its DQ writes it)."""
+    qs = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    return {graph_output_names(model).get(n.input[0], n.input[0]) for n in qs}
+
+
+def graph_output_names(model: onnx.ModelProto) -> dict[str, str]:
+    """The float tensor a Q reads -> the graph output its DQ writes, for quantized graph
+    outputs (the exporter renames the tensor behind them, see :func:`_output_rewiring`)."""
+    outputs = {o.name for o in model.graph.output}
+    written = {n.input[0]: n.output[0] for n in model.graph.node
+               if n.op_type == "DequantizeLinear" and n.output[0] in outputs}
+    return {n.input[0]: written[n.output[0]] for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.output[0] in written}
 
 
 def dequantized_weights(model: onnx.ModelProto) -> set[str]:
