@@ -106,12 +106,16 @@ class PatternCache:
 
 def baseline_tensors(path: str | os.PathLike) -> set[str]:
     """Activations an existing Q/DQ model quantizes: the *inputs* of its QuantizeLinear nodes
-    (those names exist in the float model; the DQ inputs do not)."""
+    (those names exist in the float model; the DQ inputs do not); a quantized graph output by
+    its own name (the tool renamed the tensor behind it, its DQ writes the output)."""
+    from .export import graph_output_names
+
     graph = load_model(path, allow_qdq=True)
     qs = [n for n in graph.nodes if n.op_type == "QuantizeLinear"]
     if not qs:
         raise UserError(f"--qdq-baseline {path}: contains no QuantizeLinear node")
-    return {n.input[0] for n in qs if n.input[0] not in graph.initializers}
+    renamed = graph_output_names(graph.model)
+    return {renamed.get(n.input[0], n.input[0]) for n in qs if n.input[0] not in graph.initializers}
 
 
 def baseline_seed(pp: PatternPoints, tensors: set[str]) -> dict[str, int] | None:

@@ -45,6 +45,7 @@ from .errors import OptionError
 from .graph import (
     GRAPH_INITIALIZER,
     GRAPH_NODE,
+    GRAPH_OUTPUT,
     MODEL_GRAPH,
     Graph,
     Use,
@@ -118,9 +119,11 @@ def upgrade_for(graph: Graph, quant_types: Iterable[str]) -> Graph:
 class QuantPlan:
     """Which tensors carry Q/DQ, for which consumers, of which type; and which weights."""
 
-    #: (tensor, ((consumer node, slot), ...), quant type), sorted
+    #: (tensor, ((consumer node, slot), ...), quant type), sorted; a consumer GRAPH_OUTPUT
+    #: (slot: the output's index) is a Q/DQ pair before that graph output
     activations: tuple[tuple[str, tuple[tuple[int, int], ...], str], ...]
-    #: (consumer node, weight slot, quant type), sorted
+    #: (consumer node, weight slot, quant type), sorted; under ONNX Runtime's rules also the
+    #: constant operands and tables that come with the activations (:func:`constant_operands`)
     weights: tuple[tuple[int, int, str], ...]
 
     @functools.cached_property
@@ -467,6 +470,7 @@ class QDQExporter(_QDQPieces):
                 found = memo[key] = self._plan_tensor(t, by_tensor[t])
             activations.extend(found[0])
             weights.update(found[1])
+        weights.update(constant_operands(self.graph, self.rules, activations))
         return QuantPlan(
             activations=tuple(activations),
             weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
@@ -489,7 +493,7 @@ class QDQExporter(_QDQPieces):
         for q in sorted(set(covered.values())):
             activations.append((t, tuple(sorted(c for c, v in covered.items() if v == q)), q))
         for (n, s), use_q in covered.items():
-            spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
+            spec = WEIGHTED_OPS.get(graph.nodes[n].op_type) if n != GRAPH_OUTPUT else None
             if spec is None or s not in spec.activation_slots:
                 continue
             inputs = graph.nodes[n].input
@@ -521,19 +525,19 @@ class QDQExporter(_QDQPieces):
         inits: list[bytes] = []
         head: list[bytes] = []
         after: dict[int, list[bytes]] = {}
-        rewire: dict[int, dict[int, str]] = {}
         act_of: dict[int, tuple[str, str]] = {}
+        renamed, rewire = _output_rewiring(self, plan)
         for tensor, consumers, qtype in plan.activations:
-            dq_out, i_bytes, n_bytes = self._activation(tensor, qtype)
+            dq_out, i_bytes, n_bytes = _activation_pair(self, tensor, qtype, consumers, renamed)
             inits.append(i_bytes)
             prod = graph.producer.get(tensor)
             (after.setdefault(prod[0], []) if prod else head).append(n_bytes)
-            for n, s in consumers:
+            for n, s in (c for c in consumers if c[0] != GRAPH_OUTPUT):  # the DQ writes those
                 rewire.setdefault(n, {})[s] = dq_out
                 act_of.setdefault(n, (tensor, qtype))
         done_weights: set[str] = set()
         for n, s, qtype in plan.weights:
-            dq_out, i_bytes, n_bytes, scales = self._weight(n, s, qtype)
+            dq_out, i_bytes, n_bytes, scales = _quantized_input(self, n, s, qtype)
             if dq_out not in done_weights:
                 done_weights.add(dq_out)
                 inits.append(i_bytes)
@@ -548,7 +552,7 @@ class QDQExporter(_QDQPieces):
                         inits.append(b_init)
                         head.append(b_node)
                     rewire[n][2] = b_out
-        replaced = {graph.nodes[n].input[s] for n, rw in rewire.items() for s in rw}
+        replaced = {graph.nodes[n].input[s] for n, rw in rewire.items() for s in rw if s >= 0}
         kept = [
             b for name, b in self._init_bytes.items()
             if name not in replaced or name in self._listed_inputs
@@ -565,8 +569,8 @@ class QDQExporter(_QDQPieces):
                 if node_bytes is None:
                     node = onnx.NodeProto()
                     node.CopyFrom(graph.nodes[idx])
-                    for s, name in rewire[idx].items():
-                        node.input[s] = name
+                    for s, name in rewire[idx].items():  # s < 0: output -1 - s renamed
+                        (node.input if s >= 0 else node.output)[s if s >= 0 else -1 - s] = name
                     node_bytes = rewired[key] = wire_field(GRAPH_NODE, node.SerializeToString())
                 body.append(node_bytes)
             else:
@@ -669,6 +673,156 @@ class ExportedModel(os.PathLike):
 
     def __repr__(self) -> str:
         return f"ExportedModel({self.plan.key})"
+
+
+# -- what ONNX Runtime's recipe quantizes besides activations and weights ---------------------
+def constant_operands(graph: Graph, rules: RuntimeRules,
+                      activations: Iterable[tuple[str, tuple[tuple[int, int], ...], str]]
+                      ) -> dict[tuple[int, int], str]:
+    """(node, slot) -> quant type of the constant float inputs that come with a plan's
+    activations: those of ``rules.constant_operand_ops`` nodes (a bias Add, a scale Mul, a
+    Concat of a constant) whose every float activation input carries Q/DQ. They take the
+    activation's type, as ``quantize_static`` gives them, so the op runs as one kernel."""
+    if not rules.constant_operand_ops and not rules.table_ops:
+        return {}
+    activations = list(activations)
+    covered = {c: q for _, consumers, q in activations for c in consumers}
+    out = _tables(graph, rules, activations)
+    for n in sorted({n for n, _ in covered if n != GRAPH_OUTPUT}):
+        node = graph.nodes[n]
+        if node.op_type not in rules.constant_operand_ops:
+            continue
+        acts = [s for s, t in enumerate(node.input) if graph.is_activation(t)]
+        qtype = covered.get((n, acts[0])) if acts else None
+        if qtype not in ("uint8", "int8") or any(covered.get((n, s)) != qtype for s in acts):
+            continue
+        for s, t in enumerate(node.input):
+            if t in graph.initializers and graph.elem_types.get(t) == TensorProto.FLOAT:
+                out[(n, s)] = qtype
+    return out
+
+
+def _tables(graph: Graph, rules: RuntimeRules,
+            activations: list[tuple[str, tuple[tuple[int, int], ...], str]]
+            ) -> dict[tuple[int, int], str]:
+    """(node, 0) -> quant type of the constant tables of ``rules.table_ops`` nodes whose
+    output has one Q/DQ pair that every reader (graph outputs included) reads."""
+    pairs: dict[str, list] = {}
+    for t, consumers, q in activations:
+        pairs.setdefault(t, []).append((set(consumers), q))
+    out: dict[tuple[int, int], str] = {}
+    for t, found in pairs.items():
+        producer = graph.producer.get(t)
+        if producer is None or len(found) != 1 or found[0][1] not in ("uint8", "int8"):
+            continue
+        node = graph.nodes[producer[0]]
+        table = node.input[0] if node.input else ""
+        if node.op_type not in rules.table_ops or table not in graph.initializers \
+                or graph.elem_types.get(table) != TensorProto.FLOAT:
+            continue
+        readers = {(n, s) for _, n, s in graph.uses(t) + graph.output_uses(t)}
+        if readers == found[0][0]:
+            out[(producer[0], 0)] = found[0][1]
+    return out
+
+
+def _quantized_input(exporter: QDQExporter, node: int, slot: int,
+                     qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
+    """A plan's weight entry: a weighted op's weight, a table or a constant operand."""
+    n = exporter.graph.nodes[node]
+    spec = WEIGHTED_OPS.get(n.op_type)
+    if spec is not None and slot == spec.weight_slot:
+        return exporter._weight(node, slot, qtype)
+    if n.op_type in exporter.rules.table_ops and slot == 0:
+        return _constant_operand(exporter, n.input[0], qtype,
+                                 exporter.activation_params(n.output[0], qtype))
+    return _constant_operand(exporter, n.input[slot], qtype)
+
+
+def _constant_operand(exporter: QDQExporter, name: str, qtype: str,
+                      params: tuple[float, int] | None = None
+                      ) -> tuple[str, bytes, bytes, np.ndarray]:
+    """A constant quantized as ``quantize_static`` quantizes an elementwise op's initializer:
+    per tensor, asymmetric over [min(x, 0), max(x, 0)], in the activation type (its own
+    ``quant_utils``, so the integers are the recipe's), behind one DequantizeLinear; or with
+    the given ``params`` (scale, zero point: a table takes its output's)."""
+    from onnxruntime.quantization.quant_utils import compute_data_quant_params, quantize_nparray
+
+    key = (name, params or "asymmetric", qtype)  # beside the weights (keyed by an axis there)
+    cache = exporter._weight_cache
+    if key not in cache:
+        w = exporter._fp32_weight(name)
+        onnx_type = TensorProto.UINT8 if qtype == "uint8" else TensorProto.INT8
+        if params is None:
+            zero_point, scale = compute_data_quant_params(w.reshape(-1), onnx_type, False)
+        else:
+            scale = np.float32(params[0])
+            zero_point = np.array(params[1], helper.tensor_dtype_to_np_dtype(onnx_type))
+        q = numpy_helper.from_array(np.asarray(quantize_nparray(onnx_type, w, scale, zero_point)),
+                                    exporter._unique(f"{name}_quantized"))
+        s_name, z_name = exporter._unique(f"{name}_scale"), exporter._unique(f"{name}_zero_point")
+        dq_out = exporter._unique(f"{name}_dequantized")
+        inits = (wire_field(GRAPH_INITIALIZER, q.SerializeToString())
+                 + exporter._scalar(s_name, float(scale), TensorProto.FLOAT)
+                 + exporter._zero_point(z_name, int(zero_point), qtype))
+        dq = helper.make_node("DequantizeLinear", [q.name, s_name, z_name], [dq_out],
+                              name=exporter._unique(f"{name}_DequantizeLinear"))
+        cache[key] = (dq_out, inits, wire_field(GRAPH_NODE, dq.SerializeToString()),
+                      np.asarray(scale, np.float32))
+    return cache[key]
+
+
+def _output_rewiring(exporter: QDQExporter, plan: QuantPlan
+                     ) -> tuple[dict[str, str], dict[int, dict[int, str]]]:
+    """Graph outputs keep their names: where a plan quantizes one, the node that wrote it
+    writes a new name, which the Q and every reader left float read, and the DQ writes the
+    output's name. Returns tensor -> new name, and node -> {input slot: new name, -1 - output
+    slot: new name} (the renames to apply)."""
+    graph = exporter.graph
+    names = exporter.__dict__.setdefault("_float_names", {})
+    renamed: dict[str, str] = {}
+    rewire: dict[int, dict[int, str]] = {}
+    for tensor, consumers, _ in plan.activations:
+        if tensor in renamed or tensor not in graph.producer \
+                or not any(n == GRAPH_OUTPUT for n, _ in consumers):
+            continue
+        if tensor not in names:
+            names[tensor] = exporter._unique(f"{tensor}_float")
+        renamed[tensor] = new = names[tensor]
+        node, out_slot = graph.producer[tensor]
+        rewire.setdefault(node, {})[-1 - out_slot] = new
+        covered = {c for t, cs, _ in plan.activations if t == tensor for c in cs}
+        for n, s in graph.consumers.get(tensor, []):
+            if (n, s) not in covered:
+                rewire.setdefault(n, {})[s] = new
+    return renamed, rewire
+
+
+def _activation_pair(exporter: QDQExporter, tensor: str, qtype: str,
+                     consumers: tuple[tuple[int, int], ...],
+                     renamed: Mapping[str, str]) -> tuple[str, bytes, bytes]:
+    """(dq output, initializers, Q+DQ nodes) of one activation pair. On a renamed tensor (see
+    :func:`_output_rewiring`) the Q reads the new name; the pair that holds the graph output
+    writes the tensor's own name, another pair (mixed types) a new one."""
+    if tensor not in renamed:
+        return exporter._activation(tensor, qtype)
+    source = renamed[tensor]
+    owner = any(n == GRAPH_OUTPUT for n, _ in consumers)
+    cache = exporter.__dict__.setdefault("_output_pairs", {})
+    key = (tensor, qtype, owner)
+    if key not in cache:
+        elem = exporter.graph.elem_types.get(tensor, TensorProto.FLOAT)
+        scale, zp = exporter.activation_params(tensor, qtype)
+        s_name, z_name = exporter._unique(f"{tensor}_scale"), exporter._unique(f"{tensor}_zero_point")
+        q_out = exporter._unique(f"{tensor}_quantized")
+        dq_out = tensor if owner else exporter._unique(f"{tensor}_dequantized")
+        q = helper.make_node("QuantizeLinear", [source, s_name, z_name], [q_out],
+                             name=exporter._unique(f"{tensor}_QuantizeLinear"))
+        dq = helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out],
+                              name=exporter._unique(f"{tensor}_DequantizeLinear"))
+        cache[key] = (dq_out, exporter._scalar(s_name, scale, elem) + exporter._zero_point(z_name, zp, qtype),
+                      wire_field(GRAPH_NODE, q.SerializeToString()) + wire_field(GRAPH_NODE, dq.SerializeToString()))
+    return cache[key]
 
 
 log = logging.getLogger("qdq_optuna")
@@ -881,8 +1035,20 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
 
 
 def quantized_tensors(model: onnx.ModelProto) -> set[str]:
-    """Float tensors that feed a QuantizeLinear (activations carrying Q/DQ in ``model``)."""
-    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    """Float tensors that feed a QuantizeLinear (activations carrying Q/DQ in ``model``); a
+    quantized graph output by its own name (its producer writes another: its DQ writes it)."""
+    qs = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    return {graph_output_names(model).get(n.input[0], n.input[0]) for n in qs}
+
+
+def graph_output_names(model: onnx.ModelProto) -> dict[str, str]:
+    """The float tensor a Q reads -> the graph output its DQ writes, for quantized graph
+    outputs (the exporter renames the tensor behind them, see :func:`_output_rewiring`)."""
+    outputs = {o.name for o in model.graph.output}
+    written = {n.input[0]: n.output[0] for n in model.graph.node
+               if n.op_type == "DequantizeLinear" and n.output[0] in outputs}
+    return {n.input[0]: written[n.output[0]] for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.output[0] in written}
 
 
 def dequantized_weights(model: onnx.ModelProto) -> set[str]:

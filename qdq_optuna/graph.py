@@ -50,6 +50,10 @@ _ITEMSIZE = {
 Use = tuple[str, int, int]
 """One use of a tensor: (tensor name, consumer node index, consumer input slot)."""
 
+#: the consumer index of a use that is a graph output (its slot: the output's index); ONNX
+#: Runtime's recipe quantizes graph outputs, so that the op writing one runs quantized
+GRAPH_OUTPUT = -1
+
 
 @dataclass(frozen=True)
 class InputShapes:
@@ -198,6 +202,8 @@ class Graph:
     def name_of(self, idx: int) -> str:
         """The node as the user's file names it (see :class:`NodeOrigin`); a node that
         preprocessing created keeps the name preprocessing gave it."""
+        if idx == GRAPH_OUTPUT:
+            return "<graph output>"
         if not self.origins:
             return node_label(self.nodes[idx], idx)
         origin = self.origins[idx]
@@ -219,7 +225,12 @@ class Graph:
         return bool(tensor) and not self.is_constant(tensor) and self.is_float(tensor)
 
     def uses(self, tensor: str) -> list[Use]:
+        """The tensor's reads by nodes (graph outputs: :meth:`output_uses`)."""
         return [(tensor, n, s) for n, s in self.consumers.get(tensor, [])]
+
+    def output_uses(self, tensor: str) -> list[Use]:
+        """``(tensor, GRAPH_OUTPUT, k)`` for each graph output ``k`` that ``tensor`` is."""
+        return [(tensor, GRAPH_OUTPUT, k) for k, o in enumerate(self.graph_outputs) if o == tensor]
 
     def producer_op(self, tensor: str) -> str | None:
         p = self.producer.get(tensor)

@@ -36,7 +36,7 @@ import onnx
 
 from .cache import PatternCache
 from .errors import UserError
-from .graph import Graph, InputShapes, Use, load_model
+from .graph import Graph, InputShapes, Use, ensure_opset, load_model
 
 log = logging.getLogger("qdq_optuna")
 
@@ -120,8 +120,9 @@ def start_from_uses(pm, name: str, uses: Iterable[Use], notes: Iterable[str] = (
     if missing:
         notes.append(f"{len(missing)} use(s) no scheme can express without quantizing more "
                      "(member regions of a pattern differ): " + _describe(g, missing))
-    return Start(name, frozenset(kept), schemes, frozenset(covered), tuple(notes),
-                 dict(counts or {}))
+    counts = {**(counts or {}), "not_offered": sum(map(len, dropped.values())),
+              "not_expressible": len(missing)}
+    return Start(name, frozenset(kept), schemes, frozenset(covered), tuple(notes), counts)
 
 
 def start_from_schemes(pm, name: str, schemes: Mapping[str, Mapping[str, int]],
@@ -276,9 +277,11 @@ def read_placement(pm, qdq_model: str | os.PathLike | onnx.ModelProto
                      f"graph: {', '.join(sorted(unmapped)[:6])}"
                      + (f" (+{len(unmapped) - 6} more)" if len(unmapped) > 6 else ""))
     outputs = quantized_outputs(model)
-    if outputs:
-        notes.append(f"{len(outputs)} graph output(s) carry a Q/DQ pair, which no tensor use "
-                     f"expresses (left float): {', '.join(outputs[:6])}")
+    lost = [o for o in outputs if o not in g.graph_outputs]
+    uses.update(u for o in outputs for u in g.output_uses(o))
+    if lost:
+        notes.append(f"{len(lost)} quantized graph output(s) are no graph output of the "
+                     f"prepared graph (left float): {', '.join(lost[:6])}")
     counts = {"reads": len(reads), "mapped": len(reads) - len(unmapped),
               "unmapped": len(unmapped), "quantized_outputs": len(outputs)}
     return uses, notes, counts
@@ -336,6 +339,9 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
 
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
     proto = load_model(model, shapes).full_model()  # checked, static shapes, weights in memory
+    # per-channel DequantizeLinear (its axis) needs opset 13: below it, the tool writes a model
+    # ONNX Runtime refuses, and its user upgrades the opset first
+    proto = ensure_opset(proto, 13, "ONNX Runtime's per-channel recipe")
     src, pre, out = work / "float.onnx", work / "preprocessed.onnx", work / "ort_recipe.onnx"
     big = proto.ByteSize() > (1 << 30)
     onnx.save(proto, str(src), save_as_external_data=big)
@@ -362,6 +368,10 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
             quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ,
                             per_channel=True, activation_type=QuantType.QUInt8,
                             weight_type=QuantType.QInt8, use_external_data_format=big)
+    except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
+        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        raise UserError(f"ONNX Runtime's recipe (quant_pre_process + quantize_static) failed "
+                        f"on this model: {type(exc).__name__}: {first[0]}") from None
     finally:
         root.setLevel(level)
     return out
@@ -658,6 +668,7 @@ def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tup
     model = qdq_model if isinstance(qdq_model, onnx.ModelProto) else onnx.load(str(qdq_model))
     ix = _QDQIndex.of(model)
     inits = {t.name: t for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
     out: dict[str, tuple[float, int]] = {}
     for q in ix.nodes:
         if q.op_type != "QuantizeLinear" or q.input[0] in ix.constants or q.input[1] not in inits:
@@ -666,5 +677,9 @@ def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tup
         zp = onnx.numpy_helper.to_array(inits[q.input[2]]) if len(q.input) > 2 and \
             q.input[2] in inits else np.zeros(())
         if scale.size == 1:
-            out[ix.source(q.input[0])] = (float(scale.reshape(())), int(zp.reshape(())))
+            params = (float(scale.reshape(())), int(zp.reshape(())))
+            out[ix.source(q.input[0])] = params
+            for dq, _ in ix.consumers.get(q.output[0], []):  # a renamed graph output's pair
+                if dq.op_type == "DequantizeLinear" and dq.output[0] in outputs:
+                    out[dq.output[0]] = params
     return out

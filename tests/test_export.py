@@ -31,7 +31,7 @@ from qdq_optuna.export import (
     upgrade_for,
     weight_scales,
 )
-from qdq_optuna.graph import load_model, opset_of
+from qdq_optuna.graph import GRAPH_OUTPUT, load_model, opset_of
 from qdq_optuna.insertion.rules import ONNXRUNTIME_CPU, TENSORRT, WEIGHTED_OPS
 
 RULES = [TENSORRT, ONNXRUNTIME_CPU]
@@ -51,18 +51,23 @@ def check_export(graph, plan: QuantPlan, exported: onnx.ModelProto) -> None:
     inits = {t.name: t for t in exported.graph.initializer}
     producers = {o: n for n in exported.graph.node for o in n.output}
     nodes = original_nodes(exported)
+    # a quantized graph output keeps its name (its DQ writes it): its producer writes another
+    renamed = {t: f"{t}_float" for t, cons, _ in plan.activations
+               if any(n == GRAPH_OUTPUT for n, _ in cons)}
     assert len(nodes) == len(graph.nodes)
     for mine, theirs in zip(nodes, graph.nodes):
         assert mine.op_type == theirs.op_type and mine.name == theirs.name
-        assert list(mine.output) == list(theirs.output)
+        assert list(mine.output) == [renamed.get(t, t) for t in theirs.output]
 
-    assert quantized_tensors(exported) == set(plan.tensors)
+    assert {t.removesuffix("_float") if t.endswith("_float") and t.removesuffix("_float") in renamed
+            else t for t in quantized_tensors(exported)} == set(plan.tensors)
     qs = [n for n in exported.graph.node if n.op_type == "QuantizeLinear"]
     assert len(qs) == len(plan.activations), "one QuantizeLinear per quantized tensor"
 
     covered: dict[tuple[int, int], str] = {}
     for tensor, consumers, qtype in plan.activations:
-        (q,) = [n for n in qs if n.input[0] == tensor]
+        (q,) = [n for n in qs if n.input[0] == renamed.get(tensor, tensor)
+                and inits[n.input[2]].data_type == ZP_TYPE[qtype]]
         scale, zp = inits[q.input[1]], inits[q.input[2]]
         # activations: per-tensor scalars
         assert list(scale.dims) == [] and list(zp.dims) == [], tensor
@@ -76,13 +81,16 @@ def check_export(graph, plan: QuantPlan, exported: onnx.ModelProto) -> None:
         assert list(dq.input[1:]) == list(q.input[1:])
         assert graph.is_activation(tensor)
         for n, s in consumers:
+            if n == GRAPH_OUTPUT:  # the DQ writes the graph output itself
+                assert graph.graph_outputs[s] == tensor == dq.output[0]
+                continue
             assert graph.nodes[n].input[s] == tensor
             assert nodes[n].input[s] == dq.output[0], "covered use not rewired"
             covered[(n, s)] = tensor
         # every other consumer still reads the float tensor
         readers = [(n, s) for n, node in enumerate(nodes) for s, t in enumerate(node.input)
                    if t == dq.output[0]]
-        assert sorted(readers) == sorted(consumers)
+        assert sorted(readers) == sorted(c for c in consumers if c[0] != GRAPH_OUTPUT)
 
     weights = {(n, s): q for n, s, q in plan.weights}
     for n, s, wq in plan.weights:
@@ -91,8 +99,11 @@ def check_export(graph, plan: QuantPlan, exported: onnx.ModelProto) -> None:
         w, w_scale, w_zp = (inits[i] for i in dq.input)
         original = graph.initializer(graph.nodes[n].input[s])
         assert list(w.dims) == list(original.dims)
+        spec = WEIGHTED_OPS.get(graph.nodes[n].op_type)
+        if spec is None or s != spec.weight_slot:
+            check_constant_operand(graph, n, s, wq, covered, plan, dq, inits)
+            continue
         assert w.data_type == ZP_TYPE[wq] and w_zp.data_type == ZP_TYPE[wq]
-        spec = WEIGHTED_OPS[graph.nodes[n].op_type]
         axis = spec.axis(graph, n)
         # weights: per channel along the right axis
         assert [a.i for a in dq.attribute if a.name == "axis"] == [axis]
@@ -106,15 +117,38 @@ def check_export(graph, plan: QuantPlan, exported: onnx.ModelProto) -> None:
         if spec and s in spec.activation_slots and graph.nodes[n].input[spec.weight_slot] in \
                 graph.initializers:
             assert (n, spec.weight_slot) in weights
-    # every other input is the original one
+    # every other input is the original one (a renamed graph output's new name)
     for n, node in enumerate(nodes):
         for s, t in enumerate(node.input):
             if (n, s) not in covered and (n, s) not in weights and not (
                     s == 2 and (n, 1) in weights and t.endswith("_dequantized")):
-                assert t == graph.nodes[n].input[s], (n, s)
+                assert t == renamed.get(graph.nodes[n].input[s], graph.nodes[n].input[s]), (n, s)
     # no initializer is left behind unused
     used = {t for n in exported.graph.node for t in n.input}
     assert set(inits) <= used | {i.name for i in exported.graph.input}
+
+
+def check_constant_operand(graph, n, s, qtype, covered, plan, dq, inits) -> None:
+    """A constant input quantized with its op (ONNX Runtime's rules): per tensor, in the
+    activations' type, within half a step of its value; only when the op's every float
+    activation input is covered (a table: when every reader of its output is)."""
+    node = graph.nodes[n]
+    w, w_scale, w_zp = (numpy_helper.to_array(inits[i]) for i in dq.input)
+    assert w_scale.shape == () and w_zp.shape == () and w.dtype == w_zp.dtype
+    assert inits[dq.input[0]].data_type == ZP_TYPE[qtype] and qtype in ("uint8", "int8")
+    assert not any(a.name == "axis" for a in dq.attribute)
+    original = graph.array(node.input[s])
+    restored = (w.astype(np.float64) - float(w_zp)) * float(w_scale)
+    if node.op_type in ONNXRUNTIME_CPU.table_ops:
+        assert s == 0
+        out = node.output[0]
+        (pair,) = [cons for t, cons, _ in plan.activations if t == out]
+        assert set(pair) == {(c, k) for _, c, k in graph.uses(out) + graph.output_uses(out)}
+        return
+    assert node.op_type in ONNXRUNTIME_CPU.constant_operand_ops
+    acts = [k for k, t in enumerate(node.input) if graph.is_activation(t)]
+    assert acts and all((n, k) in covered for k in acts)
+    assert np.abs(restored - original).max() <= float(w_scale) / 2 + 1e-6
 
 
 # -- properties on random DAGs ----------------------------------------------------------------
@@ -557,3 +591,126 @@ def test_weights_live_once_in_the_graph_and_exports_share_them():
     uses = {(graph.nodes[conv].input[0], conv, 0)}
     assert first.to_bytes(first.plan(uses)) == plain.to_bytes(plain.plan(uses))
     assert onnx.load_from_string(first.to_bytes(first.plan(set()))) == graph.full_model()
+
+
+# -- ONNX Runtime's recipe: graph outputs, constant operands, tables ---------------------------
+
+
+def _bias_model() -> onnx.ModelProto:
+    """x -> MatMul(w) -> Add(b) -> y (graph output) -> Relu -> z."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.uniform(0.5, 2.0, 8).astype(np.float32), "b")]
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
+             onnx.helper.make_node("Add", ["mm", "b"], ["y"], name="add"),
+             onnx.helper.make_node("Relu", ["y"], ["z"], name="relu")]
+    info = onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(
+        nodes, "bias", [info("x", TensorProto.FLOAT, [4, 8])],
+        [info("y", TensorProto.FLOAT, [4, 8]), info("z", TensorProto.FLOAT, [4, 8])], inits)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_a_quantized_graph_output_keeps_its_name_and_its_op_runs_quantized(zoo_model):
+    """tiny_concat ends in a Conv writing the graph output: with the output's Q/DQ (its DQ
+    writes the output's name) ONNX Runtime runs that Conv as a QLinearConv too."""
+    from qdq_optuna import kernels, starts
+    from qdq_optuna.model import PreparedModel
+
+    pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime")
+    exporter = pm.exporter()
+    uses = starts.all_on_start(pm).uses
+    assert ("output", GRAPH_OUTPUT, 0) in uses
+    plan = exporter.plan(uses)
+    model = exporter.to_model(plan)
+    onnx.checker.check_model(model, full_check=True)
+    check_export(pm.graph, plan, model)
+    assert [o.name for o in model.graph.output] == ["output"]
+    (writer,) = [n for n in model.graph.node if "output" in n.output]
+    assert writer.op_type == "DequantizeLinear"
+    (out,) = run_ort(model.SerializeToString(), random_feeds(model))
+    assert out.shape == (1, 16, 16, 16) and np.isfinite(out).all()
+    convs = sum(n.op_type == "Conv" for n in pm.graph.nodes)
+    with_output = kernels.kernels_of(model)
+    without = kernels.kernels_of(exporter.to_bytes(exporter.plan(uses - {("output", GRAPH_OUTPUT, 0)})))
+    assert with_output.ops["QLinearConv"] == convs and "Conv" not in with_output.float_ops
+    assert without.ops["QLinearConv"] == convs - 1 and without.float_ops["Conv"] == 1
+
+
+def test_a_graph_output_read_by_nodes_in_two_types():
+    """Mixed types: the graph output's pair (uint8) and a reader's (int8) both quantize the
+    tensor its producer now writes under a new name."""
+    from strategies import analyze
+
+    a = analyze(_bias_model(), ONNXRUNTIME_CPU, quant_types=("uint8", "int8"))
+    relu = a.node("relu")
+    exporter = QDQExporter(a.graph, ONNXRUNTIME_CPU, "uint8")
+    plan = exporter.plan({("y", GRAPH_OUTPUT, 0): "uint8", ("y", relu, 0): "int8"})
+    model = exporter.to_model(plan)
+    onnx.checker.check_model(model, full_check=True)
+    check_export(a.graph, plan, model)
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8), dtype=np.float32)}
+    (y, z), (fy, _) = run_ort(model, feeds), run_ort(_bias_model(), feeds)
+    inside = np.abs(fy) < 12.7  # the default scale 0.1 and zero point 128 hold these
+    assert inside.mean() > 0.9 and np.abs(y - fy)[inside].max() <= 0.05 + 1e-5
+    assert np.isfinite(z).all() and (z >= 0).all()
+
+
+def test_constant_operands_come_with_their_ops_activations():
+    """A bias Add whose activation input carries Q/DQ gets its constant quantized as
+    ``quantize_static`` does (activation type, per tensor, asymmetric: the same integers), so
+    ONNX Runtime runs it as a QLinearAdd; with the activation float, the constant stays float."""
+    from onnxruntime.quantization.quant_utils import compute_data_quant_params
+    from strategies import analyze
+
+    from qdq_optuna import kernels
+
+    a = analyze(_bias_model(), ONNXRUNTIME_CPU, quant_types=("uint8",))
+    matmul, add, relu = a.node("matmul"), a.node("add"), a.node("relu")
+    exporter = QDQExporter(a.graph, ONNXRUNTIME_CPU, "uint8")
+    uses = {("x", matmul, 0), ("mm", add, 0), ("y", relu, 0), ("y", GRAPH_OUTPUT, 0)}
+    plan = exporter.plan(uses)
+    assert (add, 1, "uint8") in plan.weights and (matmul, 1, "int8") in plan.weights
+    model = exporter.to_model(plan)
+    check_export(a.graph, plan, model)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    dq = producers[original_nodes(model)[add].input[1]]
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    zero_point, scale = compute_data_quant_params(a.graph.array("b").reshape(-1), TensorProto.UINT8, False)
+    assert float(inits[dq.input[1]]) == pytest.approx(float(scale))
+    assert int(inits[dq.input[2]]) == int(zero_point) and inits[dq.input[0]].dtype == np.uint8
+    assert kernels.kernels_of(model).ops.get("QLinearAdd") == 1
+    # the Add's activation input float: its constant stays float
+    assert not any(n == add for n, _, _ in exporter.plan(uses - {("mm", add, 0)}).weights)
+    # TensorRT never quantizes constant operands
+    assert not any(n == add for n, _, _ in QDQExporter(a.graph, TENSORRT, "int8").plan(
+        {u for u in uses if u[1] != GRAPH_OUTPUT}).weights)
+
+
+def test_an_embedding_table_takes_its_lookups_scale(zoo_model):
+    """When every reader of a Gather's output reads it through Q/DQ, the constant table is
+    quantized with that output's scale and zero point: the same numbers (a lookup commutes
+    with quantization), and ONNX Runtime looks up the quantized table with no Q after it."""
+    import dataclasses
+
+    from qdq_optuna import kernels, starts
+    from qdq_optuna.model import PreparedModel
+
+    pm = PreparedModel.prepare(zoo_model("transformer"), runtime="onnxruntime")
+    gather = next(i for i, n in enumerate(pm.graph.nodes) if n.op_type == "Gather")
+    out = pm.graph.nodes[gather].output[0]
+    uses = starts.all_on_start(pm).uses
+    assert {u for u in pm.graph.uses(out)} <= uses
+    exporter = pm.exporter()
+    plan = exporter.plan(uses)
+    assert (gather, 0, "uint8") in plan.weights
+    plain = QDQExporter(pm.graph, dataclasses.replace(pm.rules, table_ops=frozenset()), "uint8")
+    assert not any(n == gather for n, _, _ in plain.plan(uses).weights)
+    feeds = random_feeds(pm.graph.model)
+    ours, theirs = run_ort(exporter.to_bytes(plan), feeds), run_ort(plain.to_bytes(plain.plan(uses)), feeds)
+    assert all(np.array_equal(x, y) for x, y in zip(ours, theirs))
+    assert kernels.kernels_of(exporter.to_bytes(plan)).ops["QuantizeLinear"] == \
+        kernels.kernels_of(plain.to_bytes(plain.plan(uses))).ops["QuantizeLinear"] - 1
+    # one reader left float: the table stays float
+    first = next(iter(pm.graph.uses(out)))
+    assert not any(n == gather for n, _, _ in exporter.plan(uses - {first}).weights)

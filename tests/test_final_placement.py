@@ -21,6 +21,7 @@ from _runs import standing_schemes
 
 from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.export import graph_output_names
 from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -30,8 +31,12 @@ COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
 
 
 def activation_q_inputs(model: onnx.ModelProto) -> set[str]:
+    """Activations behind a Q (a quantized graph output by its name: the tensor its producer
+    writes is renamed, the DQ writes the output)."""
     inits = {i.name for i in model.graph.initializer}
-    return {n.input[0] for n in model.graph.node if n.op_type == Q and n.input[0] not in inits}
+    renamed = graph_output_names(model)
+    return {renamed.get(n.input[0], n.input[0]) for n in model.graph.node
+            if n.op_type == Q and n.input[0] not in inits}
 
 
 def rewards_quantized_ops(model: onnx.ModelProto) -> float:

@@ -22,6 +22,7 @@ from test_final_placement import rewards_quantized_ops
 from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
+from qdq_optuna.export import graph_output_names
 from qdq_optuna.model import PreparedModel
 from qdq_optuna.storage import open_storage
 
@@ -35,16 +36,19 @@ def use_types(model: onnx.ModelProto) -> dict[tuple[str, str, int], str]:
     """(tensor, consumer node name, input slot) -> the type of the Q/DQ pair in front of it."""
     inits = {i.name: i for i in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
+    renamed = graph_output_names(model)  # a quantized graph output: its DQ writes it
+    readers = [(n.name, slot, x) for n in model.graph.node
+               if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+               for slot, x in enumerate(n.input)]
+    readers += [("<graph output>", k, o.name) for k, o in enumerate(model.graph.output)]
     out = {}
-    for n in model.graph.node:
-        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-            continue
-        for slot, x in enumerate(n.input):
-            dq = producer.get(x)
-            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
-                else None
-            if q is not None and q.op_type == "QuantizeLinear":
-                out[(q.input[0], n.name, slot)] = ELEM[inits[q.input[2]].data_type]
+    for name, slot, x in readers:
+        dq = producer.get(x)
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
+            else None
+        if q is not None and q.op_type == "QuantizeLinear":
+            tensor = renamed.get(q.input[0], q.input[0])
+            out[(tensor, name, slot)] = ELEM[inits[q.input[2]].data_type]
     return out
 
 

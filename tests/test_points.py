@@ -4,11 +4,15 @@ never carry it."""
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 from strategies import PROPERTY, analyze, build_model, dag_specs, spec_summary
 
+from qdq_optuna.graph import GRAPH_OUTPUT
 from qdq_optuna.insertion.points import (
     CHILD_REGION_INPUT,
     NODE_INPUT,
@@ -55,7 +59,7 @@ def expected_uses(graph, tree, pattern, point: InsertionPoint, member: int) -> s
     tensor = owner.outputs[point.slot]
     node, out = graph.producer[tensor]
     member_tensor = graph.nodes[pattern.node(member, pos[node])].output[out]
-    return set(graph.uses(member_tensor))
+    return set(graph.uses(member_tensor) + graph.output_uses(member_tensor))
 
 
 def check_points(a, rules) -> None:
@@ -85,7 +89,8 @@ def check_points(a, rules) -> None:
                 assert set(uses) == {u for u in expected if u[0] and rules.quantizable(graph, u)}, (
                     f"{pattern.id}/{point.id} in region {r}")
                 for t, n, s in uses:
-                    assert graph.nodes[n].input[s] == t
+                    read = graph.graph_outputs if n == GRAPH_OUTPUT else graph.nodes[n].input
+                    assert read[s] == t
                     assert rules.use_reason(graph, (t, n, s)) is None
                     assert graph.is_activation(t)
                 assert len({t for t, _, _ in expected}) <= 1
@@ -106,7 +111,8 @@ def check_points(a, rules) -> None:
                     producer = graph.producer[tensor][0]
                     assert producer in set(tree[r].all_nodes)
                     # a tensor-level point: every quantizable use of the tensor, anywhere
-                    whole = {u for u in graph.uses(tensor) if rules.quantizable(graph, u)}
+                    whole = {u for u in graph.uses(tensor) + graph.output_uses(tensor)
+                             if rules.quantizable(graph, u)}
                     assert set(uses) == whole
         for group in pp.concat_groups + pp.fusion_groups:
             assert len(group) >= 2 and set(group) <= set(pp.ids) and group == sorted(group)
@@ -140,9 +146,13 @@ def test_points_cover_exactly_the_quantizable_uses(spec, rules):
     quantizable = {
         (t, n, s) for n, node in enumerate(graph.nodes) for s, t in enumerate(node.input)
         if t and rules.quantizable(graph, (t, n, s))
-    }
+    } | {u for t in set(graph.graph_outputs) for u in graph.output_uses(t)
+         if rules.quantizable(graph, u)}
     assert offered == quantizable
     for t, n, s in offered:
+        if n == GRAPH_OUTPUT:  # ONNX Runtime: the output of an op it quantizes
+            assert rules is ONNXRUNTIME_CPU and rules.after_quantized_op(graph, t)
+            continue
         op = graph.nodes[n].op_type
         assert s not in STRUCTURAL_INPUTS.get(op, ())
         assert not graph.is_constant(t)
@@ -294,3 +304,82 @@ def test_qkv_input_is_a_tensor_level_point(analyzed, rules):
     whole = {u for u in graph.uses(tensor) if rules.quantizable(graph, u)}
     assert any(set(pp.resolved[pid][r]) == whole
                for pp in a.points for pid in pp.ids for r in pp.pattern.regions)
+
+
+# -- ONNX Runtime: what its recipe quantizes ---------------------------------------------------
+
+
+def _after_matmul_model() -> onnx.ModelProto:
+    """x -> MatMul -> Div(c) -> Exp -> Add(b) -> y -> Clip -> z, the Clip's min computed from
+    the MatMul's output; graph outputs y, z and the Exp's output."""
+    rng = np.random.default_rng(0)
+    const = {"w": rng.standard_normal((8, 8)).astype(np.float32),
+             "c": np.array(2.0, np.float32), "b": rng.standard_normal(8).astype(np.float32)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
+        helper.make_node("Div", ["mm", "c"], ["div"], name="div"),
+        helper.make_node("Exp", ["div"], ["exp"], name="exp"),
+        helper.make_node("Add", ["exp", "b"], ["y"], name="add"),
+        helper.make_node("ReduceMax", ["mm"], ["peak"], name="peak", keepdims=0),
+        helper.make_node("Mul", ["peak", "c"], ["low"], name="low"),
+        helper.make_node("Clip", ["y", "low"], ["z"], name="clip"),
+    ]
+    graph = helper.make_graph(
+        nodes, "after_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 8]),
+         helper.make_tensor_value_info("exp", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(v, k) for k, v in const.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnxruntime_offers_every_reader_of_a_quantized_op_output():
+    """ONNX Runtime fuses DQ -> op -> Q only when the Q reads the op's output alone, so the
+    readers of such an output (a Div with no kernel of its own, a graph output) may read it
+    through the same Q/DQ; a reader of an op ONNX Runtime never quantizes may not, and a
+    structural input never is one."""
+    a = analyze(_after_matmul_model(), ONNXRUNTIME_CPU)
+    g, offered = a.graph, a.all_uses()
+    div, exp, clip = a.node("div"), a.node("exp"), a.node("clip")
+    assert ONNXRUNTIME_CPU.use_reason(g, ("mm", div, 0)) is None and ("mm", div, 0) in offered
+    assert "no quantized kernel" in ONNXRUNTIME_CPU.use_reason(g, ("div", exp, 0))
+    assert ("div", exp, 0) not in offered
+    assert {("y", GRAPH_OUTPUT, 0), ("z", GRAPH_OUTPUT, 1), ("y", clip, 0)} <= offered
+    assert ("exp", GRAPH_OUTPUT, 2) not in offered  # Exp never runs quantized
+    # the Mul's output is quantized for any reader, but not as Clip's min (structural)
+    assert "structural" in ONNXRUNTIME_CPU.use_reason(g, ("low", clip, 1))
+    # TensorRT: every float activation input as before, never a graph output
+    trt = analyze(_after_matmul_model(), TENSORRT).all_uses()
+    assert ("div", exp, 0) in trt and not any(n == GRAPH_OUTPUT for _, n, _ in trt)
+    assert "graph output" in TENSORRT.use_reason(g, ("y", GRAPH_OUTPUT, 0))
+
+
+def test_graph_output_is_covered_by_its_tensor_level_point(analyzed):
+    """tiny_concat ends in a Conv: on ONNX Runtime the point on its output covers the graph
+    output, and that point belongs to the Conv's fusion group (DQ in, Q out)."""
+    a = analyzed("tiny_concat", ONNXRUNTIME_CPU)
+    use = ("output", GRAPH_OUTPUT, 0)
+    (pp, pid), = [(pp, pid) for pp in a.points for pid in pp.ids
+                  if use in pp.uses([pid])]
+    assert pp.uses([pid]) == {use}
+    assert any(pid in group for group in pp.fusion_groups)
+    assert a.graph.name_of(GRAPH_OUTPUT) == "<graph output>"
+    assert use not in analyzed("tiny_concat", TENSORRT).all_uses()
+
+
+@pytest.mark.parametrize("option", [{"op_types": "Relu,Concat"}, {"exclude_nodes": "sppf/conv"}])
+def test_node_filters_keep_the_graph_output_of_an_excluded_node_float(zoo_model, option):
+    from qdq_optuna.model import PreparedModel
+
+    use = ("output", GRAPH_OUTPUT, 0)
+    pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime", **option)
+    assert all(use not in pp.uses(pp.ids) for pp in pm.points)
+    assert pm.rules.use_reason(pm.graph, use) is not None
+    free = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime")
+    assert any(use in pp.uses(pp.ids) for pp in free.points)
+
+
+def test_tensorrt_rules_take_none_of_the_onnxruntime_recipe_rules():
+    assert not TENSORRT.output_quantized_ops and not TENSORRT.constant_operand_ops
+    assert not TENSORRT.table_ops
+    assert ONNXRUNTIME_CPU.output_quantized_ops == ONNXRUNTIME_CPU.quantizable_ops

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 from qdq_optuna import Config, PreparedModel, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
+from qdq_optuna.export import graph_output_names
 from qdq_optuna.storage import open_storage
 
 BUDGET = 6
@@ -57,8 +58,10 @@ def complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def activation_q_inputs(model: onnx.ModelProto) -> set[str]:
+    """Activations behind a Q (a quantized graph output by its name, see export)."""
     inits = {i.name for i in model.graph.initializer}
-    return {n.input[0] for n in model.graph.node
+    renamed = graph_output_names(model)
+    return {renamed.get(n.input[0], n.input[0]) for n in model.graph.node
             if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
 
 

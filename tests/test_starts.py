@@ -11,61 +11,39 @@ import onnxruntime as ort
 import pytest
 
 import qdq_optuna
-from qdq_optuna import starts, zoo
+from qdq_optuna import kernels, starts, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.cache import PatternCache
 from qdq_optuna.errors import UserError
+from qdq_optuna.graph import GRAPH_OUTPUT
 from qdq_optuna.insertion.rules import residual_conv
 from qdq_optuna.model import PreparedModel
 
 
-def _optimized_ops(model: bytes | str, tmp_path: Path) -> collections.Counter:
-    """Op types of ONNX Runtime's fully optimized graph (what its CPU kernels run)."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    out = tmp_path / "optimized.onnx"
-    so.optimized_model_filepath = str(out)
-    so.log_severity_level = 3
-    ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-    return collections.Counter(n.op_type for n in onnx.load(str(out)).graph.node)
-
-
-def _without_output_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with the Q/DQ pairs right before graph outputs removed (no tensor use can
-    express them: see read_placement's notes)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    producer = {o: n for n in m.graph.node for o in n.output}
-    for out in [o.name for o in m.graph.output]:
-        dq = producer.get(out)
-        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        if q is None or q.op_type != "QuantizeLinear":
-            continue
-        x = q.input[0]
-        m.graph.node.remove(q)
-        m.graph.node.remove(dq)
-        for n in m.graph.node:
-            n.output[:] = [out if t == x else t for t in n.output]
-            n.input[:] = [out if t == x else t for t in n.input]
-    return m
-
-
-@pytest.mark.parametrize("name", ["resnet", "yolo"])
-def test_ort_recipe_read_back_gives_the_same_quantized_graph(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["resnet", "yolo", "transformer"])
+def test_ort_recipe_read_back_runs_the_same_kernels(name: str) -> None:
+    """ONNX Runtime's recipe, read back and projected onto our points, exported with its own
+    scales: after ONNX Runtime's optimizations both models run the same kernels (graph outputs'
+    Q/DQ, Div inputs and the constant operands of Add/Mul included)."""
     model = zoo.build(name, "small")
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
-    recipe = starts.ort_recipe_model(model, tmp_path)
-    uses, notes, counts = starts.read_placement(pm, recipe)
-    assert counts["unmapped"] == 0 and counts["mapped"] == counts["reads"] > 10
-    start = starts.start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
-    assert start.exact  # the points express the recipe use for use
-    # with the recipe's own scales, our exporter's model optimizes to the same kernels
-    exporter = pm.exporter(scales=starts.read_scales(recipe))
-    ours = _optimized_ops(exporter.to_bytes(exporter.plan(start.scheme_uses)), tmp_path)
-    theirs = _optimized_ops(_without_output_qdq(onnx.load(str(recipe))).SerializeToString(),
-                            tmp_path)
-    assert ours == theirs
-    assert ours["QLinearConv"] > 0
+    result = kernels.recipe_parity(pm, model)
+    start = result.start
+    assert start.counts["unmapped"] == 0 and start.counts["mapped"] == start.counts["reads"] > 10
+    assert start.counts["not_offered"] == 0 and start.exact  # the points express it use for use
+    assert any(n == GRAPH_OUTPUT for _, n, _ in start.uses)  # the output's Q/DQ
+    ours, theirs = result.ours, result.recipe
+    assert ours.integer > 10 and ours.float_kernels == theirs.float_kernels
+    if name == "transformer":
+        # the recipe also quantizes LayerNormalization's scale and bias, which no kernel takes
+        # in: ten DequantizeLinear of constants run at every inference; ours keeps them float
+        assert theirs.constant_dq == 10 and ours.constant_dq == 0
+        assert result.diff() == {"DequantizeLinear": (theirs.ops["DequantizeLinear"] - 10,
+                                                      theirs.ops["DequantizeLinear"])}
+        assert result.verdict == "fewer Q/DQ"
+        assert ours.ops["QLinearAdd"] == 15 and ours.ops["QLinearMatMul"] == 12
+    else:
+        assert result.verdict == "identical", result.diff()
 
 
 def test_ort_recipe_start_runs_the_tool(tmp_path: Path) -> None:
@@ -73,7 +51,7 @@ def test_ort_recipe_start_runs_the_tool(tmp_path: Path) -> None:
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
     start = starts.ort_recipe_start(pm, model)
     assert start.name == "recipe:onnxruntime" and start.counts["unmapped"] == 0
-    assert any(note.startswith("1 graph output") for note in start.notes)  # the logits' Q/DQ
+    assert ("logits", GRAPH_OUTPUT, 0) in start.uses <= start.scheme_uses  # the logits' Q/DQ
     on = start.on()
     assert sum(map(len, on.values())) > 0
     assert starts.scheme_uses(pm, start.schemes) == set(start.scheme_uses)
@@ -196,3 +174,34 @@ def test_tune_finds_the_gain_of_two_adjacent_patterns(gated, tmp_path: Path) -> 
     path, all_on = gated
     result = qdq_optuna.tune(path, tmp_path / "out", benchmark="costmodel", progress=False)
     assert result.speedup >= all_on / 1.02
+
+
+def test_ort_recipe_runs_on_models_below_opset_13(tmp_path: Path) -> None:
+    """Per-channel DequantizeLinear needs opset 13: the recipe upgrades the model first, as
+    its user would after ONNX Runtime refused the tool's output."""
+    model = zoo.tiny_chain()  # Conv, Relu, GlobalAveragePool, Flatten, Gemm: all in opset 12
+    model.opset_import[0].version = 12
+    onnx.checker.check_model(model)
+    path = starts.ort_recipe_model(model, tmp_path)
+    assert ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    pm = PreparedModel.prepare(model, runtime="onnxruntime")
+    assert starts.ort_recipe_start(pm, model).exact
+
+
+def test_ort_recipe_failure_is_one_clear_error(tmp_path: Path) -> None:
+    import numpy as np
+
+    with pytest.raises(UserError, match="ONNX Runtime's recipe .* failed"):
+        starts.ort_recipe_model(zoo.tiny_chain(), tmp_path,
+                                data={"not_an_input": np.zeros((2, 3, 16, 16), np.float32)})
+
+
+def test_read_scales_names_a_quantized_graph_output_by_its_own_name(tmp_path: Path) -> None:
+    """The recipe renames the tensor behind a quantized graph output; its scale is read under
+    the output's name, which our exporter's output pair looks up."""
+    model = zoo.build("resnet", "small")
+    recipe = onnx.load(str(starts.ort_recipe_model(model, tmp_path)))
+    scales = starts.read_scales(recipe)
+    (q,) = [n for n in recipe.graph.node if n.op_type == "QuantizeLinear"
+            and n.input[0].startswith("logits")]
+    assert q.input[0] != "logits" and scales["logits"] == scales[q.input[0]]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import OptionError
-from ..graph import Graph, Use
+from ..graph import GRAPH_OUTPUT, Graph, Use
 from .rules import RuntimeRules
 
 log = logging.getLogger("qdq_optuna")
@@ -110,6 +110,9 @@ class _ExcludedUses:
     reasons: dict[int, str]
 
     def __call__(self, graph: Graph, use: Use) -> str | None:
+        if use[1] == GRAPH_OUTPUT:  # the Q/DQ of the node that writes it
+            producer = graph.producer.get(use[0])
+            return self.reasons.get(producer[0]) if producer else None
         return self.reasons.get(use[1])
 
 

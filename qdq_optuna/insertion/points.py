@@ -5,7 +5,8 @@ Three kinds, all addressed relative to the pattern so one scheme applies to ever
 * ``NodeInput``: input ``slot`` of pattern node ``node``.
 * ``ChildRegionInput``: input ``index`` of child region ``child``: every use inside that child.
 * ``RegionOutput``: output ``index`` of child ``child`` (or of the region itself for a leaf):
-  every use of the tensor anywhere, i.e. one tensor-level Q/DQ pair.
+  every use of the tensor anywhere (a graph output too, where the rules allow it: see
+  ``graph.GRAPH_OUTPUT``), i.e. one tensor-level Q/DQ pair.
 
 A point resolves, per member region, to the set of tensor uses it covers, after the runtime's
 rules drop the uses that must never carry Q/DQ. Points that cover nothing, or exactly what an
@@ -126,7 +127,7 @@ def enumerate_points(
             resolved = {}
             for r in pattern.regions:
                 mt = graph.nodes[pattern.node(r, idx)].output[p_out]
-                resolved[r] = filt(graph.uses(mt))
+                resolved[r] = filt(graph.uses(mt) + graph.output_uses(mt))
             label = graph.nodes[p_node].op_type
             candidates.append((InsertionPoint(REGION_OUTPUT, j, k, label), resolved))
 
@@ -164,7 +165,7 @@ def _groups(graph: Graph, pp: PatternPoints, rules: RuntimeRules, index_of: dict
         tensors = {u[0] for u in res[rep]}
         if len(tensors) == 1:
             t = next(iter(tensors))
-            all_uses = {u for u in graph.uses(t) if rules.quantizable(graph, u)}
+            all_uses = {u for u in graph.uses(t) + graph.output_uses(t) if rules.quantizable(graph, u)}
             if set(res[rep]) == all_uses and t not in whole:
                 whole[t] = pid
     concat, fusion = [], []
@@ -182,7 +183,8 @@ def _groups(graph: Graph, pp: PatternPoints, rules: RuntimeRules, index_of: dict
                 if t in whole:
                     members.append(whole[t])
                 else:
-                    members.extend(single[u] for u in graph.uses(t) if u in single)
+                    members.extend(single[u] for u in graph.uses(t) + graph.output_uses(t)
+                                   if u in single)
             group = sorted(set(members))
             if len(group) >= 2 and group not in fusion:
                 fusion.append(group)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import OptionError
-from ..graph import Graph, Use
+from ..graph import GRAPH_OUTPUT, Graph, Use
 
 ALL_SLOTS = -1
 
@@ -99,6 +99,7 @@ WEIGHTED_OPS: Mapping[str, WeightSpec] = {
 }
 
 COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
+_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 
 # -- use filters: (graph, use) -> reason the use is not offered, or None --------------------
@@ -160,7 +161,8 @@ def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
     are such Conv outputs, TensorRT fuses the Add into one Conv and wants the other input, the
     residual, in INT8: that one (the shortcut, see :func:`residual_conv`) is offered."""
     tensor, consumer, slot = use
-    if graph.nodes[consumer].op_type != "Add" or _fusable_conv(graph, tensor) is None:
+    if consumer == GRAPH_OUTPUT or graph.nodes[consumer].op_type != "Add" \
+            or _fusable_conv(graph, tensor) is None:
         return None
     add_out = graph.nodes[consumer].output[0]
     if not any(graph.nodes[n].op_type == "Relu" for n, _ in graph.consumers.get(add_out, [])):
@@ -175,7 +177,7 @@ def _fused_activation(graph: Graph, use: Use) -> str | None:
     kernel's output range (Q with zero point at the type's minimum); Q/DQ between them only adds
     a float round trip. (A Clip folds only when its range fits the Q range: left to the search.)"""
     tensor, consumer, _ = use
-    if graph.nodes[consumer].op_type != "Relu":
+    if consumer == GRAPH_OUTPUT or graph.nodes[consumer].op_type != "Relu":
         return None
     if graph.producer_op(tensor) not in COMPUTE_OPS or len(graph.consumers.get(tensor, [])) != 1:
         return None
@@ -210,28 +212,62 @@ class RuntimeRules:
     quantize_bias_ops: frozenset[str] = frozenset()
     #: op -> per-tensor weights (runtime kernels that do not take per-channel weights)
     per_tensor_weight_ops: frozenset[str] = frozenset()
+    #: ops whose output may carry Q/DQ whatever reads it, graph outputs included: the Q
+    #: completes the op's DQ -> op -> Q group, and a reader without a quantized kernel (Div,
+    #: Sub, Shape, ...) reads the dequantized value (ONNX Runtime fuses an op only when the Q
+    #: is its output's only reader, and never when the output is a graph output)
+    output_quantized_ops: frozenset[str] = frozenset()
+    #: ops whose constant float inputs are quantized with their activations (activation
+    #: type, per tensor, asymmetric: as ``quantize_static`` does), when every float
+    #: activation input of the op carries Q/DQ: the op then runs as one quantized kernel
+    constant_operand_ops: frozenset[str] = frozenset()
+    #: ops that look up rows of a constant table (input 0): when every reader of the output
+    #: reads it through Q/DQ, the table is quantized with the output's scale and zero point
+    #: (the same numbers: a lookup commutes with quantization), and the op runs on the
+    #: quantized table with no Q after it (``quantize_static`` does this for Gather)
+    table_ops: frozenset[str] = frozenset()
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
         """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
         tensor, consumer, slot = use
-        node = graph.nodes[consumer]
-        op = node.op_type
         if not graph.is_activation(tensor):
             return "not a float activation"
+        if consumer == GRAPH_OUTPUT:
+            reason = None if self.after_quantized_op(graph, tensor) else \
+                f"a graph output carries no Q/DQ on {self.name} here"
+        else:
+            reason = self._consumer_reason(graph, use)
+        if reason:
+            return reason
+        for rule in self.use_filters:
+            reason = rule(graph, use)
+            if reason:
+                return reason
+        return None
+
+    def after_quantized_op(self, graph: Graph, tensor: str) -> bool:
+        """``tensor`` is the output of an op whose output Q/DQ any reader may share."""
+        return graph.producer_op(tensor) in self.output_quantized_ops
+
+    def _consumer_reason(self, graph: Graph, use: Use) -> str | None:
+        tensor, consumer, slot = use
+        node = graph.nodes[consumer]
+        op = node.op_type
+        structural = slot in STRUCTURAL_INPUTS.get(op, frozenset()) \
+            or slot in self.never_quantize.get(op, ())
+        if not structural and op not in _QDQ_OPS and ALL_SLOTS not in self.never_quantize.get(op, ()) \
+                and self.after_quantized_op(graph, tensor):
+            return None
         if op in STRUCTURAL_OPS:
             return f"{op} inputs are structural"
         if node.domain not in ("", "ai.onnx"):
             return f"custom-domain op {node.domain}.{op}"
-        if slot in STRUCTURAL_INPUTS.get(op, frozenset()) or slot in self.never_quantize.get(op, ()):
+        if structural:
             return f"input {slot} of {op} is structural (shape/index/bias)"
         if ALL_SLOTS in self.never_quantize.get(op, ()):
             return f"{op} inputs are never quantized on {self.name}"
         if self.quantizable_ops is not None and op not in self.quantizable_ops:
             return f"{op} has no quantized kernel on {self.name}"
-        for rule in self.use_filters:
-            reason = rule(graph, use)
-            if reason:
-                return reason
         return None
 
     def quantizable(self, graph: Graph, use: Use) -> bool:
@@ -271,6 +307,9 @@ ONNXRUNTIME_CPU = RuntimeRules(
          "AveragePool", "GlobalAveragePool", "Resize", "Sigmoid", "LeakyRelu"}
     ),
     quantize_bias_ops=frozenset({"Gemm"}),
+    output_quantized_ops=ORT_QUANTIZED_OPS,
+    constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
+    table_ops=frozenset({"Gather"}),
 )
 
 RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU}
