@@ -75,7 +75,7 @@ def files(tmp_path_factory):
 def unconstrained(files, tmp_path_factory):
     model, cal, val = files
     out = tmp_path_factory.mktemp("free") / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
                   calibration_data=str(cal), validation_data=str(val), progress=False)
     return result
 
@@ -125,7 +125,7 @@ def test_error_budget_marks_infeasible_trials_and_commits_fastest_feasible(
     model, cal, val = files
     budget, first = budget_from(unconstrained)
     out = tmp_path / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
                   calibration_data=str(cal), validation_data=str(val),
                   max_output_error=budget, progress=False)
     report = result.report
@@ -165,7 +165,7 @@ def test_error_budget_marks_infeasible_trials_and_commits_fastest_feasible(
 def test_two_objectives_write_a_measured_model_level_front(files, tmp_path):
     model, cal, val = files
     out = tmp_path / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
                   calibration_data=str(cal), validation_data=str(val),
                   objectives="latency,error", progress=False)
     report = result.report
@@ -213,7 +213,7 @@ def test_user_metric_and_random_validation_data_warning(tmp_path, caplog, monkey
     )
     monkeypatch.chdir(tmp_path)
     caplog.set_level("WARNING", logger="qdq_optuna")
-    result = tune(model, tmp_path / "run", benchmark=backend(),
+    result = tune(model, tmp_path / "run", benchmark=backend(), runtime="onnxruntime",
                   config=Config(schemes_per_region=4), metric="my_metric:mean_abs",
                   progress=False)
     assert "output errors are measured on random inputs" in caplog.text
@@ -233,7 +233,7 @@ def test_user_metric_and_random_validation_data_warning(tmp_path, caplog, monkey
 
 def test_error_measure_max_abs(files, tmp_path):
     model, cal, _ = files
-    result = tune(model, tmp_path / "run", benchmark=backend(),
+    result = tune(model, tmp_path / "run", benchmark=backend(), runtime="onnxruntime",
                   config=Config(schemes_per_region=3), calibration_data=str(cal),
                   error_measure="max_abs", max_output_error=1e6, progress=False)
     for study in pattern_studies(result.output_dir, result.report["run_id"]):

@@ -131,7 +131,7 @@ def run(tmp_path_factory) -> Path:
     model = base / "tiny_concat.onnx"
     onnx.save(zoo.build("tiny_concat"), str(model))
     out = base / "out"
-    tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+    tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True), runtime="onnxruntime",
          timing="fast", config=Config(schemes_per_region=4), run_id=RUN_ID, progress=False)
     return out
 
@@ -261,7 +261,7 @@ def test_a_broken_artifact_store_never_fails_the_run(tmp_path, caplog):
     out.mkdir()
     (out / ARTIFACT_DIR).write_text("a file where the store should be")
     with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
-        result = tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+        result = tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True), runtime="onnxruntime",
                       timing="fast", config=Config(schemes_per_region=3), run_id=RUN_ID,
                       progress=False)
     assert result.optimized_model.is_file()

@@ -68,7 +68,7 @@ def target(residual, tmp_path_factory) -> tuple[list[str], dict]:
     """The model of P001's full-recipe trial (one of the sampler's first) on top of P000's commit:
     its quantized tensors (what the trap recognises) and the trial's params."""
     out = tmp_path_factory.mktemp("pre") / "run"
-    result = tune(residual, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+    result = tune(residual, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True), runtime="onnxruntime",
                   config=Config(schemes_per_region=BUDGET), progress=False)
     pm = PreparedModel.prepare(str(residual))
     p0, p1 = pm.tunable[0], pm.tunable[1]
@@ -145,7 +145,7 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
         from qdq_optuna.backends import IsolatedBackend
         from qdq_optuna import tune
         backend = IsolatedBackend(("_trap_backend", "PlanTrap", {kwargs!r}), start_timeout_s=120)
-        tune({str(residual)!r}, {str(out)!r}, benchmark=backend,
+        tune({str(residual)!r}, {str(out)!r}, benchmark=backend, runtime="onnxruntime",
              config=Config(schemes_per_region={BUDGET}), progress=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -168,7 +168,7 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
     # run 2 resumes: the killed trial is redone, the crashed one retried once
     backend = trap(**kwargs)
     try:
-        result = tune(residual, out, benchmark=backend, config=Config(schemes_per_region=BUDGET),
+        result = tune(residual, out, benchmark=backend, runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
                       progress=False)
     finally:
         backend.close()
@@ -189,7 +189,7 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
     n_trials = len(p1.get_trials(deepcopy=False))
     backend = trap(**kwargs)
     try:
-        tune(residual, out, benchmark=backend, config=Config(schemes_per_region=BUDGET),
+        tune(residual, out, benchmark=backend, runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
              progress=False)
     finally:
         backend.close()
@@ -204,7 +204,7 @@ def test_hanging_candidate_times_out_and_fails_only_its_trial(residual, target, 
     backend = trap(hang=[tensors], hang_s=120, state_dir=str(state), timeout=3)
     t0 = time.monotonic()
     try:
-        result = tune(residual, tmp_path / "run", benchmark=backend,
+        result = tune(residual, tmp_path / "run", benchmark=backend, runtime="onnxruntime",
                       config=Config(schemes_per_region=BUDGET), progress=False)
     finally:
         backend.close()
@@ -224,7 +224,7 @@ def test_backend_crashing_on_the_float_model_is_one_clear_error(residual, tmp_pa
     backend = trap(crash=[[]], state_dir=str(state))  # the float model: no Q at all
     try:
         with pytest.raises(UserError) as info:
-            tune(residual, tmp_path / "run", benchmark=backend, progress=False)
+            tune(residual, tmp_path / "run", benchmark=backend, runtime="onnxruntime", progress=False)
     finally:
         backend.close()
     text = str(info.value)
@@ -239,7 +239,7 @@ def test_cli_backend_error_on_the_float_model_is_exit_2(residual, tmp_path, monk
         "def fn(model):\n    raise RuntimeError('no device attached')\n")
     monkeypatch.chdir(tmp_path)
     code = cli.main(["tune", "--model", str(residual), "--output", str(tmp_path / "out"),
-                     "--backend", "refuses_float_xyz:fn", "-q"])
+                     "--backend", "refuses_float_xyz:fn", "--runtime", "onnxruntime", "-q"])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.count("\n") == 0
@@ -286,7 +286,7 @@ def penalised(model) -> float:
 @pytest.fixture(scope="module")
 def robust_run(residual, tmp_path_factory):
     out = tmp_path_factory.mktemp("robust") / "run"
-    result = tune(residual, out, benchmark=SteppedMachine(penalised), timing="robust",
+    result = tune(residual, out, benchmark=SteppedMachine(penalised), runtime="onnxruntime", timing="robust",
                   config=Config(schemes_per_region=BUDGET), progress=False)
     return out, result.report
 

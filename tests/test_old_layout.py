@@ -28,7 +28,7 @@ OLD = Path(__file__).resolve().parent / "data" / "run_c32ab0d"
 
 def _tune(model: Path, out: Path):
     return tune(model, out, benchmark=CallableBackend(fns.costmodel_interruptible,
-                                                       deterministic=True),
+                                                       deterministic=True), runtime="onnxruntime",
                 config=Config(schemes_per_region=6), seed=0, progress=False)
 
 

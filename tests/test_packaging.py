@@ -117,8 +117,7 @@ def test_the_gp_extra_runs_the_gp_sampler(tmp_path):
     """``pip install qdq-optuna[gp]`` brings torch; then --sampler gp tunes (skipped without
     torch, where tests/test_search.py checks the clear error instead)."""
     pytest.importorskip("torch")
-    from qdq_optuna import Config, zoo
-    from qdq_optuna import tune
+    from qdq_optuna import Config, tune, zoo
 
     model = tmp_path / "m.onnx"
     model.write_bytes(zoo.build("tiny_residual").SerializeToString())

@@ -91,7 +91,7 @@ def assert_kept(before: dict, after: dict) -> None:
 def test_timeout_stops_part_way_and_rerun_completes(residual, tmp_path, monkeypatch):
     out = tmp_path / "timed"
     monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0.25")
-    first = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+    first = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True), runtime="onnxruntime",
                  timeout=3.0, config=Config(schemes_per_region=BUDGET), progress=False)
     assert first.report["complete"] is False
     assert (out / "optimized.onnx").is_file()
@@ -104,7 +104,7 @@ def test_timeout_stops_part_way_and_rerun_completes(residual, tmp_path, monkeypa
         len(before) < len(first.report["patterns"])
 
     monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0")
-    second = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+    second = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True), runtime="onnxruntime",
                   config=Config(schemes_per_region=BUDGET), progress=False)
     assert second.report["complete"] is True
     assert "status: done" in (out / "state.yaml").read_text()
@@ -176,7 +176,7 @@ def test_killed_run_resumes_redoing_the_running_trial(residual, tmp_path):
     out = tmp_path / "killed"
     hold = tmp_path / "hold"
     argv = cli_cmd("tune", "--model", residual, "--output", out,
-                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
+                   "--backend", "tests._latency_fns:sleepy", "--runtime", "onnxruntime", "--timing", "fast",
                    "--schemes-per-region", BUDGET, "-q")
     returncode, _, study_name, number = signal_in_a_trial(argv, out, hold, signal.SIGKILL)
     assert returncode == -signal.SIGKILL

@@ -42,17 +42,30 @@ def fully_sampled(study: optuna.Study, params: dict) -> bool:
     return points is None or set(points) <= set(params)
 
 
+#: user attrs a redo of a trial carries over: what its scheme is (a descent move, with the
+#: other patterns' points of a chain move)
+_MOVE_ATTRS = (TrialAttr.MOVE, TrialAttr.MOVE_INDEX, TrialAttr.MOVE_SIGNATURE,
+               TrialAttr.PARTNER, TrialAttr.PLAN_KEY)
+
+
+def move_attrs(user_attrs: dict) -> dict:
+    return {k: user_attrs[k] for k in _MOVE_ATTRS if k in user_attrs}
+
+
 def enqueue_redo(study: optuna.Study, params: dict, user_attrs: dict | None = None) -> None:
     """Enqueue a failed trial's scheme again. ``enqueue_trial(skip_if_exists=True)`` would
     match the failed trial itself and never redo it; only a live or finished trial with the
-    same params makes the redo unnecessary. A trial that died before all its points were
-    suggested measured nothing: it is not redone (its partial params would be filled with
-    "off" and build another, possibly already measured, model)."""
+    same params (and, for a descent move, the same model: ``plan_key``) makes the redo
+    unnecessary. A trial that died before all its points were suggested measured nothing: it
+    is not redone (its partial params would be filled with "off" and build another, possibly
+    already measured, model)."""
     if not params or not fully_sampled(study, params):
         return
+    key = (user_attrs or {}).get(TrialAttr.PLAN_KEY)
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
                                                       TrialState.COMPLETE)):
-        if t.system_attrs.get(SystemAttr.FIXED_PARAMS, t.params) == params:
+        if t.system_attrs.get(SystemAttr.FIXED_PARAMS, t.params) == params and (
+                key is None or t.user_attrs.get(TrialAttr.PLAN_KEY) == key):
             return
     study.enqueue_trial(params, user_attrs=user_attrs)
 
@@ -68,15 +81,17 @@ def fail_trial(study: optuna.Study, trial_id: int, why: str, *, transient: bool 
         return False
 
 
-def fail_running_trials(study: optuna.Study) -> list[dict]:
-    """Fail RUNNING trials left by a dead process; returns their params to redo them."""
+def fail_running_trials(study: optuna.Study, with_attrs: bool = False) -> list:
+    """Fail RUNNING trials left by a dead process; returns their params to redo them (with
+    ``with_attrs``: ``(params, move attrs)``)."""
     redo = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         with contextlib.suppress(Exception):
             study._storage.set_trial_user_attr(t._trial_id, TrialAttr.FAILURE,
                                                "process died while running")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            redo.append(dict(t.params))
+            redo.append((dict(t.params), move_attrs(t.user_attrs)) if with_attrs
+                        else dict(t.params))
     return redo
 
 
@@ -127,8 +142,8 @@ class Workers:
         crash or timeout). A redo carries ``retry_of`` (a finished trial's attrs cannot be
         changed any more) and a failed redo is not retried again."""
         if not self.worker:
-            for params in fail_running_trials(study):
-                enqueue_redo(study, params)
+            for params, attrs in fail_running_trials(study, with_attrs=True):
+                enqueue_redo(study, params, attrs or None)
         every = study.get_trials(deepcopy=False)
         retried = {t.user_attrs.get(TrialAttr.RETRY_OF) for t in every}
         for t in every:
@@ -137,7 +152,8 @@ class Workers:
             if TrialAttr.RETRY_OF in t.user_attrs or t.number in retried:
                 continue
             if not self.worker or self.record.claim(Agreed.redo(study.study_name, t.number)):
-                enqueue_redo(study, dict(t.params), {TrialAttr.RETRY_OF: t.number})
+                enqueue_redo(study, dict(t.params), {**move_attrs(t.user_attrs),
+                                                     TrialAttr.RETRY_OF: t.number})
 
     def claim_slot(self, study: optuna.Study, trial: optuna.Trial, budget: int) -> bool | None:
         """Whether ``trial`` may be measured: fewer than ``budget`` trials are COMPLETE, hold a
@@ -181,6 +197,16 @@ class Workers:
             trial.set_user_attr(TrialAttr.SKIPPED, "the budget was filled by other workers")
             study.stop()
             raise optuna.TrialPruned("the budget was filled by other workers")
+
+    def wait_for_running(self, study: optuna.Study) -> None:
+        """Wait until no other worker runs a trial of ``study`` (a dead worker's trial fails
+        once its heartbeat is stale), or the run is out of time."""
+        while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            optuna.storages.fail_stale_trials(study)
+            time.sleep(SLOT_POLL_S)
 
     def twin(self, study: optuna.Study, trial: optuna.Trial, key: str) -> int | None:
         """Another finished, running or queued trial that builds the same model (two workers
