@@ -42,7 +42,7 @@ class Config:
     refine_rounds: int = 4
     #: a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
     #: that failed this many times in a descent and never paid is not tried again; 0: every move
-    skip_failed_moves: int = 5
+    skip_failed_moves: int = 3
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1

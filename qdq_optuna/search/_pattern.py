@@ -47,7 +47,7 @@ from ._record import (
     note_scheme,
     pattern_attrs,
 )
-from ._workers import Workers
+from ._workers import Workers, lost_race
 
 #: two objectives: Pareto points whose latency is within this factor of the fastest count as
 #: equally fast (the most accurate of them is committed), or within the threshold when higher
@@ -341,11 +341,16 @@ class PatternStudy:
         sampler) or the sampler's climb converged, too many trials failed, or the run is out
         of time (:class:`OutOfTime`). ``bar``: the progress of this study."""
         s = self.s
-        if not self._done() and not self._moves_done():
-            self.study.optimize(
-                s.workers.interruptible(self.study, self.objective),
-                callbacks=self._callbacks(bar), timeout=s.remaining(),
-                catch=(BackendError, AccuracyError), gc_after_trial=False)
+        while not self._done() and not self._moves_done():
+            try:
+                self.study.optimize(
+                    s.workers.interruptible(self.study, self.objective),
+                    callbacks=self._callbacks(bar), timeout=s.remaining(),
+                    catch=(BackendError, AccuracyError), gc_after_trial=False)
+                break
+            except ValueError as exc:  # another worker ran the trial we popped too: go on
+                if not lost_race(exc):
+                    raise
         remaining = s.remaining()
         if remaining is not None and remaining <= 0 and not self._done():
             raise OutOfTime()
@@ -357,6 +362,8 @@ class PatternStudy:
             return False
         if self.s.workers.worker:  # another worker's move may still improve the best
             self.s.workers.wait_for_running(self.study)
+            if self.feed():  # a dead worker's trial came back queued, or a move after all
+                return False
         self.study.set_user_attr(PatternAttr.CONVERGED_AFTER, len(self.study.trials))
         return True
 

@@ -196,6 +196,11 @@ class Agreed:
         return f"commit/{study_name}"
 
     @staticmethod
+    def run(study_name: str, number: int) -> str:
+        """Which worker measures a queued trial two workers popped at once."""
+        return f"run/{study_name}/{number}"
+
+    @staticmethod
     def redo(study_name: str, number: int) -> str:
         return f"redo/{study_name}/{number}"
 

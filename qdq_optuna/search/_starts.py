@@ -101,8 +101,8 @@ class StartsPhase:
                 bar.trial()
                 bar.finish(note=self._summary(row))
             rows.append(row)
-        chosen = self._choose(rows)
-        lanes = self._lanes(rows, chosen)
+        lanes = self._lanes(rows, self._choose(rows))
+        chosen = lanes[MAIN_LANE]  # the start of the standing model
         by_name = {r["name"]: r for r in rows}
         for r in rows:
             r["chosen"] = r["name"] == chosen

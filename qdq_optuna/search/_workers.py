@@ -124,6 +124,17 @@ def retry_stale_trial(study: optuna.Study, trial) -> None:
     ))
 
 
+class LostTrial(Exception):
+    """Two workers popped the same queued trial (SQLite cannot lock the row); the one that did
+    not claim it waits for the other to finish it and steps back (Optuna then cannot tell the
+    finished trial: :func:`lost_race` recognises that)."""
+
+
+def lost_race(exc: BaseException) -> bool:
+    """Optuna's refusal to tell a trial another worker already finished."""
+    return isinstance(exc, ValueError) and str(exc).startswith("Cannot tell a ")
+
+
 class Workers:
     """This process among the run's workers (``worker``: others may share its studies)."""
 
@@ -198,6 +209,14 @@ class Workers:
             study.stop()
             raise optuna.TrialPruned("the budget was filled by other workers")
 
+    def wait_for(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        """Wait until another worker finished ``trial`` (or its heartbeat went stale)."""
+        while study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            time.sleep(SLOT_POLL_S)
+
     def wait_for_running(self, study: optuna.Study) -> None:
         """Wait until no other worker runs a trial of ``study`` (a dead worker's trial fails
         once its heartbeat is stale), or the run is out of time."""
@@ -230,6 +249,9 @@ class Workers:
 
         def run(trial: optuna.Trial):
             self.live_trial = trial._trial_id
+            if self.worker and not self.record.claim(Agreed.run(study.study_name, trial.number)):
+                self.wait_for(study, trial)  # another worker took the same queued trial
+                raise LostTrial(f"trial {trial.number} runs in another worker")
             try:
                 return objective(trial)
             except KeyboardInterrupt:
