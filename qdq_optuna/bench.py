@@ -11,15 +11,14 @@ without it the rest is written and one warning says so).
 
 **Progress curve of a run.** Read back from the run's ``studies.db``. The x axis is the
 cumulative number of *measurements*: times the backend was asked to time a model, counted as the
-search counts them for ``report.json`` (the float baseline, one per pattern reference, each trial's
-own count, which is 0 for a model already measured in the run, one per commit confirmation,
-and the final A/B). At every point the y value is the speedup over the float model that the run
-would deliver if it stopped there: the product of the gains committed for earlier patterns times
-the current pattern's best in-loop gain so far, ``reference_ms / best_value``, counted only when it
-clears the commit threshold, as the commit rule requires. The last point is the product of the
-committed gains. For a deterministic backend (``costmodel``) that is exactly the speedup of the
-saved model; for a measured backend it is the search's own estimate, and ``speedup`` in the
-results is the independent final A/B.
+search counts them for ``report.json`` (the baseline, the whole-model starts, each visit's
+reference when it was not measured before, each trial's own count, which is 0 for a model
+already measured in the run, one per commit confirmation, the choice between lanes, and the final
+A/B). At every point the y value is the speedup over the baseline of the fastest whole model the
+run had measured so far (a feasible start, or a visit's trial: every trial is timed as a whole
+model). For a deterministic backend (``costmodel``) the last point is the speedup of the saved
+model; for a measured backend it is the search's own estimate, and ``speedup`` in the results
+is the independent final A/B.
 
 **measurements_to_99pct.** The best-known speedup of a model is the highest final curve value
 over all runs of the recipe for that model. A run's ``measurements_to_99pct`` is the x of the
@@ -305,39 +304,42 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     return record
 
 
-def run_history(run_dir: Path, run_id: str, threshold: float) -> dict:
+def run_history(run_dir: Path, run_id: str, threshold: float | None = None) -> dict:
     """The progress curve of a finished run (see the module docstring), from its studies.db
-    (read through the run record; gains counted as the commit rule would)."""
+    (read through the run record). ``threshold``: unused (the curve follows the standing
+    model; kept for callers of the earlier signature)."""
     from optuna.trial import TrialState
 
-    from .measure import CommitRule
-    from .search._record import PatternAttr, studies_in_order
+    from .search._record import PatternAttr, RunAttr, run_study_name, studies_in_order
     from .storage import default_storage_url, open_storage, quiet_optuna
 
     quiet_optuna(False)
     storage = open_storage(default_storage_url(run_dir), heartbeat=False)
-    rule = CommitRule(threshold)
     try:
-        x = 1  # the float baseline
-        committed = 1.0
+        import optuna
+
+        run = optuna.load_study(study_name=run_study_name(run_id), storage=storage).user_attrs
+        base = float(run[RunAttr.BASELINE_MS])
+        x, best = 1, math.inf  # the baseline; the fastest whole model known so far
         curve = [(x, 1.0)]
+        starts = run.get(RunAttr.STARTS) or {}
+        for row in starts.get("starts", []):  # each start measured once (their total below)
+            if row.get("feasible") and row.get("latency_ms"):
+                best = min(best, float(row["latency_ms"]))
+        x += int(starts.get("measurements", len(starts.get("starts", []))))
+        curve.append((x, base / best if best < math.inf else 1.0))
         for study, attrs in studies_in_order(storage, run_id):
-            ref = float(attrs[PatternAttr.REFERENCE_MS])
-            x += 1  # the pattern's reference
-            curve.append((x, committed))
-            best = math.inf
+            x += int(attrs.get(PatternAttr.REFERENCE_COST, 1))
             for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
                 x += _trial_cost(t)
-                if t.state == TrialState.COMPLETE and t.values:
+                if t.state == TrialState.COMPLETE and t.values and \
+                        t.user_attrs.get("feasible", True):
                     best = min(best, float(t.values[0]))
-                gain = ref / best if rule.promising(best, ref, rule.threshold) else 1.0
-                curve.append((x, committed * gain))
-            if PatternAttr.CONFIRMATION in attrs:
-                x += 1
-            committed *= float(attrs.get(PatternAttr.GAIN, 1.0))
-            curve.append((x, committed))
-        x += 1  # the final A/B against the float model
-        curve.append((x, committed))
+                curve.append((x, base / best if best < math.inf else 1.0))
+            x += PatternAttr.CONFIRMATION in attrs
+        x += int(run.get(RunAttr.WINNER_COST, 0))
+        x += 1  # the final A/B against the baseline
+        curve.append((x, curve[-1][1]))
     finally:
         storage.remove_session()
         storage.engine.dispose()

@@ -90,10 +90,9 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     ops = attrs.get(A.OPS, [])
     metrics = ", ".join(f"`{m}`" for m in (metric_names or ["latency_ms"]))
     rnd = int(attrs.get(A.ROUND) or 0)
-    lane = attrs.get(A.LANE) or ""
+    lane = f"{attrs[A.LANE]} " if attrs.get(A.LANE) else ""
     lines = [
-        f"## Pattern {pid}" + (f" — {lane + ' ' if lane else ''}descent round {rnd}" if rnd
-                               else ""),
+        f"## Pattern {pid}" + (f" — {lane}descent round {rnd}" if rnd else ""),
         "",
         f"- metric: {metrics} (minimize), one trial = one Q/DQ scheme applied to all "
         f"{len(regions)} member region(s)",

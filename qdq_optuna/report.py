@@ -104,15 +104,20 @@ def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
     """One entry per tunable pattern, and every trial of the run's visits."""
     by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
     trials_of: dict[str, list] = {}
+    done_in: dict[tuple, int] = {}  # (pattern, lane, round) -> finished trials
     all_trials: list = []
     for attrs in record.visits():
         trials = record.visit_trials(attrs)
         all_trials += trials
-        trials_of.setdefault(attrs[PatternAttr.PATTERN_ID], []).extend(trials)
+        pid = attrs[PatternAttr.PATTERN_ID]
+        trials_of.setdefault(pid, []).extend(trials)
+        done_in[(pid, attrs.get(PatternAttr.LANE, ""), attrs.get(PatternAttr.ROUND))] = sum(
+            t.state == TrialState.COMPLETE for t in trials)
     patterns: list[dict] = []
     for pp in record.tunable:
         row = by_id.get(pp.pattern.id) or {}
-        visits = row.get("visits", [])
+        visits = [{**v, "trials": done_in.get((v["pattern"], v["lane"], v["round"]), 0)}
+                  for v in row.get("visits", [])]
         entry = {
             "id": pp.pattern.id,
             "signature": pp.pattern.signature,
@@ -129,6 +134,10 @@ def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
             "reference_ms": row.get(PatternAttr.REFERENCE_MS),
             "commit_reason": row.get(PatternAttr.COMMIT_REASON),
             "visits": visits,
+            # the rounds after the first (as the earlier pattern-by-pattern search reported
+            # its refinement rounds)
+            "refinements": [v for v in visits if v["round"] and v["round"] > 1
+                            and v["pattern"] == pp.pattern.id],
         }
         # accuracy modes; converged_after: the last visit stopped before its budget
         for key in (PatternAttr.COMMITTED_ERROR, PatternAttr.REFERENCE_ERROR,

@@ -15,8 +15,6 @@ import termios
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from qdq_optuna._progress import Progress
 
 REPO = Path(__file__).resolve().parent.parent

@@ -196,8 +196,11 @@ class PatternStudy:
         s = self.s
         plan = self.plan(self.start or {})
         source = s.exporter.source(plan)  # bytes, or a path for a model in external mode
-        ms, screen_ms = s.record.reference(self.study,
-                                           lambda: s.plans.reference(source, plan.key))
+        def measure() -> list:
+            before = s.plans.measurements
+            return [*s.plans.reference(source, plan.key), s.plans.measurements - before]
+
+        ms, screen_ms = s.record.reference(self.study, measure)
         self.reference = Reference(plan, source, ms, screen_ms)
         s.plans.known(self.reference)
         if s.settings.accuracy:
@@ -434,11 +437,11 @@ class PatternStudy:
                                          threshold=max(self.rule.threshold, EQUALLY_FAST))
             decision = {**stay, Agreed.REASON: why if complete else "no trial finished"}
             if best is not None:
-                decision = {**self._judge(best, keep, reference_ms, confirm),
+                decision = {**Judge(self).judge(best, keep, reference_ms, confirm),
                             PatternAttr.CANDIDATE: why}
         else:
-            decision = self._decide_single(keep, reference_ms, confirm)
-        plan = self.plan(decision[PatternAttr.COMMITTED], self._partner_points(decision))
+            decision = Judge(self).single(keep, reference_ms, confirm)
+        plan = self.plan(decision[PatternAttr.COMMITTED], Judge(self).partner_points(decision))
         err = None
         if s.guard is not None:  # the whole-model error now (calibrated scales)
             err = s.guard.error(plan)
@@ -451,34 +454,41 @@ class PatternStudy:
             decision[PatternAttr.COMMITTED_TYPES] = space.describe(decision[PatternAttr.COMMITTED])
         return decision
 
-    def _partner_points(self, decision: dict) -> dict | None:
+class Judge:
+    """A visit's decision: its best trials judged against the standing model (the commit rule,
+    the accuracy guard), with reasons that say what was compared with what."""
+
+    def __init__(self, study: PatternStudy) -> None:
+        self.ps = study
+
+    def partner_points(self, decision: dict) -> dict | None:
         """A decision's partner schemes as the points that differ from standing."""
         partner = decision.get(PatternAttr.PARTNER)
-        if not partner or self.queue is None:
+        if not partner or self.ps.queue is None:
             return None
-        return self.queue.split({**self.queue.standing, **partner,
-                                 self.pp.pattern.id: decision[PatternAttr.COMMITTED]})[1]
+        return self.ps.queue.split({**self.ps.queue.standing, **partner,
+                                 self.ps.pp.pattern.id: decision[PatternAttr.COMMITTED]})[1]
 
-    def _decide_single(self, keep: dict, reference_ms: float | None, confirm) -> dict:
+    def single(self, keep: dict, reference_ms: float | None, confirm) -> dict:
         """The fastest trials in turn (at most three the guard refuses), judged against the
         reference."""
-        s = self.s
+        s = self.ps.s
         stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
-        pool = sorted(self._pool(), key=self._rank)
+        pool = sorted(self.ps._pool(), key=self.ps._rank)
         if not pool:
             return {**stay, Agreed.REASON: "no trial met the error budget"
                     if s.settings.constrained else "no trial finished"}
         refused = []
         for best in pool[:3]:
-            plan = self.plan_of(best)
-            if plan.key == self.reference.plan.key if self.reference else False:
+            plan = self.ps.plan_of(best)
+            if plan.key == self.ps.reference.plan.key if self.ps.reference else False:
                 break
             if s.guard is not None and not s.guard.allows(plan):
                 refused.append(f"trial #{best.number}: output error "
                                f"{s.guard.error(plan)['error']:.3g} over the guard's bound "
                                f"{s.guard.bound:g}")
                 continue
-            decision = self._judge(best, keep, reference_ms, confirm)
+            decision = self.judge(best, keep, reference_ms, confirm)
             if refused:
                 decision[Agreed.REASON] += " (" + "; ".join(refused) + ")"
             return decision
@@ -487,12 +497,12 @@ class PatternStudy:
             if reference_ms is not None else "no trial beat the standing model")
         return {**stay, Agreed.REASON: what}
 
-    def _judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
+    def judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
         """The decision about the best trial: committed when the rule confirms it."""
-        s = self.s
-        rule = self.rule
-        plan = self.plan_of(best)
-        reference = self.reference.plan if self.reference else self.plan(self.start or {})
+        s = self.ps.s
+        rule = self.ps.rule
+        plan = self.ps.plan_of(best)
+        reference = self.ps.reference.plan if self.ps.reference else self.ps.plan(self.ps.start or {})
         removes_only = quantized_uses(plan) < quantized_uses(reference)
         needed = rule.needed(removes_only=removes_only)
         stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
@@ -512,11 +522,11 @@ class PatternStudy:
             return {**stay, Agreed.REASON: f"best {trial} {best.values[0]:.4f} ms vs the "
                                            f"standing model {reference_ms:.4f} ms: {short}, "
                                            f"not enough ({what})"}
-        chosen = s.settings.space.indices(best.params, self.pp.ids)
+        chosen = s.settings.space.indices(best.params, self.ps.pp.ids)
         decided = {PatternAttr.COMMITTED: chosen, PatternAttr.CANDIDATE_TRIAL: best.number}
         partner = best.user_attrs.get(TrialAttr.PARTNER)
-        if partner and self.queue is not None:
-            schemes = self.queue.schemes(chosen, partner)
+        if partner and self.ps.queue is not None:
+            schemes = self.ps.queue.schemes(chosen, partner)
             decided[PatternAttr.PARTNER] = {p: schemes[p] for p in partner}
         if confirm is None:  # ask/tell: the caller's figures are the evidence
             return {**decided, PatternAttr.GAIN: reference_ms / best.values[0],
@@ -543,6 +553,7 @@ class PatternStudy:
                            f"{measured}: standing scheme kept ({what}"
                            + ("" if removes_only else ", confirmed by the interval") + ")",
         }
+
 
 
 def _short(reason: str, limit: int = 100) -> str:

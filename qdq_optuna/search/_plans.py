@@ -78,7 +78,7 @@ class PlanMeasurer:
                 if attempt == 1 and getattr(exc, "transient", False):
                     log.warning("measuring the baseline failed (%s); trying once more", exc)
                     continue
-                raise UserError(f"backend {backend_name} cannot run the model "
+                raise UserError(f"backend {backend_name} cannot run the float model "
                                 f"{model}: {exc}") from exc
         raise AssertionError("unreachable")
 

@@ -71,8 +71,9 @@ class RunAttr:
     BASELINE_MODEL = "baseline_model"
     #: the agreed starts: chosen start, lanes, each lane's start schemes (``Agreed.STARTS``)
     STARTS = "starts"
-    #: the lane whose standing model ships (``Agreed.WINNER``)
+    #: the lane whose standing model ships (``Agreed.WINNER``), and the measurements it took
     WINNER = "winner"
+    WINNER_COST = "winner_measurements"
     #: prefixes of the per-model records: plan key -> measurement / output errors
     MEASURED = "measured:"
     ERROR = "error:"
@@ -112,6 +113,7 @@ class PatternAttr:
     COMPLETE = "attrs_complete"
     REFERENCE_MS = "reference_ms"
     REFERENCE_SCREEN_MS = "reference_screen_ms"
+    REFERENCE_COST = "reference_measurements"
     REFERENCE_ERROR = "reference_error"
     REFERENCE_OUTPUT_ERRORS = "reference_output_errors"
     CONVERGED_AFTER = "converged_after"
@@ -414,10 +416,13 @@ class RunRecord:
             attrs = self.run_study.user_attrs
         return attrs[RunAttr.STARTS]
 
-    def winner(self, decide: Callable[[], str]) -> str:
-        """The lane whose standing model ships, agreed once."""
+    def winner(self, decide: Callable[[], tuple[str, int]]) -> str:
+        """The lane whose standing model ships, agreed once (``decide``: the lane and the
+        measurements choosing it took)."""
         if RunAttr.WINNER not in self.run_study.user_attrs:
-            self.run_study.set_user_attr(RunAttr.WINNER, self.agree(Agreed.WINNER, decide))
+            lane, cost = self.agree(Agreed.WINNER, lambda: list(decide()))
+            self.run_study.set_user_attr(RunAttr.WINNER_COST, cost)
+            self.run_study.set_user_attr(RunAttr.WINNER, lane)
         return self.run_study.user_attrs[RunAttr.WINNER]
 
     # -- pattern studies -------------------------------------------------------------------
@@ -452,7 +457,9 @@ class RunRecord:
     def reference(self, study: optuna.Study, measure: Callable[[], list[float]]) -> tuple:
         """``(reference_ms, reference_screen_ms)`` of a pattern study, agreed by all workers."""
         if PatternAttr.REFERENCE_MS not in study.user_attrs:
-            ref_ms, ref_screen = self.agree(Agreed.reference(study.study_name), measure)
+            ref_ms, ref_screen, *cost = self.agree(Agreed.reference(study.study_name), measure)
+            if cost:  # what measuring it cost (0: the same model was measured before)
+                study.set_user_attr(PatternAttr.REFERENCE_COST, cost[0])
             study.set_user_attr(PatternAttr.REFERENCE_SCREEN_MS, ref_screen)
             study.set_user_attr(PatternAttr.REFERENCE_MS, ref_ms)
         attrs = study.user_attrs

@@ -295,8 +295,14 @@ class Tuner:
         lanes = (self.starts or self.record.starts() or {}).get("order") or [""]
         if len(lanes) == 1:
             return lanes[0]
-        pick = lambda: self._fastest_lane(lanes)  # noqa: E731
-        return pick() if partial else self.record.winner(pick)
+        if partial:
+            return self._fastest_lane(lanes)
+
+        def pick() -> tuple[str, int]:
+            before = self.search.plans.measurements
+            return self._fastest_lane(lanes), self.search.plans.measurements - before
+
+        return self.record.winner(pick)
 
     def _fastest_lane(self, lanes: list[str]) -> str:
         """The first lane's standing model ships unless another lane's beats it as a commit

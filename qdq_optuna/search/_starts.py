@@ -92,6 +92,7 @@ class StartsPhase:
     # -- deciding --------------------------------------------------------------------------
     def decide(self) -> dict:
         progress = self.s.progress
+        spent = self.s.plans.by_phase["starts"]
         cands = self.candidates()
         progress.stage("starts", len(cands))
         rows = []
@@ -108,6 +109,7 @@ class StartsPhase:
             r["chosen"] = r["name"] == chosen
             r["lane"] = next((lane for lane, name in lanes.items() if name == r["name"]), None)
         return {"chosen": chosen, "lane_starts": lanes, "order": list(lanes),
+                "measurements": self.s.plans.by_phase["starts"] - spent,
                 "lanes": {lane: by_name[name]["schemes"] for lane, name in lanes.items()},
                 "starts": [{k: v for k, v in r.items() if k != "schemes"} for r in rows]}
 
