@@ -21,7 +21,7 @@ import yaml
 from _runs import check_visit, is_visit
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, tune
+from qdq_optuna import Config, PreparedModel, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.storage import open_storage
@@ -384,3 +384,40 @@ def test_qdq_baseline_is_a_start(residual, tmp_path):
         tensors = s.user_attrs["qdq_point_tensors"]
         for point in on.get(s.user_attrs["pattern_id"], []):
             assert set(tensors[point]) <= quantized  # a point is on when all it covers is
+
+
+# -- 7. the baseline -----------------------------------------------------------------------------
+def node_count(model) -> float:
+    """A latency that sees the graph itself: one ms per node (Q/DQ included)."""
+    return float(len(model.graph.node))
+
+
+def test_the_baseline_is_the_users_model_as_given(tmp_path, zoo_model):
+    """Under ONNX Runtime rules the search works on ONNX Runtime's preprocessed graph (Conv+BN
+    folded); the baseline, and the final A/B, are the user's file on the same backend."""
+    path = tmp_path / "resnet.onnx"
+    model = zoo_model("resnet")
+    onnx.save(model, str(path))
+    result = tune(path, tmp_path / "ort", benchmark=deterministic(node_count),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    report = result.report
+    assert report["baseline_latency_ms"] == len(model.graph.node)
+    assert report["baseline_model"] == "the user's model as given"
+    searched = next(s for s in report["starts"] if s["name"] == "float")["latency_ms"]
+    assert searched < len(model.graph.node)  # the preprocessed graph has fewer nodes
+    optimized = onnx.load(str(result.optimized_model))
+    assert report["final_latency_ms"] == len(optimized.graph.node)
+    assert report["speedup"] == pytest.approx(len(model.graph.node) / len(optimized.graph.node))
+
+
+def test_with_high_precision_the_baseline_is_the_converted_model(tmp_path, zoo_model):
+    path = tmp_path / "resnet.onnx"
+    onnx.save(zoo_model("resnet"), str(path))
+    result = tune(path, tmp_path / "trt", benchmark=deterministic(node_count),
+                  runtime="tensorrt", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    report = result.report
+    assert report["baseline_model"] == "the user's model converted to fp16 (no Q/DQ)"
+    pm = PreparedModel.prepare(str(path), runtime="tensorrt", high_precision="fp16")
+    assert report["baseline_latency_ms"] == len(pm.high_precision.model.graph.node)
