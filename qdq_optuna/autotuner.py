@@ -64,7 +64,7 @@ class Autotuner:
         space = ChoiceSpace((self.prepared.quant_type,))
         settings = Settings(backend="ask/tell", runtime=runtime, scales="default",
                             objectives=("latency",), constrained=False, accuracy=False,
-                            space=space, refine_rounds=0)
+                            space=space, rounds=1)
         self.record = RunRecord(self.storage, run_id, self.prepared.tunable, space)
         self.search = Search(prepared=self.prepared, exporter=self.exporter, settings=settings,
                              config=self.config, record=self.record,

@@ -11,15 +11,14 @@ without it the rest is written and one warning says so).
 
 **Progress curve of a run.** Read back from the run's ``studies.db``. The x axis is the
 cumulative number of *measurements*: times the backend was asked to time a model, counted as the
-search counts them for ``report.json`` (the float baseline, one per pattern reference, each trial's
-own count, which is 0 for a model already measured in the run, one per commit confirmation,
-and the final A/B). At every point the y value is the speedup over the float model that the run
-would deliver if it stopped there: the product of the gains committed for earlier patterns times
-the current pattern's best in-loop gain so far, ``reference_ms / best_value``, counted only when it
-clears the commit threshold, as the commit rule requires. The last point is the product of the
-committed gains. For a deterministic backend (``costmodel``) that is exactly the speedup of the
-saved model; for a measured backend it is the search's own estimate, and ``speedup`` in the
-results is the independent final A/B.
+search counts them for ``report.json`` (the baseline, the whole-model starts, each visit's
+reference when it was not measured before, each trial's own count, which is 0 for a model
+already measured in the run, one per commit confirmation, the choice between lanes, and the final
+A/B). At every point the y value is the speedup over the baseline of the fastest whole model the
+run had measured so far (a feasible start, or a visit's trial: every trial is timed as a whole
+model). For a deterministic backend (``costmodel``) the last point is the speedup of the saved
+model; for a measured backend it is the search's own estimate, and ``speedup`` in the results
+is the independent final A/B.
 
 **measurements_to_99pct.** The best-known speedup of a model is the highest final curve value
 over all runs of the recipe for that model. A run's ``measurements_to_99pct`` is the x of the
@@ -337,7 +336,7 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     return record
 
 
-def run_history(run_dir: Path, run_id: str, threshold: float) -> dict:
+def run_history(run_dir: Path, run_id: str, threshold: float | None = None) -> dict:
     """The progress curve of a finished run (see the module docstring), from its studies.db."""
     from .search._record import progress_curve
     from .storage import default_storage_url, open_storage, quiet_optuna

@@ -135,8 +135,9 @@ def _add_accuracy_args(g) -> None:
 def _add_search_args(g) -> None:
     g.add_argument("-s", "--sampler", default="qdq", metavar="NAME",
                    choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"],
-                   help="qdq: ours, a seeded climb with group moves (default); tpe, cmaes, "
-                        "random, gp (needs torch), nsga2, bruteforce: Optuna's, to compare")
+                   help="qdq: ours, a visit ends when its moves are done (default); tpe, "
+                        "cmaes, random, gp (needs torch), nsga2, bruteforce: Optuna's, which "
+                        "spend the rest of each visit's budget after the moves")
     g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
                    help="finished trials per pattern study (default 30; --mode sets it too)")
     g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
@@ -148,12 +149,17 @@ def _add_search_args(g) -> None:
     g.add_argument("--converged-patience", type=_count, metavar="N",
                    help="our sampler: stop a pattern study early after N exploration trials "
                         "in a row that did not improve (default 1; 0: spend every budget)")
+    g.add_argument("--start", choices=["best", "float", "recipe", "all"],
+                   help="where the descent starts: best (the fastest whole-model start, and "
+                        "the runtime's recipe too when it is close; default), float, recipe, "
+                        "all (a descent from every start)")
     g.add_argument("--refine-rounds", type=_count, metavar="N",
-                   help="after the pattern-by-pattern pass, re-tune each pattern N more times "
-                        "with every other pattern's scheme in place (default 1; 0: one pass)")
+                   help="descent rounds after the first (default 4; a round that changes "
+                        "nothing ends it earlier); 0: one pass over the patterns")
     g.add_argument("--performance-threshold", type=_threshold, metavar="RATIO",
-                   help="a pattern commits its best scheme only if a re-measurement confirms it "
-                        "this much faster than its reference (default 1.02, i.e. 2 %%)")
+                   help="the speedup a change that adds Q/DQ must show to replace the standing "
+                        "model (default 1.0: any gain, confirmed by an interleaved "
+                        "re-measurement on a measured backend)")
     g.add_argument("--timeout", type=_positive_float, metavar="S",
                    help="seconds for the whole run; what is committed by then is saved")
     g.add_argument("--pattern-cache", metavar="FILE.yaml",
@@ -190,14 +196,16 @@ def _add_tune(sub) -> None:
     t = sub.add_parser(
         "tune", help="search the Q/DQ placement (resumes automatically)",
         usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
-        description="Search where Q/DQ pairs go in MODEL, pattern by pattern, measuring every "
-                    "candidate\non the backend; writes DIR/optimized.onnx, report.md, "
+        description="Search where Q/DQ pairs go in MODEL: whole-model starts, then rounds "
+                    "over the patterns,\neach tuned against the whole model, measuring every "
+                    "candidate on the backend;\nwrites DIR/optimized.onnx, report.md, "
                     "report.json and the studies.",
         epilog=TUNE_EXAMPLES)
     g = t.add_argument_group("model")
     g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
     g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
-                   help="whose fusion rules place the Q/DQ (default: follows --backend)")
+                   help="whose fusion rules place the Q/DQ (default: follows --backend; a "
+                        "--backend package.module:function must name it)")
     _add_model_args(g)
 
     _add_search_args(t.add_argument_group("search"))
@@ -290,6 +298,7 @@ def _config_from(args: argparse.Namespace):
         "schemes_per_region": getattr(args, "schemes_per_region", None),
         "converged_patience": getattr(args, "converged_patience", None),
         "refine_rounds": getattr(args, "refine_rounds", None),
+        "start": getattr(args, "start", None),
         "performance_threshold": getattr(args, "performance_threshold", None),
         "maximum_sequence_region_size": args.maximum_sequence_region_size,
         "minimum_topdown_search_size": args.minimum_topdown_search_size,

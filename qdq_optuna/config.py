@@ -10,12 +10,16 @@ import yaml
 
 from .errors import OptionError
 
+#: ``--start``: where the whole-model descent starts (see :attr:`Config.start`)
+START_CHOICES = ("best", "float", "recipe", "all")
+
 
 @dataclass
 class Config:
-    #: a pattern's best scheme is committed only if it is this much faster than the reference
-    #: (1.02 = 2 % faster), confirmed by an interleaved re-measurement
-    performance_threshold: float = 1.02
+    #: the speedup a change that adds Q/DQ must show to replace the standing model (1.0: any
+    #: gain, on a measured backend one an interleaved re-measurement confirms; 1.02: 2 %
+    #: faster). A change that only removes Q/DQ needs only to be not slower.
+    performance_threshold: float = 1.0
     #: activation scale / zero point used when no calibrated statistics are given
     default_q_scale: float = 0.1
     default_q_zero_point: int | None = None
@@ -29,11 +33,16 @@ class Config:
     #: many trials in a row were exploration (the best scheme had no untried one-move
     #: neighbour left) without improving on it; 0 spends every budget in full
     converged_patience: int = 1
-    #: after every pattern is committed, re-tune each pattern this many more times with all
-    #: the other patterns' schemes in place, starting from its own (a later pattern's Q/DQ can
-    #: change what is best for an earlier one); a pattern whose surroundings did not change is
-    #: skipped. Single-objective runs only; 0 keeps the single pattern-by-pattern pass
-    refine_rounds: int = 1
+    #: where the search starts: ``best`` (the fastest whole-model start: float, every point,
+    #: the runtime's recipe, the user's seeds; and a second descent from the recipe when it is
+    #: close), ``float``, ``recipe``, or ``all`` (a descent from every start)
+    start: str = "best"
+    #: rounds of the descent after the first (a round visits every pattern whose surroundings
+    #: changed); the descent stops earlier when a round changes nothing. 0: one pass
+    refine_rounds: int = 4
+    #: a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
+    #: that failed this many times in a descent and never paid is not tried again; 0: every move
+    skip_failed_moves: int = 3
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1
@@ -55,6 +64,8 @@ class Config:
             ("schemes_per_region", self.schemes_per_region >= 1, ">= 1"),
             ("converged_patience", self.converged_patience >= 0, ">= 0"),
             ("refine_rounds", self.refine_rounds >= 0, ">= 0"),
+            ("start", self.start in START_CHOICES, f"one of {', '.join(START_CHOICES)}"),
+            ("skip_failed_moves", self.skip_failed_moves >= 0, ">= 0"),
             ("top_percent_to_mutate", 0.0 < self.top_percent_to_mutate <= 1.0, "in (0, 1]"),
             ("minimum_schemes_to_mutate", self.minimum_schemes_to_mutate >= 1, ">= 1"),
             ("maximum_mutations", self.maximum_mutations >= 1, ">= 1"),

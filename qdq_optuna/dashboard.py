@@ -90,8 +90,9 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     ops = attrs.get(A.OPS, [])
     metrics = ", ".join(f"`{m}`" for m in (metric_names or ["latency_ms"]))
     rnd = int(attrs.get(A.ROUND) or 0)
+    lane = f"{attrs[A.LANE]} " if attrs.get(A.LANE) else ""
     lines = [
-        f"## Pattern {pid}" + (f" — refinement round {rnd}" if rnd else ""),
+        f"## Pattern {pid}" + (f" — {lane}descent round {rnd}" if rnd else ""),
         "",
         f"- metric: {metrics} (minimize), one trial = one Q/DQ scheme applied to all "
         f"{len(regions)} member region(s)",
@@ -99,16 +100,16 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
         f"- signature {_code(attrs.get(A.SIGNATURE, ''))}",
     ]
     if rnd:
-        start = ", ".join(_code(p) for p in attrs.get(A.REFINES, [])) or "the empty scheme"
-        lines.append(f"- tuned again with every other pattern's scheme in place, starting from "
-                     f"its standing scheme ({start})")
+        start = ", ".join(_code(p) for p in attrs.get(A.FROM, [])) or "the empty scheme"
+        lines.append(f"- tuned with every other pattern's standing scheme in place, starting "
+                     f"from its own standing scheme ({start})")
     if A.REFERENCE_MS in attrs:
-        what = ("the whole model as it stood, this pattern's scheme included" if rnd
+        what = ("the whole standing model, this pattern's scheme included" if rnd
                 else "everything committed before this pattern")
         lines.append(f"- reference ({what}): **{float(attrs[A.REFERENCE_MS]):.4f} ms**")
     if A.BASELINE_MS in attrs:
         base = float(attrs[A.BASELINE_MS])
-        lines.append(f"- float baseline of the whole model: {base:.4f} ms")
+        lines.append(f"- baseline (the user's model): {base:.4f} ms")
     types = attrs.get(A.COMMITTED_TYPES) or {}
     if A.COMMITTED in attrs:
         on = [p for p, v in (attrs.get(A.COMMITTED) or {}).items() if _on(v)]
@@ -118,6 +119,9 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
         lines.append(f"- **committed**: {scheme}")
         reason = attrs.get(A.COMMIT_REASON, "")
         lines.append(f"- gain over the reference: **{gain:.3f}x** ({reason})")
+        for partner, scheme in (attrs.get(A.PARTNER) or {}).items():
+            on = ", ".join(_code(p) for p, v in scheme.items() if _on(v)) or "nothing"
+            lines.append(f"- chain move: pattern {partner}'s scheme set to {on} with it")
         if A.CANDIDATE_TRIAL in attrs:
             lines.append(f"- candidate: trial #{attrs[A.CANDIDATE_TRIAL]}")
         if isinstance(attrs.get(A.COMMITTED_ERROR), (int, float)):
@@ -530,7 +534,8 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
     started = time.perf_counter()
     attrs = study.user_attrs
     rnd = int(attrs.get(A.ROUND) or 0)
-    pid = pp.pattern.id + (f"_refine{rnd}" if rnd else "")  # file names of this study's pictures
+    lane = attrs.get(A.LANE) or ""
+    pid = pp.pattern.id + (f"_{lane + '_' if lane else ''}round{rnd}" if rnd else "")  # file names
     complete = _complete(study)
     best = _best_trial(study, complete)
     ref = attrs.get(A.REFERENCE_MS)

@@ -19,3 +19,9 @@ class ModelError(UserError):
 
 class OptionError(UserError):
     """A command-line option or Config value is invalid."""
+
+
+class ToolError(UserError):
+    """A third-party tool (ONNX Runtime's quantizer, Model Optimizer) failed on the model: one
+    line when the user asked for that tool's output; a search that only wanted it as one
+    start among several goes on without it."""

@@ -219,30 +219,50 @@ class TimingProtocol:
 
 @dataclass(frozen=True)
 class CommitRule:
-    """When a measured candidate replaces its reference: its in-search figure must promise a
-    speedup of at least :meth:`needed`, and an interleaved re-measurement must confirm it
-    (significantly faster, on a measured backend).
+    """When a candidate replaces the standing model: by whole-model evidence.
 
-    A candidate that only takes Q/DQ away costs no accuracy, so for it being faster is enough
-    (``removal_threshold``)."""
+    * A change that adds Q/DQ (or moves them) must be faster by ``threshold``
+      (``Config.performance_threshold``, default 1.0: any gain): on a deterministic backend its
+      latency must be below the standing model's; on a measured backend an interleaved
+      re-measurement must show that speedup and be significantly faster (its interval of the
+      ratio lies below 1).
+    * A change that only takes Q/DQ away costs no accuracy: it is kept when it is not slower
+      (the latency, or the re-measured ratio, is at most the standing model's).
+    """
 
-    #: ``Config.performance_threshold``: 1.02 = 2 % faster
-    threshold: float = 1.02
-    removal_threshold: float = 1.0
+    #: ``Config.performance_threshold``: 1.0 = any confirmed gain; 1.02 = 2 % faster
+    threshold: float = 1.0
 
     def needed(self, removes_only: bool) -> float:
-        return self.removal_threshold if removes_only else self.threshold
+        """The speedup a candidate must show (1.0 for a removal: not slower)."""
+        return 1.0 if removes_only else self.threshold
 
     @staticmethod
-    def promising(candidate_ms: float, reference_ms: float, needed: float) -> bool:
+    def promising(candidate_ms: float, reference_ms: float, needed: float,
+                  removes_only: bool = False) -> bool:
         """Whether the candidate's in-search latency is worth confirming."""
+        if removes_only:
+            return candidate_ms <= reference_ms
         return candidate_ms < reference_ms / needed
 
     @staticmethod
-    def confirmed(comparison: Comparison, needed: float, deterministic: bool) -> bool:
-        """Whether a re-measurement (candidate vs reference) confirms the speedup."""
+    def confirmed(comparison: Comparison, needed: float, deterministic: bool,
+                  removes_only: bool = False) -> bool:
+        """Whether a re-measurement (candidate vs reference) confirms the change."""
         speedup = 1.0 / comparison.ratio
-        return speedup >= needed and speedup > 1.0 and (deterministic or comparison.ci_high < 1.0)
+        if removes_only:
+            return comparison.ratio <= 1.0
+        if deterministic:
+            return speedup > 1.0 and speedup >= needed
+        return speedup >= needed and comparison.ci_high < 1.0
+
+    def describe(self, deterministic: bool) -> str:
+        """The rule in words, for commit reasons."""
+        gain = "any gain" if self.threshold <= 1.0 else f"a {self.threshold:g}x speedup"
+        if deterministic:
+            return f"deterministic backend: {gain} commits, a removal that is not slower too"
+        return (f"measured backend: {gain} that an interleaved re-measurement confirms commits, "
+                "a removal that is not slower too")
 
 
 # -- statistics ------------------------------------------------------------------------------

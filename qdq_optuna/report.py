@@ -13,22 +13,25 @@ from optuna.trial import TrialState
 
 from .export import atomic_write_bytes
 from .measure import SCREEN_DISCARD_RATIO
-from .search._record import PatternAttr, TrialAttr
+from .search._record import PHASES, PatternAttr, RunAttr, TrialAttr
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
-                 baseline_ms: float | None, partial: bool) -> dict:
+                 baseline_ms: float | None, partial: bool, lane: str = "") -> dict:
     """``report.json``'s content. ``header``: what was tuned, where, how (its keys come first);
     ``record``: the run record (:class:`~qdq_optuna.search._record.RunRecord`); ``plans``: the
     plan measurer (its counters); ``plan``/``comparison``: the saved model and its A/B against
-    the float model; ``rows``: the committed patterns (:meth:`RunRecord.committed`)."""
+    the baseline (the user's model); ``rows``: the patterns (:meth:`RunRecord.committed` of
+    ``lane``, the lane whose standing model was saved)."""
     cmp = comparison
     speedup = 1.0 / cmp.ratio if cmp.ratio > 0 else float("nan")
     patterns, all_trials = pattern_entries(record, rows)
     stats = trial_statistics(all_trials)
+    run_attrs = record.run_study.user_attrs
     return {
         **header,
         "complete": not partial,
+        "baseline_model": run_attrs.get(RunAttr.BASELINE_MODEL),
         "baseline_latency_ms": cmp.reference.score_ms,
         "final_latency_ms": cmp.candidate.score_ms,
         "speedup": speedup,
@@ -41,53 +44,106 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "quantized_weights": sorted({prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
         "qdq_pairs": plan.qdq_pairs,
         "measurements": plans.measurements,
+        "measurements_by_phase": {phase: plans.by_phase.get(phase, 0) for phase in PHASES},
         "builds_saved_by_cache": stats["cache_hits"],
         "search_statistics": stats,
         "measurer": plans.measurer.counters(),
+        "starts": start_entries(record, baseline_ms),
+        "lane": lane,
+        "descent": descent_summary(record, lane),
         "patterns": patterns,
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
 
 
+def start_entries(record, baseline_ms: float | None) -> list[dict]:
+    """The whole-model starts as the run decided them: latency, speedup over the baseline,
+    output error, whether feasible, chosen, the lane that descended from it, notes."""
+    starts = record.starts() or {}
+    out = []
+    for row in starts.get("starts", []):
+        entry = {k: row.get(k) for k in ("name", "latency_ms", "error", "feasible", "chosen",
+                                          "lane", "exact", "qdq", "notes")}
+        entry["points_on"] = sum(len(v) for v in (row.get("points_on") or {}).values())
+        if row.get("latency_ms") and baseline_ms:
+            entry["speedup"] = baseline_ms / row["latency_ms"]
+        if row.get("failure"):
+            entry["failure"] = row["failure"]
+        if row.get("ab_vs_float"):
+            entry["ab_vs_float"] = row["ab_vs_float"]
+        out.append(entry)
+    return out
+
+
+def descent_summary(record, lane: str) -> dict:
+    """Per lane: rounds run, visits (decided, changed the standing model), moves queued and
+    moves left out because their kind kept failing."""
+    starts = record.starts() or {}
+    lanes = {}
+    for name in starts.get("order", []):
+        visits = record.visits(name)
+        lanes[name or "main"] = {
+            "start": (starts.get("lane_starts") or {}).get(name),
+            "rounds": max((int(a.get(PatternAttr.ROUND, 0)) for a in visits), default=0),
+            "visits": len(visits),
+            "changed": sum(1 for a in visits if _changed(a)),
+            "moves": sum(int(a.get(PatternAttr.MOVES, 0)) for a in visits),
+            "moves_skipped": sum(int(a.get(PatternAttr.MOVES_SKIPPED, 0)) for a in visits),
+        }
+    return {"lanes": lanes, "shipped": lane or "main"}
+
+
+def _changed(attrs: dict) -> bool:
+    if PatternAttr.COMMITTED not in attrs:
+        return False
+    on = sorted(p for p, v in attrs[PatternAttr.COMMITTED].items() if v)
+    return on != sorted(attrs.get(PatternAttr.FROM, [])) or bool(attrs.get(PatternAttr.PARTNER))
+
+
 def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
-    """One entry per tunable pattern (committed or not), and every trial of the run."""
-    committed_by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
-    patterns: list[dict] = []
+    """One entry per tunable pattern, and every trial of the run's visits."""
+    by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
+    trials_of: dict[str, list] = {}
+    done_in: dict[tuple, int] = {}  # (pattern, lane, round) -> finished trials
     all_trials: list = []
+    for attrs in record.visits():
+        trials = record.visit_trials(attrs)
+        all_trials += trials
+        pid = attrs[PatternAttr.PATTERN_ID]
+        trials_of.setdefault(pid, []).extend(trials)
+        done_in[(pid, attrs.get(PatternAttr.LANE, ""), attrs.get(PatternAttr.ROUND))] = sum(
+            t.state == TrialState.COMPLETE for t in trials)
+    patterns: list[dict] = []
     for pp in record.tunable:
-        row = committed_by_id.get(pp.pattern.id) or {}
-        trials = record.trials(pp)
-        all_trials += trials or []
+        row = by_id.get(pp.pattern.id) or {}
+        visits = [{**v, "trials": done_in.get((v["pattern"], v["lane"], v["round"]), 0)}
+                  for v in row.get("visits", [])]
         entry = {
             "id": pp.pattern.id,
             "signature": pp.pattern.signature,
             "regions": list(pp.pattern.regions),
             "ops": list(pp.pattern.ops),
             "insertion_points": pp.ids,
-            "trials": sum(t.state == TrialState.COMPLETE for t in trials or []),
-            "status": "committed" if row else "not tuned",
+            "trials": sum(t.state == TrialState.COMPLETE for t in trials_of.get(pp.pattern.id, [])),
+            "status": "committed" if any(v["status"] == "committed" for v in visits)
+                      else ("running" if visits else "not tuned"),
+            "start_scheme": row.get("start_scheme", []),
             "committed_scheme": sorted(p for p, v in row.get(PatternAttr.COMMITTED, {}).items()
                                        if v),
             "gain": float(row.get(PatternAttr.GAIN, 1.0)),
             "reference_ms": row.get(PatternAttr.REFERENCE_MS),
             "commit_reason": row.get(PatternAttr.COMMIT_REASON),
+            "visits": visits,
+            # the rounds after the first (as the earlier pattern-by-pattern search reported
+            # its refinement rounds)
+            "refinements": [v for v in visits if v["round"] and v["round"] > 1
+                            and v["pattern"] == pp.pattern.id],
         }
-        # accuracy modes; converged_after: the study stopped before its budget (Config)
+        # accuracy modes; converged_after: the last visit stopped before its budget
         for key in (PatternAttr.COMMITTED_ERROR, PatternAttr.REFERENCE_ERROR,
                     PatternAttr.COMMITTED_TYPES, PatternAttr.CONVERGED_AFTER):
             if key in row:
                 entry[key] = row[key]
-        # refinement rounds (Config.refine_rounds): committed_scheme and gain above are the
-        # standing scheme and the product of every round's gain
-        refinements = []
-        for ref in row.get("refinements", []):
-            ref = dict(ref)
-            trials = record.trials(pp, ref["round"])
-            ref["trials"] = sum(t.state == TrialState.COMPLETE for t in trials or [])
-            all_trials += trials or []
-            refinements.append(ref)
-        if refinements:
-            entry["refinements"] = refinements
         patterns.append(entry)
     return patterns, all_trials
 
@@ -192,6 +248,35 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     return lines + [""]
 
 
+def _starts_lines(r: dict) -> list[str]:
+    starts = r.get("starts") or []
+    if not starts:
+        return []
+    lines = ["## Starts", "",
+             "Whole-model placements measured before the descent; the fastest feasible one is "
+             "the standing model every pattern starts from.", "",
+             "| start | latency (ms) | vs baseline | output error | feasible | descent | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for s in starts:
+        lane = "" if s.get("lane") is None else ("**standing model**" if s.get("chosen")
+                                                 else f"lane `{s['lane']}`")
+        notes = s.get("failure") or "; ".join(s.get("notes") or [])
+        lines.append(f"| {s['name']} ({s.get('points_on', 0)} points) | "
+                     f"{_f(s.get('latency_ms'), '{:.4f}')} | {_f(s.get('speedup'))}x | "
+                     f"{_f(s.get('error'), '{:.3g}')} | {'yes' if s.get('feasible') else 'no'} | "
+                     f"{lane} | {_short(notes, 160)} |")
+    return lines + [""]
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _phases(r: dict) -> str:
+    by = r.get("measurements_by_phase") or {}
+    return ", ".join(f"{k} {v}" for k, v in by.items() if v)
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -205,16 +290,18 @@ def render_markdown(r: dict) -> str:
         "",
         "| | latency (ms) |",
         "|---|---|",
-        f"| baseline (no Q/DQ) | {_f(r['baseline_latency_ms'])} |",
+        f"| baseline ({r.get('baseline_model') or 'no Q/DQ'}) | {_f(r['baseline_latency_ms'])} |",
         f"| tuned (`optimized.onnx`) | {_f(r['final_latency_ms'])} |",
         "",
         f"**Speedup {_f(r['speedup'])}x** ({int(r['speedup_confidence'] * 100)} % interval "
         f"{_f(lo)}–{_f(hi)}, interleaved re-measurement of the saved model against the baseline).",
         "",
         f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
-        f"Q/DQ. {r['measurements']} measurements; {r['builds_saved_by_cache']} builds saved by the cache.",
+        f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
+        "builds saved by the cache.",
         *_statistics_lines(r.get("search_statistics")),
         "",
+        *_starts_lines(r),
     ]
     if r.get("accuracy"):
         lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))
@@ -222,23 +309,26 @@ def render_markdown(r: dict) -> str:
     lines += [
         "## Patterns",
         "",
-        "| pattern | regions | points | trials | committed | gain |"
-        + (" error after commit |" if accuracy else "") + " note |",
-        "|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
+        "Each visit tunes the pattern against the whole standing model; its gain is the whole "
+        "model's.",
+        "",
+        "| pattern | regions | points | trials | start | standing scheme | gain |"
+        + (" error after commit |" if accuracy else "") + " visits |",
+        "|---|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
     ]
     for p in r["patterns"]:
         scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
                   for k in p["committed_scheme"]]
         err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
-        refs = p.get("refinements", [])
-        trials = " + ".join(str(n) for n in [p["trials"], *(f["trials"] for f in refs)])
-        note = "; ".join([p.get("commit_reason") or "", *(
-            f"refinement {f['round']}: {f.get('commit_reason') or f['status']}"
-            + (f" ({_f(f['gain'])}x)" if f.get("gain", 1.0) != 1.0 else "") for f in refs)])
+        visits = "; ".join(
+            f"{(v['lane'] + ' ') if v.get('lane') else ''}round {v['round']}"
+            + (f" (as {v['pattern']}'s chain partner)" if v.get("pattern") != p["id"] else "")
+            + f": {v.get('commit_reason') or v['status']}" for v in p.get("visits", []))
         lines.append(
             f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
-            f"{len(p['regions'])} | {len(p['insertion_points'])} | {trials} | "
-            f"{', '.join(scheme) or '—'} | {_f(p['gain'])} |{err} {note} |"
+            f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
+            f"{len(p.get('start_scheme', []))} on | {', '.join(scheme) or '—'} | "
+            f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
         )
     if r.get("pareto"):
         from .pareto import write_front_table

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 
 from .cache import PatternCache
-from .errors import UserError
+from .errors import ToolError, UserError
 from .graph import Graph, InputShapes, Use, ensure_opset, load_model
 
 log = logging.getLogger("qdq_optuna")
@@ -370,7 +370,7 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
                             weight_type=QuantType.QInt8, use_external_data_format=big)
     except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
         first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-        raise UserError(f"ONNX Runtime's recipe (quant_pre_process + quantize_static) failed "
+        raise ToolError(f"ONNX Runtime's recipe (quant_pre_process + quantize_static) failed "
                         f"on this model: {type(exc).__name__}: {first[0]}") from None
     finally:
         root.setLevel(level)
@@ -655,10 +655,10 @@ def run_modelopt(model: str | os.PathLike, output: str | os.PathLike, *,
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UserError(f"NVIDIA Model Optimizer ({cmd[0]}): {exc}") from None
+        raise ToolError(f"NVIDIA Model Optimizer ({cmd[0]}): {exc}") from None
     if done.returncode != 0 or not Path(output).is_file():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"NVIDIA Model Optimizer failed on {model}: {last}")
+        raise ToolError(f"NVIDIA Model Optimizer failed on {model}: {last}")
     return Path(output)
 
 

@@ -780,25 +780,33 @@ def matmul_chain(layers: int = 3, width: int = 64, rows: int = 8, *,
     return model.SerializeToString()
 
 
-def gated_pairs(*, blocks: int = 6, channels: int = 256, image: int = 24, batch: int = 1,
-                seed: int = 0) -> onnx.ModelProto:
-    """Gated conv blocks ``x -> Conv(x) * MaxPool(x)``, alternating 1x1 and 3x3 convs.
+def gated_pairs(*, blocks: int = 6, channels: int = 256, image: int = 48, batch: int = 1,
+                groups: int | None = None, seed: int = 0) -> onnx.ModelProto:
+    """Gated conv blocks ``x -> Conv(x) * MaxPool(x)``, alternating 1x1 and 3x3 depthwise convs
+    (``groups``: the convs' groups, default ``channels``).
 
-    Each block is a region of its own, and the two kinds are two patterns that alternate. On
-    TensorRT-like rules INT8 pays only when a block *and its neighbours* are INT8: the gate (a
-    memory op) runs INT8 only when its output's readers in the next block do, and a block
-    quantized alone pays a reformat at each boundary. At the defaults, the cost model gives
-    every scheme of either pattern alone (the other float) no gain, and every point quantized
-    6.8 % (a search that tunes one pattern at a time in a float context misses it).
+    Each block is a region of its own, and the two kinds are patterns that alternate (with FP16
+    high precision, blocks next to the graph's input and output Casts can be patterns of their
+    own). On TensorRT-like rules INT8 pays only when a block *and
+    its neighbours* are INT8: the gate (a memory op) runs INT8 only when its output's readers
+    in the next block do, and a block quantized alone pays a reformat at each boundary. At the
+    defaults, the cost model (FP16 high precision, what ``tune --backend costmodel`` runs) gives
+    every scheme of any one pattern alone (the others float) no gain, and every point quantized
+    7.2 % (a search that tunes one pattern at a time in a float context misses it). Dense convs
+    would not do: an INT8 dense conv alone gains more than its boundary reformats cost.
     Input ``input`` [batch, channels, image, image] -> output ``output`` (same shape).
     """
     g = _Graph(seed)
     x = "input"
+    group = channels if groups is None else groups
     for k in range(blocks):
         p = f"block{k}"
         pooled = g.op("MaxPool", f"{p}/pool", [x], kernel_shape=[3, 3], strides=[1, 1],
                       pads=[1, 1, 1, 1])
-        y = g.conv(x, f"{p}/conv", channels, channels, 1 if k % 2 == 0 else 3)
+        # a gate near 1 (bias 1, small weights): values stay bounded through the blocks
+        ks = 1 if k % 2 == 0 else 3
+        w = g.normal((channels, channels // group, ks, ks), 0.05 / ks)
+        y = g._emit_conv(x, f"{p}/conv", w, np.ones(channels, np.float32), 1, group)
         x = g.node("Mul", f"{p}/gate", [y, pooled], out="output" if k == blocks - 1 else None)[0]
     shape = [batch, channels, image, image]
     return g.model("gated_pairs", [_f32("input", shape)], [_f32("output", shape)])

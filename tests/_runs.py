@@ -1,65 +1,55 @@
-"""What a finished run must contain, computed independently of the search."""
+"""What a finished run of the whole-model search must contain, checked from its storage."""
 
 from __future__ import annotations
 
-import itertools
-from pathlib import Path
+import optuna
+from optuna.trial import TrialState
 
-from qdq_optuna.model import PreparedModel
-
-
-def first_pass_scheme(row: dict) -> list[str]:
-    """A report pattern entry's scheme as the pattern-by-pattern pass committed it (before any
-    refinement round changed it)."""
-    refinements = row.get("refinements") or []
-    return refinements[0]["from_scheme"] if refinements else row["committed_scheme"]
+DUPLICATE = "qdq:duplicate"
 
 
-def distinct_models(model: Path, patterns: list[dict], *, runtime: str = "onnxruntime",
-                    quant_type: str | None = None) -> dict[str, int]:
-    """Distinct models each pattern's schemes build, on top of the earlier commits (of the
-    pattern-by-pattern pass)."""
-    pm = PreparedModel.prepare(str(model), runtime=runtime, quant_type=quant_type)
-    exporter = pm.exporter()
-    by_id = {pp.pattern.id: pp for pp in pm.tunable}
-    base: set = set()
-    counts = {}
-    for row in patterns:
-        pp = by_id[row["id"]]
-        keys = {exporter.plan(base | pp.uses([p for p, b in zip(pp.ids, bits) if b])).key
-                for bits in itertools.product((0, 1), repeat=len(pp.ids))}
-        counts[row["id"]] = len(keys)
-        base |= pp.uses(first_pass_scheme(row))
-    return counts
+def is_visit(study_key: str) -> bool:
+    """A descent visit's study (``P003/round1``, ``P003/recipe/round2``), by its name after
+    ``RUN/``."""
+    return "/round" in study_key
 
 
-def expected_trials(model: Path, report: dict, budget: int) -> dict[str, int]:
-    """Finished trials per pattern study: min(budget, distinct models the pattern's schemes
-    build on top of earlier commits); a refinement study (``P000/refine1``) at most
-    min(budget, twice the pattern's points), one study per entry of ``refinements``."""
-    counts = distinct_models(model, report["patterns"], runtime=report["runtime"],
-                             quant_type=report["quant_type"])
-    want = {pid: min(budget, n) for pid, n in counts.items()}
-    for row in report["patterns"]:
-        for ref in row.get("refinements") or []:
-            want[f"{row['id']}/refine{ref['round']}"] = min(budget, 2 * len(row["insertion_points"]))
-    return want
+def visit_cap(attrs: dict, budget: int) -> int:
+    """A visit's budget: its moves and the standing scheme, at least twice its points, at most
+    ``budget`` (``--schemes-per-region``)."""
+    return min(budget, max(int(attrs.get("moves", 0)) + 1, 2 * len(attrs["qdq_points"])))
 
 
-def is_refinement(study_key: str) -> bool:
-    return "/refine" in study_key
+def check_visit(name: str, study: optuna.Study, budget: int) -> list[optuna.trial.FrozenTrial]:
+    """The invariants of a decided visit: within its budget, no model measured twice, its
+    first trial the standing scheme (free), decided, nothing left running. Returns its
+    finished trials."""
+    attrs = study.user_attrs
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    assert 1 <= len(done) <= visit_cap(attrs, budget), (name, len(done), visit_cap(attrs, budget))
+    keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)]
+    assert len(keys) == len(set(keys)), f"{name}: a model was measured twice"
+    first = min(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    assert first.user_attrs.get("move") == "start", name
+    assert "committed" in attrs, name
+    assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), name
+    return done
 
 
-def standing_schemes(study_attrs: list[dict]) -> list[tuple[dict, dict]]:
-    """Per pattern, in pass order: its first-pass study's attrs and the scheme that stands
-    (``committed`` of its last committed round), from the user attrs of a run's pattern
-    studies (first pass and refinements, in any order)."""
-    by_pattern: dict[str, list[dict]] = {}
-    for a in study_attrs:
-        assert "committed" in a, f"{a.get('pattern_id')} round {a.get('refine_round')}: not committed"
-        by_pattern.setdefault(a["pattern_id"], []).append(a)
-    out = []
-    for rounds in by_pattern.values():
-        rounds.sort(key=lambda a: a.get("refine_round", 0))
-        out.append((rounds[0], rounds[-1]["committed"]))
-    return sorted(out, key=lambda pair: pair[0]["order"])
+def standing_schemes(study_attrs: list[dict], lane: str = "") -> list[tuple[dict, dict]]:
+    """Per pattern: the attrs of its last decided visit in ``lane`` (report.json's ``lane``:
+    the lane whose standing model was saved) and the scheme that stands after replaying every
+    decided visit of the lane in order (a chain move's partner schemes included), from the
+    user attrs of a run's studies (in any order; every pattern is visited in round 1, so the
+    lane's start is covered)."""
+    visits = sorted((a for a in study_attrs if a.get("round") and a.get("lane", "") == lane),
+                    key=lambda a: a["order"])
+    schemes: dict[str, dict] = {}
+    last: dict[str, dict] = {}
+    for a in visits:
+        assert "committed" in a, f"{a.get('pattern_id')} round {a.get('round')}: not committed"
+        schemes[a["pattern_id"]] = a["committed"]
+        for pid, scheme in (a.get("partner") or {}).items():
+            schemes[pid] = scheme
+        last[a["pattern_id"]] = a
+    return sorted(((last[p], schemes[p]) for p in last), key=lambda pair: pair[0]["pattern_id"])

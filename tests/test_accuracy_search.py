@@ -36,12 +36,11 @@ def backend() -> CallableBackend:
 
 
 def pattern_studies(out, run_id: str) -> list[optuna.Study]:
-    """The first-pass pattern studies (a refinement round keeps its starting scheme when
-    nothing is confirmed better, so it has no ``candidate_trial`` of its own then)."""
+    """The run's visit studies in the order they ran (these runs start from float: the
+    first visit's reference is the FP32 model)."""
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     names = sorted(s.study_name for s in storage.get_all_studies()
-                   if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"
-                   and "/refine" not in s.study_name)
+                   if s.study_name.startswith(f"{run_id}/") and "/round" in s.study_name)
     studies = [optuna.load_study(study_name=n, storage=storage) for n in names]
     return sorted(studies, key=lambda s: s.user_attrs["order"])
 
@@ -75,7 +74,7 @@ def files(tmp_path_factory):
 def unconstrained(files, tmp_path_factory):
     model, cal, val = files
     out = tmp_path_factory.mktemp("free") / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET, start="float"),
                   calibration_data=str(cal), validation_data=str(val), progress=False)
     return result
 
@@ -125,7 +124,7 @@ def test_error_budget_marks_infeasible_trials_and_commits_fastest_feasible(
     model, cal, val = files
     budget, first = budget_from(unconstrained)
     out = tmp_path / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET, start="float"),
                   calibration_data=str(cal), validation_data=str(val),
                   max_output_error=budget, progress=False)
     report = result.report
@@ -141,7 +140,7 @@ def test_error_budget_marks_infeasible_trials_and_commits_fastest_feasible(
                 t.user_attrs["error"] - budget)}
         attrs = study.user_attrs
         feasible = [t for t in trials if t.user_attrs["feasible"]]
-        if any(attrs["committed"].values()):
+        if "candidate_trial" in attrs:  # the visit changed the standing model
             chosen = trials[[t.number for t in trials].index(attrs["candidate_trial"])]
             assert chosen.user_attrs["feasible"]
             assert chosen.value == min(t.value for t in feasible)
@@ -165,7 +164,7 @@ def test_error_budget_marks_infeasible_trials_and_commits_fastest_feasible(
 def test_two_objectives_write_a_measured_model_level_front(files, tmp_path):
     model, cal, val = files
     out = tmp_path / "run"
-    result = tune(model, out, benchmark=backend(), config=Config(schemes_per_region=BUDGET),
+    result = tune(model, out, benchmark=backend(), runtime="onnxruntime", config=Config(schemes_per_region=BUDGET, start="float"),
                   calibration_data=str(cal), validation_data=str(val),
                   objectives="latency,error", progress=False)
     report = result.report
@@ -213,8 +212,8 @@ def test_user_metric_and_random_validation_data_warning(tmp_path, caplog, monkey
     )
     monkeypatch.chdir(tmp_path)
     caplog.set_level("WARNING", logger="qdq_optuna")
-    result = tune(model, tmp_path / "run", benchmark=backend(),
-                  config=Config(schemes_per_region=4), metric="my_metric:mean_abs",
+    result = tune(model, tmp_path / "run", benchmark=backend(), runtime="onnxruntime",
+                  config=Config(schemes_per_region=4, start="float"), metric="my_metric:mean_abs",
                   progress=False)
     assert "output errors are measured on random inputs" in caplog.text
     for study in pattern_studies(result.output_dir, result.report["run_id"]):
@@ -233,8 +232,8 @@ def test_user_metric_and_random_validation_data_warning(tmp_path, caplog, monkey
 
 def test_error_measure_max_abs(files, tmp_path):
     model, cal, _ = files
-    result = tune(model, tmp_path / "run", benchmark=backend(),
-                  config=Config(schemes_per_region=3), calibration_data=str(cal),
+    result = tune(model, tmp_path / "run", benchmark=backend(), runtime="onnxruntime",
+                  config=Config(schemes_per_region=3, start="float"), calibration_data=str(cal),
                   error_measure="max_abs", max_output_error=1e6, progress=False)
     for study in pattern_studies(result.output_dir, result.report["run_id"]):
         for t in complete(study):
@@ -306,3 +305,23 @@ def test_bad_validation_data_names_the_option_and_file(files, tmp_path, capsys):
                "--validation-data", str(bad), "--backend", "costmodel"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--validation-data" in err and str(bad) in err and "\n" not in err
+
+
+def test_starts_past_the_error_bound_are_recorded_and_never_chosen(files, tmp_path):
+    """The whole-model starts go through the accuracy guard: a start whose output error breaks
+    the bound is recorded as infeasible (its latency kept) and never becomes the standing
+    model."""
+    model, cal, val = files
+    result = tune(model, tmp_path / "run", benchmark=backend(), runtime="onnxruntime",
+                  config=Config(schemes_per_region=3), calibration_data=str(cal),
+                  validation_data=str(val), max_output_error=1e-9, progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert starts["float"]["feasible"] and starts["float"]["chosen"]
+    others = [s for name, s in starts.items() if name != "float"]
+    assert others and not any(s["feasible"] or s["chosen"] for s in others)
+    assert all(s["error"] > 1e-9 and s["latency_ms"] > 0 for s in others)
+    storage = open_storage(f"sqlite:///{result.output_dir / 'studies.db'}", heartbeat=False)
+    study = optuna.load_study(study_name="run/_starts", storage=storage)
+    assert {t.user_attrs["start"]: t.user_attrs["feasible"] for t in study.trials} == {
+        name: s["feasible"] for name, s in starts.items()}
+    assert result.report["quantized_tensors"] == []  # no Q/DQ keeps an error of 1e-9

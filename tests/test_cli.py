@@ -197,7 +197,7 @@ def test_malformed_pattern_cache_is_refused(models, tmp_path):
 def test_callable_backend_by_module_path(models, tmp_path):
     out = tmp_path / "fn"
     proc = cli("tune", "--model", models["tiny_residual"], "--output", out,
-               "--backend", "tests._latency_fns:rewards_groups", "--timing", "fast",
+               "--backend", "tests._latency_fns:rewards_groups", "--runtime", "onnxruntime", "--timing", "fast",
                "--schemes-per-region", "4", "-q")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())

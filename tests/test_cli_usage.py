@@ -149,7 +149,7 @@ def test_python_warnings_are_one_log_line(model, tmp_path):
     env_path = os.pathsep.join([str(tmp_path), str(REPO)])
     proc = subprocess.run(
         [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tmp_path / "o"),
-         "-b", "warny_backend_xyz:fn", "-n", "2", "--refine-rounds", "0", "-q"],
+         "-b", "warny_backend_xyz:fn", "--runtime", "onnxruntime", "-n", "2", "--refine-rounds", "0", "-q"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": env_path}, capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -45,7 +45,7 @@ KILL_WINDOW_S = (0.3, 2.5)
 
 def _argv(model: Path, out: Path) -> list[str]:
     return cli_cmd("tune", "--model", model, "--output", out,
-                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
+                   "--backend", "tests._latency_fns:sleepy", "--runtime", "onnxruntime", "--timing", "fast",
                    "--schemes-per-region", BUDGET, "-q")
 
 

@@ -99,7 +99,13 @@ def pattern_studies(out: Path) -> dict[str, optuna.Study]:
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     names = [s.study_name for s in storage.get_all_studies()]
     return {n: optuna.load_study(study_name=n, storage=storage) for n in names
-            if n.startswith(f"{RUN_ID}/") and n != f"{RUN_ID}/_run"}
+            if n.startswith(f"{RUN_ID}/") and n not in (f"{RUN_ID}/_run", f"{RUN_ID}/_starts")}
+
+
+def visit_stem(attrs: dict) -> str:
+    """The file names of a visit's pictures: ``P002_round1``, ``P002_recipe_round1``."""
+    lane = f"{attrs['lane']}_" if attrs["lane"] else ""
+    return f"{attrs['pattern_id']}_{lane}round{attrs['round']}"
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, str, bytes]:
@@ -138,7 +144,7 @@ def run(tmp_path_factory) -> Path:
     model = base / "tiny_concat.onnx"
     onnx.save(zoo.build("tiny_concat"), str(model))
     out = base / "out"
-    tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+    tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True), runtime="onnxruntime",
          timing="fast", config=Config(schemes_per_region=4), run_id=RUN_ID, progress=False)
     return out
 
@@ -186,8 +192,8 @@ def test_every_pattern_study_has_note_attrs_and_artifacts(run):
         arts = attrs["artifacts"]
         files = {a["file"]: a for a in arts}
         pid = attrs["pattern_id"]
-        rnd = attrs.get("refine_round")
-        stem = f"{pid}_refine{rnd}" if rnd else pid  # a refinement study's pictures
+        rnd, lane = attrs["round"], attrs["lane"]
+        stem = visit_stem(attrs)
         assert set(files) == {f"{stem}_convergence.png", f"{stem}_region.svg"}, name
         # uploaded through optuna.artifacts: the study's system attrs hold the metadata
         meta = {m.artifact_id: m for m in optuna.artifacts.get_all_artifact_meta(study)}
@@ -230,13 +236,13 @@ def test_every_pattern_study_has_note_attrs_and_artifacts(run):
         assert f"{attrs['reference_ms']:.4f} ms" in note
         assert f"{float(attrs['gain']):.3f}x" in note
         assert f"{stem}_convergence.png" in note and f"{stem}_region.svg" in note
-        if rnd:
-            assert f"## Pattern {pid} — refinement round {rnd}" in note
-            assert "starting from its standing scheme" in note
-    # at least one pattern committed Q/DQ (rewards_groups has a real optimum), and the
-    # refinement round tuned at least one pattern again (a study of its own, drawn too)
+        assert f"## Pattern {pid} — {lane + ' ' if lane else ''}descent round {rnd}" in note
+        assert "starting from its own standing scheme" in note
+    # at least one visit committed Q/DQ (rewards_groups has a real optimum); every pattern is
+    # visited in round 1, each visit a study of its own, drawn
     assert any(any(s.user_attrs["committed"].values()) for s in studies.values())
-    assert any("/refine" in name for name in studies)
+    assert {s.user_attrs["pattern_id"] for n, s in studies.items() if n.endswith("/round1")} == {
+        s.user_attrs["pattern_id"] for s in studies.values()}
 
 
 def _note(study: optuna.Study) -> str:
@@ -320,11 +326,11 @@ def test_a_broken_artifact_store_never_fails_the_run(tmp_path, caplog):
     out.mkdir()
     (out / ARTIFACT_DIR).write_text("a file where the store should be")
     with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
-        result = tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+        result = tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True), runtime="onnxruntime",
                       timing="fast", config=Config(schemes_per_region=3), run_id=RUN_ID,
                       progress=False)
     assert result.optimized_model.is_file()
-    assert "dashboard artifacts for dash/P000 not saved" in caplog.text
+    assert "dashboard artifacts for dash/P000/round1 not saved" in caplog.text
     for study in pattern_studies(out).values():
         assert "committed" in study.user_attrs
         assert "artifacts" not in study.user_attrs
@@ -456,13 +462,13 @@ def test_browser_renders_the_studies_and_the_note(run, server, tmp_path):
     rep = str(attrs["regions"][0])
     for expected in [f"Pattern {attrs['pattern_id']}", "Member regions", "Insertion points",
                      *attrs["region_nodes"][rep], *attrs["qdq_points"],
-                     f"{attrs['pattern_id']}_region.svg"]:
+                     f"{visit_stem(attrs)}_region.svg"]:
         assert expected in note, f"{expected!r} not rendered in the note"
     for a in attrs["artifacts"]:  # the pictures are embedded in the note
         assert f'src="{a["url"]}"' in note
     top = dom("study_top")
     assert "Study Artifacts" in top
-    assert f"{attrs['pattern_id']}_convergence.png" in top
+    assert f"{visit_stem(attrs)}_convergence.png" in top
 
     shots = [(page, url, (1400, 1000)) for page, url in pages.items()]
     # the whole note with its embedded pictures (convergence curve, region)

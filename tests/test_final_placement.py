@@ -12,6 +12,8 @@ activation input comes through Q -> DQ), so the search commits something in ever
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -77,7 +79,8 @@ def committed_tensors(out, run_id: str) -> tuple[set[str], int]:
     attrs = [optuna.load_study(study_name=s.study_name, storage=storage).user_attrs
              for s in storage.get_all_studies()
              if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"]
-    patterns = standing_schemes(attrs)  # refinement rounds may have changed a commit
+    lane = json.loads((out / "report.json").read_text())["lane"]  # the lane that shipped
+    patterns = standing_schemes(attrs, lane)  # replayed: chain moves change neighbours too
     for first, committed in patterns:
         point_tensors = first["qdq_point_tensors"]
         for point, value in committed.items():

@@ -25,17 +25,18 @@ import onnx
 import optuna
 import pytest
 from _fake_trtexec import write_fake_trtexec
-from _trap_backend import quantized_tensors
+from _runs import check_visit
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, TuneOptions, cli, tune
+from qdq_optuna import Config, PreparedModel, TuneOptions, cli, tune
 from qdq_optuna.backends import IsolatedBackend
 from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure import SCREEN_DISCARD_RATIO
-from qdq_optuna.model import PreparedModel
+from qdq_optuna.scheme import ChoiceSpace
 from qdq_optuna.search._options import backend_for
+from qdq_optuna.search._record import RunRecord
 from qdq_optuna.storage import open_storage
 
 TESTS = Path(__file__).resolve().parent
@@ -50,12 +51,13 @@ def pattern_studies(out: Path, run_id: str = "run") -> dict[str, optuna.Study]:
     return {s.study_name.split("/", 1)[1]: optuna.load_study(study_name=s.study_name,
                                                              storage=storage)
             for s in storage.get_all_studies()
-            if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"}
+            if s.study_name.startswith(f"{run_id}/") and "/round" in s.study_name}
 
 
-def trials_with(study: optuna.Study, params: dict) -> list[optuna.trial.FrozenTrial]:
+def trials_with(study: optuna.Study, key: str) -> list[optuna.trial.FrozenTrial]:
+    """The trials (pruned ones aside) that built the model of plan ``key``."""
     return [t for t in study.get_trials(deepcopy=False)
-            if t.state != TrialState.PRUNED and t.params == params]
+            if t.state != TrialState.PRUNED and t.user_attrs.get("plan_key") == key]
 
 
 def complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -64,22 +66,29 @@ def complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 @pytest.fixture(scope="module")
-def target(residual, tmp_path_factory) -> tuple[list[str], dict]:
-    """The model of P001's full-recipe trial (one of the sampler's first) on top of P000's commit:
-    its quantized tensors (what the trap recognises) and the trial's params."""
+def target(residual, tmp_path_factory) -> tuple[list[str], str]:
+    """The model of P001's first move in round 1 (a model no earlier step measures): its
+    quantized tensors (what the trap recognises) and its plan key."""
     out = tmp_path_factory.mktemp("pre") / "run"
-    result = tune(residual, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
-                  config=Config(schemes_per_region=BUDGET), progress=False)
+    tune(residual, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+         runtime="onnxruntime", config=Config(schemes_per_region=BUDGET), progress=False)
+    study = pattern_studies(out)["P001/round1"]
+    first = next(t for t in study.get_trials(deepcopy=False) if t.number == 1)
+    assert first.user_attrs["move_index"] >= 0 and not first.user_attrs["measurement"].get(
+        "cached"), "the target model was measured before P001's first move"
+    # the whole model of that trial: the standing model then, with the trial's scheme
     pm = PreparedModel.prepare(str(residual))
-    p0, p1 = pm.tunable[0], pm.tunable[1]
-    assert p1.pattern.id == "P001" and len(p1.ids) >= 4
-    committed0 = result.report["patterns"][0]["committed_scheme"]
-    exporter = pm.exporter()
-    model = exporter.to_model(exporter.plan(p0.uses(committed0) | p1.uses(p1.ids)))
-    full = dict.fromkeys(p1.ids, 1)
-    first = trials_with(pattern_studies(out)["P001"], full)[0]
-    assert first.system_attrs["qdq:origin"] == "full" and first.number <= 2
-    return sorted(quantized_tensors(model)), full
+    space = ChoiceSpace((pm.quant_type,))
+    record = RunRecord(open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False), "run",
+                       pm.tunable, space)
+    before = [a for a in record.visits("") if a["order"] < study.user_attrs["order"]]
+    schemes = record.standing("", before)
+    schemes["P001"] = space.indices(first.params, study.user_attrs["qdq_points"])
+    for pid, points in (first.user_attrs.get("partner") or {}).items():
+        schemes[pid].update(points)
+    plan = pm.exporter().plan(record.uses(schemes))
+    assert plan.key == first.user_attrs["plan_key"]
+    return plan.tensors, plan.key
 
 
 def trap(timeout: float = 120, **kwargs) -> IsolatedBackend:
@@ -133,7 +142,7 @@ def test_isolated_worker_keeps_recent_models_and_measurer_rewarms_a_new_worker()
 
 
 def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target, tmp_path):
-    tensors, full = target
+    tensors, key = target
     out, state = tmp_path / "run", tmp_path / "state"
     state.mkdir()
     kwargs = {"crash": [tensors], "state_dir": str(state), "kill_parent_after": 2}
@@ -145,42 +154,43 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
         from qdq_optuna.backends import IsolatedBackend
         from qdq_optuna import tune
         backend = IsolatedBackend(("_trap_backend", "PlanTrap", {kwargs!r}), start_timeout_s=120)
-        tune({str(residual)!r}, {str(out)!r}, benchmark=backend,
+        tune({str(residual)!r}, {str(out)!r}, benchmark=backend, runtime="onnxruntime",
              config=Config(schemes_per_region={BUDGET}), progress=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (state / "crashes").read_text().count("\n") == 1
-    p1 = pattern_studies(out)["P001"]
+    p1 = pattern_studies(out)["P001/round1"]
     assert "committed" not in p1.user_attrs
-    crashed = trials_with(p1, full)
+    crashed = trials_with(p1, key)
     assert len(crashed) == 1 and crashed[0].state == TrialState.FAIL
     attrs = crashed[0].user_attrs
     assert attrs["transient"] is True
     assert "crashed (signal 11" in attrs["failure"] and "building" in attrs["failure"]
     # the study went on after the crash ...
     assert any(t.number > crashed[0].number for t in complete(p1))
-    # ... and did not crash the worker again on a re-proposal of the same scheme
+    # ... and did not crash the worker again on a re-proposal of the same model
     for t in p1.get_trials(deepcopy=False, states=(TrialState.PRUNED,)):
-        assert t.params == full and "P001 trial" in t.user_attrs["known_failure"]
+        assert t.user_attrs["plan_key"] == key
+        assert "P001/round1 trial" in t.user_attrs["known_failure"]
 
     # run 2 resumes: the killed trial is redone, the crashed one retried once
     backend = trap(**kwargs)
     try:
-        result = tune(residual, out, benchmark=backend, config=Config(schemes_per_region=BUDGET),
+        result = tune(residual, out, benchmark=backend, runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
                       progress=False)
     finally:
         backend.close()
     assert result.report["complete"]
     assert (state / "crashes").read_text().count("\n") == 2
-    p1 = pattern_studies(out)["P001"]
-    crashed = trials_with(p1, full)
+    p1 = pattern_studies(out)["P001/round1"]
+    crashed = trials_with(p1, key)
     assert [t.state for t in crashed] == [TrialState.FAIL, TrialState.FAIL]
     assert crashed[1].user_attrs["retry_of"] == crashed[0].number
     assert all(t.user_attrs["transient"] and "crashed" in t.user_attrs["failure"]
                for t in crashed)
-    assert len(complete(p1)) == BUDGET and "committed" in p1.user_attrs
+    check_visit("P001/round1", p1, BUDGET)
     stats = result.report["search_statistics"]
     assert stats["failed_transient"] >= 2 and stats["failed"] >= 3  # + the killed trial
     assert "trials failed" in (out / "report.md").read_text()
@@ -189,32 +199,32 @@ def test_crash_fails_only_its_trial_and_a_rerun_retries_it_once(residual, target
     n_trials = len(p1.get_trials(deepcopy=False))
     backend = trap(**kwargs)
     try:
-        tune(residual, out, benchmark=backend, config=Config(schemes_per_region=BUDGET),
+        tune(residual, out, benchmark=backend, runtime="onnxruntime", config=Config(schemes_per_region=BUDGET),
              progress=False)
     finally:
         backend.close()
     assert (state / "crashes").read_text().count("\n") == 2
-    assert len(pattern_studies(out)["P001"].get_trials(deepcopy=False)) == n_trials
+    assert len(pattern_studies(out)["P001/round1"].get_trials(deepcopy=False)) == n_trials
 
 
 def test_hanging_candidate_times_out_and_fails_only_its_trial(residual, target, tmp_path):
-    tensors, full = target
+    tensors, key = target
     state = tmp_path / "state"
     state.mkdir()
     backend = trap(hang=[tensors], hang_s=120, state_dir=str(state), timeout=3)
     t0 = time.monotonic()
     try:
-        result = tune(residual, tmp_path / "run", benchmark=backend,
+        result = tune(residual, tmp_path / "run", benchmark=backend, runtime="onnxruntime",
                       config=Config(schemes_per_region=BUDGET), progress=False)
     finally:
         backend.close()
     assert time.monotonic() - t0 < 90
     assert (state / "hangs").read_text().count("\n") == 1
-    p1 = pattern_studies(tmp_path / "run")["P001"]
-    (hung,) = trials_with(p1, full)
+    p1 = pattern_studies(tmp_path / "run")["P001/round1"]
+    (hung,) = trials_with(p1, key)
     assert hung.state == TrialState.FAIL and hung.user_attrs["transient"] is True
     assert "timed out after 3 s (killed)" in hung.user_attrs["failure"]
-    assert len(complete(p1)) == BUDGET
+    check_visit("P001/round1", p1, BUDGET)
     assert result.report["complete"] and result.report["search_statistics"]["failed"] == 1
 
 
@@ -224,7 +234,7 @@ def test_backend_crashing_on_the_float_model_is_one_clear_error(residual, tmp_pa
     backend = trap(crash=[[]], state_dir=str(state))  # the float model: no Q at all
     try:
         with pytest.raises(UserError) as info:
-            tune(residual, tmp_path / "run", benchmark=backend, progress=False)
+            tune(residual, tmp_path / "run", benchmark=backend, runtime="onnxruntime", progress=False)
     finally:
         backend.close()
     text = str(info.value)
@@ -239,7 +249,7 @@ def test_cli_backend_error_on_the_float_model_is_exit_2(residual, tmp_path, monk
         "def fn(model):\n    raise RuntimeError('no device attached')\n")
     monkeypatch.chdir(tmp_path)
     code = cli.main(["tune", "--model", str(residual), "--output", str(tmp_path / "out"),
-                     "--backend", "refuses_float_xyz:fn", "-q"])
+                     "--backend", "refuses_float_xyz:fn", "--runtime", "onnxruntime", "-q"])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.count("\n") == 0
@@ -286,7 +296,7 @@ def penalised(model) -> float:
 @pytest.fixture(scope="module")
 def robust_run(residual, tmp_path_factory):
     out = tmp_path_factory.mktemp("robust") / "run"
-    result = tune(residual, out, benchmark=SteppedMachine(penalised), timing="robust",
+    result = tune(residual, out, benchmark=SteppedMachine(penalised), runtime="onnxruntime", timing="robust",
                   config=Config(schemes_per_region=BUDGET), progress=False)
     return out, result.report
 
@@ -312,7 +322,7 @@ def test_every_measured_trial_carries_its_statistics(robust_run):
 
 def test_screened_out_is_an_estimate_never_a_confirmed_figure(robust_run):
     out, report = robust_run
-    p0 = pattern_studies(out)["P000"]
+    p0 = pattern_studies(out)["P000/round1"]
     screened = [t for t in complete(p0) if t.user_attrs["measurement"]["screened_out"]]
     assert screened
     for t in screened:
@@ -339,8 +349,7 @@ def test_report_counts_screened_compared_and_cached(robust_run):
         "deterministic"]
     assert st["measured"] + st["cache_hits"] == st["complete"]
     assert report["builds_saved_by_cache"] == st["cache_hits"]
-    assert st["complete"] == sum(p["trials"] + sum(r["trials"] for r in p.get("refinements", []))
-                                 for p in report["patterns"])
+    assert st["complete"] == sum(p["trials"] for p in report["patterns"])
     md = (out / "report.md").read_text()
     assert f"{st['screened_out']} screened out" in md and f"{st['cache_hits']} cache hits" in md
     assert f"{st['ab_compared']} A/B-compared" in md

@@ -8,6 +8,8 @@ onnx.checker accepts the model, and ONNX Runtime runs the ONNX Runtime types.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -146,7 +148,8 @@ def committed_use_types(out, run_id: str, pm: PreparedModel) -> dict[tuple, str]
              if s.study_name.startswith(f"{run_id}/") and not s.study_name.endswith("/_run")]
     by_id = {pp.pattern.id: pp for pp in pm.tunable}
     types: dict[tuple, str] = {}
-    for a, committed in standing_schemes(attrs):  # after any refinement round
+    lane = json.loads((out / "report.json").read_text())["lane"]  # the lane that shipped
+    for a, committed in standing_schemes(attrs, lane):  # every decided visit replayed
         pp = by_id[a["pattern_id"]]
         for pid in a["qdq_points"]:
             idx = committed[pid]
@@ -169,8 +172,9 @@ def test_mixed_search_end_to_end(sampler, runtime, tmp_path):
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     seen_types = set()
     for s in storage.get_all_studies():
-        if s.study_name.endswith("/_run") or not s.study_name.startswith(f"{run_id}/"):
-            continue  # the run's bookkeeping and its overview
+        if s.study_name.endswith(("/_run", "/_starts")) or not s.study_name.startswith(
+                f"{run_id}/"):
+            continue  # the run's bookkeeping, its starts and its overview
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         assert study.user_attrs["qdq_num_choices"] == 3
         assert study.user_attrs["qdq_choice_names"] == ["none", *TYPES[runtime]]
@@ -200,5 +204,5 @@ def test_mixed_needs_categorical_parameters(sampler, tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(zoo.build("tiny_chain"), str(path))
     with pytest.raises(OptionError, match="--quant-type mixed needs categorical parameters"):
-        tune(path, tmp_path / "run", benchmark=CallableBackend(rewards_quantized_ops),
+        tune(path, tmp_path / "run", benchmark=CallableBackend(rewards_quantized_ops), runtime="onnxruntime",
              quant_type="mixed", sampler=sampler, progress=False)

@@ -1,14 +1,20 @@
-"""A run stored by the search before it became a package still resumes, to the same result.
+"""A run stored by the pattern-by-pattern search (before the whole-model search) is refused
+with one clear line, never resumed into something else, and ``--fresh`` tunes the model again.
 
 ``data/run_c32ab0d/`` holds the storage of a run made by the code at commit c32ab0d (see
 ``data/make_old_run.py``): ``tiny_concat`` (medium) on the cost model through a deterministic
-callable, 6 schemes per pattern, cut by a Ctrl-C in a trial of its refinement round.
+callable, 6 schemes per pattern, cut by a Ctrl-C in a trial of its refinement round. Its
+studies (``RUN/P001``, ``RUN/P001/refine1``) mean a first pass and refinements; the
+whole-model search would read them as something else, so it does not resume them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import _latency_fns as fns
@@ -19,19 +25,20 @@ import yaml
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.costmodel import CostModelBackend
+from qdq_optuna.errors import UserError
 from qdq_optuna.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
 OLD = Path(__file__).resolve().parent / "data" / "run_c32ab0d"
+REPO = Path(__file__).resolve().parent.parent
 
 
-def _tune(model: Path, out: Path, **options):
-    # the old run's settings: minmax was the calibration default when it was made
+def _tune(model: Path, out: Path, **kwargs):
     return tune(model, out, benchmark=CallableBackend(fns.costmodel_interruptible,
                                                        deterministic=True),
-                config=Config(schemes_per_region=6), seed=0, progress=False,
-                calibration_method="minmax", **options)
+                runtime="onnxruntime", config=Config(schemes_per_region=6), seed=0,
+                progress=False, **kwargs)
 
 
 def _trials(out: Path) -> dict[str, dict[int, tuple]]:
@@ -45,36 +52,32 @@ def _trials(out: Path) -> dict[str, dict[int, tuple]]:
         storage.engine.dispose()
 
 
-def test_a_run_of_the_old_layout_resumes_to_the_same_result(tmp_path):
+def test_a_run_of_the_old_layout_is_refused_in_one_line_and_fresh_starts_over(tmp_path):
     shutil.copytree(OLD, tmp_path / "old")
     model, out = tmp_path / "old" / "model.onnx", tmp_path / "old" / "run"
     before = _trials(out)
     assert "run/_run" in before and "run/P001/refine1" in before
-    (cut,) = [n for n, (state, *_, attrs) in before["run/P001/refine1"].items()
-              if state == "FAIL" and attrs.get("transient")]
+    with pytest.raises(UserError) as info:
+        _tune(model, out)
+    line = str(info.value)
+    assert "\n" not in line and "pattern-by-pattern search" in line and "--fresh" in line
+    assert _trials(out) == before  # nothing written into the old run
 
-    report = _tune(model, out).report  # the same settings: no "other settings" refusal
-    after = _trials(out)
+    # through the command line: one error line, exit 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(out),
+         "-b", "tests._latency_fns:costmodel_interruptible", "--runtime", "onnxruntime",
+         "-n", "6", "-q"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qdq-optuna: error:"), proc.stderr
+
+    report = _tune(model, out, fresh=True).report
     assert report["complete"] is True
+    after = _trials(out)
+    assert "run/_starts" in after and not any("/refine" in name for name in after)
     assert yaml.safe_load((out / "state.yaml").read_text())["status"] == "done"
-    # every finished trial and every decision of the old process stands
-    for name, trials in before.items():
-        for number, (state, params, values, _) in trials.items():
-            if state == "COMPLETE":
-                assert after[name][number][:3] == (state, params, values), (name, number)
-    # the interrupted trial was redone once, with the same scheme
-    redo = [t for t in after["run/P001/refine1"].values() if t[3].get("retry_of") == cut]
-    assert len(redo) == 1 and redo[0][0] == "COMPLETE"
-    assert redo[0][1] == before["run/P001/refine1"][cut][1]
-
-    fresh = _tune(model, tmp_path / "fresh" / "run").report
-    assert report["speedup"] == pytest.approx(fresh["speedup"], rel=1e-12)
-    # the same decisions; the old process's gains are its own measurements, priced by the
-    # cost model of its day (0.3 % apart from today's on P001), so they match closely only
-    assert [(p["id"], p["committed_scheme"]) for p in report["patterns"]] == [
-        (p["id"], p["committed_scheme"]) for p in fresh["patterns"]]
-    assert [p["gain"] for p in report["patterns"]] == pytest.approx(
-        [p["gain"] for p in fresh["patterns"]], rel=1e-2)
     assert CostModelBackend().estimate((out / "optimized.onnx").read_bytes()).total_ms == (
         pytest.approx(report["final_latency_ms"]))
     assert json.loads((out / "report.json").read_text())["run_id"] == "run"

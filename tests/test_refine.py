@@ -1,5 +1,6 @@
-"""Refinement rounds (``Config.refine_rounds``): each pattern tuned again with every other
-pattern's scheme in place, on the analytical cost model (deterministic, so figures compare
+"""The descent's rounds (``Config.refine_rounds``): every visit tunes a pattern against the
+whole standing model, from its standing scheme, and a pattern whose surroundings did not change
+is not visited again; on the analytical cost model (deterministic, so figures compare
 exactly)."""
 
 from __future__ import annotations
@@ -10,29 +11,31 @@ import math
 import onnx
 import optuna
 import pytest
-from optuna.trial import TrialState
+from _runs import check_visit, is_visit
 
 from qdq_optuna import Config, tune, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.storage import open_storage
 
+BUDGET = 30
+
 
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory):
     path = tmp_path_factory.mktemp("refine") / "resnet.onnx"
-    onnx.save(zoo.build("resnet", "full"), str(path))
+    onnx.save(zoo.build("resnet", "medium"), str(path))
     return path
 
 
 @pytest.fixture(scope="module")
 def runs(resnet, tmp_path_factory):
-    """The same search with and without a refinement round."""
+    """The default search, and the single pattern-by-pattern pass from float it replaced
+    (``--start float --refine-rounds 0``)."""
     out = {}
-    for rounds in (0, 1):
-        d = tmp_path_factory.mktemp(f"rounds{rounds}") / "run"
-        out[rounds] = tune(resnet, d, benchmark="costmodel", seed=0,
-                           config=Config(refine_rounds=rounds), progress=False)
+    for name, cfg in (("single", Config(start="float", refine_rounds=0)), ("default", Config())):
+        d = tmp_path_factory.mktemp(name) / "run"
+        out[name] = tune(resnet, d, backend="costmodel", seed=0, config=cfg, progress=False)
     return out
 
 
@@ -45,80 +48,96 @@ def studies(result) -> dict[str, optuna.Study]:
             if s.study_name.startswith(f"{run_id}/") and s.study_name != f"{run_id}/_run"}
 
 
-def test_refinement_finds_what_the_single_pass_cannot(runs):
-    """ResNet-like, cost model: the first pass commits Q/DQ on the residual block's output for
-    P001 before P002 quantizes the same tensors as its inputs; with P002's scheme in place,
-    that output Q/DQ only costs. Only a refinement round can take it back."""
-    single, refined = runs[0].report, runs[1].report
-    assert "refinements" not in json.dumps(single["patterns"])
-    assert refined["speedup"] > single["speedup"] * 1.01
-    # deterministic backend: the whole-model speedup is the product of every round's gain
-    assert refined["speedup"] == pytest.approx(math.prod(p["gain"] for p in refined["patterns"]))
+def test_the_descent_beats_the_single_pass_from_float(runs):
+    single, default = runs["single"].report, runs["default"].report
+    assert [s["name"] for s in single["starts"] if s["chosen"]] == ["float"]
+    assert all(v["round"] == 1 for p in single["patterns"] for v in p["visits"])
+    assert default["speedup"] > single["speedup"] * 1.01
+    # deterministic backend: the saved model is what the search measured
     assert CostModelBackend().estimate(
-        (runs[1].output_dir / "optimized.onnx").read_bytes()).total_ms == pytest.approx(
-        refined["final_latency_ms"])
-    changed = [(p, r) for p in refined["patterns"] for r in p.get("refinements", [])
-               if r["gain"] > 1.0]
-    assert changed, "no refinement round improved anything"
-    for p, r in changed:
-        assert r["commit_reason"] == "confirmed" and r["status"] == "committed"
-        assert set(r["committed_scheme"]) == set(p["committed_scheme"])
-        # under the 2 % commit threshold, taken because it only removes Q/DQ
-        if r["gain"] < 1.02:
-            assert set(r["committed_scheme"]) < set(r["from_scheme"])
-    md = (runs[1].output_dir / "report.md").read_text()
-    assert "refinement 1: confirmed" in md
+        (runs["default"].output_dir / "optimized.onnx").read_bytes()).total_ms == pytest.approx(
+        default["final_latency_ms"])
+    # never slower than its start: the standing model only ever got faster
+    chosen = next(s for s in default["starts"] if s["chosen"])
+    assert default["final_latency_ms"] <= chosen["latency_ms"] + 1e-12
+    assert default["speedup"] == pytest.approx(
+        chosen["speedup"] * math.prod(p["gain"] for p in default["patterns"]))
+    md = (runs["default"].output_dir / "report.md").read_text()
+    assert "## Starts" in md and "standing model" in md
 
 
-def test_refinement_studies_start_from_the_standing_scheme(runs):
-    result = runs[1]
+def test_visits_start_from_the_standing_model(runs):
+    result = runs["default"]
     all_studies = studies(result)
-    by_id = {p["id"]: p for p in result.report["patterns"]}
-    refined = {name: s for name, s in all_studies.items() if "/refine" in name}
-    assert refined
-    for name, s in refined.items():
-        pid = name.split("/")[0]
-        first = all_studies[pid]
+    visits = sorted(((n, s) for n, s in all_studies.items() if is_visit(n)),
+                    key=lambda ns: ns[1].user_attrs["order"])
+    assert visits
+    previous_ref = math.inf
+    for name, s in visits:
         attrs = s.user_attrs
-        assert attrs["refine_round"] == 1 and attrs["pattern_id"] == pid
-        assert attrs["order"] == len(by_id) + first.user_attrs["order"]
-        # it starts where the first pass left the pattern: that model is the reference,
-        # known already, so the first trial costs no measurement
-        start = sorted(p for p, v in first.user_attrs["committed"].items() if v)
-        assert sorted(attrs["refines"]) == start
+        check_visit(name, s, BUDGET)
         trials = sorted(s.get_trials(deepcopy=False), key=lambda t: t.number)
-        assert trials[0].system_attrs["fixed_params"] == first.user_attrs["committed"]
-        assert trials[0].system_attrs["qdq:origin"] == "seed"
+        # its first trial is the pattern's standing scheme: the reference, measured before
+        assert sorted(p for p, v in trials[0].params.items() if v) == sorted(attrs["from_scheme"])
         assert trials[0].user_attrs["measurements"] == 0
         assert trials[0].value == pytest.approx(attrs["reference_ms"])
-        # our sampler climbs from it (no empty / full scheme first), within the round's cap
+        # the standing model never gets slower from one visit to the next (one lane here)
+        if not attrs["lane"]:
+            assert attrs["reference_ms"] <= previous_ref + 1e-12
+            previous_ref = attrs["reference_ms"]
+        # moves carry their kind and what they change; with our sampler they are all it tries
         for t in trials[1:]:
-            assert t.system_attrs["qdq:origin"] == "mutation"
-        done = [t for t in trials if t.state == TrialState.COMPLETE]
-        assert len(done) <= 2 * len(attrs["qdq_points"])
-        # the reference of a refinement is the whole model as it stood, so its latency
-        # is below the first pass's reference
-        assert attrs["reference_ms"] < first.user_attrs["reference_ms"]
+            assert t.user_attrs["move"] in ("cache", "fusion", "concat", "chain", "single")
+            assert t.user_attrs["move_signature"]
 
 
-def test_patterns_whose_surroundings_did_not_change_are_not_tuned_again(tmp_path):
-    """ResNet-like at medium size: nothing is committed around the last patterns after they
-    were tuned, so the refinement round leaves them alone; a rerun resumes to the same
-    result without measuring anything."""
-    path = tmp_path / "resnet.onnx"
-    onnx.save(zoo.build("resnet", "medium"), str(path))
-    out = tmp_path / "run"
-    report = tune(path, out, benchmark="costmodel", seed=0, progress=False).report
-    refined = {p["id"] for p in report["patterns"] if p.get("refinements")}
-    assert refined and refined != {p["id"] for p in report["patterns"]}
-    s = studies(tune(path, out, benchmark="costmodel", seed=0, progress=False))
-    assert {n.split("/")[0] for n in s if "/refine" in n} == refined
-    again = json.loads((out / "report.json").read_text())
+def test_patterns_whose_surroundings_did_not_change_are_not_visited_again(runs, resnet):
+    """Round 2 visits only the patterns next to what round 1 changed; a rerun resumes to the
+    same result without measuring anything."""
+    result = runs["default"]
+    report = result.report
+    rounds = {p["id"]: [v["round"] for v in p["visits"] if v["pattern"] == p["id"]]
+              for p in report["patterns"]}
+    assert all(r[0] == 1 for r in rounds.values())
+    assert any(len(r) == 1 for r in rounds.values()), "every pattern was visited again"
+    before = {n: len(s.trials) for n, s in studies(result).items()}
+    again = tune(resnet, result.output_dir, backend="costmodel", seed=0, progress=False).report
+    assert again["measurements"] == 1  # only the final A/B of the saved model
     assert again["patterns"] == report["patterns"]
-    state = (out / "state.yaml").read_text()
-    assert "refinements: 1" in state
+    assert {n: len(s.trials) for n, s in studies(result).items()} == before
+    state = (result.output_dir / "state.yaml").read_text()
+    assert "status: done" in state
+
+
+def test_chain_moves_change_the_partner_pattern_too(tmp_path):
+    """A chain move sets the points of every pattern that quantizes one tensor, together; a
+    committed one records its partners' new schemes, and the standing model (report, resume)
+    takes them."""
+    path = tmp_path / "concat.onnx"
+    onnx.save(zoo.build("tiny_concat"), str(path))
+    result = tune(path, tmp_path / "run", backend="costmodel", seed=0, progress=False,
+                  config=Config(refine_rounds=1))
+    chains = [(n, s) for n, s in studies(result).items()
+              if is_visit(n) and s.user_attrs.get("partner")]
+    assert chains, "no chain move was committed"
+    name, s = chains[0]
+    trials = s.get_trials(deepcopy=False)
+    # a chain move improved the visit; later moves build on it, partner points included
+    assert any(t.user_attrs.get("move") == "chain" and t.user_attrs.get("improved")
+               and t.user_attrs.get("partner") for t in trials)
+    won = next(t for t in trials if t.number == s.user_attrs["candidate_trial"])
+    assert won.user_attrs["partner"]
+    for partner, points in won.user_attrs["partner"].items():
+        scheme = s.user_attrs["partner"][partner]
+        assert all(scheme[q] == v for q, v in points.items())
+    report = json.loads((result.output_dir / "report.json").read_text())
+    partners = {v["pattern"] for p in report["patterns"] for v in p["visits"]
+                if v["pattern"] != p["id"]}
+    assert partners, "the report does not show the partner's change"
 
 
 def test_refine_rounds_must_not_be_negative():
     with pytest.raises(OptionError, match="refine_rounds must be >= 0"):
         Config(refine_rounds=-1)
+    with pytest.raises(OptionError, match="start must be one of best, float, recipe, all"):
+        Config(start="somewhere")

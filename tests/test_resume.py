@@ -18,7 +18,7 @@ from pathlib import Path
 import _latency_fns as fns
 import optuna
 import pytest
-from _runs import expected_trials, is_refinement
+from _runs import check_visit, is_visit
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
@@ -27,7 +27,6 @@ from qdq_optuna.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = 6
-DUPLICATE = "qdq:duplicate"
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
@@ -59,24 +58,20 @@ def snapshot(out: Path, run_id: str) -> dict[str, dict[int, tuple]]:
 
 
 def assert_finished_exactly(out: Path, run_id: str, model: Path, budget: int) -> dict:
+    """A finished run: every visit decided, within its budget, no model measured twice in it,
+    nothing left running; the starts decided once (one trial each)."""
     report = json.loads((out / "report.json").read_text())
     assert report["complete"] is True
-    want = expected_trials(model, report, budget)
-    for pid, s in pattern_studies(out, run_id).items():
-        done = s.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        stop = s.user_attrs.get("converged_after")
-        if is_refinement(pid):  # a cap (the distinct models depend on the other refinements)
-            assert 1 <= len(done) <= want[pid], (pid, len(done), want[pid])
-        elif stop is None:
-            assert len(done) == want[pid], (pid, len(done), want[pid])
-        else:  # stopped early: the sampler's last proposal was exploration, and nothing after
-            assert len(done) <= want[pid], (pid, len(done), want[pid])
-            last = max(done, key=lambda t: t.number)
-            assert last.number + 1 == stop and last.system_attrs.get("qdq:phase") == "explore"
-        keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)]
-        assert len(keys) == len(set(keys)), f"{pid}: a finished scheme was measured twice"
-        assert "committed" in s.user_attrs
-        assert not s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    studies = pattern_studies(out, run_id)
+    starts = studies.pop("_starts")
+    names = [t.user_attrs["start"] for t in starts.get_trials(deepcopy=False)]
+    assert len(names) == len(set(names)) == len(report["starts"])
+    visits = {f"{v['pattern']}/{v['lane'] + '/' if v['lane'] else ''}round{v['round']}"
+              for p in report["patterns"] for v in p["visits"]}
+    assert set(studies) == visits
+    for pid, s in studies.items():
+        assert is_visit(pid)
+        check_visit(pid, s, budget)
     return report
 
 
@@ -91,7 +86,7 @@ def assert_kept(before: dict, after: dict) -> None:
 def test_timeout_stops_part_way_and_rerun_completes(residual, tmp_path, monkeypatch):
     out = tmp_path / "timed"
     monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0.25")
-    first = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+    first = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True), runtime="onnxruntime",
                  timeout=3.0, config=Config(schemes_per_region=BUDGET), progress=False)
     assert first.report["complete"] is False
     assert (out / "optimized.onnx").is_file()
@@ -104,7 +99,7 @@ def test_timeout_stops_part_way_and_rerun_completes(residual, tmp_path, monkeypa
         len(before) < len(first.report["patterns"])
 
     monkeypatch.setenv("QDQ_TEST_SLEEP_S", "0")
-    second = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True),
+    second = tune(residual, out, benchmark=CallableBackend(fns.sleepy, deterministic=True), runtime="onnxruntime",
                   config=Config(schemes_per_region=BUDGET), progress=False)
     assert second.report["complete"] is True
     assert "status: done" in (out / "state.yaml").read_text()
@@ -176,7 +171,7 @@ def test_killed_run_resumes_redoing_the_running_trial(residual, tmp_path):
     out = tmp_path / "killed"
     hold = tmp_path / "hold"
     argv = cli_cmd("tune", "--model", residual, "--output", out,
-                   "--backend", "tests._latency_fns:sleepy", "--timing", "fast",
+                   "--backend", "tests._latency_fns:sleepy", "--runtime", "onnxruntime", "--timing", "fast",
                    "--schemes-per-region", BUDGET, "-q")
     returncode, _, study_name, number = signal_in_a_trial(argv, out, hold, signal.SIGKILL)
     assert returncode == -signal.SIGKILL
@@ -234,8 +229,9 @@ def test_resume_with_other_settings_is_refused_and_fresh_starts_over(residual, t
     fresh = run("--schemes-per-region", "5", "--fresh")
     assert fresh.returncode == 0, fresh.stderr
     assert_finished_exactly(out, "settings", residual, 5)
-    new = json.loads((out / "report.json").read_text())
-    assert max(p["trials"] for p in new["patterns"]) == 5
+    storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
+    run = optuna.load_study(study_name="settings/_run", storage=storage)
+    assert run.user_attrs["settings"]["config"]["schemes_per_region"] == 5
 
 
 # -- a trial killed while its points were being suggested ----------------------------------------

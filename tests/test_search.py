@@ -18,7 +18,7 @@ import onnxruntime as ort
 import optuna
 import pytest
 import yaml
-from _runs import distinct_models, expected_trials, is_refinement
+from _runs import check_visit, is_visit
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, PreparedModel, tune
@@ -29,8 +29,9 @@ from qdq_optuna.storage import open_storage
 
 BUDGET = 6
 REPORT_KEYS = {"baseline_latency_ms", "final_latency_ms", "speedup", "quantized_tensors",
-               "measurements", "patterns"}
-PATTERN_KEYS = {"id", "regions", "insertion_points", "trials", "committed_scheme", "gain"}
+               "measurements", "patterns", "measurements_by_phase", "starts", "baseline_model"}
+PATTERN_KEYS = {"id", "regions", "insertion_points", "trials", "committed_scheme", "gain",
+                "visits"}
 STUDY_ATTRS = {"signature", "regions", "ops", "qdq_points"}
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -85,8 +86,8 @@ def run_ort(model: onnx.ModelProto | str) -> list[np.ndarray]:
 def e2e(residual, tmp_path_factory):
     """A plain (not declared deterministic) callable, timed with the fast protocol."""
     out = tmp_path_factory.mktemp("e2e") / "run"
-    result = tune(residual, out, benchmark=fns.rewards_groups, timing="fast",
-                  config=Config(schemes_per_region=BUDGET), progress=False)
+    result = tune(residual, out, benchmark=fns.rewards_groups, runtime="onnxruntime",
+                  timing="fast", config=Config(schemes_per_region=BUDGET), progress=False)
     return result
 
 
@@ -133,70 +134,103 @@ def test_quantized_tensors_are_the_q_inputs_of_the_optimized_model(e2e):
     assert e2e.report["quantized_tensors"], "the latency function rewards quantizing"
 
 
-def test_studies_named_per_pattern_with_attrs(e2e):
+def test_studies_named_per_visit_with_attrs(e2e):
     report = e2e.report
     all_studies = studies(e2e.output_dir)
-    # the run's overview ("run"), its bookkeeping, one study per pattern and round
-    assert set(all_studies) == {"run", "run/_run"} | {
-        f"run/{p['id']}" for p in report["patterns"]} | {
-        f"run/{p['id']}/refine{r['round']}" for p in report["patterns"]
-        for r in p.get("refinements", [])}
-    for p in report["patterns"]:
-        s = all_studies[f"run/{p['id']}"]
+    visits = {f"run/{v['pattern']}/{v['lane'] + '/' if v['lane'] else ''}round{v['round']}"
+              for p in report["patterns"] for v in p["visits"]}
+    assert set(all_studies) == {"run", "run/_run", "run/_starts"} | visits
+    by_id = {p["id"]: p for p in report["patterns"]}
+    for name in visits:
+        s = all_studies[name]
         attrs = s.user_attrs
+        p = by_id[attrs["pattern_id"]]
         assert STUDY_ATTRS <= set(attrs)
         assert attrs["signature"] == p["signature"]
         assert attrs["regions"] == p["regions"]
         assert attrs["qdq_points"] == p["insertion_points"]
         assert attrs["ops"] == p["ops"]
+        assert attrs["round"] >= 1 and name.endswith(f"round{attrs['round']}")
         assert s.metric_names == ["latency_ms"]
+    # every pattern is visited in round 1 of the main lane
+    assert {f"run/{p['id']}/round1" for p in report["patterns"]} <= visits
 
 
-def test_each_study_has_exactly_its_budget_of_complete_trials(e2e, residual):
-    report = e2e.report
-    expected = distinct_models(residual, report["patterns"])
-    assert min(expected.values()) < BUDGET, "some pattern has fewer schemes than the budget"
-    by_id = pattern_studies(e2e.output_dir, "run")
-    for p in report["patterns"]:
-        want = min(BUDGET, expected[p["id"]])
-        done = complete(by_id[p["id"]])
-        assert len(done) == want, p["id"]
-        assert p["trials"] == want
-        # the qdq sampler never measures one model twice in a study
-        keys = [t.user_attrs["plan_key"] for t in done]
-        assert len(keys) == len(set(keys)), p["id"]
-        assert not any(t.system_attrs.get("qdq:duplicate") for t in done)
+def test_starts_study_has_one_trial_per_start(e2e):
+    starts = studies(e2e.output_dir)["run/_starts"]
+    trials = {t.user_attrs["start"]: t for t in starts.get_trials(deepcopy=False)}
+    names = [s["name"] for s in e2e.report["starts"]]
+    assert sorted(trials) == sorted(names) and {"float", "all", "recipe:onnxruntime"} <= set(names)
+    chosen = [s for s in e2e.report["starts"] if s["chosen"]]
+    assert len(chosen) == 1 and trials[chosen[0]["name"]].user_attrs["chosen"]
+    for s in e2e.report["starts"]:
+        t = trials[s["name"]]
+        assert t.state == TrialState.COMPLETE and t.value == pytest.approx(s["latency_ms"])
+        assert t.user_attrs["feasible"] is True and t.user_attrs["error"] is not None
+    # the standing model is the fastest start (float unless another is faster)
+    fastest = min(e2e.report["starts"], key=lambda s: (s["latency_ms"], s["name"]))
+    assert chosen[0]["latency_ms"] == pytest.approx(fastest["latency_ms"])
+
+
+def test_each_visit_keeps_its_budget_and_measures_no_model_twice(e2e):
+    for name, s in pattern_studies(e2e.output_dir, "run").items():
+        if not is_visit(name):
+            continue
+        done = check_visit(name, s, BUDGET)
+        by_id = {p["id"]: p for p in e2e.report["patterns"]}
+        assert by_id[s.user_attrs["pattern_id"]]["trials"] >= len(done)
+        start = min(s.get_trials(deepcopy=False), key=lambda t: t.number)
+        assert start.user_attrs["measurements"] == 0  # the standing model: its reference
+        assert sorted(p for p, v in start.params.items() if v) == sorted(s.user_attrs["from_scheme"])
+
+
+def test_measurements_by_phase_add_up(e2e):
+    by_phase = e2e.report["measurements_by_phase"]
+    assert sum(by_phase.values()) == e2e.report["measurements"]
+    assert by_phase["baseline"] == 1 and by_phase["final"] == 1
+    assert by_phase["starts"] >= 2 and by_phase["descent"] >= 1
 
 
 def test_trial_user_attrs(e2e):
     for pid, s in pattern_studies(e2e.output_dir, "run").items():
+        if not is_visit(pid):
+            continue
         points = s.user_attrs["qdq_point_tensors"]
         for t in complete(s):
             attrs = t.user_attrs
-            assert {"tensors", "qdq_count", "measurement"} <= set(attrs), (pid, t.number)
+            assert {"tensors", "qdq_count", "measurement", "move"} <= set(attrs), (pid, t.number)
             on = [p for p, v in t.params.items() if v]
             assert attrs["tensors"] == sorted({x for p in on for x in points[p]})
             assert isinstance(attrs["qdq_count"], int) and attrs["qdq_count"] >= 0
             assert attrs["measurement"]["latency_ms"] == pytest.approx(t.value)
+            if attrs["move"] != "start":
+                assert attrs["move_signature"] and isinstance(attrs["improved"], bool)
 
 
 # -- 2. commit rule ----------------------------------------------------------------------------
 def test_rewarded_groups_are_committed_and_speed_up(e2e):
     report = e2e.report
-    committed = [p for p in report["patterns"] if p["committed_scheme"]]
-    assert committed
-    assert all(p["gain"] >= 1.02 for p in committed)
     assert report["speedup"] > 1.0
     assert report["baseline_latency_ms"] == pytest.approx(10.0)
+    assert report["baseline_model"] == "the user's model as given"
     optimized = onnx.load(str(e2e.optimized_model))
     assert report["final_latency_ms"] == pytest.approx(fns.rewards_groups(optimized))
     assert report["final_latency_ms"] < 10.0
+    # the descent never loses what the standing model had: not slower than any start
+    assert report["final_latency_ms"] <= min(s["latency_ms"] for s in report["starts"]) + 1e-9
+    for p in report["patterns"]:
+        for v in p["visits"]:
+            assert v["status"] == "committed"
+            if v["gain"] > 1.0:
+                assert "faster" not in v["commit_reason"] or "ms" in v["commit_reason"]
 
 
 def test_nothing_committed_when_every_qdq_is_slower(residual, tmp_path):
-    result = tune(residual, tmp_path / "slow", benchmark=fns.every_qdq_slower, timing="fast",
+    result = tune(residual, tmp_path / "slow", benchmark=fns.every_qdq_slower,
+                  runtime="onnxruntime", timing="fast",
                   config=Config(schemes_per_region=4), progress=False)
     report = result.report
+    assert [s["name"] for s in report["starts"] if s["chosen"]] == ["float"]
     assert all(p["committed_scheme"] == [] for p in report["patterns"])
     assert all(p["trials"] >= 2 for p in report["patterns"]), "Q/DQ schemes were tried"
     optimized = onnx.load(str(result.optimized_model))
@@ -205,83 +239,52 @@ def test_nothing_committed_when_every_qdq_is_slower(residual, tmp_path):
     assert report["speedup"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_threshold_above_any_gain_commits_nothing(residual, tmp_path):
+def test_threshold_above_any_gain_changes_nothing(residual, tmp_path):
+    """``performance_threshold`` 2.0: no start beats float by 2x and no move makes the model
+    2x faster, so float stands and ships."""
     result = tune(residual, tmp_path / "t", benchmark=deterministic(fns.rewards_groups),
+                  runtime="onnxruntime",
                   config=Config(schemes_per_region=4, performance_threshold=2.0),
                   progress=False)
+    assert [s["name"] for s in result.report["starts"] if s["chosen"]] == ["float"]
     assert all(p["committed_scheme"] == [] for p in result.report["patterns"])
     assert qdq_nodes(onnx.load(str(result.optimized_model))) == []
 
 
 # -- 3. samplers -------------------------------------------------------------------------------
-@pytest.mark.parametrize("sampler", ["qdq", "tpe", "random", "cmaes"])
+@pytest.mark.parametrize("sampler", ["qdq", "tpe", "random", "cmaes", "nsga2", "bruteforce"])
 def test_samplers_by_name(sampler, residual, tmp_path):
+    """Every sampler runs the same flow: starts, then visits whose queued moves come first;
+    our sampler ends a visit when its moves are done, the others spend the visit's budget."""
     budget = 4
     result = tune(residual, tmp_path / sampler, benchmark=deterministic(fns.rewards_groups),
-                  sampler=sampler, config=Config(schemes_per_region=budget, converged_patience=0),
-                  progress=False)
+                  runtime="onnxruntime", sampler=sampler,
+                  config=Config(schemes_per_region=budget, converged_patience=0), progress=False)
     report = result.report
     assert report["sampler"] == sampler and report["complete"]
-    expected = distinct_models(residual, report["patterns"])
-    for p in report["patterns"]:
-        assert p["trials"] == min(budget, expected[p["id"]]), (sampler, p["id"])
-    want = expected_trials(residual, report, budget)
-    for p, s in pattern_studies(result.output_dir, result.report["run_id"]).items():
-        if is_refinement(p):  # a cap: its distinct models depend on the other patterns
-            assert 1 <= len(complete(s)) <= want[p], (sampler, p)
-        else:
-            assert len(complete(s)) == want[p], (sampler, p)
+    assert report["final_latency_ms"] <= min(s["latency_ms"] for s in report["starts"]) + 1e-9
+    for name, s in pattern_studies(result.output_dir, report["run_id"]).items():
+        if is_visit(name):
+            check_visit(name, s, budget)
+            moves = [t for t in s.get_trials(deepcopy=False) if t.user_attrs.get("move")]
+            assert moves and moves[0].user_attrs["move"] == "start"
 
 
-def test_qdq_stops_a_converged_study_early_without_losing_the_best(residual, tmp_path):
-    """With a large budget our sampler's climb runs out of untried neighbours of the best
-    scheme; the study then stops after ``converged_patience`` exploration trials that did not
-    improve, and commits the same scheme as a run that spends its whole budget."""
+def test_qdq_ends_a_visit_when_its_moves_are_done(residual, tmp_path):
+    """With a large budget our sampler's visits stop once every queued move was tried (the
+    moves are its climb); TPE spends what is left of each visit's budget on its own schemes."""
     budget = 40
-    runs = {}
-    for patience in (0, 1):
-        runs[patience] = tune(residual, tmp_path / f"p{patience}",
-                              benchmark=deterministic(fns.rewards_groups), sampler="qdq",
-                              config=Config(schemes_per_region=budget,
-                                            converged_patience=patience), progress=False).report
-    full, early = runs[0], runs[1]
-    expected = distinct_models(residual, full["patterns"])
-    stopped = [p for p in early["patterns"] if "converged_after" in p]
-    assert stopped, "no study converged before its budget"
-    for p_full, p_early in zip(full["patterns"], early["patterns"]):
-        assert p_full["trials"] == min(budget, expected[p_full["id"]])
-        assert "converged_after" not in p_full
-        assert p_early["committed_scheme"] == p_full["committed_scheme"]
-        if "converged_after" in p_early:
-            assert p_early["trials"] < p_full["trials"]
-    assert early["measurements"] < full["measurements"]
-    assert early["final_latency_ms"] == pytest.approx(full["final_latency_ms"])
-
-
-def test_qdq_studies_also_start_from_the_compute_inputs(residual, tmp_path):
-    """Our sampler's studies get the classic recipe (Q/DQ on Conv/Gemm/MatMul inputs only) as
-    a seed after the user's, unless it is no scheme of its own; other samplers do not."""
-    from qdq_optuna.scheme import compute_inputs_scheme
-
-    pm = PreparedModel.prepare(str(residual))
-    want = {pp.pattern.id: compute_inputs_scheme(pp) for pp in pm.tunable}
-    assert any(want.values())
-    for sampler, on in (("qdq", True), ("qdq", False), ("random", True)):
-        out = tmp_path / f"{sampler}-{on}"
-        tune(residual, out, benchmark=deterministic(fns.rewards_groups), sampler=sampler,
-             config=Config(schemes_per_region=6, seed_compute_inputs=on), progress=False)
-        for pid, s in pattern_studies(out, out.name).items():
-            if is_refinement(pid):  # starts from the standing scheme only (tested below)
-                continue
-            fixed = [t.system_attrs["fixed_params"] for t in s.get_trials(deepcopy=False)
-                     if t.system_attrs.get("fixed_params")]
-            seeded = want[pid] is not None and want[pid] in fixed
-            assert seeded == (sampler == "qdq" and on and want[pid] is not None), (sampler, pid)
-            if seeded:
-                t = next(t for t in s.get_trials(deepcopy=False)
-                         if t.system_attrs.get("fixed_params") == want[pid])
-                assert t.state == TrialState.COMPLETE
-                assert t.system_attrs["qdq:origin"] == "seed"
+    runs = {s: tune(residual, tmp_path / s, benchmark=deterministic(fns.rewards_groups),
+                    runtime="onnxruntime", sampler=s, config=Config(schemes_per_region=budget),
+                    progress=False).report for s in ("qdq", "tpe")}
+    ours, theirs = runs["qdq"], runs["tpe"]
+    assert any("converged_after" in v for p in ours["patterns"] for v in p["visits"])
+    assert not any("converged_after" in v for p in theirs["patterns"] for v in p["visits"])
+    assert ours["measurements"] < theirs["measurements"]
+    own = pattern_studies(tmp_path / "tpe", "tpe")
+    sampled = [t for name, s in own.items() if is_visit(name) for t in complete(s)
+               if not t.user_attrs.get("move")]
+    assert sampled, "TPE proposed nothing of its own after the moves"
 
 
 def test_gp_sampler_without_torch_is_a_clear_error(residual, tmp_path):
@@ -289,7 +292,14 @@ def test_gp_sampler_without_torch_is_a_clear_error(residual, tmp_path):
         pytest.skip("torch is installed: the gp sampler is available")
     with pytest.raises(OptionError, match="--sampler gp needs torch"):
         tune(residual, tmp_path / "gp", benchmark=deterministic(fns.rewards_groups),
-             sampler="gp", config=Config(schemes_per_region=4), progress=False)
+             runtime="onnxruntime", sampler="gp", config=Config(schemes_per_region=4),
+             progress=False)
+
+
+def test_a_callable_backend_must_name_its_runtime(residual, tmp_path):
+    with pytest.raises(OptionError, match="--runtime onnxruntime or --runtime tensorrt"):
+        tune(residual, tmp_path / "c", benchmark=fns.rewards_groups, progress=False)
+    assert not (tmp_path / "c").exists()
 
 
 # -- 4. reproducibility ------------------------------------------------------------------------
@@ -298,13 +308,14 @@ def _trace(result) -> list:
     for pid, s in sorted(pattern_studies(result.output_dir, result.report["run_id"]).items()):
         trials = sorted(s.get_trials(deepcopy=False), key=lambda t: t.number)
         rows.append((pid, [(t.state.name, t.params, t.value) for t in trials],
-                     s.user_attrs["committed"]))
+                     s.user_attrs.get("committed")))
     return rows
 
 
 def test_same_seed_same_search(residual, tmp_path):
     runs = [tune(residual, tmp_path / f"r{i}" / "same", benchmark=deterministic(fns.rewards_groups),
-                 seed=7, config=Config(schemes_per_region=5), progress=False)
+                 runtime="onnxruntime", seed=7, config=Config(schemes_per_region=5),
+                 progress=False)
             for i in range(2)]
     a, b = (_trace(r) for r in runs)
     assert a == b
@@ -314,26 +325,24 @@ def test_same_seed_same_search(residual, tmp_path):
 
 
 # -- 6. warm starts ----------------------------------------------------------------------------
-def test_pattern_cache_seeds_the_next_run(e2e, residual, tmp_path):
+def test_pattern_cache_is_a_start_and_each_visits_first_move(e2e, residual, tmp_path):
     cache_path = e2e.output_dir / "pattern_cache.yaml"
     cache = yaml.safe_load(cache_path.read_text())["patterns"]
     result = tune(residual, tmp_path / "warm", benchmark=deterministic(fns.rewards_groups),
-                  pattern_cache=str(cache_path), config=Config(schemes_per_region=BUDGET),
-                  progress=False)
-    by_id = pattern_studies(result.output_dir, "warm")
-    seeded = 0
+                  runtime="onnxruntime", pattern_cache=str(cache_path),
+                  config=Config(schemes_per_region=BUDGET), progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert "pattern-cache" in starts
+    # the cache's best scheme of every pattern: the first run's standing schemes
+    first = {p["id"]: sorted(p["committed_scheme"]) for p in e2e.report["patterns"]}
     for p in result.report["patterns"]:
-        entry = cache.get(p["signature"])
-        if not entry or not entry["schemes"]:
-            continue
-        best = sorted(entry["schemes"][0]["points"])
-        first = sorted(by_id[p["id"]].get_trials(deepcopy=False),
-                       key=lambda t: t.number)[:len(entry["schemes"])]
-        seeds = [sorted(k for k, v in t.system_attrs.get("fixed_params", {}).items() if v)
-                 for t in first if t.system_attrs.get("qdq:origin") == "seed"]
-        assert best in seeds, (p["id"], best, seeds)
-        seeded += 1
-    assert seeded == len(result.report["patterns"])
+        assert sorted(cache[p["signature"]]["schemes"][0]["points"]) == first[p["id"]]
+    trial = next(t for t in studies(result.output_dir)["warm/_starts"].get_trials()
+                 if t.user_attrs["start"] == "pattern-cache")
+    assert {p: sorted(v) for p, v in trial.user_attrs["points_on"].items() if v} == {
+        p: v for p, v in first.items() if v}
+    # warm: as fast as the first run, from its best start
+    assert result.report["final_latency_ms"] <= e2e.report["final_latency_ms"] + 1e-9
 
 
 def _quantize_static(float_path, out_path) -> None:
@@ -359,25 +368,59 @@ def _quantize_static(float_path, out_path) -> None:
     quantize_static(str(float_path), str(out_path), Reader(), quant_format=QuantFormat.QDQ)
 
 
-def test_qdq_baseline_seeds_its_placement(residual, tmp_path):
+def test_qdq_baseline_is_a_start(residual, tmp_path):
     baseline = tmp_path / "baseline_qdq.onnx"
     _quantize_static(residual, baseline)
     quantized = activation_q_inputs(onnx.load(str(baseline)))
     assert quantized
     result = tune(residual, tmp_path / "seeded", benchmark=deterministic(fns.rewards_groups),
-                  qdq_baseline=str(baseline),
-                  config=Config(schemes_per_region=4, seed_compute_inputs=False),
-                  progress=False)
+                  runtime="onnxruntime", qdq_baseline=str(baseline),
+                  config=Config(schemes_per_region=4), progress=False)
     assert result.report["complete"]
-    seeds = 0
-    for _pid, s in pattern_studies(result.output_dir, "seeded").items():
+    trial = next(t for t in studies(result.output_dir)["seeded/_starts"].get_trials()
+                 if t.user_attrs["start"] == "qdq-baseline")
+    on = trial.user_attrs["points_on"]
+    assert any(on.values())
+    for pid, s in pattern_studies(result.output_dir, "seeded").items():
+        if not is_visit(pid):
+            continue
         tensors = s.user_attrs["qdq_point_tensors"]
-        expected = {p: int(bool(ts) and set(ts) <= quantized) for p, ts in tensors.items()}
-        for t in s.get_trials(deepcopy=False):
-            fixed = t.system_attrs.get("fixed_params")
-            if fixed and any(fixed.values()):
-                assert fixed == expected
-                assert t.state == TrialState.COMPLETE
-                assert set(t.user_attrs["tensors"]) <= quantized
-                seeds += 1
-    assert seeds >= 1
+        for point in on.get(s.user_attrs["pattern_id"], []):
+            assert set(tensors[point]) <= quantized  # a point is on when all it covers is
+
+
+# -- 7. the baseline -----------------------------------------------------------------------------
+def node_count(model) -> float:
+    """A latency that sees the graph itself: one ms per node (Q/DQ included)."""
+    return float(len(model.graph.node))
+
+
+def test_the_baseline_is_the_users_model_as_given(tmp_path, zoo_model):
+    """Under ONNX Runtime rules the search works on ONNX Runtime's preprocessed graph (Conv+BN
+    folded); the baseline, and the final A/B, are the user's file on the same backend."""
+    path = tmp_path / "resnet.onnx"
+    model = zoo_model("resnet")
+    onnx.save(model, str(path))
+    result = tune(path, tmp_path / "ort", benchmark=deterministic(node_count),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    report = result.report
+    assert report["baseline_latency_ms"] == len(model.graph.node)
+    assert report["baseline_model"] == "the user's model as given"
+    searched = next(s for s in report["starts"] if s["name"] == "float")["latency_ms"]
+    assert searched < len(model.graph.node)  # the preprocessed graph has fewer nodes
+    optimized = onnx.load(str(result.optimized_model))
+    assert report["final_latency_ms"] == len(optimized.graph.node)
+    assert report["speedup"] == pytest.approx(len(model.graph.node) / len(optimized.graph.node))
+
+
+def test_with_high_precision_the_baseline_is_the_converted_model(tmp_path, zoo_model):
+    path = tmp_path / "resnet.onnx"
+    onnx.save(zoo_model("resnet"), str(path))
+    result = tune(path, tmp_path / "trt", benchmark=deterministic(node_count),
+                  runtime="tensorrt", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    report = result.report
+    assert report["baseline_model"] == "the user's model converted to fp16 (no Q/DQ)"
+    pm = PreparedModel.prepare(str(path), runtime="tensorrt", high_precision="fp16")
+    assert report["baseline_latency_ms"] == len(pm.high_precision.model.graph.node)

@@ -150,15 +150,16 @@ def gated(tmp_path_factory) -> tuple[Path, float]:
     model = zoo.gated_pairs()
     path = tmp_path_factory.mktemp("gated") / "gated.onnx"
     onnx.save(model, str(path))
-    pm = PreparedModel.prepare(model, runtime="tensorrt")
+    # FP16: the high precision tune runs the cost model with by default
+    pm = PreparedModel.prepare(model, runtime="tensorrt", high_precision="fp16")
     exporter, backend = pm.exporter(), CostModelBackend()
 
     def lat(uses) -> float:
         return backend.estimate(exporter.to_bytes(exporter.plan(set(uses)))).total_ms
 
     float_ms = lat(())
-    assert len(pm.tunable) == 2
-    # every scheme of either pattern alone, the other float: no gain at all
+    assert len(pm.tunable) >= 2
+    # every scheme of any one pattern alone, the others float: no gain at all
     assert all(ms >= float_ms for ms in _pattern_alone_best(pm, lat).values())
     return path, float_ms / lat(starts.all_on_start(pm).uses)
 
@@ -168,8 +169,6 @@ def test_gated_pairs_gain_needs_both_patterns(gated) -> None:
     assert all_on > 1.05
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: patterns tuned one at a time in a float "
-                   "context miss a gain that needs two adjacent patterns INT8")
 def test_tune_finds_the_gain_of_two_adjacent_patterns(gated, tmp_path: Path) -> None:
     path, all_on = gated
     result = qdq_optuna.tune(path, tmp_path / "out", benchmark="costmodel", progress=False)

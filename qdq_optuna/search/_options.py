@@ -22,6 +22,7 @@ from ..guard import DEFAULT_MAX_OUTPUT_ERROR
 from ..model import PreparedModel
 from ..objectives import CATEGORICAL_SAMPLERS, check_error_options, check_sampler, parse_objectives
 from ..scheme import ChoiceSpace
+from ._record import FLOW, WHOLE_MODEL
 
 
 @dataclass
@@ -134,6 +135,21 @@ def backend_name(options: TuneOptions, backend: Backend) -> str:
     return options.backend if isinstance(options.backend, str) else backend.name
 
 
+def check_runtime_named(options: TuneOptions, backend: Backend) -> None:
+    """A backend whose runtime we cannot know (``--backend package.module:function``, a
+    callable, a Backend of a name outside the table) must name it: ONNX Runtime's rules and
+    preprocessing on a TensorRT-like callable would place Q/DQ for the wrong runtime."""
+    if options.runtime is not None:
+        return
+    name = backend_name(options, backend)
+    if name in BACKENDS:
+        return
+    what = (f"--backend {name}" if isinstance(options.backend, str)
+            else f"backend {getattr(backend, 'describe', lambda: {})().get('callable') or name}")
+    raise OptionError(f"{what}: name the runtime it measures with --runtime onnxruntime or "
+                      "--runtime tensorrt (whose rules place the Q/DQ)")
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a run's options resolve to once its backend and model are known."""
@@ -147,11 +163,14 @@ class Settings:
     #: output errors are measured (any accuracy option)
     accuracy: bool
     space: ChoiceSpace
-    refine_rounds: int
+    #: descent rounds at most (1 + ``Config.refine_rounds``; 1 with two objectives)
+    rounds: int
     max_output_error: float | None = None
     #: the accuracy guard's bound on the output error (``--max-output-error``, else
     #: :data:`~qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR`)
     error_bound: float = DEFAULT_MAX_OUTPUT_ERROR
+    #: where the descent starts (``Config.start``; ``float`` with two objectives)
+    start: str = "best"
     #: two objectives (latency, error)
     multi_objective: bool = field(init=False)
 
@@ -183,13 +202,14 @@ class Settings:
                             categorical=options.sampler in CATEGORICAL_SAMPLERS)
         check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
                       constrained=constrained)
-        # none with two objectives: the report's Pareto chain is built from one decision per
-        # pattern
-        refine_rounds = 0 if multi else options.config.refine_rounds
+        # two objectives: one pass from float (the report's Pareto chain is built from one
+        # decision per pattern, added to the float model)
+        rounds = 1 if multi else 1 + options.config.refine_rounds
         bound = (float(options.max_output_error) if options.max_output_error is not None
                  else DEFAULT_MAX_OUTPUT_ERROR)
         return cls(backend_name(options, backend), runtime, scales, objectives, constrained,
-                   accuracy, space, refine_rounds, options.max_output_error, bound)
+                   accuracy, space, rounds, options.max_output_error, bound,
+                   "float" if multi else options.config.start)
 
 
 def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
@@ -197,6 +217,7 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
     """The settings that change a run's result: a resumed run must have the same."""
     o = options
     fp = {
+        FLOW: WHOLE_MODEL,
         "model_sha256": prepared.source_sha256,
         "backend": backend.describe(),
         "runtime": settings.runtime,

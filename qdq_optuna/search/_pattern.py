@@ -1,12 +1,16 @@
 """One pattern's Optuna study: open it, time its trials against a reference, decide, commit.
 
-Every trial applies one scheme to every member region of the pattern, placed between the
-standing schemes of the other patterns (its :data:`~qdq_optuna.scheme.Around`), and is timed
-against the same *reference*: the model with everything that stands and this pattern's
-starting scheme (none in the first pass), so machine drift cancels in the ratio; the objective
-returns ``reference_ms * ratio``. When the budget is spent (or the sampler's climb converged),
-the best trial is re-measured against the reference and committed if the commit rule
-(:class:`~qdq_optuna.measure.CommitRule`) says so; otherwise the starting scheme stays.
+A study is one *visit* of the descent (``RUN/P003/round2``): every trial applies one scheme to
+every member region of the pattern, placed between the standing schemes of the other patterns
+(its :data:`~qdq_optuna.scheme.Around`), and is timed against the same *reference*: the
+standing model (everything that stands, this pattern's standing scheme included), so machine
+drift cancels in the ratio; the objective returns ``reference_ms * ratio``, a whole-model
+latency. Its first trial is the standing scheme itself (free: the reference). A visit's moves
+(:class:`~qdq_optuna.search._moves.MoveQueue`) are queued one at a time as trials finish; a
+chain move also sets points of neighbouring patterns (the trial's ``partner``). When the moves
+are done (our sampler: the visit ends; other samplers: they spend the rest of the budget), the
+best trial replaces the standing scheme if the commit rule
+(:class:`~qdq_optuna.measure.CommitRule`) says so and the accuracy guard allows it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.trial import TrialState
 
+from .._progress import Progress
 from ..accuracy import AccuracyError
 from ..backends.base import BackendError
 from ..config import Config
@@ -24,13 +29,13 @@ from ..export import QDQExporter, QuantPlan
 from ..insertion.points import PatternPoints
 from ..measure import CommitRule
 from ..model import PreparedModel
-from ..objectives import METRIC_NAMES, choose_candidate
+from ..objectives import METRIC_NAMES, choose_candidate, feasible
 from ..sampling import make_sampler
 from ..scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
 from ._guard import Guard
+from ._moves import MoveQueue
 from ._options import Settings
 from ._plans import PlanMeasurer, Reference
-from ._progress import Bar, Progress
 from ._record import (
     Agreed,
     PatternAttr,
@@ -42,7 +47,11 @@ from ._record import (
     note_scheme,
     pattern_attrs,
 )
-from ._workers import Workers
+from ._workers import Workers, lost_race
+
+#: two objectives: Pareto points whose latency is within this factor of the fastest count as
+#: equally fast (the most accurate of them is committed), or within the threshold when higher
+EQUALLY_FAST = 1.02
 
 
 class OutOfTime(Exception):
@@ -89,36 +98,56 @@ class Search:
 
 
 class PatternStudy:
-    """One study of one pattern in one round (see the module docstring).
+    """One study of one pattern (see the module docstring).
 
     ``around``: the standing schemes of the other patterns; ``start``: the pattern's standing
-    scheme to start from (indices; None: the empty scheme, and the sampler proposes the empty
+    scheme to start from (indices; None: the empty scheme, and our sampler proposes the empty
     and full schemes first); ``seeds``: schemes to try first; ``budget``: finished trials at
     most (default ``Config.schemes_per_region``; never more than the distinct models the
     pattern's schemes build); ``rule``: when a candidate replaces the start (default: the
-    run's)."""
+    run's); ``rnd``/``lane``: the visit's round and lane (0: an ask/tell study ``RUN/P003``);
+    ``queue``: the visit's moves."""
 
     def __init__(self, search: Search, pp: PatternPoints, *, order: int, around: Around,
-                 rnd: int = 0, start: dict[str, int] | None = None, seeds: Sequence[Seed] = (),
-                 budget: int | None = None, rule: CommitRule | None = None) -> None:
+                 rnd: int = 0, lane: str = "", start: dict[str, int] | None = None,
+                 seeds: Sequence[Seed] = (), budget: int | None = None,
+                 rule: CommitRule | None = None, queue: MoveQueue | None = None,
+                 context_key: str | None = None) -> None:
         self.s = search
         self.pp = pp
         self.order = order
         self.rnd = rnd
+        self.lane = lane
         self.around = around
         self.start = start
         self.seeds = list(seeds)
         self.cap = budget or search.config.schemes_per_region
         self.rule = rule or search.rule
+        self.queue = queue
+        self.context_key = context_key
         self.study: optuna.Study | None = None
         self.sampler = None
         self.reference: Reference | None = None
         self.budget = self.cap
 
     # -- the study -----------------------------------------------------------------------
-    def plan(self, params: dict) -> QuantPlan:
-        """The whole model's plan with ``params`` for this pattern."""
-        return self.s.exporter.plan(self.s.settings.space.placed(self.around, self.pp, params))
+    def plan(self, params: dict, partner: dict | None = None) -> QuantPlan:
+        """The whole model's plan with ``params`` for this pattern (and a chain move's
+        ``partner`` points of other patterns)."""
+        return self.s.exporter.plan(self.s.settings.space.placed(self._around(partner), self.pp,
+                                                                 params))
+
+    def _around(self, partner: dict | None) -> Around:
+        if not partner or self.queue is None:
+            return self.around
+        return self.s.record.around(self.pp, self.queue.schemes({}, partner))
+
+    def plan_of(self, trial) -> QuantPlan:
+        return self.plan(trial.params, trial.user_attrs.get(TrialAttr.PARTNER))
+
+    @property
+    def ours(self) -> bool:
+        return self.s.sampler == "qdq"
 
     def open(self) -> bool:
         """Create (or load) the study, describe it and queue its seeds; False when it was
@@ -129,7 +158,7 @@ class PatternStudy:
             scheme_key=lambda params: self.plan(params).key,
             multi_objective=s.settings.multi_objective, refine=self.start is not None)
         self.study = s.record.create_study(self.pp, self.rnd, self.sampler,
-                                           len(s.settings.objectives))
+                                           len(s.settings.objectives), self.lane)
         if PatternAttr.COMMITTED in self.study.user_attrs:
             return False
         if s.workers is not None:
@@ -140,7 +169,8 @@ class PatternStudy:
         if s.workers is not None:
             s.workers.requeue(self.study)
         space = s.settings.space
-        first = [Seed(space.params(self.start, self.pp.ids))] if self.start is not None else []
+        first = [Seed(space.params(self.start, self.pp.ids), {TrialAttr.MOVE: "start"})
+                 ] if self.start is not None else []
         for seed in first + self.seeds:
             self.study.enqueue_trial(seed.params, user_attrs=seed.user_attrs, skip_if_exists=True)
         return True
@@ -150,10 +180,14 @@ class PatternStudy:
                  PatternAttr.RUN_ID: self.s.record.run_id,
                  PatternAttr.ORDER: self.order,
                  PatternAttr.ROUND: self.rnd,
-                 PatternAttr.CONTEXT_KEY: self.s.neighbourhood.key(self.pp, self.around),
+                 PatternAttr.LANE: self.lane,
+                 PatternAttr.CONTEXT_KEY: self.context_key or
+                 self.s.neighbourhood.key(self.pp, self.around),
                  PatternAttr.BASELINE_MS: self.s.baseline_ms}
-        if self.rnd:
-            attrs[PatternAttr.REFINES] = self.s.settings.space.on(self.start or {})
+        if self.start is not None:
+            attrs[PatternAttr.FROM] = self.s.settings.space.on(self.start)
+        if self.queue is not None:
+            attrs[PatternAttr.MOVES] = len(self.queue.moves)
         return attrs
 
     def measure_reference(self) -> Reference:
@@ -162,13 +196,19 @@ class PatternStudy:
         s = self.s
         plan = self.plan(self.start or {})
         source = s.exporter.source(plan)  # bytes, or a path for a model in external mode
-        ms, screen_ms = s.record.reference(self.study, lambda: s.plans.reference(source))
+        def measure() -> list:
+            before = s.plans.measurements
+            return [*s.plans.reference(source, plan.key), s.plans.measurements - before]
+
+        ms, screen_ms = s.record.reference(self.study, measure)
         self.reference = Reference(plan, source, ms, screen_ms)
         s.plans.known(self.reference)
         if s.settings.accuracy:
             s.record.reference_error(self.study, lambda: s.plans.error(s.exporter, plan))
         distinct = distinct_schemes(s.settings.space, self.pp, self.around,
                                     lambda uses: s.exporter.plan(uses).key)
+        if distinct is not None and self.queue is not None:  # chain moves build more models
+            distinct += sum(m.kind == "chain" for m in self.queue.moves)
         self.budget = self.cap if distinct is None else min(self.cap, distinct)
         return self.reference
 
@@ -177,7 +217,8 @@ class PatternStudy:
         """One trial: its scheme, the model it builds, its latency (and error)."""
         s = self.s
         s.workers.admit(self.study, trial, self.budget)
-        drawn = s.settings.space.draw(trial, self.pp, self.around)
+        partner = trial.user_attrs.get(TrialAttr.PARTNER)
+        drawn = s.settings.space.draw(trial, self.pp, self._around(partner))
         plan = s.exporter.plan(drawn.uses)
         note_scheme(trial, drawn, plan)
         twin = s.workers.twin(self.study, trial, plan.key)
@@ -191,19 +232,86 @@ class PatternStudy:
         before = s.plans.measurements  # what this trial cost (0 when cached); see bench.py
         try:
             latency, record = s.plans.latency(s.exporter, plan, self.reference,
-                                              f"{self.pp.pattern.id} trial {trial.number}")
+                                              f"{self.study.study_name} trial {trial.number}")
         except BackendError as exc:
             note_failure(trial, str(exc), bool(getattr(exc, "transient", False)),
                          s.plans.measurements - before)
             raise
         note_measurement(trial, record, s.plans.measurements - before)
+        excess = None
+        if s.settings.accuracy:
+            err = s.plans.error(s.exporter, plan)
+            excess = (err["error"] - float(s.settings.max_output_error)
+                      if s.settings.constrained else None)
+            note_error(trial, err, excess)
+        if not s.settings.multi_objective:
+            trial.set_user_attr(TrialAttr.IMPROVED, self._improves(trial.number, latency,
+                                                                   len(plan), excess))
         if not s.settings.accuracy:
             return latency
-        err = s.plans.error(s.exporter, plan)
-        excess = (err["error"] - float(s.settings.max_output_error)
-                  if s.settings.constrained else None)
-        note_error(trial, err, excess)
         return (latency, err["error"]) if s.settings.multi_objective else latency
+
+    def _rank(self, t) -> tuple:
+        """How finished trials compare: latency, then fewer Q/DQ (a removal that is not
+        slower wins), then the earlier trial."""
+        return (t.values[0], t.user_attrs.get(TrialAttr.QDQ_COUNT, 0), t.number)
+
+    def _pool(self) -> list:
+        """Finished single-objective trials that may be committed (feasible ones under a
+        budget)."""
+        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.values]
+        if self.s.settings.constrained:
+            done = [t for t in done if feasible(t)]
+        return done
+
+    def best_trial(self):
+        pool = self._pool()
+        return min(pool, key=self._rank) if pool else None
+
+    def _improves(self, number: int, latency: float, qdq: int, excess: float | None) -> bool:
+        if excess is not None and excess > 0:
+            return False
+        best = self.best_trial()
+        if best is None:
+            return latency < self.reference.ms * (1 - 1e-9)
+        return (latency, qdq, number) < self._rank(best) and (
+            latency < best.values[0] * (1 - 1e-9) or qdq < best.user_attrs.get(
+                TrialAttr.QDQ_COUNT, 0))
+
+    # -- the moves -----------------------------------------------------------------------
+    def feed(self) -> bool:
+        """Queue the visit's next move unless one is waiting; False when the moves are done
+        (nothing waiting, nothing left)."""
+        q = self.queue
+        if q is None:
+            return False
+        trials = self.study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return True
+        taken = max((t.user_attrs.get(TrialAttr.MOVE_INDEX, -1) for t in trials), default=-1)
+        keys = {t.user_attrs.get(TrialAttr.PLAN_KEY) for t in trials
+                if t.state != TrialState.FAIL or not t.user_attrs.get(TrialAttr.TRANSIENT)}
+        keys.add(self.reference.plan.key)
+        best = self.best_trial()
+        state = q.schemes(self.s.settings.space.indices(best.params, self.pp.ids),
+                          best.user_attrs.get(TrialAttr.PARTNER)) if best else q.standing
+        outcomes = [(t.user_attrs[TrialAttr.MOVE_SIGNATURE], t.user_attrs.get(
+            TrialAttr.IMPROVED, False)) for t in trials if t.state == TrialState.COMPLETE
+            and TrialAttr.MOVE_SIGNATURE in t.user_attrs]
+        found = q.next(taken, state, keys, outcomes,
+                       lambda own, partner: self.plan(own, partner).key)
+        if found is None:
+            self.study.set_user_attr(PatternAttr.MOVES_SKIPPED, q.skipped)
+            return False
+        index, move, own, partner, key = found
+        attrs = {TrialAttr.MOVE: move.kind, TrialAttr.MOVE_INDEX: index,
+                 TrialAttr.MOVE_SIGNATURE: list(move.signature), TrialAttr.PLAN_KEY: key}
+        if partner:
+            attrs[TrialAttr.PARTNER] = partner
+        self.study.enqueue_trial(self.s.settings.space.params(own, self.pp.ids),
+                                 user_attrs=attrs)
+        return True
 
     # -- the run of the study ------------------------------------------------------------
     def run(self) -> dict:
@@ -211,8 +319,14 @@ class PatternStudy:
         if not self.open():
             return dict(self.study.user_attrs)
         self.measure_reference()
-        self.optimize()
-        return self.commit()
+        detail = f"{len(self.pp.pattern.regions)} regions, {len(self.pp.ids)} points"
+        with self.s.progress.pattern(self.label(), self.budget, detail=detail,
+                                     done=self._complete()) as bar:
+            self.optimize(bar)
+            attrs = self.commit()
+            bar.finish(gain=float(attrs.get(PatternAttr.GAIN, 1.0)),
+                       note=_short(attrs.get(PatternAttr.COMMIT_REASON, "")))
+        return attrs
 
     def _complete(self) -> int:
         return len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -221,26 +335,42 @@ class PatternStudy:
         return (self._complete() >= self.budget
                 or PatternAttr.CONVERGED_AFTER in self.study.user_attrs)
 
-    def optimize(self) -> None:
-        """Run trials until the budget is spent (across workers), the sampler's climb
-        converged, too many trials failed, or the run is out of time (:class:`OutOfTime`)."""
+    def label(self) -> str:
+        """The pattern, as progress lines name it (the stage names the round)."""
+        return self.pp.pattern.id
+
+    def optimize(self, bar=None) -> None:
+        """Run trials until the budget is spent (across workers), the moves are done (our
+        sampler) or the sampler's climb converged, too many trials failed, or the run is out
+        of time (:class:`OutOfTime`). ``bar``: the progress of this study."""
         s = self.s
-        bar = s.progress.pattern(self.pp.pattern.id, self.rnd, len(self.pp.pattern.regions),
-                                 len(self.pp.ids), budget=self.budget, done=self._complete(),
-                                 reference_ms=self.reference.ms)
-        try:
-            if not self._done():
+        while not self._done() and not self._moves_done():
+            try:
                 self.study.optimize(
                     s.workers.interruptible(self.study, self.objective),
                     callbacks=self._callbacks(bar), timeout=s.remaining(),
                     catch=(BackendError, AccuracyError), gc_after_trial=False)
-        finally:
-            bar.close()
+                break
+            except ValueError as exc:  # another worker ran the trial we popped too: go on
+                if not lost_race(exc):
+                    raise
         remaining = s.remaining()
         if remaining is not None and remaining <= 0 and not self._done():
             raise OutOfTime()
 
-    def _callbacks(self, bar: Bar) -> list:
+    def _moves_done(self) -> bool:
+        """Feed the next move; True when our sampler's visit ends: its moves are done (they
+        are its climb). Other samplers go on with their own proposals."""
+        if self.queue is None or self.feed() or not self.ours:
+            return False
+        if self.s.workers.worker:  # another worker's move may still improve the best
+            self.s.workers.wait_for_running(self.study)
+            if self.feed():  # a dead worker's trial came back queued, or a move after all
+                return False
+        self.study.set_user_attr(PatternAttr.CONVERGED_AFTER, len(self.study.trials))
+        return True
+
+    def _callbacks(self, bar) -> list:
         budget = self.budget
 
         def stop_on_failures(study: optuna.Study, trial) -> None:
@@ -251,11 +381,16 @@ class PatternStudy:
                 study.stop()
 
         def progress(study: optuna.Study, trial) -> None:
-            if trial.state == TrialState.COMPLETE:
-                bar.trial_done(study)
+            if trial.state == TrialState.COMPLETE and bar is not None:
+                best = self.best_trial() if not self.s.settings.multi_objective else None
+                bar.trial(best=f"{best.values[0]:.4f} ms" if best is not None else "")
+
+        def moves(study: optuna.Study, trial) -> None:
+            if self._complete() < budget and self._moves_done():
+                study.stop()
 
         callbacks = [optuna.study.MaxTrialsCallback(budget, states=(TrialState.COMPLETE,)),
-                     stop_on_failures, progress]
+                     stop_on_failures, progress, moves]
         patience = self.s.config.converged_patience
         if patience and not self.s.workers.worker and hasattr(self.sampler, "converged"):
             # workers keep exact budgets: one worker cannot know the others' trials are done
@@ -270,7 +405,7 @@ class PatternStudy:
     # -- the decision --------------------------------------------------------------------
     def commit(self, confirm: Callable[[QuantPlan], object] | None = None) -> dict:
         """Store the pattern's decision (the first stored in the run wins, so every worker
-        builds the next patterns on the same commits), tell the commit callbacks, and return
+        builds the next visits on the same commits), tell the commit callbacks, and return
         the study's attrs. ``confirm``: re-measures a candidate against the reference (default:
         the plan measurer's interleaved A/B; ask/tell passes None and its own figures count)."""
         s = self.s
@@ -289,60 +424,137 @@ class PatternStudy:
 
     def decide(self, reference_ms: float | None, confirm=None) -> dict:
         """The decision for this pattern: its best trial if the commit rule confirms it beats
-        the reference, else the starting scheme (an agreed decision, see :class:`Agreed`)."""
+        the reference and the guard allows it, else the starting scheme (an agreed decision,
+        see :class:`Agreed`)."""
         s = self.s
         space = s.settings.space
-        complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         keep = space.indices(self.start, self.pp.ids) if self.start else dict.fromkeys(self.pp.ids, 0)
-        decision = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0,
-                    Agreed.REASON: "no trial beat the reference"}
-        best, why = choose_candidate(complete, multi_objective=s.settings.multi_objective,
-                                     constrained=s.settings.constrained,
-                                     threshold=self.rule.threshold)
-        if best is None and complete:
-            decision[Agreed.REASON] = why
-        if best is not None:
-            decision = self._judge(best, keep, reference_ms, confirm)
-            if s.settings.accuracy or s.settings.multi_objective:
-                decision[PatternAttr.CANDIDATE] = why
-        if s.plans is not None and s.plans.scorer is not None:  # the whole-model error now
-            err = s.plans.error(s.exporter, self.plan(decision[PatternAttr.COMMITTED]))
+        stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
+        if s.settings.multi_objective:
+            complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            best, why = choose_candidate(complete, multi_objective=True,
+                                         constrained=s.settings.constrained,
+                                         threshold=max(self.rule.threshold, EQUALLY_FAST))
+            decision = {**stay, Agreed.REASON: why if complete else "no trial finished"}
+            if best is not None:
+                decision = {**Judge(self).judge(best, keep, reference_ms, confirm),
+                            PatternAttr.CANDIDATE: why}
+        else:
+            decision = Judge(self).single(keep, reference_ms, confirm)
+        plan = self.plan(decision[PatternAttr.COMMITTED], Judge(self).partner_points(decision))
+        err = None
+        if s.guard is not None:  # the whole-model error now (calibrated scales)
+            err = s.guard.error(plan)
+        elif s.plans is not None and s.plans.scorer is not None:
+            err = s.plans.error(s.exporter, plan)
+        if err is not None:
             decision[PatternAttr.COMMITTED_ERROR] = err["error"]
             decision[PatternAttr.COMMITTED_OUTPUT_ERRORS] = err["output_errors"]
         if space.mixed:
             decision[PatternAttr.COMMITTED_TYPES] = space.describe(decision[PatternAttr.COMMITTED])
         return decision
 
-    def _judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
-        """The decision about the best trial: committed when the rule confirms it."""
-        s = self.s
-        rule = self.rule
-        plan = self.plan(best.params)
-        reference = self.reference.plan if self.reference else self.plan(self.start or {})
-        needed = rule.needed(removes_only=quantized_uses(plan) < quantized_uses(reference))
+class Judge:
+    """A visit's decision: its best trials judged against the standing model (the commit rule,
+    the accuracy guard), with reasons that say what was compared with what."""
+
+    def __init__(self, study: PatternStudy) -> None:
+        self.ps = study
+
+    def partner_points(self, decision: dict) -> dict | None:
+        """A decision's partner schemes as the points that differ from standing."""
+        partner = decision.get(PatternAttr.PARTNER)
+        if not partner or self.ps.queue is None:
+            return None
+        return self.ps.queue.split({**self.ps.queue.standing, **partner,
+                                 self.ps.pp.pattern.id: decision[PatternAttr.COMMITTED]})[1]
+
+    def single(self, keep: dict, reference_ms: float | None, confirm) -> dict:
+        """The fastest trials in turn (at most three the guard refuses), judged against the
+        reference."""
+        s = self.ps.s
         stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
+        pool = sorted(self.ps._pool(), key=self.ps._rank)
+        if not pool:
+            return {**stay, Agreed.REASON: "no trial met the error budget"
+                    if s.settings.constrained else "no trial finished"}
+        refused = []
+        for best in pool[:3]:
+            plan = self.ps.plan_of(best)
+            if plan.key == self.ps.reference.plan.key if self.ps.reference else False:
+                break
+            if s.guard is not None and not s.guard.allows(plan):
+                refused.append(f"trial #{best.number}: output error "
+                               f"{s.guard.error(plan)['error']:.3g} over the guard's bound "
+                               f"{s.guard.bound:g}")
+                continue
+            decision = self.judge(best, keep, reference_ms, confirm)
+            if refused:
+                decision[Agreed.REASON] += " (" + "; ".join(refused) + ")"
+            return decision
+        what = "; ".join(refused) if refused else (
+            f"no trial beat the standing model ({reference_ms:.4f} ms)"
+            if reference_ms is not None else "no trial beat the standing model")
+        return {**stay, Agreed.REASON: what}
+
+    def judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
+        """The decision about the best trial: committed when the rule confirms it."""
+        s = self.ps.s
+        rule = self.ps.rule
+        plan = self.ps.plan_of(best)
+        reference = self.ps.reference.plan if self.ps.reference else self.ps.plan(self.ps.start or {})
+        removes_only = quantized_uses(plan) < quantized_uses(reference)
+        needed = rule.needed(removes_only=removes_only)
+        stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
+        trial = f"trial #{best.number}" + (f" ({best.user_attrs[TrialAttr.MOVE]} move)"
+                                           if best.user_attrs.get(TrialAttr.MOVE) else "")
         if plan.key == reference.key:
-            return {**stay, Agreed.REASON: "best scheme is the reference"}
+            return {**stay, Agreed.REASON: "no trial beat the standing model: the best is the "
+                                           "standing scheme"}
         if reference_ms is None:
             return {**stay, Agreed.REASON: "the reference was not measured"}
-        if not rule.promising(best.values[0], reference_ms, needed):
-            return {**stay, Agreed.REASON: f"best {best.values[0]:.4f} ms not {needed}x faster "
-                                           f"than reference {reference_ms:.4f} ms"}
-        chosen = s.settings.space.indices(best.params, self.pp.ids)
+        what = "removes Q/DQ only, so it must not be slower" if removes_only else (
+            "any gain commits" if needed <= 1.0 else f"it must be {needed:g}x faster")
+        if not rule.promising(best.values[0], reference_ms, needed, removes_only):
+            short = "slower" if best.values[0] > reference_ms else (
+                f"{reference_ms / best.values[0]:.4f}x" if best.values[0] < reference_ms
+                else "as fast")
+            return {**stay, Agreed.REASON: f"best {trial} {best.values[0]:.4f} ms vs the "
+                                           f"standing model {reference_ms:.4f} ms: {short}, "
+                                           f"not enough ({what})"}
+        chosen = s.settings.space.indices(best.params, self.ps.pp.ids)
+        decided = {PatternAttr.COMMITTED: chosen, PatternAttr.CANDIDATE_TRIAL: best.number}
+        partner = best.user_attrs.get(TrialAttr.PARTNER)
+        if partner and self.ps.queue is not None:
+            schemes = self.ps.queue.schemes(chosen, partner)
+            decided[PatternAttr.PARTNER] = {p: schemes[p] for p in partner}
         if confirm is None:  # ask/tell: the caller's figures are the evidence
-            return {PatternAttr.COMMITTED: chosen, PatternAttr.GAIN: reference_ms / best.values[0],
-                    PatternAttr.CANDIDATE_TRIAL: best.number,
-                    Agreed.REASON: "faster by the submitted latencies"}
+            return {**decided, PatternAttr.GAIN: reference_ms / best.values[0],
+                    Agreed.REASON: f"{trial} faster by the submitted latencies"}
+        if s.plans.deterministic:
+            gain = reference_ms / best.values[0]
+            return {**decided, PatternAttr.GAIN: gain,
+                    Agreed.REASON: f"{trial} {best.values[0]:.4f} ms vs the standing model "
+                                   f"{reference_ms:.4f} ms: {gain:.4f}x (deterministic "
+                                   f"backend: {what})"}
         cmp = confirm(plan)
         speedup = 1.0 / cmp.ratio
-        confirmed = rule.confirmed(cmp, needed, s.plans.deterministic)
+        confirmed = rule.confirmed(cmp, needed, False, removes_only)
+        measured = (f"{trial} re-measured against the standing model in {cmp.rounds} "
+                    f"interleaved rounds: {speedup:.3f}x (95 % CI {1 / cmp.ci_high:.3f}-"
+                    f"{1 / cmp.ci_low:.3f})")
         return {
-            PatternAttr.COMMITTED: chosen if confirmed else keep,
+            **(decided if confirmed else stay),
             PatternAttr.GAIN: speedup if confirmed else 1.0,
             PatternAttr.CANDIDATE_TRIAL: best.number,
             PatternAttr.CONFIRMATION: {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
                                        "rounds": cmp.rounds, "speedup": speedup},
-            Agreed.REASON: "confirmed" if confirmed else
-                           f"re-measured speedup {speedup:.3f} below threshold "
-                           f"{needed} or not significant",
+            Agreed.REASON: f"{measured}: committed ({what})" if confirmed else
+                           f"{measured}: standing scheme kept ({what}"
+                           + ("" if removes_only else ", confirmed by the interval") + ")",
         }
+
+
+
+def _short(reason: str, limit: int = 100) -> str:
+    return reason if len(reason) <= limit else reason[:limit - 1] + "…"

@@ -1,9 +1,10 @@
 """Measuring plans: the one place the search asks the backend to time a model.
 
 A *plan* (:class:`~qdq_optuna.export.QuantPlan`) is one Q/DQ placement of the whole model;
-its key names the model it builds. :class:`PlanMeasurer` measures the float baseline, each
-pattern study's reference, a candidate's latency against that reference (the screen, then an
-interleaved A/B), confirmations and the final comparison, and scores a plan's output errors.
+its key names the model it builds. :class:`PlanMeasurer` measures the baseline (the user's
+model), the whole-model starts, each visit's reference (the standing model), a candidate's
+latency against that reference (the screen, then an interleaved A/B), confirmations and the
+final comparison, and scores a plan's output errors.
 It counts every time it asks the backend to time a model (``measurements``, per phase in
 ``by_phase``), never measures one model twice in a run (the run record's measurement memo,
 shared by workers; output errors likewise), and remembers the plans that failed in this
@@ -22,13 +23,9 @@ from ..backends.base import BackendError, BackendUnavailable
 from ..errors import UserError
 from ..export import QuantPlan
 from ..measure import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
-from ._record import PlanMemo
+from ._record import PHASES, PlanMemo  # noqa: F401 (PHASES: re-exported)
 
 log = logging.getLogger("qdq_optuna")
-
-#: the phases measurements are counted in (``PlanMeasurer.by_phase``)
-PHASES = ("baseline", "reference", "trial", "confirmation", "final", "pareto")
-
 
 @dataclass(frozen=True)
 class Reference:
@@ -67,43 +64,50 @@ class PlanMeasurer:
         self.by_phase[phase] += n
 
     # -- the float model and references --------------------------------------------------
-    def baseline(self, exporter, plan: QuantPlan, backend_name: str, model: str) -> tuple:
-        """The float model's measurement ``(ms, record)``. A backend that cannot run it ends
-        the run with one clear line; a crashed or hung worker is given one more try first."""
+    def baseline(self, source, key: str, backend_name: str, model: str) -> tuple:
+        """The baseline's measurement ``(ms, record)`` (``source``: the user's model, bytes or
+        a path; ``key``: its memo key). A backend that cannot run it ends the run with one
+        clear line; a crashed or hung worker is given one more try first."""
         for attempt in (1, 2):
             try:
-                self.measurer.warm_up([exporter.source(plan)])
-                return self._measure(exporter, plan)
+                self.measurer.warm_up([source])
+                return self.measure(source, key, "baseline")
             except BackendUnavailable:
                 raise
             except BackendError as exc:
                 if attempt == 1 and getattr(exc, "transient", False):
-                    log.warning("measuring the float model failed (%s); trying once more", exc)
+                    log.warning("measuring the baseline failed (%s); trying once more", exc)
                     continue
                 raise UserError(f"backend {backend_name} cannot run the float model "
                                 f"{model}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _measure(self, exporter, plan: QuantPlan) -> tuple[float, dict]:
-        cached = self._cached(plan)
+    def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, dict]:
+        """One model's own latency (not against a reference), once per run: the baseline and
+        the starts. ``key``: the plan key (or another name) the memo keeps it under."""
+        cached = self._cached_key(key)
         if cached is not None:
             return cached["latency_ms"], cached
-        data = exporter.source(plan)
-        m = self.measurer.screen(data) if self.deterministic else self.measurer.measure(data)
-        self._count("baseline")
-        record = {"latency_ms": m.score_ms, "stats": m.to_dict(), "qdq": len(plan)}
-        self.memo.put(plan.key, record)
+        m = self.measurer.screen(source) if self.deterministic else self.measurer.measure(source)
+        self._count(phase)
+        record = {"latency_ms": m.score_ms, "stats": m.to_dict(), "qdq": qdq}
+        self.memo.put(key, record)
         return m.score_ms, record
 
-    def reference(self, source) -> list[float]:
-        """``[latency_ms, screen_ms]`` of a pattern study's reference model."""
+    def reference(self, source, key: str | None = None) -> list[float]:
+        """``[latency_ms, screen_ms]`` of a visit's reference model (the standing model). On a
+        deterministic backend a model measured before costs nothing; a measured backend times
+        it again (its trials are compared with it in the same minutes)."""
         if self.deterministic:
+            cached = self._cached_key(key) if key is not None else None
+            if cached is not None:
+                return [cached["latency_ms"], cached["latency_ms"]]
             ref = self.measurer.screen(source)
-            ref_ms, ref_screen = ref.score_ms, ref.score_ms
-        else:
-            ref_ms = self.measurer.measure(source).score_ms
-            ref_screen = self.measurer.screen(source).score_ms
-        self._count("reference")
+            self._count("descent")
+            return [ref.score_ms, ref.score_ms]
+        ref_ms = self.measurer.measure(source).score_ms
+        ref_screen = self.measurer.screen(source).score_ms
+        self._count("descent")
         return [ref_ms, ref_screen]
 
     def known(self, reference: Reference) -> None:
@@ -114,6 +118,13 @@ class PlanMeasurer:
             "reference": True, "reference_ms": reference.ms})
 
     # -- candidates ----------------------------------------------------------------------
+    def _cached_key(self, key: str) -> dict | None:
+        cached = self.memo.get(key)
+        if cached is None:
+            return None
+        self.cache_hits += 1
+        return {**cached, "cached": True}
+
     def _cached(self, plan: QuantPlan, ref_ms: float | None = None) -> dict | None:
         """The record of the same model measured earlier in this run (any pattern or process)."""
         cached = self.memo.get(plan.key)
@@ -122,8 +133,8 @@ class PlanMeasurer:
         self.cache_hits += 1
         record = {**cached, "cached": True}
         then = cached.get("reference_ms")
-        if ref_ms is not None and then is not None and not math.isclose(then, ref_ms):
-            # measured against another pattern's reference: only the latency carries over
+        if ref_ms is not None and (then is None or not math.isclose(then, ref_ms)):
+            # measured on its own or against another reference: only the latency carries over
             record.update(ratio=cached["latency_ms"] / ref_ms, ci=None, decided=False,
                           reference_ms=ref_ms, measured_against_ms=then)
         return record
@@ -156,23 +167,23 @@ class PlanMeasurer:
         if self.deterministic:
             m = self.measurer.screen(data)
             ratio = m.score_ms / ref.ms
-            self._count("trial")
+            self._count("descent")
             return {**base, "kind": "deterministic", "latency_ms": m.score_ms, "ratio": ratio,
                     "ci": [ratio, ratio], "rounds": 1, "decided": True, "sessions": 1,
                     "deterministic": True}
         if self.measurer.protocol.name == "fast" or ref.screen_ms is None:
             m = self.measurer.screen(data)
-            self._count("trial")
+            self._count("descent")
             return {**base, "kind": "screen", "latency_ms": m.score_ms,
                     "ratio": m.score_ms / ref.ms, "rounds": 1, "sessions": m.sessions,
                     "stats": m.to_dict()}
         screen = self.measurer.screen(data)
-        self._count("trial")
+        self._count("descent")
         if far_off(screen.score_ms, ref.screen_ms):
             # the reference's screen dates from the start of the pattern: screen it again
             # now, so that drift since then cannot discard a candidate
             now = self.measurer.screen(ref.source)
-            self._count("trial")
+            self._count("descent")
             if far_off(screen.score_ms, now.score_ms):
                 ratio = screen.score_ms / now.score_ms
                 return {**base, "kind": "screened_out", "screened_out": True,
@@ -181,7 +192,7 @@ class PlanMeasurer:
                         "reference_screen_ms": now.score_ms,
                         "screen_threshold": SCREEN_DISCARD_RATIO, "stats": screen.to_dict()}
         cmp = self.measurer.compare(data, ref.source)
-        self._count("trial")
+        self._count("descent")
         return {**base, "kind": "ab", "latency_ms": ref.ms * cmp.ratio, "ratio": cmp.ratio,
                 "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds, "decided": cmp.decided,
                 "verdict": cmp.verdict, "sessions": screen.sessions + cmp.candidate.sessions,

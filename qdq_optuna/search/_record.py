@@ -7,15 +7,23 @@ A run ``RUN`` is the Optuna studies named ``RUN/...`` in one storage:
   whole-run convergence picture, a few small user attrs (speedup, latencies, the guard's
   status) and no trials (:func:`qdq_optuna.dashboard.save_run_overview`);
 * ``RUN/_run``: the run's bookkeeping, kept small and out of sight. Its user attrs are the
-  settings' digest, when it was made and the float baseline; its system attrs hold the
-  settings, every measured model (``measured:<plan key>``) and scored error
-  (``error:<plan key>``) and whether the run finished. Its trials are the values workers
-  agreed on (:func:`~qdq_optuna.storage.agree`: the baseline, each study's reference, each
-  commit), without values. Its note follows the run while it runs. A run stored by an earlier
-  version kept all of this in user attrs and COMPLETE trials of value 0: both are read;
-* ``RUN/P003``: pattern ``P003``'s first-pass study; ``RUN/P003/refine1``: its first
-  refinement round. A study's user attrs describe the pattern and, once decided, hold its
-  commit (``committed`` last: its presence means the whole decision is stored).
+  settings' digest, when it was made, the baseline (the user's model) and the lane that
+  ships; its system attrs hold the settings, the whole-model starts and the lanes chosen from
+  them, every measured model (``measured:<plan key>``) and scored error (``error:<plan
+  key>``) and whether the run finished. Its trials are the values workers agreed on
+  (:func:`~qdq_optuna.storage.agree`: the baseline, the starts, each study's reference, each
+  commit, the lane that ships), without values. Its note follows the run while it runs;
+* ``RUN/_starts``: one trial per whole-model start (float, every point, the runtime's recipe,
+  the user's seeds), its value the start's latency;
+* ``RUN/P003/round1``: pattern ``P003``'s visit in round 1 of the descent from the standing
+  model; ``RUN/P003/recipe/round1`` the same in the descent from another start (a *lane*).
+  A visit's user attrs describe the pattern and, once decided, hold its commit (``committed``
+  last: its presence means the whole decision is stored; ``partner``: other patterns' schemes a
+  chain move changed with it). The standing model of a lane is its start with every decided
+  visit replayed in order (:meth:`RunRecord.standing`);
+* ``RUN/P003`` (no round): a study of the ask/tell :class:`~qdq_optuna.Autotuner`, and of runs
+  made before the whole-model search (the pattern-by-pattern pass and ``RUN/P003/refineN``),
+  which this version does not resume (:meth:`RunRecord.check_layout`).
 
 :class:`RunRecord` is the one place that names these studies and reads and writes their
 attributes; the search, the report, the dashboard and ``qdq-optuna bench`` go through it.
@@ -43,7 +51,19 @@ from ..scheme import Around, ChoiceSpace, combine
 from ..storage import agree, claim
 
 RUN_STUDY = "_run"
+STARTS_STUDY = "_starts"
+#: the old layout's refinement studies (``RUN/P003/refine1``)
 REFINE = "refine"
+ROUND = "round"
+#: the phases measurements are counted in (``PlanMeasurer.by_phase``, report.json's
+#: ``measurements_by_phase``): the baseline, the whole-model starts (each measured once, then
+#: an A/B of the fastest two on a measured backend), the descent (each visit's reference and
+#: its trials), commit confirmations, the choice between lanes, the final A/B and the Pareto
+#: front
+PHASES = ("baseline", "starts", "descent", "confirmation", "lanes", "final", "pareto")
+#: the settings key that marks a run of the whole-model search
+FLOW = "flow"
+WHOLE_MODEL = "whole-model"
 
 
 class RunAttr:
@@ -59,6 +79,15 @@ class RunAttr:
     BASELINE_MEASUREMENT = "baseline_measurement"
     #: the run's last finish: ``fingerprint``, ``at``, ``speedup``, ``report_sha256``
     FINISHED = "qdq:finished"
+    #: the agreed starts: chosen start, lanes, each lane's start schemes (``Agreed.STARTS``)
+    STARTS = "starts"
+    #: the measurements choosing the lane that ships took
+    WINNER_COST = "winner_measurements"
+    # user attrs
+    #: what the baseline is (the user's model as given, or converted to FP16/BF16)
+    BASELINE_MODEL = "baseline_model"
+    #: the lane whose standing model ships (``Agreed.WINNER``)
+    WINNER = "winner"
     #: prefixes of the per-model records: plan key -> measurement / output errors
     MEASURED = "measured:"
     ERROR = "error:"
@@ -95,16 +124,24 @@ class PatternAttr:
     NUM_CHOICES = "qdq_num_choices"
     CHOICE_NAMES = "qdq_choice_names"
     RUN_ID = "run_id"
+    #: the order visits ran in (lane, round, pattern)
     ORDER = "order"
-    ROUND = "refine_round"
+    #: the descent round of a visit (1, 2, ...; 0: an ask/tell study)
+    ROUND = "round"
+    #: the start a visit's lane descends from (``float``, ``recipe``, ...)
+    LANE = "lane"
     CONTEXT_KEY = "context_key"
     BASELINE_MS = "baseline_latency_ms"
-    #: a refinement's starting scheme (points on)
-    REFINES = "refines"
+    #: a visit's starting scheme: the pattern's standing scheme (points on)
+    FROM = "from_scheme"
+    #: the moves a visit queued and those it left out (their kind failed in this run before)
+    MOVES = "moves"
+    MOVES_SKIPPED = "moves_skipped"
     #: every attr above is stored (a killed process may have left only some)
     COMPLETE = "attrs_complete"
     REFERENCE_MS = "reference_ms"
     REFERENCE_SCREEN_MS = "reference_screen_ms"
+    REFERENCE_COST = "reference_measurements"
     REFERENCE_ERROR = "reference_error"
     REFERENCE_OUTPUT_ERRORS = "reference_output_errors"
     CONVERGED_AFTER = "converged_after"
@@ -118,6 +155,8 @@ class PatternAttr:
     COMMITTED_ERROR = "committed_error"
     COMMITTED_OUTPUT_ERRORS = "committed_output_errors"
     COMMITTED_TYPES = "committed_types"
+    #: other patterns' whole schemes a committed chain move changed (pattern id -> indices)
+    PARTNER = "partner"
     #: the dashboard's pictures of the study
     ARTIFACTS = "artifacts"
 
@@ -144,6 +183,16 @@ class TrialAttr:
     SLOT = "slot"
     RETRY_OF = "retry_of"
     RETRY_REASON = "retry_reason"
+    #: a descent move: its kind (``cache``, ``fusion``, ``concat``, ``chain``, ``single``),
+    #: its place in the visit's move list, what it changes (``on:Conv>Concat`` strings: Q/DQ
+    #: added or removed between a producer op and a consumer op) and, for a chain, the other
+    #: patterns' points it sets (pattern id -> {point: choice})
+    MOVE = "move"
+    MOVE_INDEX = "move_index"
+    MOVE_SIGNATURE = "move_signature"
+    PARTNER = "partner"
+    #: the trial beat the visit's best so far (what the move-kind statistics count)
+    IMPROVED = "improved"
 
 
 class SystemAttr:
@@ -164,6 +213,8 @@ class Agreed:
 
     FINGERPRINT = "fingerprint"
     BASELINE = "baseline"
+    STARTS = "starts"
+    WINNER = "winner"
     REASON = "reason"
 
     @staticmethod
@@ -173,6 +224,11 @@ class Agreed:
     @staticmethod
     def commit(study_name: str) -> str:
         return f"commit/{study_name}"
+
+    @staticmethod
+    def run(study_name: str, number: int) -> str:
+        """Which worker measures a queued trial two workers popped at once."""
+        return f"run/{study_name}/{number}"
 
     @staticmethod
     def redo(study_name: str, number: int) -> str:
@@ -193,9 +249,17 @@ def overview_study_name(run_id: str) -> str:
     return run_id
 
 
-def pattern_study_name(run_id: str, pattern_id: str, rnd: int = 0) -> str:
+def starts_study_name(run_id: str) -> str:
+    return f"{run_id}/{STARTS_STUDY}"
+
+
+def pattern_study_name(run_id: str, pattern_id: str, rnd: int = 0, lane: str = "") -> str:
+    """``RUN/P003/round1`` (a visit), ``RUN/P003/recipe/round1`` (a visit in the lane that
+    descends from the recipe), ``RUN/P003`` (round 0: an ask/tell study)."""
     name = f"{run_id}/{pattern_id}"
-    return f"{name}/{REFINE}{rnd}" if rnd else name
+    if not rnd:
+        return name
+    return f"{name}/{lane}/{ROUND}{rnd}" if lane else f"{name}/{ROUND}{rnd}"
 
 
 def run_study_of(study: optuna.Study) -> optuna.Study:
@@ -318,15 +382,14 @@ class RunRecord:
     """One run in one storage: its studies by name, what they hold, and what stands.
 
     ``tunable``: the model's patterns in study order; ``space``: their choices (to read stored
-    schemes); ``refine_rounds``: the refinement rounds the run makes."""
+    schemes)."""
 
-    def __init__(self, storage, run_id: str, tunable: list[PatternPoints], space: ChoiceSpace,
-                 refine_rounds: int = 0) -> None:
+    def __init__(self, storage, run_id: str, tunable: list[PatternPoints],
+                 space: ChoiceSpace) -> None:
         self.storage = storage
         self.run_id = run_id
         self.tunable = tunable
         self.space = space
-        self.refine_rounds = refine_rounds
         self.run_study = optuna.create_study(study_name=run_study_name(run_id), storage=storage,
                                              load_if_exists=True)
         self.measured = PlanMemo(self.run_study, RunAttr.MEASURED)
@@ -338,6 +401,17 @@ class RunRecord:
 
     def claim(self, key: str) -> bool:
         return claim(self.run_study, key)
+
+    def check_layout(self, where: str) -> None:
+        """Refuse, in one line, a run stored by the pattern-by-pattern search (before the
+        whole-model search): its studies mean something else, so it cannot be resumed."""
+        settings = run_attrs(self.run_study).get(RunAttr.SETTINGS)
+        if settings is not None and settings.get(FLOW) != WHOLE_MODEL:
+            raise UserError(
+                f"{where}: holds run {self.run_id!r} of the pattern-by-pattern search of an "
+                "earlier qdq-optuna, which the whole-model search cannot resume; add --fresh to "
+                "tune it again, or pick another --output (its report.json and optimized.onnx, "
+                "if it finished, stay valid)")
 
     def settle_fingerprint(self, settings: dict, digest: str, where: str) -> None:
         """Store the run's settings once (workers starting together agree on one set); refuse
@@ -361,17 +435,43 @@ class RunRecord:
                 f"(changed: {', '.join(changed) or 'unknown'}); rerun with the same settings to "
                 "resume, add --fresh to start over, or pick another --output")
 
-    def baseline(self, measure: Callable[[], tuple[float, dict]]) -> float:
-        """The float model's latency, measured once for all workers."""
+    def baseline(self, measure: Callable[[], tuple[float, dict]], model: str = "") -> float:
+        """The baseline's latency (the user's model), measured once for all workers."""
         if RunAttr.BASELINE_MS not in self.run_study.user_attrs:
             base_ms, record = self.agree(Agreed.BASELINE, lambda: list(measure()))
             set_system_attr(self.run_study, RunAttr.BASELINE_MEASUREMENT, record)
+            self.run_study.set_user_attr(RunAttr.BASELINE_MODEL, model)
             self.run_study.set_user_attr(RunAttr.BASELINE_MS, base_ms)
         return self.run_study.user_attrs[RunAttr.BASELINE_MS]
 
     def settings(self) -> dict:
         """The run's stored settings (what its fingerprint digests)."""
         return run_attrs(self.run_study).get(RunAttr.SETTINGS, {})
+
+    # -- starts and lanes ------------------------------------------------------------------
+    def starts_study(self) -> optuna.Study:
+        return optuna.create_study(study_name=starts_study_name(self.run_id),
+                                   storage=self.storage, load_if_exists=True)
+
+    def starts(self, decide: Callable[[], dict] | None = None) -> dict | None:
+        """The agreed starts (``chosen``, ``lanes``: lane name -> start schemes, in descent
+        order); ``decide`` makes them when no process has yet. None: not decided."""
+        attrs = run_attrs(self.run_study)
+        if RunAttr.STARTS not in attrs:
+            if decide is None:
+                return None
+            set_system_attr(self.run_study, RunAttr.STARTS, self.agree(Agreed.STARTS, decide))
+            attrs = run_attrs(self.run_study)
+        return attrs[RunAttr.STARTS]
+
+    def winner(self, decide: Callable[[], tuple[str, int]]) -> str:
+        """The lane whose standing model ships, agreed once (``decide``: the lane and the
+        measurements choosing it took)."""
+        if RunAttr.WINNER not in self.run_study.user_attrs:
+            lane, cost = self.agree(Agreed.WINNER, lambda: list(decide()))
+            set_system_attr(self.run_study, RunAttr.WINNER_COST, cost)
+            self.run_study.set_user_attr(RunAttr.WINNER, lane)
+        return self.run_study.user_attrs[RunAttr.WINNER]
 
     # -- a finished run --------------------------------------------------------------------
     def mark_finished(self, digest: str | None, report: dict) -> None:
@@ -393,17 +493,19 @@ class RunRecord:
                                    storage=self.storage, load_if_exists=True)
 
     # -- pattern studies -------------------------------------------------------------------
-    def study_name(self, pp: PatternPoints, rnd: int = 0) -> str:
-        return pattern_study_name(self.run_id, pp.pattern.id, rnd)
+    def study_name(self, pp: PatternPoints, rnd: int = 0, lane: str = "") -> str:
+        return pattern_study_name(self.run_id, pp.pattern.id, rnd, lane)
 
-    def create_study(self, pp: PatternPoints, rnd: int, sampler, directions: int) -> optuna.Study:
-        return optuna.create_study(study_name=self.study_name(pp, rnd), storage=self.storage,
-                                   sampler=sampler, directions=["minimize"] * directions,
-                                   load_if_exists=True)
+    def create_study(self, pp: PatternPoints, rnd: int, sampler, directions: int,
+                     lane: str = "") -> optuna.Study:
+        return optuna.create_study(study_name=self.study_name(pp, rnd, lane),
+                                   storage=self.storage, sampler=sampler,
+                                   directions=["minimize"] * directions, load_if_exists=True)
 
-    def load_study(self, pp: PatternPoints, rnd: int = 0) -> optuna.Study | None:
+    def load_study(self, pp: PatternPoints, rnd: int = 0, lane: str = "") -> optuna.Study | None:
         try:
-            return optuna.load_study(study_name=self.study_name(pp, rnd), storage=self.storage)
+            return optuna.load_study(study_name=self.study_name(pp, rnd, lane),
+                                     storage=self.storage)
         except KeyError:
             return None
 
@@ -422,7 +524,9 @@ class RunRecord:
     def reference(self, study: optuna.Study, measure: Callable[[], list[float]]) -> tuple:
         """``(reference_ms, reference_screen_ms)`` of a pattern study, agreed by all workers."""
         if PatternAttr.REFERENCE_MS not in study.user_attrs:
-            ref_ms, ref_screen = self.agree(Agreed.reference(study.study_name), measure)
+            ref_ms, ref_screen, *cost = self.agree(Agreed.reference(study.study_name), measure)
+            if cost:  # what measuring it cost (0: the same model was measured before)
+                study.set_user_attr(PatternAttr.REFERENCE_COST, cost[0])
             study.set_user_attr(PatternAttr.REFERENCE_SCREEN_MS, ref_screen)
             study.set_user_attr(PatternAttr.REFERENCE_MS, ref_ms)
         attrs = study.user_attrs
@@ -437,7 +541,7 @@ class RunRecord:
 
     def store_decision(self, study: optuna.Study, decide: Callable[[], dict]) -> bool:
         """Store a pattern's decision; the first decision stored in the run wins, so every
-        worker builds the next patterns on the same commits. False when the study was decided
+        worker builds the next visits on the same commits. False when the study was decided
         already (by another worker)."""
         if PatternAttr.COMMITTED in study.user_attrs:
             return False
@@ -448,131 +552,158 @@ class RunRecord:
         return True
 
     # -- what stands -----------------------------------------------------------------------
-    def rounds(self) -> list[tuple[PatternPoints, list[dict]]]:
-        """The committed patterns, in order up to the first that is not: per pattern the
-        user attrs of its studies, first pass then refinement rounds, in round order."""
-        attrs = {s.study_name: s.user_attrs for s in self.storage.get_all_studies()
-                 if s.study_name.startswith(f"{self.run_id}/")}
-        out = []
-        for pp in self.tunable:
-            first = attrs.get(self.study_name(pp))
-            if first is None or PatternAttr.COMMITTED not in first:
-                break
-            later = [attrs[n] for n in (self.study_name(pp, r)
-                                        for r in range(1, self.refine_rounds + 1)) if n in attrs]
-            out.append((pp, [first, *later]))
-        return out
+    def visits(self, lane: str | None = None) -> list[dict]:
+        """The user attrs of the descent's visit studies (of one lane, or all), in the order
+        they ran; undecided ones included."""
+        found = [s.user_attrs for s in self.storage.get_all_studies()
+                 if s.study_name.startswith(f"{self.run_id}/")
+                 and int(s.user_attrs.get(PatternAttr.ROUND) or 0) > 0
+                 and (lane is None or s.user_attrs.get(PatternAttr.LANE, "") == lane)]
+        return sorted(found, key=lambda a: a[PatternAttr.ORDER])
 
-    @staticmethod
-    def standing(rounds: list[dict]) -> dict:
-        """The attrs of the round whose decision stands for a pattern: its last committed."""
-        return next(a for a in reversed(rounds) if PatternAttr.COMMITTED in a)
+    def lane_start(self, lane: str) -> dict[str, dict[str, int]]:
+        """A lane's start: pattern id -> scheme (indices); patterns it leaves out are float."""
+        starts = self.starts() or {}
+        schemes = (starts.get("lanes") or {}).get(lane, {})
+        return {pp.pattern.id: self.space.indices(schemes.get(pp.pattern.id, {}), pp.ids)
+                for pp in self.tunable}
 
-    @staticmethod
-    def standing_scheme(rounds: list[dict]) -> dict[str, int]:
-        return RunRecord.standing(rounds)[PatternAttr.COMMITTED]
+    def standing(self, lane: str, visits: list[dict] | None = None) -> dict[str, dict[str, int]]:
+        """A lane's standing model: its start with every decided visit replayed in order
+        (a visit's commit, and the partner schemes of a committed chain move)."""
+        schemes = self.lane_start(lane)
+        for attrs in self.visits(lane) if visits is None else visits:
+            if PatternAttr.COMMITTED not in attrs:
+                continue
+            schemes[attrs[PatternAttr.PATTERN_ID]] = dict(attrs[PatternAttr.COMMITTED])
+            for pid, scheme in (attrs.get(PatternAttr.PARTNER) or {}).items():
+                schemes[pid] = dict(scheme)
+        return schemes
 
-    @staticmethod
-    def context_key(rounds: list[dict]) -> str | None:
-        """The context the pattern was last tuned in (its last round's)."""
-        return rounds[-1].get(PatternAttr.CONTEXT_KEY)
-
-    def committed(self) -> tuple[dict[Use, str], list[dict]]:
-        """The uses of every standing scheme, and one report row per committed pattern: its
-        first-pass attrs, the standing scheme, the product of its rounds' gains and the
-        refinement rounds (``refinements``)."""
+    def uses(self, schemes: dict[str, dict[str, int]]) -> dict[Use, str]:
+        """The typed uses of whole-model schemes (earlier patterns' types stand)."""
         uses: dict[Use, str] = {}
-        rows = []
-        for pp, rounds in self.rounds():
-            last = self.standing(rounds)
-            uses = combine(uses, self.space.typed_uses(pp, last[PatternAttr.COMMITTED]))
-            row = dict(rounds[0])
-            if len(rounds) > 1:
-                for key in (PatternAttr.COMMITTED, PatternAttr.COMMITTED_TYPES,
-                            PatternAttr.COMMITTED_ERROR, PatternAttr.COMMITTED_OUTPUT_ERRORS):
-                    if key in last:
-                        row[key] = last[key]
-                row[PatternAttr.GAIN] = math.prod(float(a.get(PatternAttr.GAIN, 1.0))
-                                                  for a in rounds if PatternAttr.COMMITTED in a)
-                row["refinements"] = [self.refinement_entry(a) for a in rounds[1:]]
-            rows.append(row)
-        return uses, rows
+        for pp in self.tunable:
+            uses = combine(uses, self.space.typed_uses(pp, schemes.get(pp.pattern.id, {})))
+        return uses
 
-    def refinement_entry(self, attrs: dict) -> dict:
-        """One refinement round of a pattern, for the report (from its study's attrs)."""
-        entry = {"round": attrs.get(PatternAttr.ROUND),
+    def around(self, pp: PatternPoints, schemes: dict[str, dict[str, int]]) -> Around:
+        """The uses of the other patterns' schemes, before ``pp`` and after it."""
+        before: dict[Use, str] = {}
+        after: dict[Use, str] = {}
+        seen = False
+        for other in self.tunable:
+            if other.pattern.id == pp.pattern.id:
+                seen = True
+                continue
+            typed = self.space.typed_uses(other, schemes.get(other.pattern.id, {}))
+            if seen:
+                after = combine(after, typed)
+            else:
+                before = combine(before, typed)
+        return before, after
+
+    def committed(self, lane: str) -> tuple[dict[Use, str], list[dict]]:
+        """The uses of a lane's standing model, and one report row per pattern: its standing
+        scheme, the product of its visits' gains and the visits (``visits``: its own, and the
+        chain moves of other patterns that changed it)."""
+        visits = self.visits(lane)
+        schemes = self.standing(lane, visits)
+        rows = []
+        for pp in self.tunable:
+            pid = pp.pattern.id
+            own = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
+            row = dict(own[-1]) if own else {PatternAttr.PATTERN_ID: pid}
+            row[PatternAttr.COMMITTED] = schemes[pid]
+            row[PatternAttr.GAIN] = math.prod(float(a.get(PatternAttr.GAIN, 1.0)) for a in own
+                                              if PatternAttr.COMMITTED in a)
+            row["visits"] = [self.visit_entry(a) for a in visits if a[PatternAttr.PATTERN_ID] == pid
+                             or pid in (a.get(PatternAttr.PARTNER) or {})]
+            row["start_scheme"] = self.space.on(self.lane_start(lane)[pid])
+            rows.append(row)
+        return self.uses(schemes), rows
+
+    def visit_entry(self, attrs: dict) -> dict:
+        """One visit, for the report (from its study's attrs)."""
+        entry = {"pattern": attrs.get(PatternAttr.PATTERN_ID),
+                 "round": attrs.get(PatternAttr.ROUND), "lane": attrs.get(PatternAttr.LANE, ""),
                  "status": "committed" if PatternAttr.COMMITTED in attrs else "running",
-                 "from_scheme": attrs.get(PatternAttr.REFINES, []),
+                 "from_scheme": attrs.get(PatternAttr.FROM, []),
                  "committed_scheme": self.space.on(attrs.get(PatternAttr.COMMITTED, {})),
                  "gain": float(attrs.get(PatternAttr.GAIN, 1.0)),
-                 "commit_reason": attrs.get(PatternAttr.COMMIT_REASON)}
+                 "commit_reason": attrs.get(PatternAttr.COMMIT_REASON),
+                 "moves": attrs.get(PatternAttr.MOVES, 0),
+                 "moves_skipped": attrs.get(PatternAttr.MOVES_SKIPPED, 0)}
+        if attrs.get(PatternAttr.PARTNER):
+            entry["partner"] = {p: self.space.on(s) for p, s in attrs[PatternAttr.PARTNER].items()}
         if PatternAttr.CONVERGED_AFTER in attrs:
             entry["converged_after"] = attrs[PatternAttr.CONVERGED_AFTER]
         return entry
 
-    def around(self, pp: PatternPoints, rounds: list | None = None) -> Around:
-        """The uses of the standing schemes of the committed patterns before ``pp`` and after
-        it (``rounds``: :meth:`rounds`, when the caller has it). In the first pass nothing
-        after ``pp`` is committed yet."""
-        before: dict[Use, str] = {}
-        after: dict[Use, str] = {}
-        seen = False
-        for other, its in self.rounds() if rounds is None else rounds:
-            seen = seen or other.pattern.id == pp.pattern.id
-            if other.pattern.id != pp.pattern.id:
-                typed = self.space.typed_uses(other, self.standing_scheme(its))
-                if seen:
-                    after = combine(after, typed)
-                else:
-                    before = combine(before, typed)
-        return before, after
-
     # -- trials ----------------------------------------------------------------------------
-    def trials(self, pp: PatternPoints, rnd: int = 0,
+    def trials(self, pp: PatternPoints, rnd: int = 0, lane: str = "",
                states: Iterable[TrialState] | None = None) -> list[FrozenTrial] | None:
         """The trials of one of the pattern's studies (None: the study does not exist)."""
-        study = self.load_study(pp, rnd)
+        study = self.load_study(pp, rnd, lane)
         if study is None:
             return None
         return study.get_trials(deepcopy=False, states=tuple(states) if states else None)
 
-    def complete_trials(self, pp: PatternPoints, rnd: int = 0) -> list[FrozenTrial] | None:
-        return self.trials(pp, rnd, (TrialState.COMPLETE,))
+    def complete_trials(self, pp: PatternPoints, rnd: int = 0,
+                        lane: str = "") -> list[FrozenTrial] | None:
+        return self.trials(pp, rnd, lane, (TrialState.COMPLETE,))
+
+    def visit_trials(self, attrs: dict) -> list[FrozenTrial]:
+        """Every trial of a visit (from its study's attrs)."""
+        pp = next(p for p in self.tunable if p.pattern.id == attrs[PatternAttr.PATTERN_ID])
+        return self.trials(pp, int(attrs[PatternAttr.ROUND]), attrs.get(PatternAttr.LANE, "")) or []
 
     # -- snapshots -------------------------------------------------------------------------
-    def write_state(self, out: Path, status: str, run: dict) -> None:
+    def write_state(self, out: Path, status: str, run: dict, lane: str | None = None) -> None:
         """``state.yaml``: a readable snapshot (``run``: storage, fingerprint, baseline and
-        counters of this process, in that order)."""
+        counters of this process, in that order; ``lane``: the lane whose standing model the
+        patterns show, once the starts are decided)."""
         patterns = []
-        committed = {r[PatternAttr.PATTERN_ID]: r for r in self.committed()[1]}
+        rows = {}
+        visits = self.visits()
+        if lane is not None and self.starts() is not None:
+            rows = {r[PatternAttr.PATTERN_ID]: r for r in self.committed(lane)[1]}
         for pp in self.tunable:
-            row = {"id": pp.pattern.id, "signature": pp.pattern.signature,
-                   "regions": len(pp.pattern.regions), "points": len(pp.ids), "status": "pending"}
-            done = self.complete_trials(pp)
-            if done is not None:
-                row["trials"] = len(done)
-                row["status"] = "running"
-            r = committed.get(pp.pattern.id)
+            pid = pp.pattern.id
+            mine = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
+            row = {"id": pid, "signature": pp.pattern.signature,
+                   "regions": len(pp.pattern.regions), "points": len(pp.ids),
+                   "status": "pending", "visits": len(mine),
+                   "decided": sum(PatternAttr.COMMITTED in a for a in mine)}
+            if mine:
+                row["status"] = "committed" if row["visits"] == row["decided"] else "running"
+            r = rows.get(pid)
             if r is not None:
-                row["status"] = "committed"
-                row["committed"] = sorted(self.space.on(r[PatternAttr.COMMITTED]))
+                row["standing"] = sorted(self.space.on(r[PatternAttr.COMMITTED]))
                 row["gain"] = round(float(r.get(PatternAttr.GAIN, 1.0)), 4)
-                if "refinements" in r:
-                    row["refinements"] = len(r["refinements"])
             patterns.append(row)
         state = {"status": status, "run_id": self.run_id, **run, "patterns": patterns,
                  "resume": "rerun the same command to continue"}
         atomic_write_bytes(out / "state.yaml", yaml.safe_dump(state, sort_keys=False).encode())
 
-    def write_pattern_cache(self, path: Path, *, minimum_distance: int, max_entries: int) -> None:
-        """Every measured scheme of every pattern (refinements: the schemes that stood), for
-        ``--pattern-cache`` of a later run."""
+    def write_pattern_cache(self, path: Path, *, minimum_distance: int, max_entries: int,
+                            lane: str | None = None) -> None:
+        """Every measured scheme of every pattern with the whole model's latency it gave, the
+        standing scheme (``lane``'s) first, for ``--pattern-cache`` of a later run."""
         cache = PatternCache()
+        standing = self.standing(lane) if lane is not None and self.starts() else {}
+        by_pattern: dict[str, list] = {}
+        for attrs in self.visits():
+            for t in self.visit_trials(attrs):
+                if t.state == TrialState.COMPLETE and t.values and not t.user_attrs.get(
+                        TrialAttr.PARTNER):
+                    by_pattern.setdefault(attrs[PatternAttr.PATTERN_ID], []).append(
+                        (self.space.on(t.params), t.values[0]))
         for pp in self.tunable:
-            schemes = []
-            for rnd in range(self.refine_rounds + 1):
-                done = self.complete_trials(pp, rnd) or []
-                schemes += [(self.space.on(t.params), t.values[0]) for t in done]
+            schemes = by_pattern.get(pp.pattern.id, [])
+            if pp.pattern.id in standing:  # first: below every measured latency
+                best = min((lat for _, lat in schemes), default=0.0)
+                schemes.append((self.space.on(standing[pp.pattern.id]), max(best - 1e-6, 0.0)))
             if schemes:
                 cache.add(pp.pattern.signature, schemes, minimum_distance=minimum_distance,
                           max_entries=max_entries)
@@ -580,8 +711,8 @@ class RunRecord:
 
 
 def studies_in_order(storage, run_id: str) -> list[tuple[optuna.Study, dict]]:
-    """A run's pattern studies in the order the search ran them (first pass, then each
-    refinement round), with their user attrs; read without the model."""
+    """A run's pattern studies in the order the search ran them (lanes, rounds, patterns),
+    with their user attrs; read without the model."""
     found = [s for s in storage.get_all_studies()
              if s.study_name.startswith(f"{run_id}/") and PatternAttr.ORDER in s.user_attrs]
     found.sort(key=lambda s: s.user_attrs[PatternAttr.ORDER])
@@ -589,38 +720,34 @@ def studies_in_order(storage, run_id: str) -> list[tuple[optuna.Study, dict]]:
             for s in found]
 
 
-def progress_curve(storage, run_id: str, threshold: float) -> dict:
+def progress_curve(storage, run_id: str, threshold: float | None = None) -> dict:
     """``{"measurements": n, "curve": [[x, speedup], ...]}`` of a run in ``storage``: after each
-    measurement (the baseline, each study's reference, each trial's own count, each commit
-    confirmation, the final A/B), the speedup the run would deliver had it stopped there (the
-    committed gains times the running study's best in-loop gain, counted only where the commit
-    rule's ``threshold`` would; see :mod:`qdq_optuna.bench`)."""
-    from ..measure import CommitRule
-
-    rule = CommitRule(threshold)
-    x = 1  # the float baseline
-    committed = 1.0
+    measurement (the baseline, the starts, each visit's reference and trials, each commit
+    confirmation, the choice between lanes, the final A/B), the speedup of the fastest feasible
+    whole model measured so far (see :mod:`qdq_optuna.bench`). ``threshold``: unused (the curve
+    follows the standing model; kept for callers of the earlier signature)."""
+    run = run_attrs(optuna.load_study(study_name=run_study_name(run_id), storage=storage))
+    base = float(run[RunAttr.BASELINE_MS])
+    x, best = 1, math.inf  # the baseline; the fastest whole model known so far
     curve = [(x, 1.0)]
+    starts = run.get(RunAttr.STARTS) or {}
+    for row in starts.get("starts", []):  # each start measured once (their total below)
+        if row.get("feasible") and row.get("latency_ms"):
+            best = min(best, float(row["latency_ms"]))
+    x += int(starts.get("measurements", len(starts.get("starts", []))))
+    curve.append((x, base / best if best < math.inf else 1.0))
     for study, attrs in studies_in_order(storage, run_id):
-        ref = attrs.get(PatternAttr.REFERENCE_MS)
-        if ref is None:  # a study cut off before its reference was measured
-            continue
-        ref = float(ref)
-        x += 1  # the pattern's reference
-        curve.append((x, committed))
-        best = math.inf
+        x += int(attrs.get(PatternAttr.REFERENCE_COST, 1))
         for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
             x += _trial_cost(t)
-            if t.state == TrialState.COMPLETE and t.values:
+            if t.state == TrialState.COMPLETE and t.values and \
+                    t.user_attrs.get("feasible", True):
                 best = min(best, float(t.values[0]))
-            gain = ref / best if rule.promising(best, ref, rule.threshold) else 1.0
-            curve.append((x, committed * gain))
-        if PatternAttr.CONFIRMATION in attrs:
-            x += 1
-        committed *= float(attrs.get(PatternAttr.GAIN, 1.0))
-        curve.append((x, committed))
-    x += 1  # the final A/B against the float model
-    curve.append((x, committed))
+            curve.append((x, base / best if best < math.inf else 1.0))
+        x += PatternAttr.CONFIRMATION in attrs
+    x += int(run.get(RunAttr.WINNER_COST, 0))
+    x += 1  # the final A/B against the baseline
+    curve.append((x, curve[-1][1]))
     return {"measurements": x, "curve": _compress(curve)}
 
 

@@ -1,16 +1,17 @@
-"""A tuning run, phase by phase: open -> baseline -> rounds of pattern studies -> finish.
+"""A tuning run, phase by phase: open -> baseline -> starts -> descent -> finish.
 
 * **open**: the storage and the run record; settings that differ from a stored run's are
-  refused (its fingerprint); seeds, scales and the error scorer are set up;
-* **baseline**: the float model, measured once for all workers;
-* **rounds**: the first pass tunes the patterns in order of first appearance, each in a study
-  of its own (:class:`~qdq_optuna.search._pattern.PatternStudy`) on top of the schemes the
-  patterns before it committed. Each refinement round (``Config.refine_rounds``) then tunes
-  every pattern whose surroundings changed again, in a study ``PATTERN/refineN``, with every
-  other pattern's standing scheme in place and starting from its own; a new scheme that only
-  removes Q/DQ needs to be confirmed faster, not ``performance_threshold`` faster;
-* **finish**: the final model with every standing scheme, its independent A/B against the
-  float model, the report, the pattern cache and ``state.yaml``.
+  refused (its fingerprint), and so is a run of the earlier pattern-by-pattern search; seeds,
+  scales and the error scorer are set up;
+* **baseline**: the user's model as given (with ``--high-precision fp16/bf16``: converted to
+  that precision, no Q/DQ), measured once for all workers: every speedup is against it;
+* **starts** (:mod:`~qdq_optuna.search._starts`): whole-model placements measured and checked
+  by the accuracy guard; the fastest feasible one becomes the standing model;
+* **descent** (:mod:`~qdq_optuna.search._descent`): rounds over the patterns, each visit tuned
+  against the whole standing model, from the chosen start and, when it is close, from the
+  runtime's recipe too (each such *lane* is a descent of its own);
+* **finish**: the best lane's standing model saved, its independent A/B against the baseline,
+  the report, the pattern cache and ``state.yaml``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from pathlib import Path
 
 import onnx
 
+from .._progress import Progress
 from ..accuracy import ErrorScorer, validation_data
 from ..backends.base import Backend
 from ..cache import PatternCache, baseline_seed, baseline_tensors
 from ..config import Config
 from ..dashboard import PatternPictures, save_run_overview
 from ..data import data_id, describe_model, input_data, model_argument
-from ..errors import OptionError, UserError
+from ..errors import OptionError, ToolError, UserError
 from ..export import QDQExporter, QuantPlan, atomic_write_bytes, plan_uses, remove_stale_temps
 from ..graph import InputShapes
 from ..insertion.points import PatternPoints
@@ -40,6 +42,7 @@ from ..model import PreparedModel
 from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
+from ._descent import Descent
 from ._guard import FALLBACK, WITHIN_BOUND, Guard, Verdict, data_kind, data_phrase
 from ._options import (
     Settings,
@@ -47,13 +50,14 @@ from ._options import (
     TuneResult,
     backend_for,
     backend_name,
+    check_runtime_named,
     digest,
     fingerprint,
 )
-from ._pattern import OutOfTime, PatternStudy, Search, Seed
+from ._pattern import OutOfTime, Search, Seed
 from ._plans import PlanMeasurer
-from ._progress import Progress
-from ._record import RunRecord, delete_run
+from ._record import PatternAttr, RunAttr, RunRecord, delete_run
+from ._starts import StartsPhase
 from ._workers import Workers, retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
@@ -67,6 +71,7 @@ class Tuner:
         self.cfg = options.config
         self.out = Path(options.output_dir)
         self.backend = backend_for(options)
+        check_runtime_named(options, self.backend)
         runtime = Settings.runtime_of(options, self.backend)
         self.prepared = PreparedModel.prepare(
             options.model, runtime=runtime, quant_type=options.quant_type,
@@ -92,6 +97,9 @@ class Tuner:
         self.cache: PatternCache | None = None
         self.baseline_q: set[str] | None = None
         self._calibrated: dict | None = None
+        self._baseline: tuple | None = None
+        #: the agreed starts, once decided
+        self.starts: dict | None = None
 
     def _data(self, given, what: str) -> tuple[dict, str] | None:
         """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
@@ -112,7 +120,9 @@ class Tuner:
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> TuneResult:
         try:
-            return self._run()
+            with Progress(self.o.progress) as progress:
+                self.progress = progress
+                return self._run()
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -126,18 +136,17 @@ class Tuner:
         done = None if self.o.remeasure else self._finished_report()
         if done is not None:  # a finished run: its result, nothing measured again
             return TuneResult(self.out, done, finished_before=True)
-        search.baseline_ms = self._baseline(search)
+        self._say_resuming()
+        search.baseline_ms = self._measure_baseline(search)
         self._write_state("running")
-        patterns = search.progress.patterns(len(self.prepared.tunable))
-        try:  # rounds of pattern studies
-            self._first_pass(search, patterns.step)
-            for rnd in range(1, self.settings.refine_rounds + 1):
-                self._refine(search, rnd)
+        try:
+            self.starts = self._starts(search)
+            self._write_state("running")
+            Descent(search, rounds=self.settings.rounds, lanes=self.starts["order"],
+                    cache=self.cache, seeds=self._seeds).run()
         except OutOfTime:
             self._write_state("timeout")
             return self._finish(partial=True)
-        finally:
-            patterns.close()
         return self._finish(partial=False)
 
     def _open(self) -> Search:
@@ -151,8 +160,8 @@ class Tuner:
         self.fingerprint_digest = digest(fp)
         if self.o.fresh and not self.o.worker:
             delete_run(storage, self.run_id)
-        self.record = RunRecord(storage, self.run_id, self.prepared.tunable, self.settings.space,
-                                self.settings.refine_rounds)
+        self.record = RunRecord(storage, self.run_id, self.prepared.tunable, self.settings.space)
+        self.record.check_layout(str(self.out))
         self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
@@ -168,15 +177,58 @@ class Tuner:
             record=self.record, rule=CommitRule(self.cfg.performance_threshold),
             sampler=self.o.sampler, seed=self.o.seed, plans=plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
-            progress=Progress(self.o.progress), remaining=self.remaining, guard=guard,
+            progress=self.progress, remaining=self.remaining, guard=guard,
             on_commit=[PatternPictures(self.out, self.prepared)])
         return self.search
 
-    def _baseline(self, search: Search) -> float:
-        """The float model's latency, measured once for all workers."""
-        return self.record.baseline(lambda: search.plans.baseline(
-            search.exporter, search.exporter.plan(set()), self.settings.backend, describe_model(self.o.model)))
+    def _say_resuming(self) -> None:
+        """A resumed run says so: what is done and what is left."""
+        r = self.record
+        if RunAttr.BASELINE_MS not in r.run_study.user_attrs:
+            return
+        starts = r.starts()
+        if starts is None:
+            self.progress.write(f"resuming run {self.run_id!r}: baseline measured; left: the "
+                                "starts, then the descent")
+            return
+        visits = r.visits()
+        decided = sum(PatternAttr.COMMITTED in a for a in visits)
+        last = visits[-1] if visits else None
+        where = (f"; last visit: {last[PatternAttr.PATTERN_ID]} "
+                 f"{(last.get(PatternAttr.LANE) + ' ') if last.get(PatternAttr.LANE) else ''}"
+                 f"round {last[PatternAttr.ROUND]}" if last else "")
+        self.progress.write(
+            f"resuming run {self.run_id!r}: baseline and starts done (standing model from "
+            f"{starts['chosen']}), {decided} visit(s) decided{where}; left: the rest of the "
+            f"descent (at most {self.settings.rounds} rounds a lane, lanes "
+            f"{', '.join(n or 'main' for n in starts['order'])}), then the final A/B")
 
+    # -- the baseline ----------------------------------------------------------------------
+    def baseline_source(self) -> tuple[object, str, str]:
+        """What every speedup is measured against: ``(source, memo key, description)``: the
+        user's model as given, or converted to the run's high precision (no Q/DQ)."""
+        if self._baseline is None:
+            exporter = self.search.exporter
+            hp = self.prepared.high_precision
+            if hp is not None:
+                data = hp.model.SerializeToString()
+                self._baseline = (data, "baseline:" + _sha(data),
+                                  f"the user's model converted to {hp.precision} (no Q/DQ)")
+            elif self.prepared.preprocess == "none":  # the graph searched on is the model
+                plan = exporter.plan(set())
+                self._baseline = (exporter.source(plan), plan.key, "the user's model as given")
+            else:  # ONNX Runtime's preprocessing changed the graph: the user's file
+                data = user_model(self.o.model, self.o.input_shapes).SerializeToString()
+                self._baseline = (data, "baseline:" + _sha(data), "the user's model as given")
+        return self._baseline
+
+    def _measure_baseline(self, search: Search) -> float:
+        """The baseline's latency, measured once for all workers."""
+        source, key, what = self.baseline_source()
+        return self.record.baseline(lambda: search.plans.baseline(
+            source, key, self.settings.backend, describe_model(self.o.model)), what)
+
+    # -- starts ----------------------------------------------------------------------------
     def _load_seeds(self) -> None:
         """The user's warm starts (``--pattern-cache``, ``--qdq-baseline``), checked."""
         if self.o.pattern_cache:
@@ -189,18 +241,48 @@ class Tuner:
                 raise UserError(f"--qdq-baseline {self.o.qdq_baseline}: none of its quantized "
                                 "tensors exists in this model")
 
-    # -- rounds ----------------------------------------------------------------------------
-    def _first_pass(self, search: Search, step: Callable[[], None]) -> None:
-        """Every pattern in order, on top of the schemes committed before it."""
-        for idx, pp in enumerate(self.prepared.tunable):
-            PatternStudy(search, pp, order=idx, around=self.record.around(pp),
-                         seeds=self._seeds(pp)).run()
-            self._write_state("running")
-            step()
+    def _starts(self, search: Search) -> dict:
+        return StartsPhase(search, mode=self.settings.start, recipe=self._recipe_start,
+                           seeds=self._seed_starts, worker=self.o.worker).run()
+
+    def _recipe_start(self):
+        """The runtime's classic recipe as a start (None when it cannot be made)."""
+        from .. import starts
+
+        pm = self.prepared
+        try:
+            if self.settings.runtime == "onnxruntime":
+                return starts.ort_recipe_start(
+                    pm, self.o.model, data=self.calibration[0] if self.calibration else None,
+                    input_shapes=self.o.input_shapes)
+            return starts.tensorrt_recipe_start(pm)
+        except ToolError as exc:  # the quantizer refused this model: no recipe start
+            log.warning("%s; starting without the recipe", exc)
+            return None
+        except UserError:
+            raise
+        except Exception as exc:  # the quantizer failed on this model: no recipe start
+            log.warning("the %s recipe could not be made for this model (%s: %s); starting "
+                        "without it", self.settings.runtime, type(exc).__name__, exc)
+            return None
+
+    def _seed_starts(self) -> list:
+        """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
+        from .. import starts
+
+        found = []
+        if self.o.qdq_baseline:
+            found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
+        if self.cache is not None:
+            cached = starts.cache_start(self.prepared, self.cache)
+            if cached is not None:
+                found.append(cached)
+        return found
 
     def _seeds(self, pp: PatternPoints) -> list[Seed]:
-        """A first-pass study's seeds: the empty scheme (samplers other than ours, which
-        proposes it itself), the user's seeds, then the classic recipe (ours)."""
+        """Two objectives: one pass from float whose studies try these first: the empty scheme
+        (samplers other than ours, which proposes it itself), the user's seeds, then the
+        classic recipe (ours)."""
         space = self.settings.space
         seeds = []
         if self.o.sampler != "qdq":
@@ -217,42 +299,62 @@ class Tuner:
                 seeds.append(Seed(space.seed(compute)))
         return seeds
 
-    def _refine(self, search: Search, rnd: int) -> None:
-        """One refinement round over every pattern, in order (see the module docstring)."""
-        names = self.record.study_names()
-        patterns = self.prepared.tunable
-        tuned = 0
-        for idx, pp in enumerate(patterns):
-            rounds_of = self.record.rounds()
-            others = self.record.around(pp, rounds_of)
-            rounds = rounds_of[idx][1]  # every pattern is committed after the first pass
-            if self.record.study_name(pp, rnd) not in names:  # not started: news for it?
-                if RunRecord.context_key(rounds) == search.neighbourhood.key(pp, others):
-                    continue
-            tuned += 1
-            # a local search: every point flipped once, and as many trials again
-            PatternStudy(search, pp, order=rnd * len(patterns) + idx, rnd=rnd, around=others,
-                         start=RunRecord.standing_scheme(rounds),
-                         budget=min(self.cfg.schemes_per_region, 2 * len(pp.ids))).run()
-            self._write_state("running")
-        if tuned:
-            log.info("refinement round %d: %d of %d patterns tuned again", rnd, tuned,
-                     len(patterns))
+    def _final_lane(self, partial: bool) -> str:
+        """The lane whose standing model ships: the only one, else the fastest (agreed once
+        every lane finished; a run cut short picks among the standing models it has)."""
+        lanes = (self.starts or self.record.starts() or {}).get("order") or [""]
+        if len(lanes) == 1:
+            return lanes[0]
+        if partial:
+            return self._fastest_lane(lanes)
+
+        def pick() -> tuple[str, int]:
+            before = self.search.plans.measurements
+            return self._fastest_lane(lanes), self.search.plans.measurements - before
+
+        return self.record.winner(pick)
+
+    def _fastest_lane(self, lanes: list[str]) -> str:
+        """The first lane's standing model ships unless another lane's beats it as a commit
+        must (the run's commit rule: measured once on a deterministic backend, an interleaved
+        A/B on a measured one)."""
+        s, rule = self.search, self.search.rule
+        sources = {}
+        for lane in lanes:
+            plan = s.exporter.plan(self.record.uses(self.record.standing(lane)))
+            sources[lane] = (plan, s.exporter.source(plan))
+        best = lanes[0]
+        for lane in lanes[1:]:
+            (plan, src), (best_plan, best_src) = sources[lane], sources[best]
+            if plan.key == best_plan.key:
+                continue
+            if s.plans.deterministic:
+                ms = s.plans.measure(src, plan.key, "lanes", qdq=len(plan))[0]
+                best_ms = s.plans.measure(best_src, best_plan.key, "lanes", qdq=len(best_plan))[0]
+                better = rule.promising(ms, best_ms, rule.threshold)
+            else:
+                better = rule.confirmed(s.plans.compare(src, best_src, "lanes"), rule.threshold,
+                                        False)
+            if better:
+                best = lane
+        return best
 
     # -- finish ----------------------------------------------------------------------------
     def _finish(self, partial: bool) -> TuneResult:
         from ..report import build_report, write_reports
 
         plans = self.search.plans
-        uses, rows = self.record.committed()
+        lane = self._final_lane(partial)
+        uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         verdict = self._guarded(final_exporter.plan(uses))
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
-        base_bytes = final_exporter.source(final_exporter.plan(set()))
+        base_bytes = self.baseline_source()[0]
         cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
         report = build_report(self._header(), self.record, plans, self.prepared, plan, cmp,
-                              rows=rows, baseline_ms=self.search.baseline_ms, partial=partial)
+                              rows=rows, baseline_ms=self.search.baseline_ms, partial=partial,
+                              lane=lane)
         report.update(self._accuracy_keys(verdict))
         if self.settings.multi_objective:
             from ..pareto import model_front
@@ -264,7 +366,7 @@ class Tuner:
         self.record.write_pattern_cache(
             self.out / "pattern_cache.yaml",
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
-            max_entries=self.cfg.pattern_cache_max_entries_per_pattern)
+            max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=lane)
         self._write_state("timeout" if partial else "done")
         if not partial:
             self.record.mark_finished(self.fingerprint_digest, report)
@@ -397,13 +499,14 @@ class Tuner:
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
         plans = self.search.plans if self.search is not None else None
+        order = (self.starts or {}).get("order")
         self.record.write_state(self.out, status, {
             "storage": self.storage_url,
             "fingerprint": self.fingerprint_digest,
             "baseline_latency_ms": self.search.baseline_ms if self.search is not None else None,
             "measurements": plans.measurements if plans is not None else 0,
             "cache_hits": plans.cache_hits if plans is not None else 0,
-        })
+        }, lane=order[0] if order else None)
 
     def _interrupted(self) -> None:
         """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
@@ -470,3 +573,27 @@ def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLi
                        backend=chosen if chosen is not None else "onnxruntime",
                        config=config or Config(), **options)
     return Tuner(opts).run()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
+def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | None
+               ) -> onnx.ModelProto:
+    """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
+    the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
+    from ..graph import apply_input_shapes
+
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = onnx.load(str(model))
+    for vi in proto.graph.input:  # a stored dim <= 0 is symbolic (paddle2onnx writes -1)
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value <= 0:
+                d.ClearField("dim_value")
+    apply_input_shapes(proto, InputShapes.parse(input_shapes), "<model>")
+    del proto.graph.value_info[:]  # inferred again by the runtime, from the fixed inputs
+    return proto

@@ -42,17 +42,30 @@ def fully_sampled(study: optuna.Study, params: dict) -> bool:
     return points is None or set(points) <= set(params)
 
 
+#: user attrs a redo of a trial carries over: what its scheme is (a descent move, with the
+#: other patterns' points of a chain move)
+_MOVE_ATTRS = (TrialAttr.MOVE, TrialAttr.MOVE_INDEX, TrialAttr.MOVE_SIGNATURE,
+               TrialAttr.PARTNER, TrialAttr.PLAN_KEY)
+
+
+def move_attrs(user_attrs: dict) -> dict:
+    return {k: user_attrs[k] for k in _MOVE_ATTRS if k in user_attrs}
+
+
 def enqueue_redo(study: optuna.Study, params: dict, user_attrs: dict | None = None) -> None:
     """Enqueue a failed trial's scheme again. ``enqueue_trial(skip_if_exists=True)`` would
     match the failed trial itself and never redo it; only a live or finished trial with the
-    same params makes the redo unnecessary. A trial that died before all its points were
-    suggested measured nothing: it is not redone (its partial params would be filled with
-    "off" and build another, possibly already measured, model)."""
+    same params (and, for a descent move, the same model: ``plan_key``) makes the redo
+    unnecessary. A trial that died before all its points were suggested measured nothing: it
+    is not redone (its partial params would be filled with "off" and build another, possibly
+    already measured, model)."""
     if not params or not fully_sampled(study, params):
         return
+    key = (user_attrs or {}).get(TrialAttr.PLAN_KEY)
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING,
                                                       TrialState.COMPLETE)):
-        if t.system_attrs.get(SystemAttr.FIXED_PARAMS, t.params) == params:
+        if t.system_attrs.get(SystemAttr.FIXED_PARAMS, t.params) == params and (
+                key is None or t.user_attrs.get(TrialAttr.PLAN_KEY) == key):
             return
     study.enqueue_trial(params, user_attrs=user_attrs)
 
@@ -68,15 +81,17 @@ def fail_trial(study: optuna.Study, trial_id: int, why: str, *, transient: bool 
         return False
 
 
-def fail_running_trials(study: optuna.Study) -> list[dict]:
-    """Fail RUNNING trials left by a dead process; returns their params to redo them."""
+def fail_running_trials(study: optuna.Study, with_attrs: bool = False) -> list:
+    """Fail RUNNING trials left by a dead process; returns their params to redo them (with
+    ``with_attrs``: ``(params, move attrs)``)."""
     redo = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         with contextlib.suppress(Exception):
             study._storage.set_trial_user_attr(t._trial_id, TrialAttr.FAILURE,
                                                "process died while running")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            redo.append(dict(t.params))
+            redo.append((dict(t.params), move_attrs(t.user_attrs)) if with_attrs
+                        else dict(t.params))
     return redo
 
 
@@ -109,6 +124,17 @@ def retry_stale_trial(study: optuna.Study, trial) -> None:
     ))
 
 
+class LostTrial(Exception):
+    """Two workers popped the same queued trial (SQLite cannot lock the row); the one that did
+    not claim it waits for the other to finish it and steps back (Optuna then cannot tell the
+    finished trial: :func:`lost_race` recognises that)."""
+
+
+def lost_race(exc: BaseException) -> bool:
+    """Optuna's refusal to tell a trial another worker already finished."""
+    return isinstance(exc, ValueError) and str(exc).startswith("Cannot tell a ")
+
+
 class Workers:
     """This process among the run's workers (``worker``: others may share its studies)."""
 
@@ -127,8 +153,8 @@ class Workers:
         crash or timeout). A redo carries ``retry_of`` (a finished trial's attrs cannot be
         changed any more) and a failed redo is not retried again."""
         if not self.worker:
-            for params in fail_running_trials(study):
-                enqueue_redo(study, params)
+            for params, attrs in fail_running_trials(study, with_attrs=True):
+                enqueue_redo(study, params, attrs or None)
         every = study.get_trials(deepcopy=False)
         retried = {t.user_attrs.get(TrialAttr.RETRY_OF) for t in every}
         for t in every:
@@ -137,7 +163,8 @@ class Workers:
             if TrialAttr.RETRY_OF in t.user_attrs or t.number in retried:
                 continue
             if not self.worker or self.record.claim(Agreed.redo(study.study_name, t.number)):
-                enqueue_redo(study, dict(t.params), {TrialAttr.RETRY_OF: t.number})
+                enqueue_redo(study, dict(t.params), {**move_attrs(t.user_attrs),
+                                                     TrialAttr.RETRY_OF: t.number})
 
     def claim_slot(self, study: optuna.Study, trial: optuna.Trial, budget: int) -> bool | None:
         """Whether ``trial`` may be measured: fewer than ``budget`` trials are COMPLETE, hold a
@@ -182,6 +209,24 @@ class Workers:
             study.stop()
             raise optuna.TrialPruned("the budget was filled by other workers")
 
+    def wait_for(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        """Wait until another worker finished ``trial`` (or its heartbeat went stale)."""
+        while study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            time.sleep(SLOT_POLL_S)
+
+    def wait_for_running(self, study: optuna.Study) -> None:
+        """Wait until no other worker runs a trial of ``study`` (a dead worker's trial fails
+        once its heartbeat is stale), or the run is out of time."""
+        while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                return
+            optuna.storages.fail_stale_trials(study)
+            time.sleep(SLOT_POLL_S)
+
     def twin(self, study: optuna.Study, trial: optuna.Trial, key: str) -> int | None:
         """Another finished, running or queued trial that builds the same model (two workers
         sampled the same scheme at once); None for a single process. Each trial stores its
@@ -204,6 +249,9 @@ class Workers:
 
         def run(trial: optuna.Trial):
             self.live_trial = trial._trial_id
+            if self.worker and not self.record.claim(Agreed.run(study.study_name, trial.number)):
+                self.wait_for(study, trial)  # another worker took the same queued trial
+                raise LostTrial(f"trial {trial.number} runs in another worker")
             try:
                 return objective(trial)
             except KeyboardInterrupt:

@@ -1,0 +1,128 @@
+"""The descent: rounds over the patterns, each visit tuned against the whole standing model.
+
+A *lane* descends from one start (the standing model the starts phase chose, and possibly the
+recipe: see :mod:`~qdq_optuna.search._starts`). A round visits the patterns in order of first
+appearance; a visit (:class:`~qdq_optuna.search._pattern.PatternStudy`, study
+``RUN/P003/roundN``) places the pattern between every other pattern's standing scheme, starts
+from its own, and tries the moves of :mod:`~qdq_optuna.search._moves` in expected-gain order,
+each on the best state so far. Its decision replaces the pattern's standing scheme (and, for a
+chain move, the neighbours' it touched). A pattern whose surroundings carry the same Q/DQ as at
+its last visit is skipped. A lane ends when a round changes nothing, after ``1 +
+Config.refine_rounds`` rounds, or when the run's ``--timeout`` ends (its standing model is
+always a finished, feasible state: every decision passed the guard).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from optuna.trial import TrialState
+
+from ..cache import PatternCache
+from ..insertion.points import PatternPoints
+from ._moves import MoveQueue, MoveSpace, MoveStats
+from ._pattern import PatternStudy, Search, Seed
+from ._record import PatternAttr, TrialAttr
+
+log = logging.getLogger("qdq_optuna")
+
+
+class Descent:
+    """The descent of a run's lanes (see the module docstring). ``rounds``: rounds at most per
+    lane; ``lanes``: lane names in descent order; ``cache``: the user's pattern cache (its
+    best scheme of a pattern is that pattern's first move)."""
+
+    def __init__(self, search: Search, *, rounds: int, lanes: list[str],
+                 cache: PatternCache | None = None,
+                 seeds: Callable[[PatternPoints], list[Seed]] | None = None) -> None:
+        self.s = search
+        self.rounds = rounds
+        self.lanes = lanes
+        self.cache = cache
+        self.seeds = seeds
+        self.space = MoveSpace(search.prepared)
+        self.tunable: list[PatternPoints] = search.prepared.tunable
+
+    def run(self) -> None:
+        for lane_no, lane in enumerate(self.lanes):
+            self.lane(lane, lane_no)
+
+    def order(self, lane_no: int, rnd: int, idx: int) -> int:
+        n = len(self.tunable)
+        return (lane_no * (self.rounds + 1) + rnd) * n + idx
+
+    # -- a lane ----------------------------------------------------------------------------
+    def lane(self, lane: str, lane_no: int) -> None:
+        """Rounds of visits until one changes nothing (or ``rounds`` rounds)."""
+        stats = self._stats(lane)
+        label = f"{lane} round" if lane else "round"
+        for rnd in range(1, self.rounds + 1):
+            self.s.progress.stage(f"{label} {rnd}", len(self.tunable))
+            changed = 0
+            for idx, pp in enumerate(self.tunable):
+                changed += self.visit(lane, self.order(lane_no, rnd, idx), rnd, pp, stats)
+            log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
+            if not changed:
+                break
+
+    def _stats(self, lane: str) -> MoveStats:
+        """What the lane's decided visits learnt about move kinds (read back from their
+        trials, so a resumed process orders and skips moves as the first one did)."""
+        stats = MoveStats(self.s.config.skip_failed_moves)
+        for attrs in self.s.record.visits(lane):
+            if PatternAttr.COMMITTED in attrs:
+                self._absorb(stats, self.s.record.visit_trials(attrs))
+        return stats
+
+    @staticmethod
+    def _absorb(stats: MoveStats, trials) -> None:
+        for t in sorted(trials, key=lambda t: t.number):
+            if t.state == TrialState.COMPLETE and TrialAttr.MOVE_SIGNATURE in t.user_attrs:
+                stats.tell(t.user_attrs[TrialAttr.MOVE_SIGNATURE],
+                           bool(t.user_attrs.get(TrialAttr.IMPROVED)))
+
+    # -- a visit ---------------------------------------------------------------------------
+    def visit(self, lane: str, order: int, rnd: int, pp: PatternPoints,
+              stats: MoveStats) -> bool:
+        """Visit ``pp`` in round ``rnd`` (or skip it); whether its decision changed the
+        standing model."""
+        s = self.s
+        pid = pp.pattern.id
+        visits = s.record.visits(lane)
+        schemes = s.record.standing(lane, visits)
+        around = s.record.around(pp, schemes)
+        key = s.neighbourhood.key(pp, around)
+        mine = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
+        this = next((a for a in mine if a[PatternAttr.ROUND] == rnd), None)
+        if this is not None and PatternAttr.COMMITTED in this:
+            s.progress.advance()
+            return changed(this)
+        if this is None and mine and mine[-1].get(PatternAttr.CONTEXT_KEY) == key:
+            s.progress.advance()  # nothing changed near it since its last visit
+            return False
+        if s.settings.multi_objective:  # one study per pattern from float, as a first pass
+            attrs = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
+                                 seeds=self.seeds(pp) if self.seeds else (),
+                                 context_key=key).run()
+            return changed(attrs)
+        cached = None
+        if self.cache is not None:
+            seeds = self.cache.seeds_for(pp)
+            cached = seeds[0] if seeds else None
+        moves = self.space.moves(pid, schemes, stats, cached)
+        queue = MoveQueue(pid, schemes, moves, stats, s.settings.space)
+        budget = min(s.config.schemes_per_region, max(len(moves) + 1, 2 * len(pp.ids)))
+        study = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
+                             start=schemes[pid], budget=budget, queue=queue, context_key=key)
+        attrs = study.run()
+        self._absorb(stats, study.study.get_trials(deepcopy=False))
+        return changed(attrs)
+
+
+def changed(attrs: dict) -> bool:
+    """Whether a decided visit changed the standing model."""
+    if PatternAttr.COMMITTED not in attrs:
+        return False
+    on = sorted(p for p, v in attrs[PatternAttr.COMMITTED].items() if v)
+    return on != sorted(attrs.get(PatternAttr.FROM, [])) or bool(attrs.get(PatternAttr.PARTNER))

@@ -1,0 +1,211 @@
+"""The starts phase: whole-model placements measured before any pattern is tuned.
+
+Candidates (:mod:`qdq_optuna.starts`): float; every offered point on; the runtime's classic
+recipe (ONNX Runtime rules: ``quant_pre_process`` + ``quantize_static`` run on the user's model
+with the user's calibration data, read back; TensorRT rules: Model Optimizer's default INT8
+placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
+the insertion points (the descent moves points), measured once (the plan memo), and checked by
+the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
+never chosen. The fastest feasible start becomes the standing model when it beats float as a
+commit must (the run's commit rule; on a measured backend an interleaved A/B against float
+confirms it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+
+Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
+wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from .. import starts as whole
+from ..backends.base import BackendError
+from ..starts import Start
+from ._record import RunRecord
+
+log = logging.getLogger("qdq_optuna")
+
+#: ``--start best`` also descends from the recipe when its latency is at most this many times
+#: the chosen start's: on the YOLO-like zoo model the recipe is 15-17 % slower than float (cost
+#: model, FP16) yet the better basin (benchmarks/whole_model.py); on the transformer it is 50 %
+#: slower and its descent never catches up
+RECIPE_LANE_RATIO = 1.25
+#: the lane of the chosen start: its visits are ``RUN/P003/round1``
+MAIN_LANE = ""
+
+
+class StartAttr:
+    """User attrs of a ``RUN/_starts`` trial."""
+
+    START = "start"
+    POINTS_ON = "points_on"
+    NOTES = "notes"
+    EXACT = "exact"
+    QDQ_COUNT = "qdq_count"
+    ERROR = "error"
+    FEASIBLE = "feasible"
+    CHOSEN = "chosen"
+    LANE = "lane"
+    FAILURE = "failure"
+    PLAN_KEY = "plan_key"
+
+
+class StartsPhase:
+    """Build, measure, check and choose the starts (see the module docstring).
+
+    ``recipe``: builds the runtime's recipe start (it runs ONNX Runtime's quantizer: only when
+    the starts are not decided yet); ``seeds``: the user's seed starts."""
+
+    def __init__(self, search, *, mode: str, recipe: Callable[[], Start | None],
+                 seeds: Callable[[], list[Start]], worker: bool) -> None:
+        self.s = search
+        self.mode = mode
+        self.recipe = recipe
+        self.seeds = seeds
+        self.worker = worker
+
+    @property
+    def record(self) -> RunRecord:
+        return self.s.record
+
+    def candidates(self) -> list[Start]:
+        pm = self.s.prepared
+        cands = [whole.float_start(pm), whole.all_on_start(pm)]
+        recipe = self.recipe()
+        if recipe is not None:
+            cands.append(recipe)
+        return cands + self.seeds()
+
+    def run(self) -> dict:
+        """The agreed starts: ``chosen`` (a start's name), ``lanes`` (lane -> its start's
+        schemes, in descent order), ``lane_starts`` (lane -> start name), ``starts`` (one row
+        per start)."""
+        decided = self.record.starts(self.decide)
+        if not self.worker or self.record.claim("starts-study"):
+            self._write_study(decided)
+        return decided
+
+    # -- deciding --------------------------------------------------------------------------
+    def decide(self) -> dict:
+        progress = self.s.progress
+        spent = self.s.plans.by_phase["starts"]
+        cands = self.candidates()
+        progress.stage("starts", len(cands))
+        rows = []
+        for start in cands:
+            with progress.pattern(f"start {start.name}", 1) as bar:
+                row = self._measure(start)
+                bar.trial()
+                bar.finish(note=self._summary(row))
+            rows.append(row)
+        lanes = self._lanes(rows, self._choose(rows))
+        chosen = lanes[MAIN_LANE]  # the start of the standing model
+        by_name = {r["name"]: r for r in rows}
+        for r in rows:
+            r["chosen"] = r["name"] == chosen
+            r["lane"] = next((lane for lane, name in lanes.items() if name == r["name"]), None)
+        return {"chosen": chosen, "lane_starts": lanes, "order": list(lanes),
+                "measurements": self.s.plans.by_phase["starts"] - spent,
+                "lanes": {lane: by_name[name]["schemes"] for lane, name in lanes.items()},
+                "starts": [{k: v for k, v in r.items() if k != "schemes"} for r in rows]}
+
+    def _summary(self, row: dict) -> str:
+        if row.get("failure"):
+            return f"failed: {row['failure']}"
+        base = self.s.baseline_ms
+        speed = f", {base / row['latency_ms']:.3f}x the baseline" if base else ""
+        ok = "" if row["feasible"] else f", output error {row['error']:.3g} over the bound"
+        return f"{row['latency_ms']:.4f} ms{speed}{ok}"
+
+    def _measure(self, start: Start) -> dict:
+        s = self.s
+        space = s.settings.space
+        schemes = {pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
+                                                pp.ids) for pp in s.prepared.tunable}
+        plan = s.exporter.plan(self.record.uses(schemes))
+        row = {"name": start.name, "schemes": schemes, "points_on": start.on(),
+               "notes": list(start.notes), "exact": start.exact, "qdq": len(plan),
+               "plan_key": plan.key, "latency_ms": None, "error": None, "feasible": False}
+        try:
+            row["latency_ms"], _ = s.plans.measure(s.exporter.source(plan), plan.key, "starts",
+                                                   qdq=len(plan))
+        except BackendError as exc:
+            row["failure"] = str(exc)[:500]
+            log.warning("start %s: the backend failed on it (%s)", start.name, exc)
+            return row
+        if s.guard is not None:
+            row["error"] = s.guard.error(plan)["error"]
+            row["feasible"] = row["error"] <= s.guard.bound
+        else:
+            row["feasible"] = True
+        return row
+
+    def _choose(self, rows: list[dict]) -> str:
+        """The fastest feasible start, when it beats float as a commit must (the run's
+        ``CommitRule``: on a measured backend an interleaved A/B against float confirms it);
+        else float (always feasible: its error is the high precision's only)."""
+        ok = sorted((r for r in rows if r["feasible"] and r["latency_ms"] is not None),
+                    key=lambda r: (r["latency_ms"], r["name"]))
+        flt = next((r for r in rows if r["name"] == "float"), None)
+        if not ok or flt is None or flt["latency_ms"] is None or ok[0] is flt:
+            return "float"
+        best, rule = ok[0], self.s.rule
+        if self.s.plans.deterministic:
+            return best["name"] if rule.promising(best["latency_ms"], flt["latency_ms"],
+                                                  rule.threshold) else "float"
+        cmp = self.s.plans.compare(self._source(best), self._source(flt), "starts")
+        best["ab_vs_float"] = {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
+                               "rounds": cmp.rounds}
+        return best["name"] if rule.confirmed(cmp, rule.threshold, False) else "float"
+
+    def _source(self, row: dict):
+        s = self.s
+        return s.exporter.source(s.exporter.plan(self.record.uses(row["schemes"])))
+
+    def _lanes(self, rows: list[dict], chosen: str) -> dict[str, str]:
+        """Lane name -> start name, in descent order (see ``Config.start``)."""
+        ok = {r["name"]: r for r in rows if r["feasible"] and r["latency_ms"] is not None}
+        recipe = next((n for n in ok if n.startswith("recipe")), None)
+        if self.mode == "float":
+            return {MAIN_LANE: "float"}
+        if self.mode == "recipe":
+            return {MAIN_LANE: recipe or "float"}
+        lanes = {MAIN_LANE: chosen}
+        if self.mode == "all":
+            for name in sorted(ok, key=lambda n: ok[n]["latency_ms"]):
+                if name != chosen:
+                    lanes[_lane_name(name)] = name
+        elif recipe is not None and recipe != chosen and \
+                ok[recipe]["latency_ms"] <= RECIPE_LANE_RATIO * ok[chosen]["latency_ms"]:
+            lanes["recipe"] = recipe
+        return lanes
+
+    # -- the study -------------------------------------------------------------------------
+    def _write_study(self, decided: dict) -> None:
+        """One trial per start in ``RUN/_starts`` (those not written yet)."""
+        study = self.record.starts_study()
+        written = {t.user_attrs.get(StartAttr.START) for t in study.get_trials(deepcopy=False)}
+        for row in decided["starts"]:
+            if row["name"] in written:
+                continue
+            attrs = {StartAttr.START: row["name"], StartAttr.POINTS_ON: row["points_on"],
+                     StartAttr.NOTES: row["notes"], StartAttr.EXACT: row["exact"],
+                     StartAttr.QDQ_COUNT: row["qdq"], StartAttr.ERROR: row["error"],
+                     StartAttr.FEASIBLE: row["feasible"], StartAttr.CHOSEN: row["chosen"],
+                     StartAttr.LANE: row["lane"], StartAttr.PLAN_KEY: row["plan_key"]}
+            if row.get("failure"):
+                attrs[StartAttr.FAILURE] = row["failure"]
+                study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL,
+                                                          user_attrs=attrs))
+            else:
+                study.add_trial(optuna.trial.create_trial(value=row["latency_ms"],
+                                                          user_attrs=attrs))
+
+
+def _lane_name(start: str) -> str:
+    """A start's name as a lane (a path part of study names): ``recipe:tensorrt`` -> recipe."""
+    return start.split(":")[0]
