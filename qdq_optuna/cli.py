@@ -356,7 +356,7 @@ def _print_result(result) -> None:
     acc = r.get("accuracy")
     if acc:
         left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
-                    if acc["status"] != "within bound" else "")
+                    if acc["status"] != "within bound" and acc["responsible_tensors"] else "")
         print(f"output error vs FP32 ({acc['measure']}, worst output, on {acc['data_kind']}): "
               f"{acc['error']:.4g}, bound {acc['bound']:g}: {acc['status']}{left_out}")
     if r.get("pareto"):

@@ -601,7 +601,8 @@ def _study_rows(storage, run_id: str) -> list[dict]:
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         on = [p for p, v in (attrs.get(A.COMMITTED) or {}).items() if _on(v)]
         rows.append({"name": study.study_name, "pattern": attrs.get(A.PATTERN_ID, "?"),
-                     "round": int(attrs.get(A.ROUND) or 0), "trials": len(complete),
+                     "round": int(attrs.get(A.ROUND) or 0), "lane": attrs.get(A.LANE) or "",
+                     "trials": len(complete),
                      "points": len(attrs.get(A.POINTS) or []),
                      "decided": A.COMMITTED in attrs, "on": on,
                      "gain": float(attrs.get(A.GAIN, 1.0)),
@@ -609,18 +610,32 @@ def _study_rows(storage, run_id: str) -> list[dict]:
     return rows
 
 
-def _phase_lines(rows: list[dict], phases: dict | None) -> list[str]:
+def _phase_lines(rows: list[dict], phases: dict | None, report: dict | None) -> list[str]:
     """The run's phases as a table (what each did, its trials) and what was measured."""
+    r = report or {}
     lines = ["### Phases", "", "| phase | what | trials |", "|---|---|---|",
-             "| baseline | the model without Q/DQ, timed once for all workers | — |"]
-    for rnd in sorted({r["round"] for r in rows}):
-        its = [r for r in rows if r["round"] == rnd]
-        moved = sum(1 for r in its if r["gain"] != 1.0)
-        name = "first pass" if rnd == 0 else f"refinement round {rnd}"
-        lines.append(f"| {name} | {len(its)} pattern studies, {sum(r['decided'] for r in its)} "
-                     f"decided, {moved} changed the model (their gains multiply to "
-                     f"{math.prod(r['gain'] for r in its):.3f}x) | "
-                     f"{sum(r['trials'] for r in its)} |")
+             f"| baseline | {r.get('baseline_model') or 'the model without Q/DQ'}, timed once "
+             "for all workers | — |"]
+    starts = r.get("starts") or []
+    if starts:
+        chosen = next((s["name"] for s in starts if s.get("chosen")), "none")
+        feasible = sum(1 for s in starts if s.get("feasible"))
+        lines.append(f"| starts | {len(starts)} whole-model placements measured "
+                     f"({', '.join(s['name'] for s in starts)}), {feasible} within the accuracy "
+                     f"bound; the standing model starts from **{chosen}** | — |")
+    for lane in dict.fromkeys(row["lane"] for row in rows):
+        for rnd in sorted({row["round"] for row in rows if row["lane"] == lane}):
+            its = [row for row in rows if row["lane"] == lane and row["round"] == rnd]
+            moved = sum(1 for row in its if row["gain"] != 1.0)
+            name = (f"descent round {rnd}" if rnd else "pattern studies") + (
+                f" (lane {lane})" if lane else "")
+            lines.append(f"| {name} | {len(its)} visits, {sum(row['decided'] for row in its)} "
+                         f"decided, {moved} changed the standing model (their gains multiply to "
+                         f"{math.prod(row['gain'] for row in its):.3f}x) | "
+                         f"{sum(row['trials'] for row in its)} |")
+    if len((r.get("descent") or {}).get("lanes") or {}) > 1:
+        lines.append(f"| lanes | the lanes' standing models compared; "
+                     f"{_code(r['descent']['shipped'])} ships | — |")
     lines.append("| final | the accuracy guard, then `optimized.onnx` timed against the "
                  "baseline (interleaved A/B) | — |")
     if phases:
@@ -673,14 +688,14 @@ def run_note(run_id: str, baseline_ms: float | None, rows: list[dict], *,
             lines += _accuracy_lines(r["accuracy"]) + [""]
     else:
         so_far = math.prod(row["gain"] for row in rows)
-        lines += [f"- float baseline: {baseline_ms:.4f} ms" if baseline_ms else
-                  "- float baseline: not measured yet",
-                  f"- {sum(row['decided'] for row in rows)} of {len(rows)} pattern studies "
-                  f"decided so far; their gains multiply to {so_far:.3f}x (the search's "
+        lines += [f"- baseline: {baseline_ms:.4f} ms" if baseline_ms else
+                  "- baseline: not measured yet",
+                  f"- {sum(row['decided'] for row in rows)} of {len(rows)} visits decided so "
+                  f"far; their gains over the start multiply to {so_far:.3f}x (the search's "
                   "estimate; the final figure is measured when the run ends)", ""]
     if rows:
-        lines += _phase_lines(rows, phases) + [""]
-        lines += ["### Pattern studies", "", "| study | trials | committed | gain | note |",
+        lines += _phase_lines(rows, phases, report) + [""]
+        lines += ["### Pattern studies", "", "| visit | trials | standing scheme | gain | note |",
                   "|---|---|---|---|---|"]
         for row in rows:
             scheme = ", ".join(_code(p) for p in row["on"][:NOTE_MAX_TENSORS])
@@ -692,12 +707,13 @@ def run_note(run_id: str, baseline_ms: float | None, rows: list[dict], *,
         lines.append("")
     if picture:
         lines += ["### The whole run", "", f"![whole-run convergence]({picture['url']})", "",
-                  "Speedup over the float model the run would deliver had it stopped after "
-                  "each measurement (committed gains times the running pattern's best "
-                  "in-loop gain); the final A/B's figure and interval on the right.", ""]
+                  "Speedup over the baseline of the fastest whole model within the accuracy "
+                  "bound measured so far, after each measurement (the starts, then every "
+                  "visit's trials); the final A/B's figure and interval on the right.", ""]
     lines += ["---", "",
-              f"Pattern studies: {_code(run_id + '/P000')} and on (one per pattern and round); "
-              f"bookkeeping: {_code(run_id + '/_run')}."
+              f"Visits: {_code(run_id + '/P000/round1')} and on (one study per pattern, round "
+              f"and lane); starts: {_code(run_id + '/_starts')}; bookkeeping: "
+              f"{_code(run_id + '/_run')}."
               + ("" if report is not None else
                  f" When the run finishes, its overview is the study {_code(run_id)}.")]
     return "\n".join(lines) + "\n"
@@ -716,8 +732,8 @@ def run_convergence_png(path: str | Path, curve: list[list[float]], *, title: st
     ax = fig.add_subplot(1, 1, 1)
     xs = [c[0] for c in curve]
     ax.step(xs, [c[1] for c in curve], where="post", color="#1f6feb", linewidth=2,
-            label="committed x best in-loop gain")
-    ax.axhline(1.0, color="#57606a", linestyle=":", linewidth=1, label="float model")
+            label="fastest feasible model so far")
+    ax.axhline(1.0, color="#57606a", linestyle=":", linewidth=1, label="baseline")
     if final is not None:
         speedup, lo, hi = final
         x = xs[-1] if xs else 0
@@ -728,7 +744,7 @@ def run_convergence_png(path: str | Path, curve: list[list[float]], *, title: st
                     label=f"final A/B {speedup:.3f}x")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("measurements")
-    ax.set_ylabel("speedup over the float model")
+    ax.set_ylabel("speedup over the baseline")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
@@ -740,8 +756,9 @@ def bookkeeping_note(run_id: str) -> str:
     """The note of a finished run's bookkeeping study (``RUN/_run``)."""
     return (f"## Bookkeeping of run {run_id}\n\nThe run's overview is the study "
             f"{_code(run_id)}. This study holds what the run's workers agreed on (the baseline, "
-            "each study's reference, each commit: its trials, stored without values) and, in "
-            "its system attrs, the settings and every model measured.\n")
+            "the starts, each visit's reference, each commit, the lane that ships: its trials, "
+            "stored without values) and, in its system attrs, the settings, the starts and "
+            "every model measured.\n")
 
 
 def save_run_note(storage, run_id: str) -> None:

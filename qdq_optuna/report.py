@@ -234,7 +234,11 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
         lines += ["Random inputs show only that nothing is badly broken; pass "
                   "`--validation-data` or `--calibration-data` for errors that mean something.",
                   ""]
-    if acc["status"] != "within bound":
+    if acc["status"] != "within bound" and not acc.get("tuned_tensors"):
+        lines += ["**Even the model without Q/DQ is past the bound** (the high-precision "
+                  "conversion alone drifts that far): `optimized.onnx` is that model. Raise "
+                  "`--max-output-error` or choose another `--high-precision`.", ""]
+    elif acc["status"] != "within bound":
         culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
         lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
                   f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "

@@ -16,10 +16,13 @@ from pathlib import Path
 import _latency_fns as fns
 
 from qdq_optuna.backends.base import Backend, FixedRunner
+from qdq_optuna.export import graph_output_names
 
 
 def quantized_tensors(model) -> frozenset[str]:
-    return frozenset(q.input[0] for q in fns.activation_qs(model))
+    """Activations with Q/DQ, a quantized graph output by its own name (as plans name it)."""
+    renamed = graph_output_names(model)
+    return frozenset(renamed.get(q.input[0], q.input[0]) for q in fns.activation_qs(model))
 
 
 class PlanTrap(Backend):

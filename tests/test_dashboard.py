@@ -266,7 +266,7 @@ def test_the_run_has_an_overview_and_small_bookkeeping(run):
     for expected in (f"## Run {RUN_ID} — finished", f"**Speedup {report['speedup']:.3f}x**",
                      f"interval {lo:.3f}–{hi:.3f}", f"{report['baseline_latency_ms']:.4f}",
                      "### Accuracy", "**within bound**", "random inputs", "### Phases",
-                     "| first pass |", "| refinement round 1 |", "| final |",
+                     "| starts |", "| descent round 1 |", "| final |",
                      "### Pattern studies", "### The whole run", "high precision fp32"):
         assert expected in note, expected
     for name in pattern_studies(run):
@@ -278,13 +278,15 @@ def test_the_run_has_an_overview_and_small_bookkeeping(run):
     assert_non_blank_png(run / ARTIFACT_DIR / meta.artifact_id, (640, 360))
     # the bookkeeping: a few small user attrs, proposals without values, a note pointing on
     books = optuna.load_study(study_name=f"{RUN_ID}/_run", storage=storage)
-    assert set(books.user_attrs) == {"fingerprint", "created", "baseline_latency_ms"}
+    assert set(books.user_attrs) == {"fingerprint", "created", "baseline_latency_ms",
+                                     "baseline_model", "winner"}
     proposals = books.get_trials(deepcopy=False)
     assert proposals and all(t.state == optuna.trial.TrialState.PRUNED and t.values is None
                              and set(t.user_attrs) == {"qdq:agree"} for t in proposals)
     assert f"The run's overview is the study `{RUN_ID}`" in _note(books)
     system = storage.get_study_system_attrs(books._study_id)
     assert any(k.startswith("measured:") for k in system) and "settings" in system
+    assert "starts" in system
     # what `optuna studies` prints of them: short
     proc = subprocess.run([sys.executable, "-c", "import sys, optuna.cli; "
                            "sys.argv[0] = 'optuna'; sys.exit(optuna.cli.main())", "studies",

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.search._record import run_attrs
 from qdq_optuna.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,7 +232,7 @@ def test_resume_with_other_settings_is_refused_and_fresh_starts_over(residual, t
     assert_finished_exactly(out, "settings", residual, 5)
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     run = optuna.load_study(study_name="settings/_run", storage=storage)
-    assert run.user_attrs["settings"]["config"]["schemes_per_region"] == 5
+    assert run_attrs(run)["settings"]["config"]["schemes_per_region"] == 5
 
 
 # -- a trial killed while its points were being suggested ----------------------------------------

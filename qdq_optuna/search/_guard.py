@@ -10,11 +10,14 @@ random inputs) and compared with the FP32 model; the measure is the run's ``--er
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..export import QDQExporter, QuantPlan
 from ..guard import bisect_plan
 from ._plans import PlanMeasurer
+
+log = logging.getLogger("qdq_optuna")
 
 
 @dataclass
@@ -56,6 +59,55 @@ class Guard:
         status = FALLBACK if errors["error"] <= self.bound else FLOAT_PAST_BOUND
         return Verdict(kept, status, shipped, errors, tuned, list(found.responsible),
                        found.evaluations, plan.tensors)
+
+    def ship(self, plan: QuantPlan, precision: str) -> Verdict:
+        """:meth:`final`, said in one warning line when the guard had to step in
+        (``precision``: the run's high precision, named when even its float model drifts)."""
+        verdict = self.final(plan)
+        if verdict.status == WITHIN_BOUND:
+            return verdict
+        where = data_phrase(self.data)
+        if verdict.status == FALLBACK:
+            culprits = ", ".join(verdict.responsible[:6]) + (
+                f" (+{len(verdict.responsible) - 6})" if len(verdict.responsible) > 6 else "")
+            log.warning(
+                "accuracy guard: the tuned model's output error %.4g (%s, worst output, on %s) "
+                "is past the bound %g; Q/DQ on %s caused it: optimized.onnx is the %s instead "
+                "(error %.4g)", verdict.tuned_errors["error"], self.measure, where,
+                self.bound, culprits or "no single tensor", verdict.shipped,
+                verdict.errors["error"])
+        else:
+            log.warning(
+                "accuracy guard: even the %s model without Q/DQ has output error %.4g (%s, "
+                "worst output, on %s), past the bound %g: optimized.onnx is that model; raise "
+                "--max-output-error or choose another --high-precision", precision,
+                verdict.errors["error"], self.measure, where, self.bound)
+        return verdict
+
+    def report_keys(self, verdict: Verdict, *, bound_given: bool, bf16: bool) -> dict:
+        """report.json's ``accuracy`` (bound, measure, data, errors of what ships and of the
+        tuned placement, status, responsible tensors) and ``final_output_error(s)``."""
+        errors = verdict.errors
+        return {
+            "accuracy": {
+                **self.describe(),
+                "bound_from": "--max-output-error" if bound_given else "default",
+                "data_kind": data_kind(self.data),
+                "scored_as": ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has "
+                              "no BF16 kernels)" if bf16 else "the saved model in ONNX Runtime"),
+                "status": verdict.status,
+                "shipped": verdict.shipped,
+                "error": errors["error"],
+                "output_errors": errors["output_errors"],
+                "tuned_error": verdict.tuned_errors["error"],
+                "tuned_output_errors": verdict.tuned_errors["output_errors"],
+                "tuned_tensors": verdict.tuned_tensors,
+                "responsible_tensors": verdict.responsible,
+                "bisection_evaluations": verdict.evaluations,
+            },
+            "final_output_error": errors["error"],
+            "final_output_errors": errors["output_errors"],
+        }
 
 
 #: :attr:`Verdict.status`: the tuned model ships

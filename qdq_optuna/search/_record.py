@@ -473,6 +473,25 @@ class RunRecord:
             self.run_study.set_user_attr(RunAttr.WINNER, lane)
         return self.run_study.user_attrs[RunAttr.WINNER]
 
+    def resume_line(self, rounds: int) -> str | None:
+        """What a resumed run has done and has left, in a line (None: a new run)."""
+        if RunAttr.BASELINE_MS not in self.run_study.user_attrs:
+            return None
+        starts = self.starts()
+        if starts is None:
+            return (f"resuming run {self.run_id!r}: baseline measured; left: the starts, then "
+                    "the descent")
+        visits = self.visits()
+        decided = sum(PatternAttr.COMMITTED in a for a in visits)
+        last = visits[-1] if visits else None
+        where = (f"; last visit: {last[PatternAttr.PATTERN_ID]} "
+                 f"{(last.get(PatternAttr.LANE) + ' ') if last.get(PatternAttr.LANE) else ''}"
+                 f"round {last[PatternAttr.ROUND]}" if last else "")
+        return (f"resuming run {self.run_id!r}: baseline and starts done (standing model from "
+                f"{starts['chosen']}), {decided} visit(s) decided{where}; left: the rest of the "
+                f"descent (at most {rounds} rounds a lane, lanes "
+                f"{', '.join(n or 'main' for n in starts['order'])}), then the final A/B")
+
     # -- a finished run --------------------------------------------------------------------
     def mark_finished(self, digest: str | None, report: dict) -> None:
         """The run finished with these settings and this report (a rerun prints it and exits,

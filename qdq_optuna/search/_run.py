@@ -34,7 +34,7 @@ from ..config import Config
 from ..dashboard import PatternPictures, save_run_overview
 from ..data import data_id, describe_model, input_data, model_argument
 from ..errors import OptionError, ToolError, UserError
-from ..export import QDQExporter, QuantPlan, atomic_write_bytes, plan_uses, remove_stale_temps
+from ..export import QDQExporter, atomic_write_bytes, plan_uses, remove_stale_temps
 from ..graph import InputShapes
 from ..insertion.points import PatternPoints
 from ..measure import CommitRule, Measurer, TimingProtocol
@@ -43,7 +43,7 @@ from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
 from ._descent import Descent
-from ._guard import FALLBACK, WITHIN_BOUND, Guard, Verdict, data_kind, data_phrase
+from ._guard import Guard
 from ._options import (
     Settings,
     TuneOptions,
@@ -56,7 +56,7 @@ from ._options import (
 )
 from ._pattern import OutOfTime, Search, Seed
 from ._plans import PlanMeasurer
-from ._record import PatternAttr, RunAttr, RunRecord, delete_run
+from ._record import RunRecord, delete_run
 from ._starts import StartsPhase
 from ._workers import Workers, retry_stale_trial
 
@@ -183,25 +183,9 @@ class Tuner:
 
     def _say_resuming(self) -> None:
         """A resumed run says so: what is done and what is left."""
-        r = self.record
-        if RunAttr.BASELINE_MS not in r.run_study.user_attrs:
-            return
-        starts = r.starts()
-        if starts is None:
-            self.progress.write(f"resuming run {self.run_id!r}: baseline measured; left: the "
-                                "starts, then the descent")
-            return
-        visits = r.visits()
-        decided = sum(PatternAttr.COMMITTED in a for a in visits)
-        last = visits[-1] if visits else None
-        where = (f"; last visit: {last[PatternAttr.PATTERN_ID]} "
-                 f"{(last.get(PatternAttr.LANE) + ' ') if last.get(PatternAttr.LANE) else ''}"
-                 f"round {last[PatternAttr.ROUND]}" if last else "")
-        self.progress.write(
-            f"resuming run {self.run_id!r}: baseline and starts done (standing model from "
-            f"{starts['chosen']}), {decided} visit(s) decided{where}; left: the rest of the "
-            f"descent (at most {self.settings.rounds} rounds a lane, lanes "
-            f"{', '.join(n or 'main' for n in starts['order'])}), then the final A/B")
+        line = self.record.resume_line(self.settings.rounds)
+        if line:
+            self.progress.write(line)
 
     # -- the baseline ----------------------------------------------------------------------
     def baseline_source(self) -> tuple[object, str, str]:
@@ -347,7 +331,10 @@ class Tuner:
         lane = self._final_lane(partial)
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
-        verdict = self._guarded(final_exporter.plan(uses))
+        guard = self.search.guard
+        verdict = guard.ship(guard.exporter.plan(plan_uses(final_exporter.plan(uses))),
+                             self.prepared.high_precision.precision
+                             if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
         base_bytes = self.baseline_source()[0]
@@ -355,7 +342,13 @@ class Tuner:
         report = build_report(self._header(), self.record, plans, self.prepared, plan, cmp,
                               rows=rows, baseline_ms=self.search.baseline_ms, partial=partial,
                               lane=lane)
-        report.update(self._accuracy_keys(verdict))
+        report.update(guard.report_keys(
+            verdict, bound_given=self.o.max_output_error is not None,
+            bf16=self.search.plans.scorer.bf16))
+        if self.settings.accuracy:  # the accuracy modes' keys, as before
+            report.update({"objectives": list(self.settings.objectives),
+                           "error_measure": guard.measure,
+                           "max_output_error": self.o.max_output_error})
         if self.settings.multi_objective:
             from ..pareto import model_front
 
@@ -373,60 +366,6 @@ class Tuner:
         save_run_overview(self.record, self.out, report, dict(plans.by_phase),
                           self.cfg.performance_threshold)
         return TuneResult(self.out, report)
-
-    def _guarded(self, tuned: QuantPlan) -> Verdict:
-        """The accuracy guard's decision about the tuned plan (a model past the bound never
-        ships), said in one line when it had to step in."""
-        guard = self.search.guard
-        verdict = guard.final(guard.exporter.plan(plan_uses(tuned)))
-        if verdict.status != WITHIN_BOUND:
-            where = data_phrase(guard.data)
-            culprits = ", ".join(verdict.responsible[:6]) + (
-                f" (+{len(verdict.responsible) - 6})" if len(verdict.responsible) > 6 else "")
-            log.warning(
-                "accuracy guard: the tuned model's output error %.4g (%s, worst output, on %s) "
-                "is past the bound %g; Q/DQ on %s caused it: optimized.onnx is the %s instead "
-                "(error %.4g%s)", verdict.tuned_errors["error"], guard.measure, where,
-                guard.bound, culprits or "no single tensor", verdict.shipped,
-                verdict.errors["error"],
-                "" if verdict.status == FALLBACK else ", still past the bound: the "
-                f"{self.prepared.high_precision.precision if self.prepared.high_precision else 'fp32'}"
-                " model alone drifts that far")
-        return verdict
-
-    def _accuracy_keys(self, verdict: Verdict) -> dict:
-        """report.json's accuracy keys: always ``accuracy`` (the guard: bound, measure, data,
-        errors of what ships and of the tuned placement, status, responsible tensors) and
-        ``final_output_error(s)``; the accuracy modes' keys as before."""
-        guard = self.search.guard
-        errors = verdict.errors
-        keys = {
-            "accuracy": {
-                **guard.describe(),
-                "bound_from": ("--max-output-error" if self.o.max_output_error is not None
-                               else "default"),
-                "data_kind": data_kind(guard.data),
-                "scored_as": ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has "
-                              "no BF16 kernels)" if self.search.plans.scorer.bf16
-                              else "the saved model in ONNX Runtime"),
-                "status": verdict.status,
-                "shipped": verdict.shipped,
-                "error": errors["error"],
-                "output_errors": errors["output_errors"],
-                "tuned_error": verdict.tuned_errors["error"],
-                "tuned_output_errors": verdict.tuned_errors["output_errors"],
-                "tuned_tensors": verdict.tuned_tensors,
-                "responsible_tensors": verdict.responsible,
-                "bisection_evaluations": verdict.evaluations,
-            },
-            "final_output_error": errors["error"],
-            "final_output_errors": errors["output_errors"],
-        }
-        if self.settings.accuracy:
-            keys.update({"objectives": list(self.settings.objectives),
-                         "error_measure": guard.measure,
-                         "max_output_error": self.o.max_output_error})
-        return keys
 
     def _finished_report(self) -> dict | None:
         """The report of this run when it finished with these settings and this output
