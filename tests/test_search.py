@@ -424,3 +424,46 @@ def test_with_high_precision_the_baseline_is_the_converted_model(tmp_path, zoo_m
     assert report["baseline_model"] == "the user's model converted to fp16 (no Q/DQ)"
     pm = PreparedModel.prepare(str(path), runtime="tensorrt", high_precision="fp16")
     assert report["baseline_latency_ms"] == len(pm.high_precision.model.graph.node)
+
+
+def test_start_all_descends_once_from_every_distinct_feasible_start(residual, tmp_path):
+    """``--start all``: a lane per feasible start, but one lane per model: a start that is the
+    same placement as another (the recipe often is "every point on") adds none."""
+    result = tune(residual, tmp_path / "all", benchmark=deterministic(fns.rewards_groups),
+                  runtime="onnxruntime", config=Config(schemes_per_region=4, start="all"),
+                  progress=False)
+    report = result.report
+    storage = open_storage(f"sqlite:///{tmp_path / 'all' / 'studies.db'}", heartbeat=False)
+    rows = optuna.load_study(study_name="all/_starts", storage=storage).get_trials(
+        deepcopy=False)
+    key = {t.user_attrs["start"]: t.user_attrs["plan_key"] for t in rows}
+    feasible = {key[s["name"]] for s in report["starts"] if s["feasible"]}
+    lanes = report["descent"]["lanes"]
+    lane_keys = [key[lane["start"]] for lane in lanes.values()]
+    assert len(lane_keys) == len(set(lane_keys)) and set(lane_keys) == feasible
+    assert len(lanes) >= 2, "one distinct start only: the test would prove nothing"
+    names = set(studies(tmp_path / "all", "all"))
+    for lane, figures in lanes.items():
+        if lane != "main" and figures["visits"]:
+            assert any(f"/{lane}/round1" in n for n in names), lane
+    # what ships is never slower than any lane's start (deterministic backend)
+    starts = {s["name"]: s for s in report["starts"]}
+    assert report["final_latency_ms"] <= min(
+        starts[lane["start"]]["latency_ms"] for lane in lanes.values()) + 1e-12
+
+
+def test_a_start_that_is_the_same_model_adds_no_lane():
+    from qdq_optuna.search._starts import MAIN_LANE, StartsPhase
+
+    phase = StartsPhase.__new__(StartsPhase)
+    phase.mode = "best"
+    rows = [{"name": "float", "plan_key": "f", "latency_ms": 10.0, "feasible": True},
+            {"name": "all", "plan_key": "a", "latency_ms": 5.0, "feasible": True},
+            {"name": "recipe:onnxruntime", "plan_key": "a", "latency_ms": 5.0,
+             "feasible": True}]
+    assert phase._lanes(rows, "all") == {MAIN_LANE: "all"}
+    rows[2]["plan_key"] = "r"
+    assert phase._lanes(rows, "all") == {MAIN_LANE: "all", "recipe": "recipe:onnxruntime"}
+    phase.mode = "all"
+    assert phase._lanes(rows, "all") == {MAIN_LANE: "all", "recipe": "recipe:onnxruntime",
+                                         "float": "float"}

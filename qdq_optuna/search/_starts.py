@@ -175,11 +175,15 @@ class StartsPhase:
         if self.mode == "recipe":
             return {MAIN_LANE: recipe or "float"}
         lanes = {MAIN_LANE: chosen}
+        # a start that is the same model as one already descended from adds no lane (on
+        # models where quantize_static quantizes every offered point, the recipe is "all")
+        models = {ok[chosen]["plan_key"]} if chosen in ok else set()
         if self.mode == "all":
             for name in sorted(ok, key=lambda n: ok[n]["latency_ms"]):
-                if name != chosen:
+                if ok[name]["plan_key"] not in models:
                     lanes[_lane_name(name)] = name
-        elif recipe is not None and recipe != chosen and \
+                    models.add(ok[name]["plan_key"])
+        elif recipe is not None and ok[recipe]["plan_key"] not in models and \
                 ok[recipe]["latency_ms"] <= RECIPE_LANE_RATIO * ok[chosen]["latency_ms"]:
             lanes["recipe"] = recipe
         return lanes
