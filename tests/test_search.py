@@ -467,3 +467,28 @@ def test_a_start_that_is_the_same_model_adds_no_lane():
     phase.mode = "all"
     assert phase._lanes(rows, "all") == {MAIN_LANE: "all", "recipe": "recipe:onnxruntime",
                                          "float": "float"}
+
+
+def test_a_recipe_the_quantizer_refuses_is_skipped_as_a_start(residual, tmp_path, monkeypatch,
+                                                              caplog):
+    """quantize_static raises on some real models (magika): the run goes on from the other
+    starts and says so in one warning (the failure itself: test_starts)."""
+    import logging
+
+    from qdq_optuna import starts
+    from qdq_optuna.errors import ToolError
+
+    def refuses(*args, **kwargs):
+        raise ToolError("ONNX Runtime's recipe (quant_pre_process + quantize_static) failed on "
+                        "this model: ValueError: no scale")
+
+    monkeypatch.setattr(starts, "ort_recipe_start", refuses)
+    with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
+        result = tune(residual, tmp_path / "r", benchmark=deterministic(fns.rewards_groups),
+                      runtime="onnxruntime", config=Config(schemes_per_region=4),
+                      progress=False)
+    names = [s["name"] for s in result.report["starts"]]
+    assert names == ["float", "all"] and result.report["complete"]
+    said = [r.getMessage() for r in caplog.records if "starting without the recipe" in
+            r.getMessage()]
+    assert len(said) == 1 and "failed on this model" in said[0]
