@@ -37,6 +37,7 @@ from qdq_optuna import starts, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.config import Config
 from qdq_optuna.model import PreparedModel
+from qdq_optuna.search._moves import chain_groups
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 Point = tuple[str, str]  # (pattern id, point id)
@@ -59,18 +60,7 @@ class Space:
                        for pp in pm.tunable for g in pp.fusion_groups]
         self.concat = [frozenset((pp.pattern.id, q) for q in g)
                        for pp in pm.tunable for g in pp.concat_groups]
-        self.chains = self._chains()
-
-    def _chains(self) -> list[frozenset]:
-        """Per tensor: the points (of any pattern) that quantize only that tensor, when they
-        span more than one pattern (a producer's output and its consumers' inputs)."""
-        by_tensor: dict[str, set[Point]] = {}
-        for pt, uses in self.uses_of.items():
-            tensors = {u[0] for u in uses}
-            if len(tensors) == 1:
-                by_tensor.setdefault(next(iter(tensors)), set()).add(pt)
-        return [frozenset(pts) for _, pts in sorted(by_tensor.items())
-                if len({p for p, _ in pts}) > 1]
+        self.chains = chain_groups(self.uses_of)  # the search's own chains
 
     def uses(self, state: Iterable[Point]) -> set:
         out: set = set()

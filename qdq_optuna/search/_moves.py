@@ -109,6 +109,19 @@ def op_prior(on_ops: Iterable[str], off_ops: Iterable[str]) -> float:
     return score
 
 
+def chain_groups(uses_of: dict[Point, frozenset]) -> list[frozenset[Point]]:
+    """The chains: per tensor, the points (of any pattern) that quantize only that tensor,
+    when they belong to more than one pattern (a producer's output pair and its consumers'
+    input pairs are one Q/DQ pair). ``uses_of``: point -> the uses it quantizes."""
+    by_tensor: dict[str, set[Point]] = {}
+    for pt, uses in uses_of.items():
+        tensors = {u[0] for u in uses}
+        if len(tensors) == 1:
+            by_tensor.setdefault(next(iter(tensors)), set()).add(pt)
+    return [frozenset(pts) for _, pts in sorted(by_tensor.items())
+            if len({p for p, _ in pts}) > 1]
+
+
 class MoveSpace:
     """Every point of every pattern, and the moves a visit of one pattern tries."""
 
@@ -122,18 +135,7 @@ class MoveSpace:
                                        for g in pp.fusion_groups] for pp in self.tunable}
         self.concat = {pp.pattern.id: [frozenset((pp.pattern.id, q) for q in g)
                                        for g in pp.concat_groups] for pp in self.tunable}
-        self.chains = self._chains()
-
-    def _chains(self) -> list[frozenset[Point]]:
-        """Per tensor: the points (of any pattern) that quantize only that tensor, when they
-        belong to more than one pattern."""
-        by_tensor: dict[str, set[Point]] = {}
-        for pt, uses in self.uses_of.items():
-            tensors = {u[0] for u in uses}
-            if len(tensors) == 1:
-                by_tensor.setdefault(next(iter(tensors)), set()).add(pt)
-        return [frozenset(pts) for _, pts in sorted(by_tensor.items())
-                if len({p for p, _ in pts}) > 1]
+        self.chains = chain_groups(self.uses_of)
 
     def signature(self, on: Iterable[Point], off: Iterable[Point]) -> tuple[tuple[str, ...],
                                                                            float]:
