@@ -650,6 +650,29 @@ def activation_scales(
     }
 
 
+#: ops ONNX Runtime runs on 8-bit data when each output carries its input's scale and zero
+#: point: ``quantize_static`` gives their outputs the input's parameters
+#: (``quantize_output_same_as_input``), and ONNX Runtime's optimizer then drops their
+#: DQ -> op -> Q (MaxPool becomes an 8-bit NhwcMaxPool, Split splits 8-bit data). With scales
+#: of their own the Q/DQ stay and the op runs in float between them.
+SAME_SCALE_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Resize",
+                            "MaxPool", "AveragePool", "Slice", "Split", "Gather",
+                            "GatherElements", "TopK"})
+
+
+def share_input_scales(nodes: Sequence, scales: Mapping) -> dict:
+    """``scales`` with every output of a :data:`SAME_SCALE_OPS` node given its data input's
+    parameters (``nodes`` in topological order, so a chain such as SPPF's MaxPools shares one
+    scale); keys that are not plain tensor names (mixed precision) are left alone."""
+    out = dict(scales)
+    for node in nodes:
+        if node.op_type in SAME_SCALE_OPS and node.input and node.input[0] in out:
+            for name in node.output:
+                if name:
+                    out[name] = out[node.input[0]]
+    return out
+
+
 def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple[float, int]:
     if quant_type == "uint8":
         hi = min(max(stats.max, 0.0), threshold)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -372,3 +373,49 @@ def test_random_calibration_data_shapes():
         random_calibration_data(model, {"nope": (1,)})
     again = random_calibration_data(model, {"ids": (1, 6)}, samples=3)
     assert np.array_equal(again["x"], data["x"])  # seeded
+
+
+def _optimized_ops(model_bytes: bytes, tmp_path) -> collections.Counter:
+    """Op types of ONNX Runtime's fully optimized graph (what its CPU build runs)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    so.log_severity_level = 3
+    ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+
+
+def test_shared_scales_let_onnxruntime_run_maxpool_and_split_on_8_bit_data(tmp_path):
+    """As quantize_static does: MaxPool's and Split's outputs carry their input's scale, so
+    ONNX Runtime drops their DQ -> op -> Q (SPPF's MaxPools become NhwcMaxPool); with scales of
+    their own, Q/DQ stay around float MaxPool and Split."""
+    from qdq_optuna import starts, zoo
+    from qdq_optuna.calibration import (
+        SAME_SCALE_OPS,
+        activation_scales,
+        collect_statistics,
+        random_calibration_data,
+        share_input_scales,
+    )
+    from qdq_optuna.model import PreparedModel
+
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
+    data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)
+    own = activation_scales(collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),
+                                               data), method="minmax", quant_type=pm.quant_type)
+    shared = share_input_scales(pm.graph.nodes, own)
+    for node in pm.graph.nodes:
+        if node.op_type in SAME_SCALE_OPS and node.input[0] in own:
+            assert all(shared[o] == shared[node.input[0]] for o in node.output)
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    ops = {}
+    for name, scales in (("own", own), ("shared", shared)):
+        exporter = pm.exporter(scales)
+        source = exporter.source(exporter.plan(uses))
+        ops[name] = _optimized_ops(source if isinstance(source, bytes)
+                                   else source.SerializeToString(), tmp_path)
+    assert ops["own"]["QuantizeLinear"] > 2 and "NhwcMaxPool" not in ops["own"]
+    # shared: only the graph input's Q and the output's DQ are left; MaxPool runs on uint8
+    assert ops["shared"]["QuantizeLinear"] == 1 and ops["shared"]["DequantizeLinear"] == 1
+    assert ops["shared"]["NhwcMaxPool"] == 3

@@ -488,6 +488,8 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
     scales = calibration.activation_scales(stats, method=options.calibration_method,
                                            quant_type=prepared.quant_type)
+    if prepared.rules.name == "onnxruntime" and hp is None:  # as quantize_static does
+        scales = calibration.share_input_scales(prepared.graph.nodes, scales)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
         typed = calibration.activation_scales(stats, method=options.calibration_method,
                                               quant_type=qtype)
