@@ -34,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_models  # noqa: E402
@@ -66,18 +64,9 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 
 def prepare(name: str, args, work: Path) -> tuple[Path, str | None, Path, dict]:
     """The model file, its --input-shapes, the calibration .npz and the held-out inputs."""
-    import onnx
-
-    model, shapes, cal, held, _ = real_models.benchmark_model(name, args.size, 8, args.cache)
-    folder = work / name
-    folder.mkdir(parents=True, exist_ok=True)
-    if not isinstance(model, str):
-        path = folder / f"{name}.onnx"
-        onnx.save(model, str(path))
-    else:
-        path = Path(model)
-    np.savez(folder / "calibration.npz", **cal)
-    return path, shapes, folder / "calibration.npz", held
+    path, shapes, _, held, _ = real_models.benchmark_files(name, args.size, 8, work / name,
+                                                           args.cache)
+    return path, shapes, work / name / "calibration.npz", held
 
 
 def inspect_row(path: Path, shapes: str | None, runtime: str, timeout: float) -> dict:

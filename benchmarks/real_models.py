@@ -324,6 +324,26 @@ def benchmark_model(name: str, size: str, samples: int, cache: str | None = None
             feeds(name, path, samples, 1), f"natural-looking ({MODELS[name].inputs})")
 
 
+def benchmark_files(name: str, size: str, samples: int, folder: Path,
+                    cache: str | None = None):
+    """:func:`benchmark_model` written where a ``tune`` command can read it: ``(model path,
+    --input-shapes, calibration inputs, held-out inputs, which inputs)``; the calibration
+    inputs in ``folder/calibration.npz``, the held-out ones in ``folder/heldout.npz``."""
+    import numpy as np
+    import onnx
+
+    model, shapes, cal, held, kind = benchmark_model(name, size, samples, cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, str):
+        path = Path(model)
+    else:
+        path = folder / f"{name}.onnx"
+        onnx.save(model, str(path))
+    np.savez(folder / "calibration.npz", **cal)
+    np.savez(folder / "heldout.npz", **held)
+    return path, shapes, cal, held, kind
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", help=f"cache folder (default ${CACHE_ENV} or ~/.cache/...)")

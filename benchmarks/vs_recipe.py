@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import real_models  # noqa: E402
 import verify_speedup  # noqa: E402
 
+from qdq_optuna import starts  # noqa: E402
 from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
 
 
@@ -75,12 +76,12 @@ def recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> Path:
     return out
 
 
-def usable_recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> tuple[Path, str]:
+def usable_recipe(model: Path, cal: dict[str, np.ndarray], work: Path,
+                  shapes: str | None = None) -> tuple[Path, str]:
     """The recipe's model and a note. On a model below opset 13 the one-line recipe writes
     per-channel DequantizeLinear nodes ONNX Runtime refuses (``axis`` needs opset 13): that is
     noted, and the recipe is run again on the model upgraded by onnx's version converter (what
     its user does next, and what the search's recipe start does)."""
-    import onnx
     import onnxruntime as ort
 
     out = work / "recipe.onnx"
@@ -91,14 +92,9 @@ def usable_recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> tuple[
         return out, ""
     except Exception as exc:  # noqa: BLE001 - the tool's output is what is judged
         first = str(exc).strip().splitlines()[0][-160:]
-    upgraded = work / "upgraded13"
-    upgraded.mkdir(exist_ok=True)
-    up = upgraded / "model.onnx"
-    if not up.exists():
-        onnx.save(onnx.version_converter.convert_version(onnx.load(str(model)), 13), str(up))
-    fixed = upgraded / "recipe.onnx"
-    if not fixed.exists():
-        recipe(up, cal, upgraded)
+    # the search's own recipe runner, which upgrades the opset first
+    (work / "upgraded13").mkdir(exist_ok=True)
+    fixed = starts.ort_recipe_model(model, work / "upgraded13", data=cal, input_shapes=shapes)
     return fixed, (f"the recipe on the file as given writes a model ONNX Runtime refuses "
                    f"({first}); figures are the recipe on the file upgraded to opset 13")
 
@@ -113,26 +109,14 @@ def errors(original: Path, candidate: Path, held: dict) -> dict:
 def prepare(name: str, work: Path, cache: str | None, samples: int):
     """The model file, its --input-shapes, calibration inputs (saved as .npz) and held-out
     inputs."""
-    import onnx
-
     label, _, size = name.partition("@")
-    model, shapes, cal, held, kind = real_models.benchmark_model(label, size or "medium",
-                                                                 samples, cache)
-    work.mkdir(parents=True, exist_ok=True)
-    if not isinstance(model, str):
-        path = work / f"{label}.onnx"
-        onnx.save(model, str(path))
-    else:
-        path = Path(model)
-    np.savez(work / "calibration.npz", **cal)
-    np.savez(work / "heldout.npz", **held)
-    return path, shapes, cal, held, kind
+    return real_models.benchmark_files(label, size or "medium", samples, work, cache)
 
 
 def one(name: str, seed: int, args) -> dict:
     work = Path(args.out) / name.replace("@", "-")
     path, shapes, cal, held, kind = prepare(name, work, args.cache, args.samples)
-    recipe_path, recipe_note = usable_recipe(path, cal, work)
+    recipe_path, recipe_note = usable_recipe(path, cal, work, shapes)
     out = work / f"tuned-s{seed}"
     extra = ["--input-shapes", shapes] if shapes else []
     timing = out / "vs_recipe_tune.json"
