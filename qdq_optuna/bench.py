@@ -320,7 +320,7 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     )
     wall = time.monotonic() - started
     report = result.report
-    history = run_history(run_dir, spec.name, config.performance_threshold)
+    history = run_history(run_dir, spec.name)
     record = {
         "model": spec.model, "sampler": spec.sampler, "seed": spec.seed, "budget": spec.budget,
         "backend": recipe.backend, "size": recipe.size, "mode": recipe.mode,
@@ -336,7 +336,7 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     return record
 
 
-def run_history(run_dir: Path, run_id: str, threshold: float | None = None) -> dict:
+def run_history(run_dir: Path, run_id: str) -> dict:
     """The progress curve of a finished run (see the module docstring), from its studies.db."""
     from .search._record import progress_curve
     from .storage import default_storage_url, open_storage, quiet_optuna
@@ -344,7 +344,7 @@ def run_history(run_dir: Path, run_id: str, threshold: float | None = None) -> d
     quiet_optuna(False)
     storage = open_storage(default_storage_url(run_dir), heartbeat=False)
     try:
-        return progress_curve(storage, run_id, threshold)  # see search/_record.py
+        return progress_curve(storage, run_id)  # see search/_record.py
     finally:
         storage.remove_session()
         storage.engine.dispose()

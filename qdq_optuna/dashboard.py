@@ -775,20 +775,18 @@ def save_run_note(storage, run_id: str) -> None:
     save_note(run_study, run_note(run_id, baseline, _study_rows(storage, run_id)))
 
 
-def save_run_overview(record, output_dir: str | Path, report: dict, phases: dict | None,
-                      threshold: float) -> None:
+def save_run_overview(record, output_dir: str | Path, report: dict, phases: dict | None) -> None:
     """At the end of a run: the overview study (its small user attrs, the whole-run picture
     uploaded once per curve, its note) and the bookkeeping study's note. Never raises: a
     failure is one warning, the run stands."""
     try:
-        _save_run_overview(record, Path(output_dir), report, phases, threshold)
+        _save_run_overview(record, Path(output_dir), report, phases)
     except Exception as exc:  # the overview must never cost a run
         log.warning("dashboard overview of run %s not saved: %s: %s", record.run_id,
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
 
-def _save_run_overview(record, out: Path, report: dict, phases: dict | None,
-                       threshold: float) -> None:
+def _save_run_overview(record, out: Path, report: dict, phases: dict | None) -> None:
     from .search._record import OverviewAttr as O
 
     view = record.overview_study()
@@ -800,7 +798,7 @@ def _save_run_overview(record, out: Path, report: dict, phases: dict | None,
                        (O.SPEEDUP, round(float(report["speedup"]), 4)),
                        (O.ACCURACY, acc.get("status"))):
         view.set_user_attr(key, value)
-    picture = _run_picture(record, view, out, report, threshold)
+    picture = _run_picture(record, view, out, report)
     try:
         from optuna_dashboard import save_note
     except ImportError:
@@ -810,8 +808,7 @@ def _save_run_overview(record, out: Path, report: dict, phases: dict | None,
     save_note(record.run_study, bookkeeping_note(record.run_id))
 
 
-def _run_picture(record, view: optuna.Study, out: Path, report: dict,
-                 threshold: float) -> dict | None:
+def _run_picture(record, view: optuna.Study, out: Path, report: dict) -> dict | None:
     """The whole-run convergence picture as an artifact of the overview study (the one
     uploaded before when the curve and the final figure are the same)."""
     import hashlib
@@ -821,7 +818,7 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict,
 
     from .search._record import OverviewAttr, progress_curve, set_system_attr
 
-    curve = progress_curve(record.storage, record.run_id, threshold)["curve"]
+    curve = progress_curve(record.storage, record.run_id)["curve"]
     lo, hi = report["speedup_ci"]
     final = (report["speedup"], lo, hi)
     digest = hashlib.sha256(json.dumps([curve, final]).encode()).hexdigest()[:16]

@@ -739,12 +739,11 @@ def studies_in_order(storage, run_id: str) -> list[tuple[optuna.Study, dict]]:
             for s in found]
 
 
-def progress_curve(storage, run_id: str, threshold: float | None = None) -> dict:
+def progress_curve(storage, run_id: str) -> dict:
     """``{"measurements": n, "curve": [[x, speedup], ...]}`` of a run in ``storage``: after each
     measurement (the baseline, the starts, each visit's reference and trials, each commit
     confirmation, the choice between lanes, the final A/B), the speedup of the fastest feasible
-    whole model measured so far (see :mod:`qdq_optuna.bench`). ``threshold``: unused (the curve
-    follows the standing model; kept for callers of the earlier signature)."""
+    whole model measured so far (see :mod:`qdq_optuna.bench`)."""
     run = run_attrs(optuna.load_study(study_name=run_study_name(run_id), storage=storage))
     base = float(run[RunAttr.BASELINE_MS])
     x, best = 1, math.inf  # the baseline; the fastest whole model known so far

@@ -363,8 +363,7 @@ class Tuner:
         self._write_state("timeout" if partial else "done")
         if not partial:
             self.record.mark_finished(self.fingerprint_digest, report)
-        save_run_overview(self.record, self.out, report, dict(plans.by_phase),
-                          self.cfg.performance_threshold)
+        save_run_overview(self.record, self.out, report, dict(plans.by_phase))
         return TuneResult(self.out, report)
 
     def _finished_report(self) -> dict | None:
