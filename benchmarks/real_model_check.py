@@ -21,6 +21,7 @@ guard's bound (``qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relat
 
     python benchmarks/real_model_check.py                           # cost model runs (~50 min)
     python benchmarks/real_model_check.py --runs onnxruntime        # quiet machine
+    python benchmarks/real_model_check.py --runs onnxruntime --tune-timeout 240  # anytime runs
     python benchmarks/real_model_check.py --models ppocr-cls,resnet --out /some/folder
 """
 
@@ -89,7 +90,8 @@ def tune_row(path: Path, shapes: str | None, cal: Path, held: dict, run: str, ou
     start = time.time()
     proc = cli("tune", "--model", path, "--output", out, "--backend", backend, "--runtime",
                runtime, "--mode", args.mode, "--calibration-data", cal, "--fresh", "--quiet",
-               *extra, timeout=args.timeout)
+               *extra, *(["--timeout", args.tune_timeout] if args.tune_timeout else []),
+               timeout=args.timeout)
     row = {"exit": proc.returncode, "seconds": round(time.time() - start, 1)}
     if proc.returncode != 0:
         row["error"] = last_line(proc)
@@ -157,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, from {', '.join(RUNS)}")
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--size", default="medium", help="zoo model size")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per tune run")
+    ap.add_argument("--timeout", type=float, default=1800,
+                    help="seconds before a command is killed (a hang is a failure)")
+    ap.add_argument("--tune-timeout", type=float,
+                    help="tune's own --timeout: it returns its best standing model then")
     ap.add_argument("--cache", help="real models' cache folder")
     ap.add_argument("--out", default="runs/real_model_check", help="work folder")
     ap.add_argument("--json", help="write the rows here")
