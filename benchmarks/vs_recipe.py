@@ -135,7 +135,8 @@ def one(name: str, seed: int, args) -> dict:
     row = {"model": name, "seed": seed, "inputs": kind, "tune_s": round(wall, 1),
            "load_before_tune": gate["load_before"], "claimed": report["speedup"],
            "measurements": report.get("measurements"), "recipe_note": recipe_note,
-           "phases": report.get("measurements_by_phase")}
+           "phases": report.get("measurements_by_phase"),
+           "elapsed_s": report.get("elapsed_s")}
     pairs = {"tuned": (path, tuned), "recipe": (path, recipe_path),
              "tuned_vs_recipe": (recipe_path, tuned)}
     for key, (a, b) in pairs.items():

@@ -281,6 +281,14 @@ def _phases(r: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in by.items() if v)
 
 
+def _elapsed(r: dict) -> str:
+    """When each phase ended, in seconds of this process (a resumed run counts from its
+    resumption)."""
+    at = r.get("elapsed_s") or {}
+    return (" Phases ended at " + ", ".join(f"{k} {v:.0f} s" for k, v in at.items()) + "."
+            if at else "")
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -302,7 +310,7 @@ def render_markdown(r: dict) -> str:
         "",
         f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
         f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
-        "builds saved by the cache.",
+        "builds saved by the cache." + _elapsed(r),
         *_statistics_lines(r.get("search_statistics")),
         "",
         *_starts_lines(r),

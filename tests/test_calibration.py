@@ -419,3 +419,92 @@ def test_shared_scales_let_onnxruntime_run_maxpool_and_split_on_8_bit_data(tmp_p
     # shared: only the graph input's Q and the output's DQ are left; MaxPool runs on uint8
     assert ops["shared"]["QuantizeLinear"] == 1 and ops["shared"]["DequantizeLinear"] == 1
     assert ops["shared"]["NhwcMaxPool"] == 3
+
+
+def _qlinear_concat_copies(model_bytes: bytes, tmp_path) -> tuple[int, int]:
+    """(inputs ONNX Runtime's QLinearConcat copies, inputs it requantizes) in its optimized
+    graph: a copy needs the input's scale and zero point to equal the output's."""
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized_concat.onnx")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    graph = onnx.load(so.optimized_model_filepath).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    copies = requants = 0
+    for node in graph.node:
+        if node.op_type != "QLinearConcat":
+            continue
+        for j in range(2, len(node.input), 3):
+            same = (inits[node.input[j + 1]] == inits[node.input[0]]
+                    and inits[node.input[j + 2]] == inits[node.input[1]])
+            copies, requants = copies + same, requants + (not same)
+    return copies, requants
+
+
+def test_concat_scales_let_onnxruntime_copy_concat_inputs(tmp_path):
+    """With each tensor's own percentile scale nearly every Concat input of the YOLO-like model
+    is requantized by QLinearConcat; sharing the Concat's parameters with its inputs of a
+    comparable range turns most into copies, keeps SAME_SCALE_OPS ties (MaxPool still runs on
+    uint8) and leaves every tensor in its group's range."""
+    from qdq_optuna import starts, zoo
+    from qdq_optuna.calibration import (
+        SAME_SCALE_OPS,
+        _param_range,
+        share_concat_scales,
+        share_input_scales,
+    )
+    from qdq_optuna.model import PreparedModel
+
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
+    data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)
+    own = activation_scales(collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),
+                                               data), method="percentile",
+                            quant_type=pm.quant_type)
+    before = share_input_scales(pm.graph.nodes, own)
+    after = share_concat_scales(pm.graph.nodes, before, pm.quant_type)
+    for node in pm.graph.nodes:
+        if node.op_type in SAME_SCALE_OPS and node.input[0] in after:
+            assert all(after[o] == after[node.input[0]] for o in node.output)
+    for name in after:  # a shared range covers the tensor's own (to the zero point's rounding)
+        lo, hi = _param_range(before[name], "uint8")
+        lo2, hi2 = _param_range(after[name], "uint8")
+        step = after[name][0]
+        assert lo2 <= lo + step and hi2 >= hi - step
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    counts, ops = {}, {}
+    for name, scales in (("before", before), ("after", after)):
+        exporter = pm.exporter(scales)
+        source = exporter.source(exporter.plan(uses))
+        blob = source if isinstance(source, bytes) else source.SerializeToString()
+        counts[name] = _qlinear_concat_copies(blob, tmp_path)
+        ops[name] = _optimized_ops(blob, tmp_path)
+    assert sum(counts["before"]) == sum(counts["after"]) > 0
+    assert counts["after"][0] >= counts["before"][0] + 4
+    assert counts["after"][1] <= sum(counts["after"]) // 4
+    assert ops["after"]["NhwcMaxPool"] == ops["before"]["NhwcMaxPool"] > 0
+
+
+def test_concat_of_unlike_ranges_keeps_its_requantization():
+    """Box coordinates (0..640) and class scores (0..1) concatenated: the scores keep their
+    own scale (sharing would leave them 2 of 255 levels); inputs of like range share."""
+    from qdq_optuna.calibration import share_concat_scales
+
+    nodes = [helper.make_node("Concat", ["box", "cls"], ["det"], axis=1),
+             helper.make_node("Concat", ["a", "b"], ["ab"], axis=1)]
+    scales = {"box": (640 / 255, 0), "cls": (1 / 255, 0), "det": (640 / 255, 0),
+              "a": (4 / 255, 64), "b": (3 / 255, 60), "ab": (3.5 / 255, 60)}
+    out = share_concat_scales(nodes, scales, "uint8")
+    assert out["cls"] == scales["cls"] and out["box"] == out["det"]
+    assert out["a"] == out["b"] == out["ab"] != scales["a"]
+    lo, hi = -64 * 4 / 255, 191 * 4 / 255  # a's range: the widest at both ends
+    scale, zp = out["ab"]
+    assert scale == pytest.approx((hi - lo) / 255, rel=1e-6) and zp == round(-lo / scale)
+    assert share_concat_scales(nodes, scales, "uint8", ratio=1.1) == scales  # nothing joins
+
+
+def test_concat_scales_symmetric_int8():
+    from qdq_optuna.calibration import share_concat_scales
+
+    nodes = [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)]
+    out = share_concat_scales(nodes, {"a": (0.02, 0), "b": (0.03, 0), "y": (0.025, 0)}, "int8")
+    assert out["a"] == out["b"] == out["y"] == (pytest.approx(0.03), 0)

@@ -191,6 +191,15 @@ def test_measurements_by_phase_add_up(e2e):
     assert by_phase["starts"] >= 2 and by_phase["descent"] >= 1
 
 
+def test_elapsed_marks_each_phase_in_order(e2e):
+    """When the standing model was known and when the run ended (the anytime targets are read
+    from these), in the report and its markdown."""
+    at = e2e.report["elapsed_s"]
+    assert list(at) == ["baseline", "starts", "descent", "finish"]
+    assert 0 <= at["baseline"] <= at["starts"] <= at["descent"] <= at["finish"]
+    assert "Phases ended at baseline" in (e2e.output_dir / "report.md").read_text()
+
+
 def test_trial_user_attrs(e2e):
     for pid, s in pattern_studies(e2e.output_dir, "run").items():
         if not is_visit(pid):

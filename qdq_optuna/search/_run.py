@@ -100,6 +100,9 @@ class Tuner:
         self._baseline: tuple | None = None
         #: the agreed starts, once decided
         self.starts: dict | None = None
+        #: phase -> seconds from this process's start to the phase's end (the report's
+        #: ``elapsed_s``: when the standing model was known, when the descent ended)
+        self.elapsed: dict[str, float] = {}
 
     def _data(self, given, what: str) -> tuple[dict, str] | None:
         """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
@@ -138,12 +141,15 @@ class Tuner:
             return TuneResult(self.out, done, finished_before=True)
         self._say_resuming()
         search.baseline_ms = self._measure_baseline(search)
+        self._mark("baseline")
         self._write_state("running")
         try:
             self.starts = self._starts(search)
+            self._mark("starts")
             self._write_state("running")
             Descent(search, rounds=self.settings.rounds, lanes=self.starts["order"],
                     cache=self.cache, seeds=self._seeds).run()
+            self._mark("descent")
         except OutOfTime:
             self._write_state("timeout")
             return self._finish(partial=True)
@@ -323,6 +329,9 @@ class Tuner:
                 best = lane
         return best
 
+    def _mark(self, phase: str) -> None:
+        self.elapsed[phase] = round(time.monotonic() - self.started, 1)
+
     # -- finish ----------------------------------------------------------------------------
     def _finish(self, partial: bool) -> TuneResult:
         from ..report import build_report, write_reports
@@ -355,6 +364,8 @@ class Tuner:
             report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
                                            cmp, plan, self.out)
             report["measurements"] = plans.measurements
+        self._mark("finish")
+        report["elapsed_s"] = dict(self.elapsed)
         write_reports(self.out, report)
         self.record.write_pattern_cache(
             self.out / "pattern_cache.yaml",
@@ -487,8 +498,10 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
     scales = calibration.activation_scales(stats, method=options.calibration_method,
                                            quant_type=prepared.quant_type)
-    if prepared.rules.name == "onnxruntime" and hp is None:  # as quantize_static does
+    if prepared.rules.name == "onnxruntime" and hp is None:  # the 8-bit kernels ORT has
         scales = calibration.share_input_scales(prepared.graph.nodes, scales)
+        scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
+                                                 prepared.quant_type)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
         typed = calibration.activation_scales(stats, method=options.calibration_method,
                                               quant_type=qtype)
