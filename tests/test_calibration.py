@@ -16,7 +16,9 @@ from qdq_optuna.calibration import (
     METHODS,
     MIN_SCALE,
     QUANT_TYPES,
+    SAME_SCALE_OPS,
     TensorStatistics,
+    _param_range,
     activation_params,
     activation_scales,
     collect_statistics,
@@ -24,6 +26,8 @@ from qdq_optuna.calibration import (
     load_statistics,
     random_calibration_data,
     save_statistics,
+    share_concat_scales,
+    share_input_scales,
 )
 from qdq_optuna.errors import OptionError, UserError
 
@@ -386,24 +390,24 @@ def _optimized_ops(model_bytes: bytes, tmp_path) -> collections.Counter:
     return collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
 
 
-def test_shared_scales_let_onnxruntime_run_maxpool_and_split_on_8_bit_data(tmp_path):
-    """As quantize_static does: MaxPool's and Split's outputs carry their input's scale, so
-    ONNX Runtime drops their DQ -> op -> Q (SPPF's MaxPools become NhwcMaxPool); with scales of
-    their own, Q/DQ stay around float MaxPool and Split."""
-    from qdq_optuna import starts, zoo
-    from qdq_optuna.calibration import (
-        SAME_SCALE_OPS,
-        activation_scales,
-        collect_statistics,
-        random_calibration_data,
-        share_input_scales,
-    )
+def _yolo_scales(method: str):
+    """The small YOLO-like zoo model under ONNX Runtime rules and its own activation scales."""
+    from qdq_optuna import zoo
     from qdq_optuna.model import PreparedModel
 
     pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
     data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)
-    own = activation_scales(collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),
-                                               data), method="minmax", quant_type=pm.quant_type)
+    stats = collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)
+    return pm, activation_scales(stats, method=method, quant_type=pm.quant_type)
+
+
+def test_shared_scales_let_onnxruntime_run_maxpool_and_split_on_8_bit_data(tmp_path):
+    """As quantize_static does: MaxPool's and Split's outputs carry their input's scale, so
+    ONNX Runtime drops their DQ -> op -> Q (SPPF's MaxPools become NhwcMaxPool); with scales of
+    their own, Q/DQ stay around float MaxPool and Split."""
+    from qdq_optuna import starts
+
+    pm, own = _yolo_scales("minmax")
     shared = share_input_scales(pm.graph.nodes, own)
     for node in pm.graph.nodes:
         if node.op_type in SAME_SCALE_OPS and node.input[0] in own:
@@ -446,20 +450,9 @@ def test_concat_scales_let_onnxruntime_copy_concat_inputs(tmp_path):
     is requantized by QLinearConcat; sharing the Concat's parameters with its inputs of a
     comparable range turns most into copies, keeps SAME_SCALE_OPS ties (MaxPool still runs on
     uint8) and leaves every tensor in its group's range."""
-    from qdq_optuna import starts, zoo
-    from qdq_optuna.calibration import (
-        SAME_SCALE_OPS,
-        _param_range,
-        share_concat_scales,
-        share_input_scales,
-    )
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna import starts
 
-    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
-    data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)
-    own = activation_scales(collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),
-                                               data), method="percentile",
-                            quant_type=pm.quant_type)
+    pm, own = _yolo_scales("percentile")
     before = share_input_scales(pm.graph.nodes, own)
     after = share_concat_scales(pm.graph.nodes, before, pm.quant_type)
     for node in pm.graph.nodes:
@@ -487,8 +480,6 @@ def test_concat_scales_let_onnxruntime_copy_concat_inputs(tmp_path):
 def test_concat_of_unlike_ranges_keeps_its_requantization():
     """Box coordinates (0..640) and class scores (0..1) concatenated: the scores keep their
     own scale (sharing would leave them 2 of 255 levels); inputs of like range share."""
-    from qdq_optuna.calibration import share_concat_scales
-
     nodes = [helper.make_node("Concat", ["box", "cls"], ["det"], axis=1),
              helper.make_node("Concat", ["a", "b"], ["ab"], axis=1)]
     scales = {"box": (640 / 255, 0), "cls": (1 / 255, 0), "det": (640 / 255, 0),
@@ -503,8 +494,6 @@ def test_concat_of_unlike_ranges_keeps_its_requantization():
 
 
 def test_concat_scales_symmetric_int8():
-    from qdq_optuna.calibration import share_concat_scales
-
     nodes = [helper.make_node("Concat", ["a", "b"], ["y"], axis=0)]
     out = share_concat_scales(nodes, {"a": (0.02, 0), "b": (0.03, 0), "y": (0.025, 0)}, "int8")
     assert out["a"] == out["b"] == out["y"] == (pytest.approx(0.03), 0)
