@@ -81,9 +81,9 @@ class Tuner:
             keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
             op_types=options.op_types, upgrade_opset=options.opset_upgrade,
         )
-        # the user's data, read once (a CalibrationDataReader can be drained only once)
-        self.calibration = self._data(options.calibration_data, "calibration data")
-        self.validation = self._data(options.validation_data, "validation data")
+        # the user's data, read once
+        self.calibration = read_data(options.calibration_data, self.prepared, "calibration data")
+        self.validation = read_data(options.validation_data, self.prepared, "validation data")
         # a model whose weights stay on disk is exported into work folders of the output folder
         self.prepared.data_dir = self.out
         self.measurer = Measurer(self.backend, TimingProtocol.from_name(options.timing))
@@ -103,17 +103,6 @@ class Tuner:
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
-
-    def _data(self, given, what: str) -> tuple[dict, str] | None:
-        """``(arrays, id)`` of calibration or validation data given as a path or from Python."""
-        if given is None:
-            return None
-        option = "--" + what.replace(" ", "-")
-        try:
-            arrays = input_data(given, self.prepared.graph.model, what=what)
-        except UserError as exc:
-            raise type(exc)(f"{option}: {exc}") from exc
-        return arrays, data_id(given, arrays)
 
     def remaining(self) -> float | None:
         if self.o.timeout is None:
@@ -466,6 +455,19 @@ class Tuner:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:
+    """``(arrays, id)`` of calibration or validation data given as a path or from Python (read
+    once: a CalibrationDataReader can be drained only once)."""
+    if given is None:
+        return None
+    option = "--" + what.replace(" ", "-")
+    try:
+        arrays = input_data(given, prepared.graph.model, what=what)
+    except UserError as exc:
+        raise type(exc)(f"{option}: {exc}") from exc
+    return arrays, data_id(given, arrays)
 
 
 def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
