@@ -660,16 +660,23 @@ SAME_SCALE_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Fla
                             "GatherElements", "TopK"})
 
 
+def _same_scale_pairs(nodes: Sequence, scales: Mapping):
+    """``(input, output)`` of every :data:`SAME_SCALE_OPS` node whose data input has
+    parameters, in ``nodes``' (topological) order."""
+    for node in nodes:
+        if node.op_type in SAME_SCALE_OPS and node.input and node.input[0] in scales:
+            for name in node.output:
+                if name:
+                    yield node.input[0], name
+
+
 def share_input_scales(nodes: Sequence, scales: Mapping) -> dict:
     """``scales`` with every output of a :data:`SAME_SCALE_OPS` node given its data input's
     parameters (``nodes`` in topological order, so a chain such as SPPF's MaxPools shares one
     scale); keys that are not plain tensor names (mixed precision) are left alone."""
     out = dict(scales)
-    for node in nodes:
-        if node.op_type in SAME_SCALE_OPS and node.input and node.input[0] in out:
-            for name in node.output:
-                if name:
-                    out[name] = out[node.input[0]]
+    for source, name in _same_scale_pairs(nodes, out):
+        out[name] = out[source]
     return out
 
 
@@ -684,14 +691,14 @@ def share_concat_scales(nodes: Sequence, scales: Mapping, quant_type: str,
     """``scales`` with each Concat's output and its inputs of a comparable range given one set
     of parameters: the union of their ranges.
 
-    Run after :func:`share_input_scales`: tensors a :data:`SAME_SCALE_OPS` chain ties together
+    Includes :func:`share_input_scales`: tensors a :data:`SAME_SCALE_OPS` chain ties together
     stay tied (a Split output joining a Concat takes the Split's input and its other outputs
     along, or the Split would leave 8-bit data). A group joins only when its narrowest member
     keeps ``ratio`` of the joined range, so a Concat of box coordinates and class scores keeps
     its requantization. On the YOLO-like zoo model with percentile scales, 44 of 47 Concat inputs
     needed a requantization before; ``quantize_static``'s min/max scales share by chance where
     one input spans the output's range."""
-    out = dict(scales)
+    out = share_input_scales(nodes, scales)
     parent: dict[str, str] = {}
 
     def find(t: str) -> str:
@@ -699,11 +706,8 @@ def share_concat_scales(nodes: Sequence, scales: Mapping, quant_type: str,
             t = parent[t]
         return t
 
-    for node in nodes:  # the ties share_input_scales made
-        if node.op_type in SAME_SCALE_OPS and node.input and node.input[0] in out:
-            for name in node.output:
-                if name in out:
-                    parent[find(name)] = find(node.input[0])
+    for source, name in _same_scale_pairs(nodes, out):  # the ties share_input_scales made
+        parent[find(name)] = find(source)
     members: dict[str, list[str]] = {}
     for name in out:
         if isinstance(name, str):
@@ -742,6 +746,8 @@ def _param_range(params: tuple[float, int], quant_type: str) -> tuple[float, flo
 
 
 def _range_params(lo: float, hi: float, quant_type: str) -> tuple[float, int]:
+    """``(scale, zero_point)`` of a real range (uint8: asymmetric, the range always holds 0;
+    the signed types: symmetric)."""
     if quant_type == "uint8":
         lo, hi = min(lo, 0.0), max(hi, 0.0)
         scale = _floor_scale((hi - lo) / 255.0)
@@ -750,13 +756,9 @@ def _range_params(lo: float, hi: float, quant_type: str) -> tuple[float, int]:
 
 
 def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple[float, int]:
-    if quant_type == "uint8":
-        hi = min(max(stats.max, 0.0), threshold)
-        lo = max(min(stats.min, 0.0), -threshold)
-        scale = _floor_scale((hi - lo) / 255.0)
-        zero_point = int(np.clip(round(-lo / scale), 0, 255))
-        return scale, zero_point
-    return _floor_scale(threshold / QMAX[quant_type]), 0
+    if quant_type == "uint8":  # the observed range, clipped at the threshold
+        return _range_params(max(stats.min, -threshold), min(stats.max, threshold), quant_type)
+    return _range_params(-threshold, threshold, quant_type)
 
 
 def _floor_scale(scale: float) -> float:

@@ -272,6 +272,14 @@ class CommitRule:
                 f"a removal too when its interval rules out a loss over "
                 f"{REMOVAL_MARGIN:.0%}")
 
+    def requirement(self, removes_only: bool, needed: float, deterministic: bool) -> str:
+        """What one change must show to commit (a decision's reason line)."""
+        if removes_only:
+            return "removes Q/DQ only, so it must not be slower" + (
+                "" if deterministic else
+                f", nor possibly more than {REMOVAL_MARGIN:.0%} slower by its interval")
+        return "any gain commits" if needed <= 1.0 else f"it must be {needed:g}x faster"
+
 
 # -- statistics ------------------------------------------------------------------------------
 

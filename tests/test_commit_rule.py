@@ -40,3 +40,12 @@ def test_a_removal_that_is_not_slower_commits_on_a_deterministic_backend():
     assert rule.confirmed(_cmp(1.0, 1.0, 1.0), rule.needed(True), True, True)
     assert not rule.confirmed(_cmp(1.0001, 1.0001, 1.0001), rule.needed(True), True, True)
     assert "1%" in rule.describe(False) and "not slower" in rule.describe(True)
+
+
+def test_the_requirement_a_decision_quotes_matches_the_rule():
+    rule = CommitRule(1.02)
+    measured = rule.requirement(True, rule.needed(True), deterministic=False)
+    assert "must not be slower" in measured and f"{REMOVAL_MARGIN:.0%}" in measured
+    assert rule.requirement(True, rule.needed(True), deterministic=True).endswith("not be slower")
+    assert rule.requirement(False, 1.02, deterministic=True) == "it must be 1.02x faster"
+    assert rule.requirement(False, 1.0, deterministic=False) == "any gain commits"

@@ -27,7 +27,7 @@ from ..backends.base import BackendError
 from ..config import Config
 from ..export import QDQExporter, QuantPlan
 from ..insertion.points import PatternPoints
-from ..measure import REMOVAL_MARGIN, CommitRule
+from ..measure import CommitRule
 from ..model import PreparedModel
 from ..objectives import METRIC_NAMES, choose_candidate, feasible
 from ..sampling import make_sampler
@@ -513,11 +513,7 @@ class Judge:
                                            "standing scheme"}
         if reference_ms is None:
             return {**stay, Agreed.REASON: "the reference was not measured"}
-        what = ("removes Q/DQ only, so it must not be slower" + (
-            "" if s.plans.deterministic or confirm is None else
-            f", nor possibly more than {REMOVAL_MARGIN:.0%} slower by its interval")
-            if removes_only else
-            "any gain commits" if needed <= 1.0 else f"it must be {needed:g}x faster")
+        what = rule.requirement(removes_only, needed, s.plans.deterministic or confirm is None)
         if not rule.promising(best.values[0], reference_ms, needed, removes_only):
             short = "slower" if best.values[0] > reference_ms else (
                 f"{reference_ms / best.values[0]:.4f}x" if best.values[0] < reference_ms

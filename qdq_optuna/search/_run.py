@@ -501,7 +501,6 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
     scales = calibration.activation_scales(stats, method=options.calibration_method,
                                            quant_type=prepared.quant_type)
     if prepared.rules.name == "onnxruntime" and hp is None:  # the 8-bit kernels ORT has
-        scales = calibration.share_input_scales(prepared.graph.nodes, scales)
         scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
                                                  prepared.quant_type)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
