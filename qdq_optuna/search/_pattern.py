@@ -513,7 +513,7 @@ class Judge:
                                            "standing scheme"}
         if reference_ms is None:
             return {**stay, Agreed.REASON: "the reference was not measured"}
-        what = rule.requirement(removes_only, needed, s.plans.deterministic or confirm is None)
+        what = rule.requirement(removes_only, needed, confirm is None or s.plans.deterministic)
         if not rule.promising(best.values[0], reference_ms, needed, removes_only):
             short = "slower" if best.values[0] > reference_ms else (
                 f"{reference_ms / best.values[0]:.4f}x" if best.values[0] < reference_ms
