@@ -8,6 +8,7 @@ search calls: errors of candidate models on the validation data.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import logging
@@ -351,3 +352,18 @@ class ErrorScorer:
                                          else onnx.load(os.fspath(data)))
         error, details = self.evaluator.evaluate(data)
         return error_record(error, details)
+
+    def default_session_check(self, model: bytes) -> dict | None:
+        """What a user who checks the shipped model on ONNX Runtime CPU with default options
+        sees, when the guard measured something else (the Q/DQ as written, for TensorRT): the
+        worst output's error there, or ONNX Runtime's refusal in one line. None when the guard
+        already measured that way, or when the model is BF16 (no BF16 kernels on the CPU)."""
+        if self.evaluator.optimize or self.bf16:
+            return None
+        fused = copy.copy(self.evaluator)  # the same reference outputs and data
+        fused.optimize = True
+        try:
+            error, details = fused.evaluate(model)
+        except AccuracyError as exc:
+            return {"loads": False, "refused": str(exc)}
+        return {"loads": True, "error": float(error), "output_errors": details["outputs"]}

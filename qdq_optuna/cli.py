@@ -451,6 +451,24 @@ COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
             "dashboard": cmd_dashboard, "bench": cmd_bench}
 
 
+class _OnceEach(logging.Filter):
+    """Each warning once per command: a second step that finds the same missing input (the
+    calibration data, say) says nothing new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        if text in self._seen:
+            return False
+        self._seen.add(text)
+        return True
+
+
 def _setup_logging(verbosity: int) -> None:
     """Log records and Python warnings as ``qdq-optuna: LEVEL: message`` lines on stderr, unless
     the process configured logging itself (as ``logging.basicConfig`` decides)."""
@@ -462,6 +480,7 @@ def _setup_logging(verbosity: int) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("qdq-optuna: %(levelname)s: %(message)s"))
         handler._qdq_optuna = True  # type: ignore[attr-defined]
+        handler.addFilter(_OnceEach())
         root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING)
 

@@ -959,7 +959,8 @@ def transform_graph(graph: Graph, transform, created_prefix: str = "",
     temporary name for the transform and lose it again (``name_all``: get ``op_index`` like
     :func:`ort_basic_optimize` gives); nodes it creates without a name get
     ``created_prefix + op_index``."""
-    model = graph.full_model()
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.full_model())  # the transform may change what it is given
     before = [(n.name, list(n.input), list(n.output)) for n in model.graph.node]
     taken = {n.name for n in model.graph.node if n.name}
     temp: dict[str, int] = {}
@@ -970,11 +971,7 @@ def transform_graph(graph: Graph, transform, created_prefix: str = "",
                 name, k = f"__qdq_optuna_node_{idx}_{k}", k + 1
             node.name = name
             temp[name] = idx
-    try:
-        result = transform(model)
-    finally:
-        for idx in temp.values():
-            model.graph.node[idx].name = ""
+    result = transform(model)
     temp_of = {i: t for t, i in temp.items()}
     keys = [name or temp_of[idx] for idx, (name, _, _) in enumerate(before)]
     origins, vanished = _trace_origins(graph, before, keys, result)

@@ -210,9 +210,11 @@ def convert_precision(
     if graph.external_dir is not None:
         raise OptionError(f"--high-precision {precision}: the model's weights stay on disk "
                           "(external data over the in-memory limit); convert it beforehand")
-    source = graph.full_model()
-    if _constants_to_initializers(source):  # a copy: the caller's graph is left alone
+    source = _constants_to_initializers(graph.full_model())
+    if source is not None:
         graph = Graph.from_model(source, graph.path)
+    else:
+        source = graph.full_model()
     keep = _keep_list(keep_fp32, precision)
     blocked, need = _schema_blocks(source, precision, keep)
     opset = opset_of(source)
@@ -333,8 +335,9 @@ def _convert_fp16(model: onnx.ModelProto, keep_io_types: bool, blocked: list[str
     return converted
 
 
-def _constants_to_initializers(model: onnx.ModelProto) -> bool:
-    """Float Constant nodes become initializers of the same name (in place; True if any). The
+def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose float Constant nodes are initializers of the same name (None
+    when it has none; ``model`` itself is never changed: it can be the caller's graph). The
     converter keeps an initializer FP32 where only FP32 nodes read it, but converts every
     Constant: a BatchNormalization variance of 1e8 (exporters write weights as Constants) would
     become FP16's 65504 even with the BatchNormalization kept FP32."""
@@ -342,7 +345,7 @@ def _constants_to_initializers(model: onnx.ModelProto) -> bool:
              and n.attribute[0].name == "value"
              and n.attribute[0].t.data_type == TensorProto.FLOAT]
     if not found:
-        return False
+        return None
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     drop = {n.output[0] for n in found}
@@ -357,8 +360,7 @@ def _constants_to_initializers(model: onnx.ModelProto) -> bool:
     infos = [vi for vi in copy.graph.value_info if vi.name not in drop]
     del copy.graph.value_info[:]
     copy.graph.value_info.extend(infos)
-    model.CopyFrom(copy)
-    return True
+    return copy
 
 
 def _range_blocks(model: onnx.ModelProto, data: Mapping[str, np.ndarray] | None,

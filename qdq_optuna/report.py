@@ -220,7 +220,7 @@ def _precision_line(hp: dict | None) -> str:
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
-    from .search._guard import data_phrase
+    from .search._guard import data_phrase, default_session_lines
 
     lines = ["## Accuracy", "",
              f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "
@@ -228,8 +228,10 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
              f"Bound {acc['bound']:g} ({acc['bound_from']}"
              + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
              f"**{acc['status']}**.", ""]
-    if acc.get("scored_as", "").startswith("BF16"):
+    if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
+    for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
+        lines += [line, ""]
     if acc.get("data_kind") == "random inputs":
         lines += ["Random inputs show only that nothing is badly broken; pass "
                   "`--validation-data` or `--calibration-data` for errors that mean something.",

@@ -120,6 +120,29 @@ def old_opset_unnamed() -> onnx.ModelProto:
     return _model(nodes, [x], [y], inits, opset=11)
 
 
+def constant_batchnorm() -> onnx.ModelProto:
+    """paddle2onnx style, as in every PP-OCR model: no node named, BatchNormalization parameters
+    and Clip bounds (hardswish) as ``Constant`` nodes, which loading leaves in place (only
+    weights of quantizable ops become initializers), placed before the nodes that read them."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
+    bn = [_const(f"bn_{k}", v) for k, v in [
+        ("scale", 1 + 0.1 * _w(rng, 8, scale=1.0)), ("bias", _w(rng, 8, scale=0.1)),
+        ("mean", _w(rng, 8, scale=0.1)), ("var", np.abs(1 + 0.1 * _w(rng, 8, scale=1.0)))]]
+    nodes = [
+        *bn, _const("lo", np.array(0.0, np.float32)), _const("hi", np.array(6.0, np.float32)),
+        _const("three", np.array(3.0, np.float32)), _const("w1", _w(rng, 8, 3, 3, 3)),
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "bn_scale", "bn_bias", "bn_mean", "bn_var"],
+                         ["b1"]),
+        helper.make_node("Add", ["b1", "three"], ["a1"]),
+        helper.make_node("Clip", ["a1", "lo", "hi"], ["k1"]),
+        helper.make_node("Mul", ["b1", "k1"], ["y"]),
+    ]
+    return _model(nodes, [x], [y])
+
+
 def heavy_tail(cut: float = 3.3, gain: float = 100.0) -> onnx.ModelProto:
     """An activation with a heavy tail, like the PP-OCR detector's that broke a shipped model:
     a bulk around 0.8 (std 0.3) plus outliers of up to about 100 (``heavy``: ``gain`` x how far

@@ -203,3 +203,46 @@ def test_callable_backend_by_module_path(models, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["backend"]["callable"] == "tests._latency_fns:rewards_groups"
     assert report["speedup"] > 1.0
+
+
+# -- the log ------------------------------------------------------------------------------------
+def test_a_log_has_whole_lines_and_each_warning_once(quick_run):
+    """Piped to a file there is no width: no line is cut, and no warning repeats."""
+    _, proc, _ = quick_run
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "…" not in proc.stderr
+    for line in lines:
+        assert line.count("(") == line.count(")"), line
+    warnings = [line for line in lines if ": WARNING: " in line]
+    assert warnings and len(warnings) == len(set(warnings)), warnings
+
+
+def test_a_repeated_warning_is_said_once(capsys):
+    import logging
+
+    from qdq_optuna.cli import _setup_logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        for h in handlers:
+            root.removeHandler(h)
+        _setup_logging(0)
+        log = logging.getLogger("qdq_optuna")
+        for _ in range(3):
+            log.warning("no --calibration-data: calibrating on random inputs")
+        log.warning("another warning")
+        log.error("an error")
+        log.error("an error")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+    err = capsys.readouterr().err.splitlines()
+    assert err.count("qdq-optuna: WARNING: no --calibration-data: calibrating on random "
+                     "inputs") == 1
+    assert "qdq-optuna: WARNING: another warning" in err
+    assert err.count("qdq-optuna: ERROR: an error") == 2

@@ -354,3 +354,60 @@ def test_values_fp16_cannot_hold_keep_their_nodes_fp32():
     with np.errstate(all="ignore"):
         (bad,) = ReferenceEvaluator(off.model).run(None, feeds)
     assert not np.isfinite(bad).all() or rel_l2(want, bad) > 0.1
+
+
+# -- what a user sees checking the shipped FP16 model on ONNX Runtime CPU -------------------------
+def _session(path, **config) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for key, value in config.items():
+        so.add_session_config_entry(key, value)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def test_report_says_what_onnx_runtime_cpu_does_with_the_fp16_model(tmp_path):
+    """TensorRT rules, FP16 default: the guard scores the Q/DQ as written; the report also
+    says what a default ONNX Runtime CPU session does with the file (here: refuses it, its
+    QLinearConcat fusion takes no FP16 scales), and how to check it the guard's way."""
+    from qdq_optuna import Config, tune, zoo
+
+    model = zoo.build("tiny_concat")
+    result = tune(model, tmp_path / "out", backend="costmodel", runtime="tensorrt",
+                  config=Config.preset("quick"), progress=False)
+    acc = result.report["accuracy"]
+    assert "graph optimizations off" in acc["scored_as"]
+    check = acc["onnxruntime_cpu_default"]
+    path = tmp_path / "out" / "optimized.onnx"
+    try:
+        _session(path)
+        loads = True
+    except Exception as exc:  # ONNX Runtime's own exception types
+        loads, refused = False, str(exc).splitlines()[0]
+    assert check["loads"] == loads
+    if not loads:
+        assert refused in check["refused"]
+        text = (tmp_path / "out" / "report.md").read_text()
+        assert "session.disable_quant_qdq" in text and "refuses" in text
+    # the way the report says to check it runs the model and gives the guard's error
+    feeds = feeds_for(onnx.load(str(path)))
+    as_written = _session(path, **{"session.disable_quant_qdq": "1"}).run(None, feeds)
+    reference = run_ort(model, feeds)
+    worst = max(rel_l2(r, np.asarray(c, np.float32)) for r, c in zip(reference, as_written))
+    assert np.isfinite(worst) and worst < 0.5
+
+
+def test_the_fp16_repro_reproduces():
+    """benchmarks/ort_fp16_qdq_repro.py: every case is valid ONNX and runs as written; the
+    optimized session agrees or refuses (today: Concat refuses)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ort_fp16_qdq_repro.py"
+    if not path.exists():
+        pytest.skip("the benchmarks folder is not beside the installed suite")
+    spec = importlib.util.spec_from_file_location("ort_fp16_qdq_repro", path)
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+    lines = {op: repro.check(op) for op in repro.OPS}
+    for op, line in lines.items():
+        assert line.startswith("refused: ") or float(line.split()[-1]) < 1e-3, (op, line)

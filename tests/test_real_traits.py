@@ -321,3 +321,35 @@ def test_data_dependent_shapes_stay_open():
     graph = load_model(model)
     assert graph.shapes["r"] == (2, 8)
     assert graph.shapes.get("y") is None or not all(isinstance(d, int) for d in graph.shapes["y"])
+
+
+# -- the float part converted: every trait the real models showed -----------------------------------
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("build", [corpus.constant_batchnorm, corpus.constant_weights,
+                                   corpus.old_opset_unnamed, corpus.dynamic_minus_one,
+                                   corpus.computed_reshape])
+def test_high_precision_prepares_every_trait(build, precision):
+    """paddle2onnx files (Constant-node weights, unnamed nodes) stopped with an IndexError: the
+    conversion turned Constants into initializers inside the model the graph transform had
+    handed it, so the node list it restored names in had shrunk."""
+    model = build()
+    before = model.SerializeToString()
+    shapes = "x:1x3x8x8" if build is corpus.dynamic_minus_one else None
+    pm = PreparedModel.prepare(model, runtime="tensorrt", high_precision=precision,
+                               input_shapes=shapes)
+    assert pm.high_precision is not None and pm.high_precision.precision == precision
+    quantized = pm.exporter().to_model(pm.exporter().plan(_all_uses(pm)))
+    onnx.checker.check_model(quantized, full_check=True)
+    assert model.SerializeToString() == before  # the user's model is never changed
+
+
+def test_precision_conversion_leaves_its_input_alone():
+    from qdq_optuna.graph import load_model
+    from qdq_optuna.precision import convert_precision
+
+    graph = load_model(corpus.constant_batchnorm())
+    before = graph.model.SerializeToString()
+    hp = convert_precision(graph, "fp16")
+    assert graph.model.SerializeToString() == before
+    assert not any(n.op_type == "Constant" and n.output[0].startswith("bn_")
+                   for n in hp.model.graph.node)

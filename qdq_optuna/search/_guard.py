@@ -93,8 +93,7 @@ class Guard:
                 **self.describe(),
                 "bound_from": "--max-output-error" if bound_given else "default",
                 "data_kind": data_kind(self.data),
-                "scored_as": ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has "
-                              "no BF16 kernels)" if bf16 else "the saved model in ONNX Runtime"),
+                "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize),
                 "status": verdict.status,
                 "shipped": verdict.shipped,
                 "error": errors["error"],
@@ -140,6 +139,43 @@ class Verdict:
     evaluations: int
     #: activation tensors the tuned plan quantizes
     tuned_tensors: list[str]
+
+
+def scored_as(bf16: bool, fused: bool) -> str:
+    """How the guard ran the saved model, in the report's words."""
+    if bf16:
+        return ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has no BF16 "
+                "kernels)")
+    if fused:
+        return ("the saved model in ONNX Runtime CPU with all graph optimizations (the fused "
+                "integer kernels an ONNX Runtime deployment runs)")
+    return ("the saved model in ONNX Runtime CPU with graph optimizations off: each Q/DQ "
+            "computed as written, which is what TensorRT's kernels compute up to their "
+            "rounding")
+
+
+#: how far the error a user sees on ONNX Runtime CPU with default options may exceed the
+#: guard's before the run warns (ONNX Runtime's integer kernels round differently)
+DEFAULT_SESSION_FACTOR = 2.0
+
+
+def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
+    """Report lines (and the log's warning) on what ONNX Runtime CPU with default options does
+    with a model the guard scored another way: empty when it agrees within the factor."""
+    if check is None:
+        return []
+    how = ("to check the model on ONNX Runtime CPU as TensorRT computes it, set the session "
+           "option `session.disable_quant_qdq` to `1` (Q/DQ run as written)")
+    if not check["loads"]:
+        return [f"ONNX Runtime CPU with default options refuses `optimized.onnx` "
+                f"({check['refused']}); its Q/DQ fusions do not take every valid Q/DQ graph "
+                f"(FP16 scales in QLinearConcat: `benchmarks/ort_fp16_qdq_repro.py`). This does "
+                f"not concern TensorRT; {how}."]
+    if check["error"] > DEFAULT_SESSION_FACTOR * max(guard_error, 1e-6):
+        return [f"ONNX Runtime CPU with default options computes `optimized.onnx` with error "
+                f"{check['error']:.4g}, over {DEFAULT_SESSION_FACTOR:g}x the {guard_error:.4g} "
+                f"above (its fused integer kernels, not the Q/DQ as written); {how}."]
+    return []
 
 
 def data_kind(data: str) -> str:

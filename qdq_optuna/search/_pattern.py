@@ -325,7 +325,7 @@ class PatternStudy:
             self.optimize(bar)
             attrs = self.commit()
             bar.finish(gain=float(attrs.get(PatternAttr.GAIN, 1.0)),
-                       note=_short(attrs.get(PatternAttr.COMMIT_REASON, "")))
+                       note=attrs.get(PatternAttr.COMMIT_REASON, ""))
         return attrs
 
     def _complete(self) -> int:
@@ -553,7 +553,3 @@ class Judge:
                            + ("" if removes_only else ", confirmed by the interval") + ")",
         }
 
-
-
-def _short(reason: str, limit: int = 100) -> str:
-    return reason if len(reason) <= limit else reason[:limit - 1] + "…"

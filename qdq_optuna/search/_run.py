@@ -43,7 +43,7 @@ from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
 from ._descent import Descent
-from ._guard import Guard
+from ._guard import Guard, default_session_lines
 from ._options import (
     Settings,
     TuneOptions,
@@ -343,6 +343,12 @@ class Tuner:
         report.update(guard.report_keys(
             verdict, bound_given=self.o.max_output_error is not None,
             bf16=self.search.plans.scorer.bf16))
+        check = plans.scorer.default_session_check(final_bytes) \
+            if isinstance(final_bytes, bytes) else None
+        if check is not None:
+            report["accuracy"]["onnxruntime_cpu_default"] = check
+            for line in default_session_lines(check, verdict.errors["error"]):
+                log.warning("%s", line.replace("`", ""))
         if self.settings.accuracy:  # the accuracy modes' keys, as before
             report.update({"objectives": list(self.settings.objectives),
                            "error_measure": guard.measure,
