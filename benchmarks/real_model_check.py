@@ -44,10 +44,12 @@ from qdq_optuna.graph import used_domains  # noqa: E402
 from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = {  # name -> (backend, rules)
-    "costmodel-tensorrt": ("costmodel", "tensorrt"),
-    "costmodel-onnxruntime": ("costmodel", "onnxruntime"),
-    "onnxruntime": ("onnxruntime", "onnxruntime"),
+RUNS = {  # name -> (backend, rules, further tune arguments)
+    "costmodel-tensorrt": ("costmodel", "tensorrt", ()),  # the rules' default: FP16
+    "costmodel-tensorrt-bf16": ("costmodel", "tensorrt", ("--high-precision", "bf16")),
+    "costmodel-tensorrt-fp32": ("costmodel", "tensorrt", ("--high-precision", "fp32")),
+    "costmodel-onnxruntime": ("costmodel", "onnxruntime", ()),
+    "onnxruntime": ("onnxruntime", "onnxruntime", ()),
 }
 
 
@@ -85,8 +87,8 @@ def inspect_row(path: Path, shapes: str | None, runtime: str, timeout: float) ->
 
 def tune_row(path: Path, shapes: str | None, cal: Path, held: dict, run: str, out: Path,
              args) -> dict:
-    backend, runtime = RUNS[run]
-    extra = ["--input-shapes", shapes] if shapes else []
+    backend, runtime, further = RUNS[run]
+    extra = [*further, *(["--input-shapes", shapes] if shapes else [])]
     start = time.time()
     proc = cli("tune", "--model", path, "--output", out, "--backend", backend, "--runtime",
                runtime, "--mode", args.mode, "--calibration-data", cal, "--fresh", "--quiet",
@@ -97,14 +99,26 @@ def tune_row(path: Path, shapes: str | None, cal: Path, held: dict, run: str, ou
         row["error"] = last_line(proc)
         return row
     report = json.loads((out / "report.json").read_text())
+    acc = report.get("accuracy", {})
+    default = acc.get("onnxruntime_cpu_default")
     row.update(speedup=report["speedup"], tensors=len(report["quantized_tensors"]),
-               calibration=report.get("calibration_method"))
-    row.update(check_model(out / "optimized.onnx", path, held, optimize=runtime == "onnxruntime"))
+               calibration=report.get("calibration_method"),
+               precision=report.get("high_precision", {}).get("precision"),
+               claimed_relative_l2=acc.get("error"),
+               ort_default=None if default is None else
+               (f"{default['error']:.3f}" if default["loads"] else "refused"))
+    row.update(check_model(out / "optimized.onnx", path, held, optimize=runtime == "onnxruntime",
+                           bf16=row["precision"] == "bf16"))
     return row
 
 
-def check_model(optimized: Path, original: Path, held: dict, optimize: bool) -> dict:
+def check_model(optimized: Path, original: Path, held: dict, optimize: bool,
+                bf16: bool = False) -> dict:
+    """``bf16``: the BF16 model computed in FP32 arithmetic, as the run's guard scores it (ONNX
+    Runtime's CPU provider has no BF16 kernels)."""
     import onnx
+
+    from qdq_optuna.precision import bf16_computed_in_fp32
 
     out: dict = {}
     try:
@@ -117,7 +131,8 @@ def check_model(optimized: Path, original: Path, held: dict, optimize: bool) -> 
     out["domains"] = "ok" if not extra else f"unused {sorted(extra)}"
     try:
         reference = run_model(str(original), held, optimize=optimize)
-        candidate = run_model(str(optimized), held, optimize=optimize)
+        candidate = run_model(bf16_computed_in_fp32(model) if bf16 else str(optimized), held,
+                              optimize=optimize)
     except Exception as exc:  # ORT raises its own types
         out["runs"] = f"FAIL {str(exc).splitlines()[0][:80]}"
         return out
@@ -132,8 +147,9 @@ def print_table(rows: list[dict], runs: list[str]) -> None:
     print(f"\nworst-output error of optimized.onnx vs FP32 on held-out inputs; bound: relative L2 "
           f"<= {DEFAULT_MAX_OUTPUT_ERROR}")
     print("| model | inspect TRT / ORT (patterns, points, weights) | run | tune | speedup | "
-          "Q/DQ tensors | checker | runs | domains | cosine | rel. L2 | within bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "Q/DQ tensors | checker | runs | domains | cosine | rel. L2 | claimed rel. L2 | "
+          "ORT CPU default rel. L2 | within bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ins = " / ".join(
             f"{i['patterns']}p {i['points']}pt {i['weights']}w" if i["exit"] == 0
@@ -143,13 +159,18 @@ def print_table(rows: list[dict], runs: list[str]) -> None:
             t = r["tune"][run]
             if t["exit"] != 0:
                 print(f"| {r['model']} | {ins} | {run} | exit {t['exit']} ({t['seconds']} s): "
-                      f"{t.get('error', '')} | | | | | | | | |")
+                      f"{t.get('error', '')} | | | | | | | | | | |")
                 continue
             print(f"| {r['model']} | {ins} | {run} | ok ({t['seconds']} s) | "
                   f"{t['speedup']:.3f}x | {t['tensors']} | {t['checker']} | {t['runs']} | "
                   f"{t['domains']} | {t.get('cosine', float('nan')):.3f} | "
                   f"{t.get('relative_l2', float('nan')):.3f} | "
+                  f"{_f(t.get('claimed_relative_l2'))} | {t.get('ort_default') or 'same'} | "
                   f"{'yes' if t.get('within') else 'NO'} |")
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,11 @@ Quant types (the strings used throughout the project):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import platform
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +53,27 @@ MIN_SCALE = 1e-8
 
 #: the largest quantized magnitude of each quant type
 QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
+#: the largest int8 weight when weights take 7 bits (ONNX Runtime's ``reduce_range``)
+REDUCED_WEIGHT_QMAX = 63.0
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_saturates_u8s8() -> bool:
+    """Whether ONNX Runtime's CPU kernels on this machine multiply u8 activations by s8 weights
+    with 16-bit intermediate sums (x86-64 without VNNI: VPMADDUBSW), which saturate with 8-bit
+    weights; its quantizer's ``reduce_range`` (7-bit weights) is the documented remedy. Read
+    from /proc/cpuinfo; False where that cannot tell (other systems, other processors)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), None)
+    if flags is None:
+        return False
+    return not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _STATS_FORMAT = "qdq_optuna.statistics"
 _STATS_VERSION = 1

@@ -40,7 +40,7 @@ from ._files import (  # noqa: F401 (re-exported: the names other modules know)
     remove_stale_temps,
     temp_prefix,
 )
-from .calibration import QMAX, QUANT_TYPES
+from .calibration import QMAX, QUANT_TYPES, REDUCED_WEIGHT_QMAX, cpu_saturates_u8s8
 from .errors import OptionError
 from .graph import (
     GRAPH_INITIALIZER,
@@ -179,6 +179,8 @@ class _QDQPieces:
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self._store_obj: _ExternalStore | None = None
         self.rules = rules
+        #: int8 weights take 7 bits (see :func:`~qdq_optuna.calibration.cpu_saturates_u8s8`)
+        self.reduce_range = rules.name == "onnxruntime" and cpu_saturates_u8s8()
         self.quant_type = check_quant_type(quant_type)
         self.scales = dict(scales or {})
         if not (default_scale > 0 and np.isfinite(default_scale)):
@@ -281,6 +283,13 @@ class _QDQPieces:
             self._act_cache[key] = (dq_out, inits, nodes)
         return self._act_cache[key]
 
+    def _weight_qmax(self, qtype: str) -> float | None:
+        """7-bit int8 weights under ONNX Runtime's rules on a CPU whose u8 x s8 kernels
+        saturate (ONNX Runtime's ``reduce_range``); the type's range everywhere else."""
+        if qtype == "int8" and self.reduce_range:
+            return REDUCED_WEIGHT_QMAX
+        return None
+
     def _weight(self, node: int, slot: int, qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
         graph = self.graph
         name = graph.nodes[node].input[slot]
@@ -295,7 +304,7 @@ class _QDQPieces:
             elem = graph.elem_types.get(name, TensorProto.FLOAT)
             # scales in the weight's own type (the DQ's output type is its scale's), and the
             # integers from the FP32 values and those scales, so DQ gives back w within a step
-            scales_lp = scales_as(weight_scales(w, axis, qtype), elem)
+            scales_lp = scales_as(weight_scales(w, axis, qtype, self._weight_qmax(qtype)), elem)
             scales = scales_lp.astype(np.float32)
             shape = [1] * w.ndim
             if axis is not None and w.ndim:
@@ -381,7 +390,7 @@ class _QDQPieces:
         """A weight that stays on disk: scales and quantized values computed in chunks of a
         memory map, the quantized values appended once to the work folder's weight file."""
         w = self.graph.array(name)
-        scales = chunked_weight_scales(w, axis, qtype)
+        scales = chunked_weight_scales(w, axis, qtype, self._weight_qmax(qtype))
         q_name = self._unique(f"{name}_quantized")
         s_name = self._unique(f"{name}_scale")
         z_name = self._unique(f"{name}_zero_point")
@@ -959,10 +968,11 @@ def _row_chunks(w: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
             yield start, chunk.reshape((rows, *w.shape[1:])).astype(np.float32, copy=False)
 
 
-def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
+def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str,
+                          qmax: float | None = None) -> np.ndarray:
     """:func:`weight_scales` of a (memory-mapped) weight, read slice by slice: the same
     values, without holding the weight, its absolute values and its quotient at once."""
-    qmax = QMAX["fp8" if qtype == "fp8" else "int8"]
+    qmax = qmax or QMAX["fp8" if qtype == "fp8" else "int8"]
     if axis is None or w.ndim == 0:
         amax = 0.0
         for _, c in _row_chunks(w):
@@ -1024,9 +1034,11 @@ def scales_as(scales: np.ndarray, elem_type: int) -> np.ndarray:
     return low.reshape(scales.shape)
 
 
-def weight_scales(w: np.ndarray, axis: int | None, qtype: str) -> np.ndarray:
-    """Symmetric max-abs scales, per channel along ``axis`` (or one per tensor)."""
-    qmax = QMAX["fp8" if qtype == "fp8" else "int8"]
+def weight_scales(w: np.ndarray, axis: int | None, qtype: str,
+                  qmax: float | None = None) -> np.ndarray:
+    """Symmetric max-abs scales, per channel along ``axis`` (or one per tensor); ``qmax``: the
+    largest integer the weight may take (default the type's: 127 for int8)."""
+    qmax = qmax or QMAX["fp8" if qtype == "fp8" else "int8"]
     if axis is None or w.ndim == 0:
         return np.array(max(float(np.abs(w).max(initial=0.0)) / qmax, _MIN_SCALE), dtype=np.float32)
     reduce = tuple(i for i in range(w.ndim) if i != axis)

@@ -367,7 +367,8 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
                               save_as_external_data=big)
             quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ,
                             per_channel=True, activation_type=QuantType.QUInt8,
-                            weight_type=QuantType.QInt8, use_external_data_format=big)
+                            weight_type=QuantType.QInt8, use_external_data_format=big,
+                            reduce_range=calibration.cpu_saturates_u8s8())
     except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
         first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
         raise ToolError(f"ONNX Runtime's recipe (quant_pre_process + quantize_static) failed "

@@ -714,3 +714,26 @@ def test_an_embedding_table_takes_its_lookups_scale(zoo_model):
     # one reader left float: the table stays float
     first = next(iter(pm.graph.uses(out)))
     assert not any(n == gather for n, _, _ in exporter.plan(uses - {first}).weights)
+
+
+@pytest.mark.parametrize("saturates", [True, False])
+def test_weights_take_seven_bits_where_onnx_runtime_kernels_saturate(monkeypatch, saturates):
+    """ONNX Runtime's u8 x s8 kernels on x86-64 without VNNI sum pairs in 16 bits: 8-bit
+    weights overflow there, so its rules quantize weights to 7 bits (its ``reduce_range``);
+    TensorRT's never do."""
+    import qdq_optuna.export as export
+    from qdq_optuna import PreparedModel
+
+    monkeypatch.setattr(export, "cpu_saturates_u8s8", lambda: saturates)
+    for runtime in ("onnxruntime", "tensorrt"):
+        pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime=runtime)
+        exporter = pm.exporter()
+        uses = set()
+        for pp in pm.tunable:
+            uses |= set(pp.uses(pp.ids))
+        model = exporter.to_model(exporter.plan(uses))
+        weights = [numpy_helper.to_array(t) for t in model.graph.initializer
+                   if t.data_type == TensorProto.INT8 and t.dims and len(t.dims) > 1]
+        assert weights
+        largest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+        assert largest == (63 if saturates and runtime == "onnxruntime" else 127), runtime
