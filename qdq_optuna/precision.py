@@ -553,6 +553,13 @@ def _retype_bf16(model: onnx.ModelProto, graph: Graph, source_names: Mapping[str
 
 
 def _checked(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    # an initializer's own type is its type: the float16 converter can leave a value_info of
+    # the converted type for one it kept FP32 (a weight of a node kept FP32 by range)
+    inits = {t.name for t in model.graph.initializer}
+    infos = [vi for vi in model.graph.value_info if vi.name not in inits]
+    if len(infos) != len(model.graph.value_info):
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(infos)
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         onnx.checker.check_model(model)

@@ -205,3 +205,21 @@ def computed_reshape() -> onnx.ModelProto:
         helper.make_node("MatMul", ["flat", "fc.w"], ["y"], name="fc"),
     ]
     return _model(nodes, [x], [y], inits, opset=11)  # (inference propagates Slice-13 only)
+
+
+def constant_weight_large_values() -> onnx.ModelProto:
+    """A Conv whose input leaves FP16's comfortable range (kept FP32 by the conversion) and
+    whose weight is a ``Constant`` node, as the PP-OCRv4 detector's head: the float16 converter
+    kept the weight FP32 but recorded it as FP16 in value_info."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
+    nodes = [
+        _const("w1", _w(rng, 8, 3, 3, 3)), _const("gain", np.array(3000.0, np.float32)),
+        _const("w2", _w(rng, 8, 8, 3, 3)),
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c1", "gain"], ["big"]),
+        helper.make_node("Conv", ["big", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["y"]),
+    ]
+    return _model(nodes, [x], [y])
