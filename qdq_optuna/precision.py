@@ -116,6 +116,10 @@ UNSUPPORTED: Mapping[tuple[str, str], str] = {
 def resolve_high_precision(requested: str | None, backend: str, runtime: str) -> str:
     """``--high-precision`` for a run: the requested one (checked against the backend) or the
     backend's default; a callable backend follows its runtime's rules (TensorRT: fp16)."""
+    if runtime == "openvino":  # a compile hint there (the backend's), never a conversion
+        if requested is not None:
+            check_precision(requested)
+        return "fp32"
     if requested is not None:
         check_precision(requested)
         why = UNSUPPORTED.get((backend, requested))
@@ -519,8 +523,11 @@ def _retype_bf16(model: onnx.ModelProto, graph: Graph, source_names: Mapping[str
     the source and FP16 after conversion becomes BF16, with values rounded from FP32."""
     import ml_dtypes
 
+    refused = _bf16_refused(model)
+
     def was_fp32(name: str) -> bool:
-        return graph.elem_types.get(source_names.get(name, name)) == TensorProto.FLOAT
+        return (name not in refused
+                and graph.elem_types.get(source_names.get(name, name)) == TensorProto.FLOAT)
 
     def bf16(values: np.ndarray, name: str) -> TensorProto:
         return numpy_helper.from_array(
@@ -550,6 +557,29 @@ def _retype_bf16(model: onnx.ModelProto, graph: Graph, source_names: Mapping[str
                 values = next((numpy_helper.to_array(b.t) for b in (old.attribute if old else [])
                                if b.name == a.name), np.zeros(tuple(a.t.dims), np.float32))
                 a.t.CopyFrom(bf16(values, a.t.name))
+
+
+def _bf16_refused(model: onnx.ModelProto) -> set[str]:
+    """Tensors read by an input slot whose schema takes no bfloat16 (Resize's roi, say): they
+    stay FP16, which those slots take."""
+    opset = opset_of(model)
+    out: set[str] = set()
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, max_inclusive_version=opset)
+        except Exception:  # SchemaError: unknown op
+            continue
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for slot, name in enumerate(node.input):
+            if not name or not schema.inputs:
+                continue
+            formal = schema.inputs[min(slot, len(schema.inputs) - 1)]
+            types = allowed.get(formal.type_str, {formal.type_str})
+            if "tensor(bfloat16)" not in types and "tensor(float16)" in types:
+                out.add(name)
+    return out
 
 
 def _checked(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:

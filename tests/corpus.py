@@ -223,3 +223,20 @@ def constant_weight_large_values() -> onnx.ModelProto:
         helper.make_node("Relu", ["c2"], ["y"]),
     ]
     return _model(nodes, [x], [y])
+
+
+def resize_with_roi() -> onnx.ModelProto:
+    """An upsampling Resize with an (empty) float ``roi`` input, as PyTorch 1.x and paddle2onnx
+    export it: a BF16 conversion must leave the roi in a type Resize's schema takes."""
+    rng = np.random.default_rng(RNG_SEED)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])
+    inits = [numpy_helper.from_array(_w(rng, 8, 3, 3, 3), "w1"),
+             numpy_helper.from_array(np.array([], np.float32), "roi"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node("Resize", ["r1", "roi", "scales"], ["y"], name="up", mode="nearest"),
+    ]
+    return _model(nodes, [x], [y], inits, opset=11)

@@ -326,6 +326,7 @@ def test_data_dependent_shapes_stay_open():
 # -- the float part converted: every trait the real models showed -----------------------------------
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("build", [corpus.constant_batchnorm, corpus.constant_weight_large_values,
+                                   corpus.resize_with_roi,
                                    corpus.constant_weights,
                                    corpus.old_opset_unnamed, corpus.dynamic_minus_one,
                                    corpus.computed_reshape])
