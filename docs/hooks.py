@@ -142,7 +142,7 @@ def cli_reference() -> str:
 
 
 def _command(title: str, parser: argparse.ArgumentParser) -> str:
-    out = [f"## `{title}`", "", (parser.description or "").replace("\n", " "), "",
+    out = [f"### `{title}`", "", (parser.description or "").replace("\n", " "), "",
            "```text", parser.format_usage().strip(), "```"]
     for group in parser._action_groups:
         actions = [a for a in group._group_actions
