@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
+import _common  # noqa: E402  (the checkout on sys.path)
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 import onnx  # noqa: E402
 
 from qdq_optuna import Config, tune, zoo  # noqa: E402
@@ -55,15 +51,7 @@ QUIET_LOAD = 1.2
 
 def wait_for_quiet(limit_s: float = 900.0, poll_s: float = 10.0) -> float:
     """Block until the 1-min load average is below QUIET_LOAD (or limit_s passes); the load."""
-    t0 = time.monotonic()
-    while True:
-        load = os.getloadavg()[0]
-        if load < QUIET_LOAD or time.monotonic() - t0 > limit_s:
-            if load >= QUIET_LOAD:
-                print(f"warning: machine still busy after {limit_s:.0f} s (load {load:.2f}); "
-                      "timings are less reliable", file=sys.stderr)
-            return load
-        time.sleep(poll_s)
+    return _common.wait_quiet(QUIET_LOAD, poll_s, limit_s)["load_before"]
 
 
 def synthetic_data(model: onnx.ModelProto, samples: int, seed: int) -> dict[str, np.ndarray]:
@@ -87,29 +75,7 @@ def synthetic_data(model: onnx.ModelProto, samples: int, seed: int) -> dict[str,
     return data
 
 
-class _Reader:
-    """CalibrationDataReader over an .npz-style dict, one sample per feed."""
-
-    def __init__(self, data: dict[str, np.ndarray]):
-        n = len(next(iter(data.values())))
-        self.feeds = iter([{k: v[i:i + 1] for k, v in data.items()} for i in range(n)])
-
-    def get_next(self):
-        return next(self.feeds, None)
-
-
-def quantize_static_ptq(src: Path, dst: Path, data: dict[str, np.ndarray]) -> None:
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # its per-weight notes and the pre-processing hint
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize_static(str(src), str(dst), _Reader(data), quant_format=QuantFormat.QDQ,
-                        per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8)
-    root.setLevel(level)
+quantize_static_ptq = _common.quantize_static_qdq
 
 
 def errors(reference: dict, path: Path, data: dict) -> dict:
@@ -131,10 +97,8 @@ def bench_model(name: str, size: str, out: Path, samples: int, budget: float | N
 
     ptq = work / "quantize_static.onnx"
     quantize_static_ptq(fp32, ptq, cal)
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     pre = work / "fp32_preprocessed.onnx"
-    quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)  # static shapes
+    _common.pre_process(fp32, pre, symbolic=False)  # static shapes
     ptq_pre = work / "pre_quantize_static.onnx"
     quantize_static_ptq(pre, ptq_pre, cal)
     ref_cal = run_model(str(fp32), cal)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from verify_speedup import wait_quiet  # noqa: E402  (a sibling script)
+from _common import load_now, markdown_table, wait_quiet  # noqa: E402
 
 
 def count(out: Path) -> dict:
@@ -88,16 +88,13 @@ def run(model_name: str, size: str, backend: str, work: Path, sampler: str = "qd
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | backend | sampler | patterns | trials | measured | cache hits (reference "
-             "+ other) | builds saved | measurements | loads | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['backend']} | {r['sampler']} | {r['patterns']} | {r['trials']} "
-            f"| {r['measured']} "
-            f"| {r['cache_hits']} ({r['hits_on_reference']} + {r['hits_other']}) | "
-            f"{r['saved_pct']:.0f} % | {r['measurements']} | {r['loads']} | {r['wall_s']} s |")
-    return "\n".join(lines)
+    header = ["model", "backend", "sampler", "patterns", "trials", "measured",
+              "cache hits (reference + other)", "builds saved", "measurements", "loads", "run"]
+    return markdown_table(header, [
+        [r["model"], r["backend"], r["sampler"], r["patterns"], r["trials"], r["measured"],
+         f"{r['cache_hits']} ({r['hits_on_reference']} + {r['hits_other']})",
+         f"{r['saved_pct']:.0f} %", r["measurements"], r["loads"], f"{r['wall_s']} s"]
+        for r in rows])
 
 
 def main() -> None:
@@ -128,7 +125,7 @@ def main() -> None:
         name, _, size = args.ort.partition(":")
         gate = wait_quiet(args.max_load)
         row = run(name, size or "medium", "onnxruntime", work)
-        row["load"] = {**gate, "load_after": round(os.getloadavg()[0], 2)}
+        row["load"] = {**gate, "load_after": load_now()}
         rows.append(row)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()

@@ -32,10 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import real_models  # noqa: E402
 
 from qdq_optuna import calibration  # noqa: E402

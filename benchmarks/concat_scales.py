@@ -20,12 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+import _common  # noqa: E402  (the checkout on sys.path)
 import numpy as np
 import onnx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import verify_speedup  # noqa: E402
 import vs_recipe  # noqa: E402
 
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"model": args.model, "variant": name, "concat_copied": copied,
                "concat_requantized": requantized, **vs_recipe.errors(path, file, held)}
         if name != "recipe":
-            row["load_before"] = verify_speedup.wait_quiet(args.max_load)["load_before"]
+            row["load_before"] = _common.wait_quiet(args.max_load)["load_before"]
             m = verify_speedup.remeasure_in_fresh_process(files["recipe"], file, args)
             row["vs_recipe"], row["vs_recipe_ci"] = m["speedup"], m["speedup_ci"]
         rows.append(row)

@@ -74,8 +74,12 @@ def small_models() -> None:
     row("FP32 (TF32 tensor cores)", tc._big_conv(False), base)
 
 
-if __name__ == "__main__":
+def main() -> None:
     for float_type in (TensorProto.FLOAT16, TensorProto.FLOAT):
         resnet(float_type, bn=False)
     resnet(TensorProto.FLOAT16, bn=True)
     small_models()
+
+
+if __name__ == "__main__":
+    main()

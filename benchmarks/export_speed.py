@@ -28,17 +28,15 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.errors import UserError  # noqa: E402

@@ -26,9 +26,8 @@ import time
 import zipfile
 from pathlib import Path
 
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.graph import InputShapes, load_model  # noqa: E402

@@ -35,8 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import real_models  # noqa: E402
 
 from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402

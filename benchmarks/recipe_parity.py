@@ -24,9 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import real_models  # noqa: E402
 
 from qdq_optuna.errors import UserError  # noqa: E402

@@ -15,11 +15,9 @@ Deterministic (the cost model is an analytical model, not a measurement).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 
 from qdq_optuna import PreparedModel, zoo  # noqa: E402
 from qdq_optuna.backends.costmodel import estimate  # noqa: E402

@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import optuna
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.backends.costmodel import CostModelBackend  # noqa: E402

@@ -39,7 +39,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 
 from qdq_optuna import Config, zoo  # noqa: E402
 from qdq_optuna.export import QDQExporter, upgrade_for  # noqa: E402

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402
 from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402

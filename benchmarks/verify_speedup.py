@@ -33,30 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-# -- machine load ------------------------------------------------------------------------------
-
-
-def wait_quiet(max_load: float, poll_s: float = 10.0, limit_s: float = 1200.0) -> dict:
-    """Wait for the 1-minute load average to drop below ``max_load``; what was seen."""
-    t0 = time.monotonic()
-    load = os.getloadavg()[0]
-    while load >= max_load and time.monotonic() - t0 < limit_s:
-        time.sleep(poll_s)
-        load = os.getloadavg()[0]
-    waited = time.monotonic() - t0
-    if load >= max_load:
-        print(f"  ! load still {load:.2f} after {waited:.0f} s; measuring anyway (flagged)",
-              flush=True)
-    return {"load_before": round(load, 2), "waited_s": round(waited, 1),
-            "quiet": load < max_load}
-
-
-def load_now() -> float:
-    return round(os.getloadavg()[0], 2)
-
+from _common import REPO, load_now, markdown_table, wait_quiet  # noqa: F401  (shared)
 
 # -- the independent re-measurement (runs in a fresh process) ----------------------------------
 
@@ -243,17 +220,18 @@ def print_row(r: dict) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | claimed speedup (95 % CI) | re-measured speedup (95 % CI) | difference "
-             "| verdict | load before/after tune, re-measure |",
-             "|---|---|---|---|---|---|"]
+    header = ["model", "claimed speedup (95 % CI)", "re-measured speedup (95 % CI)", "difference",
+              "verdict", "load before/after tune, re-measure"]
+    cells = []
     for r in rows:
         c, m, tl = r["claimed"], r["remeasured"], r["tune"]["load"]
-        lines.append(
-            f"| {r['model']} | {c['speedup']:.3f}x ({c['ci'][0]:.3f}–{c['ci'][1]:.3f}) | "
-            f"{m['speedup']:.3f}x ({m['speedup_ci'][0]:.3f}–{m['speedup_ci'][1]:.3f}) | "
-            f"{r['difference_pct']:+.1f} % | {r['verdict']} | {tl['load_before']}/"
-            f"{tl['load_after']}, {m['load']['load_before']}/{m['load']['load_after']} |")
-    return "\n".join(lines)
+        cells.append([
+            r["model"], f"{c['speedup']:.3f}x ({c['ci'][0]:.3f}–{c['ci'][1]:.3f})",
+            f"{m['speedup']:.3f}x ({m['speedup_ci'][0]:.3f}–{m['speedup_ci'][1]:.3f})",
+            f"{r['difference_pct']:+.1f} %", r["verdict"],
+            f"{tl['load_before']}/{tl['load_after']}, "
+            f"{m['load']['load_before']}/{m['load']['load_after']}"])
+    return markdown_table(header, cells)
 
 
 # -- isolation overhead --------------------------------------------------------------------------

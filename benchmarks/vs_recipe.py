@@ -27,14 +27,10 @@ import logging
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 
+import _common  # noqa: E402  (the checkout on sys.path)
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import real_models  # noqa: E402
 import verify_speedup  # noqa: E402
 
@@ -44,35 +40,10 @@ from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E40
 
 def recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> Path:
     """``quant_pre_process`` + ``quantize_static`` on the user's file, as documented."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     pre, out = work / "recipe_pre.onnx", work / "recipe.onnx"
-    count = len(next(iter(cal.values())))
-    feeds = [{k: v[i:i + 1] for k, v in cal.items()} for i in range(count)]
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self):
-            return next(self.it, None)
-
     logging.getLogger().setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:  # ONNX Runtime's symbolic shape inference needs sympy
-            quant_pre_process(str(model), str(pre))
-        except ImportError:
-            quant_pre_process(str(model), str(pre), skip_symbolic_shape=True)
-        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                        per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8)
+    _common.pre_process(model, pre)
+    _common.quantize_static_qdq(pre, out, cal)
     return out
 
 
@@ -123,7 +94,7 @@ def one(name: str, seed: int, args) -> dict:
     if args.keep_tuned and timing.exists() and (out / "optimized.onnx").exists():
         gate, wall = json.loads(timing.read_text())  # tuned by an earlier invocation
     else:
-        gate = verify_speedup.wait_quiet(args.max_load)
+        gate = _common.wait_quiet(args.max_load)
         t0 = time.monotonic()
         verify_speedup.cli("tune", "--model", path, "--output", out, "--seed", seed,
                            "--calibration-data", work / "calibration.npz", "--fresh", "-q",
@@ -140,7 +111,7 @@ def one(name: str, seed: int, args) -> dict:
     pairs = {"tuned": (path, tuned), "recipe": (path, recipe_path),
              "tuned_vs_recipe": (recipe_path, tuned)}
     for key, (a, b) in pairs.items():
-        verify_speedup.wait_quiet(args.max_load)
+        _common.wait_quiet(args.max_load)
         r = verify_speedup.remeasure_in_fresh_process(a, b, args, work / "heldout.npz")
         row[key] = {"speedup": round(r["speedup"], 4),
                     "ci": [round(x, 4) for x in r["speedup_ci"]],

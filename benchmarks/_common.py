@@ -1,0 +1,119 @@
+"""What the benchmark scripts share: the checkout on sys.path, quiet-machine waits, ONNX
+Runtime's recipe, calibration readers and Markdown tables.
+
+Why one module: the scripts repeated these (and drifted: two load gates, two recipe calls);
+``import _common`` from a script in ``benchmarks/`` (its own folder is on sys.path when run as
+``python benchmarks/NAME.py``) also makes the checkout's ``qdq_optuna`` importable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+
+if str(REPO) not in sys.path:  # run from a checkout: the package beside this folder
+    sys.path.insert(0, str(REPO))
+
+
+# -- machine load ------------------------------------------------------------------------------
+
+def load_now() -> float:
+    """The 1-minute load average, rounded as the results files record it."""
+    return round(os.getloadavg()[0], 2)
+
+
+def wait_quiet(max_load: float, poll_s: float = 10.0, limit_s: float = 1200.0) -> dict:
+    """Wait for the 1-minute load average to drop below ``max_load``; what was seen.
+
+    Timings on a busy 2-core machine drift; a run after ``limit_s`` measures anyway and says so.
+    """
+    t0 = time.monotonic()
+    load = os.getloadavg()[0]
+    while load >= max_load and time.monotonic() - t0 < limit_s:
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    waited = time.monotonic() - t0
+    if load >= max_load:
+        print(f"  ! load still {load:.2f} after {waited:.0f} s; measuring anyway (flagged)",
+              flush=True)
+    return {"load_before": round(load, 2), "waited_s": round(waited, 1),
+            "quiet": load < max_load}
+
+
+# -- ONNX Runtime's recipe ---------------------------------------------------------------------
+
+def feeds(data: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Samples on axis 0 as one feed dict per sample (batch 1 each)."""
+    count = len(next(iter(data.values())))
+    return [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
+
+
+def calibration_reader(data: Mapping[str, np.ndarray] | Iterable[dict]):
+    """An ONNX Runtime ``CalibrationDataReader`` over stacked arrays or feed dicts."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    items = feeds(data) if isinstance(data, Mapping) else list(data)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(items)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    return Reader()
+
+
+def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) -> None:
+    """``quantize_static`` as users run it: QDQ, per-channel, uint8 activations, int8 weights.
+
+    Its per-weight notes and hints are silenced (the root logger is restored afterwards).
+    """
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_static(str(src), str(dst), calibration_reader(data),
+                            quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    finally:
+        root.setLevel(level)
+
+
+def pre_process(src: Path, dst: Path, symbolic: bool = True) -> None:
+    """``quant_pre_process``; without sympy (or ``symbolic=False``) no symbolic shape inference."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if symbolic:
+            try:  # ONNX Runtime's symbolic shape inference needs sympy
+                quant_pre_process(str(src), str(dst))
+                return
+            except ImportError:
+                pass
+        quant_pre_process(str(src), str(dst), skip_symbolic_shape=True)
+
+
+# -- tables ------------------------------------------------------------------------------------
+
+def markdown_table(header: list[str], rows: Iterable[list]) -> str:
+    """A Markdown table; cells are written as given (format them first)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

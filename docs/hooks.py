@@ -1,0 +1,175 @@
+"""MkDocs build hook: pages that are generated, so no figure or option is copied by hand.
+
+Two directives, each an HTML comment on lines of its own in a page's Markdown:
+
+``<!-- cli-reference -->``
+    every command of ``qdq-optuna`` with its options, read from ``qdq_optuna.cli.build_parser``.
+
+``<!-- results ... -->``
+    a YAML body naming a file under ``benchmarks/results/`` (``file:``) and, for JSON and CSV,
+    the ``columns:`` to show (dotted paths into each row -> column title; ``missing:`` the text
+    for a column some rows lack, ``where:`` a filter on values). Markdown files are
+    included as they are (their title dropped, headings moved one level down).
+
+A missing file or column raises, so ``mkdocs build --strict`` fails instead of showing a hole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from pathlib import Path
+
+import yaml
+from mkdocs.exceptions import PluginError
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+_RESULTS_RE = re.compile(r"^<!-- results\n(.*?)\n-->$", re.S | re.M)
+_CLI_RE = re.compile(r"^<!-- cli-reference -->$", re.M)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Expand the directives of one page (MkDocs calls this for every page)."""
+    markdown = _RESULTS_RE.sub(lambda m: _results(yaml.safe_load(m.group(1)), page), markdown)
+    return _CLI_RE.sub(lambda m: cli_reference(), markdown)
+
+
+# --- benchmark results ------------------------------------------------------------------------
+
+def _results(spec: dict, page) -> str:
+    path = RESULTS / spec["file"]
+    if not path.is_file():
+        raise PluginError(f"{page.file.src_path}: benchmarks/results/{spec['file']} not found")
+    source = f"\n\n*Rendered at build time from `benchmarks/results/{spec['file']}`.*\n"
+    if path.suffix == ".md":
+        return _included_markdown(path.read_text(encoding="utf-8")) + source
+    if path.suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    elif path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows = data[spec.get("rows", "rows")] if isinstance(data, dict) else data
+    else:
+        raise PluginError(f"{path.name}: no renderer for {path.suffix} files")
+    rows = [r for r in rows if _matches(r, spec.get("where", {}))]
+    return table(rows, spec["columns"], path.name, spec.get("missing", {})) + source
+
+
+def _included_markdown(text: str) -> str:
+    lines = text.splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return "\n".join("#" + line if line.startswith("#") else line for line in lines).strip()
+
+
+def _matches(row: dict, where: dict) -> bool:
+    return all(str(lookup(row, key)) == str(value) for key, value in where.items())
+
+
+def lookup(row: dict, dotted: str):
+    """``row["a"]["b"]`` for ``"a.b"``; a key that itself holds dots is tried whole first."""
+    if dotted in row:
+        return row[dotted]
+    head, _, rest = dotted.partition(".")
+    if not rest or not isinstance(row.get(head), dict):
+        raise KeyError(dotted)
+    return lookup(row[head], rest)
+
+
+def cell(value) -> str:
+    """One value as a table cell: floats to 4 significant digits, a pair as a range."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, (int, float)) for v in value):
+        return f"{cell(float(value[0]))}-{cell(float(value[1]))}"
+    if isinstance(value, list):
+        return ", ".join(cell(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {cell(v)}" for k, v in value.items())
+    text = str(value)
+    try:  # a CSV number arrives as text
+        return cell(float(text)) if "." in text else text.replace("|", "\\|")
+    except ValueError:
+        return text.replace("|", "\\|")
+
+
+def table(rows: list[dict], columns: dict, name: str, missing: dict | None = None) -> str:
+    """A Markdown table of the chosen columns of every row.
+
+    ``missing`` gives the text for a column a row may lack (any other gap raises).
+    """
+    missing = missing or {}
+    if not rows:
+        raise PluginError(f"{name}: no rows")
+    out = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    for i, row in enumerate(rows):
+        try:
+            out.append("| " + " | ".join(_cell_of(row, c, missing) for c in columns) + " |")
+        except KeyError as e:
+            raise PluginError(f"{name}: row {i} has no {e.args[0]!r}") from None
+    return "\n".join(out)
+
+
+def _cell_of(row: dict, column: str, missing: dict) -> str:
+    try:
+        return cell(lookup(row, column))
+    except KeyError:
+        if column in missing:
+            return str(missing[column])
+        raise
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def cli_reference() -> str:
+    """Each command's usage and its options, grouped as ``qdq-optuna COMMAND -h`` groups them."""
+    from qdq_optuna.cli import build_parser
+
+    parser = build_parser()
+    parts = [_command("qdq-optuna", parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                parts.append(_command(f"qdq-optuna {name}", sub))
+    return "\n\n".join(parts)
+
+
+def _command(title: str, parser: argparse.ArgumentParser) -> str:
+    out = [f"### `{title}`", "", (parser.description or "").replace("\n", " "), "",
+           "```text", parser.format_usage().strip(), "```"]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions
+                   if a.help != argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)]
+        if not actions:
+            continue
+        out += ["", f"**{group.title}**" + (f": {group.description}" if group.description else ""),
+                "", "| option | choices / value | help |", "|---|---|---|"]
+        for a in actions:
+            out.append(f"| {_flags(a)} | {_value(a)} | {_help(parser, a)} |")
+    if parser.epilog:
+        out += ["", "```text", parser.epilog.strip(), "```"]
+    return "\n".join(out)
+
+
+def _flags(action: argparse.Action) -> str:
+    return ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest}`"
+
+
+def _value(action: argparse.Action) -> str:
+    if action.choices and not isinstance(action.choices, dict):
+        return " \\| ".join(f"`{c}`" for c in action.choices)
+    if action.nargs == 0:
+        return ""
+    return f"`{action.metavar or action.dest.upper()}`"
+
+
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    text = parser._get_formatter()._expand_help(action) if action.help else ""
+    return " ".join(text.split()).replace("|", "\\|")
