@@ -7,6 +7,7 @@ user's file and ``ModelProto`` are never modified; :func:`load_model` works on i
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,8 @@ FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFL
 #: ops whose outputs are constants when all their inputs are constants (folded, never quantized)
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
 MINIMUM_OPSET = 10
+#: what an older model is upgraded to on loading (per-channel DequantizeLinear needs 13)
+UPGRADE_OLD_TO = 13
 MAXIMUM_OPSET = 23
 PROTOBUF_LIMIT = 2**31 - 1
 #: external data beyond this many bytes stays on disk ("external mode"): the model is never held
@@ -660,6 +663,13 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
     opset = opset_of(model)
+    if opset < MINIMUM_OPSET:  # older exporters (onnx-caffe2, tf2onnx at opset 9): Q/DQ and
+        # per-channel weights need 13, which onnx's version converter gives (labels then
+        # index the upgraded graph)
+        model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
+        logging.getLogger("qdq_optuna").info("%s: opset %d upgraded to %d with onnx's version "
+                                             "converter", label, opset, UPGRADE_OLD_TO)
+        opset = opset_of(model)
     if opset < MINIMUM_OPSET or opset > MAXIMUM_OPSET:
         raise ModelError(
             f"{label}: unsupported opset {opset} (supported: {MINIMUM_OPSET}-{MAXIMUM_OPSET}); "

@@ -19,7 +19,7 @@ from test_cli import cli
 from qdq_optuna import calibration, zoo
 from qdq_optuna.accuracy import AccuracyEvaluator
 from qdq_optuna.errors import ModelError
-from qdq_optuna.graph import InputShapes, load_model, node_label, used_domains
+from qdq_optuna.graph import InputShapes, load_model, node_label, opset_of, used_domains
 from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function, sub_plan
 from qdq_optuna.model import PreparedModel
 
@@ -355,3 +355,22 @@ def test_precision_conversion_leaves_its_input_alone():
     assert graph.model.SerializeToString() == before
     assert not any(n.op_type == "Constant" and n.output[0].startswith("bn_")
                    for n in hp.model.graph.node)
+
+
+def test_an_opset_9_model_is_upgraded_on_loading():
+    """onnx-caffe2 and early tf2onnx files are opset 9: loading upgrades them with onnx's
+    version converter (Q/DQ and per-channel weights need 13) instead of refusing them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
+    w = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                               helper.make_node("Relu", ["c"], ["y"])], "old", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
+    pm = PreparedModel.prepare(model, runtime="tensorrt")
+    assert opset_of(pm.graph.model) >= 13
+    quantized = pm.exporter().to_model(pm.exporter().plan(_all_uses(pm)))
+    onnx.checker.check_model(quantized, full_check=True)
+    assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
