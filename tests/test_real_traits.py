@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from test_cli import cli
 
+import qdq_optuna
 from qdq_optuna import calibration, zoo
 from qdq_optuna.accuracy import AccuracyEvaluator
 from qdq_optuna.errors import ModelError
@@ -321,3 +322,51 @@ def test_data_dependent_shapes_stay_open():
     graph = load_model(model)
     assert graph.shapes["r"] == (2, 8)
     assert graph.shapes.get("y") is None or not all(isinstance(d, int) for d in graph.shapes["y"])
+
+
+# -- an anchor grid computed from shapes (PyTorch's YOLOv8 export) -------------------------------
+def _grid(model: onnx.ModelProto | PreparedModel) -> set[str]:
+    """The tensors of the computed anchor grids (and of casts the FP16 conversion adds)."""
+    nodes = model.graph.nodes if isinstance(model, PreparedModel) else model.graph.node
+    return {t for n in nodes for t in n.output if t.startswith("grid")}
+
+
+def _structure(pm: PreparedModel) -> list[tuple]:
+    """Per tuned pattern: its regions' count, its op types (the grid and constants left out)
+    and its offered points' count, in graph order: what the search will tune."""
+    g, grid = pm.graph, _grid(pm)
+    out = []
+    for pp in pm.tunable:
+        rep = pp.pattern.node_maps[pp.pattern.representative]
+        ops = tuple(g.nodes[n].op_type for n in rep if g.nodes[n].op_type != "Constant"
+                    and not set(g.nodes[n].output) <= grid)
+        out.append((len(pp.pattern.regions), ops, len(pp.ids)))
+    return out
+
+
+def test_shape_arithmetic_is_no_insertion_point_on_tensorrt():
+    model = corpus.anchor_grid_head()
+    pm = PreparedModel.prepare(model, runtime="tensorrt")
+    float_grid = {t for t in _grid(model) if pm.graph.is_float(t)}
+    assert {"grid0/h.c", "grid0/grid2d", "grid0"} <= float_grid
+    assert not {u[0] for u in _all_uses(pm)} & float_grid
+    assert {"h0", "f0", "d0"} <= {u[0] for u in _all_uses(pm)}  # data flows on
+
+
+@pytest.mark.parametrize("high_precision", ["fp32", "fp16"])
+def test_computed_anchor_grid_tunes_like_a_constant_one(high_precision):
+    """The grid computed from the heads' shapes (written between the stages) gives the regions,
+    patterns and points of the same model with the grid stored as a constant."""
+    computed, stored = (PreparedModel.prepare(corpus.anchor_grid_head(computed=c),
+                                              runtime="tensorrt", high_precision=high_precision)
+                        for c in (True, False))
+    assert _structure(computed) == _structure(stored)
+
+
+def test_computed_anchor_grid_searches_like_a_constant_one(tmp_path):
+    """On the cost model the search measures as often and ends as fast with either grid."""
+    reports = [qdq_optuna.tune(corpus.anchor_grid_head(computed=c), tmp_path / str(c),
+                               backend="costmodel", progress=False, seed=0).report
+               for c in (True, False)]
+    assert reports[0]["measurements"] == reports[1]["measurements"]
+    assert reports[0]["final_latency_ms"] == pytest.approx(reports[1]["final_latency_ms"])
