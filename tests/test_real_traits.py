@@ -19,6 +19,7 @@ from test_cli import cli
 import qdq_optuna
 from qdq_optuna import calibration, zoo
 from qdq_optuna.accuracy import AccuracyEvaluator
+from qdq_optuna.config import Config
 from qdq_optuna.errors import ModelError
 from qdq_optuna.graph import InputShapes, load_model, node_label, used_domains
 from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function, sub_plan
@@ -363,10 +364,12 @@ def test_computed_anchor_grid_tunes_like_a_constant_one(high_precision):
     assert _structure(computed) == _structure(stored)
 
 
+@pytest.mark.slow
 def test_computed_anchor_grid_searches_like_a_constant_one(tmp_path):
     """On the cost model the search measures as often and ends as fast with either grid."""
-    reports = [qdq_optuna.tune(corpus.anchor_grid_head(computed=c), tmp_path / str(c),
-                               backend="costmodel", progress=False, seed=0).report
+    reports = [qdq_optuna.tune(corpus.anchor_grid_head(levels=2, computed=c),
+                               tmp_path / str(c), backend="costmodel", progress=False, seed=0,
+                               config=Config(schemes_per_region=10)).report
                for c in (True, False)]
     assert reports[0]["measurements"] == reports[1]["measurements"]
     assert reports[0]["final_latency_ms"] == pytest.approx(reports[1]["final_latency_ms"])
