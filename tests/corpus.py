@@ -73,9 +73,9 @@ def constant_weights() -> onnx.ModelProto:
 
 def integer_path() -> onnx.ModelProto:
     """A pattern with zero insertion points (magika's first op): the int32 input is reshaped
-    in a region of its own, in which no use is a float activation; the one-hot encoding after
-    it (Shape, Expand, Equal, Cast: a region that fills the size limit, so the Reshape stays
-    alone) and a residual float block follow, which do get points."""
+    (and passed through Identities: a region that fills the size limit) in a region of its
+    own, in which no use is a float activation; the one-hot encoding after it (Shape, Expand,
+    Equal, Cast) and a residual float block follow, which do get points."""
     rng = np.random.default_rng(RNG_SEED)
     ids = helper.make_tensor_value_info("ids", TensorProto.INT32, [1, 16])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])
@@ -85,14 +85,14 @@ def integer_path() -> onnx.ModelProto:
              numpy_helper.from_array(_w(rng, 8, 8), "fc1.w"),
              numpy_helper.from_array(_w(rng, 8, 8), "fc2.w")]
     nodes = [
-        helper.make_node("Reshape", ["ids", "shape"], ["ids3"], name="reshape_ids"),
-        helper.make_node("Shape", ["ids"], ["ids_shape0"], name="shape_of_ids"),
-        *[helper.make_node("Identity", [f"ids_shape{k}"], [f"ids_shape{k + 1}"],
-                           name=f"identity{k}") for k in range(5)],
-        helper.make_node("Concat", ["ids_shape5", "depth"], ["hot_shape"], name="hot_shape",
+        helper.make_node("Reshape", ["ids", "shape"], ["ids3_0"], name="reshape_ids"),
+        *[helper.make_node("Identity", [f"ids3_{k}"], [f"ids3_{k + 1}"],
+                           name=f"identity{k}") for k in range(9)],
+        helper.make_node("Shape", ["ids"], ["ids_shape"], name="shape_of_ids"),
+        helper.make_node("Concat", ["ids_shape", "depth"], ["hot_shape"], name="hot_shape",
                          axis=0),
         helper.make_node("Expand", ["classes", "hot_shape"], ["all_classes"], name="expand"),
-        helper.make_node("Equal", ["ids3", "all_classes"], ["hot"], name="equal"),
+        helper.make_node("Equal", ["ids3_9", "all_classes"], ["hot"], name="equal"),
         helper.make_node("Cast", ["hot"], ["x"], name="cast", to=TensorProto.FLOAT),
         helper.make_node("MatMul", ["x", "fc1.w"], ["m1"], name="fc1"),
         helper.make_node("Relu", ["m1"], ["r1"], name="relu1"),
