@@ -16,6 +16,7 @@ ONNX Runtime rules the cost model is not used: it imitates TensorRT and does not
 Runtime's fused integer kernels (docs/costmodel.md).
 
     python benchmarks/whole_model.py --sizes medium full --work DIR [--old-flow CHECKOUT]
+    python benchmarks/whole_model.py --models nudenet-320n --sizes real --work DIR
 """
 
 from __future__ import annotations
@@ -153,11 +154,12 @@ def long_descent(space: Space, measure: Counter, start: State) -> tuple[State, f
 TUNE = dict(backend="costmodel", config=Config(schemes_per_region=30), progress=False, seed=0)
 
 
-def run_tune(path: Path, out: Path) -> dict:
+def run_tune(path: Path, out: Path, input_shapes: str | None = None) -> dict:
     """The search with default settings, into a fresh folder (one invocation: report.json's
     measurements are the whole run's)."""
     t = time.time()
-    r = qdq_optuna.tune(str(path), str(out), fresh=True, **TUNE).report
+    r = qdq_optuna.tune(str(path), str(out), fresh=True, input_shapes=input_shapes,
+                        runtime="tensorrt", **TUNE).report
     return {"speedup": r["speedup"], "measurements": r["measurements"],
             "by_phase": r.get("measurements_by_phase"), "final_ms": r["final_latency_ms"],
             "baseline_ms": r["baseline_latency_ms"], "wall_s": round(time.time() - t, 1),
@@ -186,14 +188,28 @@ def run_old(checkout: Path, path: Path, out: Path) -> dict:
             "wall_s": round(time.time() - t, 1)}
 
 
-def bench(name: str, size: str, work: Path, modelopt_python: str | None,
-          old_flow: Path | None, log: Callable[[str], None]) -> dict:
+def model_file(name: str, size: str, work: Path) -> tuple[Path, str | None]:
+    """The zoo model ``name`` at ``size`` (generated into ``work``), or with size ``real`` the
+    real third-party model ``name`` of benchmarks/real_models.py, and its input shapes."""
     d = work / f"{name}-{size}"
     d.mkdir(parents=True, exist_ok=True)
+    if size == "real":
+        sys.path.insert(0, str(Path(__file__).parent))
+        import real_models
+
+        return real_models.fetch(name), real_models.MODELS[name].input_shapes
     path = d / "model.onnx"
     if not path.exists():
         onnx.save(zoo.build(name, size), str(path))
-    pm = PreparedModel.prepare(str(path), runtime="tensorrt", high_precision="fp16")
+    return path, None
+
+
+def bench(name: str, size: str, work: Path, modelopt_python: str | None,
+          old_flow: Path | None, log: Callable[[str], None]) -> dict:
+    d = work / f"{name}-{size}"
+    path, shapes = model_file(name, size, work)
+    pm = PreparedModel.prepare(str(path), runtime="tensorrt", high_precision="fp16",
+                               input_shapes=shapes)
     space, ev = Space(pm), Evaluator(pm)
     row: dict = {"model": name, "size": size, "patterns": len(space.patterns),
                  "points": len(space.points), "chains": len(space.chains)}
@@ -216,7 +232,7 @@ def bench(name: str, size: str, work: Path, modelopt_python: str | None,
                            "evaluations": counter.count, "wall_s": round(time.time() - t, 1)}
     row["best_known_ms"] = min(min(ref.values()), row["starts"]["all"]["exact_ms"],
                                row["starts"]["recipe"]["exact_ms"])
-    row["tune"] = run_tune(path, d / "tune")
+    row["tune"] = run_tune(path, d / "tune", shapes)
     row["tune"]["vs_best"] = row["tune"]["final_ms"] / row["best_known_ms"]
     log(f"  {name} {size}: tune {row['tune']['speedup']:.3f}x "
         f"({row['tune']['vs_best']:.3f} of the best known), {row['tune']['measurements']} "
@@ -254,7 +270,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--sizes", nargs="+", default=["medium", "full"])
+    ap.add_argument("--sizes", nargs="+", default=["medium", "full"],
+                    help="zoo sizes; 'real' takes --models from benchmarks/real_models.py")
     ap.add_argument("--work", type=Path, required=True, help="models, tune runs, results")
     ap.add_argument("--modelopt-python", help="an interpreter with nvidia-modelopt[onnx]")
     ap.add_argument("--old-flow", type=Path,

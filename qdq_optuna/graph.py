@@ -23,6 +23,8 @@ QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinea
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 #: ops whose outputs are constants when all their inputs are constants (folded, never quantized)
 CONSTANT_OPS = frozenset({"Constant", "ConstantOfShape"})
+#: ops whose output is a tensor's shape, not its values (see :meth:`Graph.shape_values`)
+SHAPE_OPS = frozenset({"Shape", "Size"})
 MINIMUM_OPSET = 10
 #: what an older model is upgraded to on loading (per-channel DequantizeLinear needs 13)
 UPGRADE_OLD_TO = 13
@@ -222,6 +224,25 @@ class Graph:
 
     def is_float(self, tensor: str) -> bool:
         return self.elem_types.get(tensor) in FLOAT_TYPES
+
+    def shape_values(self) -> frozenset[str]:
+        """Tensors computed from tensor shapes and constants only (Shape -> Gather -> Cast ->
+        Range -> ... -> the anchor grid of a detector head, as PyTorch exports it): no data
+        flows into them, so an engine builder folds them (TensorRT with static shapes) or runs
+        them as shape arithmetic; they are not activations worth a Q/DQ pair. Cached."""
+        cached = self.__dict__.get("_shape_values")
+        if cached is None or cached[0] != len(self.nodes):
+            found: set[str] = set()
+            for node in self.nodes:
+                if node.domain not in ("", "ai.onnx") or node.op_type in QDQ_OPS \
+                        or node.op_type in ("If", "Loop", "Scan"):
+                    continue
+                inputs = [t for t in node.input if t]
+                if node.op_type in SHAPE_OPS or (any(t in found for t in inputs) and all(
+                        t in found or self.is_constant(t) for t in inputs)):
+                    found.update(o for o in node.output if o)
+            cached = self.__dict__["_shape_values"] = (len(self.nodes), frozenset(found))
+        return cached[1]
 
     def is_activation(self, tensor: str) -> bool:
         """A float tensor computed at run time (the only kind that gets activation Q/DQ)."""

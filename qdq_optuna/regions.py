@@ -104,14 +104,18 @@ def _build_leaves(graph: Graph, max_size: int) -> tuple[list[list[int]], list[st
     leaves: list[list[int]] = []
     kinds: list[str] = []
     deferred: list[int] = []
+    shape_values = graph.shape_values()
     for idx, node in enumerate(graph.nodes):
         producers = sorted(
             {graph.producer[t][0] for t in node.input if t in graph.producer and t not in graph.constants}
         )
         producers = [p for p in producers if p in leaf_of]
-        if not producers and (node.op_type in CONSTANT_OPS or all(
-            (not t) or graph.is_constant(t) for t in node.input
-        )) and node.op_type not in COMPUTE_OPS:
+        outputs = [t for t in node.output if t]
+        if node.op_type not in COMPUTE_OPS and (
+            (outputs and all(t in shape_values for t in outputs))
+            or (not producers and (node.op_type in CONSTANT_OPS or all(
+                (not t) or graph.is_constant(t) for t in node.input)))
+        ):
             deferred.append(idx)  # constant-like: joins its first consumer's leaf later
             continue
         target = None
@@ -152,8 +156,9 @@ def _build_leaves(graph: Graph, max_size: int) -> tuple[list[list[int]], list[st
 def _cut_blocks(graph: Graph, leaves: list[list[int]], floating: set[int]) -> list[list[int]]:
     """Group leaves into blocks separated by positions where one activation is live.
 
-    Constant-like nodes (``floating``) sit anywhere in the node order; they follow their leaf
-    and neither span nor place it.
+    Constant-like nodes (``floating``: constants, and shape arithmetic such as a detector's
+    anchor grid, :meth:`Graph.shape_values`) sit anywhere in the node order; they follow their
+    leaf and neither span nor place it, nor keep an activation live.
     """
     n = len(graph.nodes)
     if n == 0:
@@ -167,6 +172,8 @@ def _cut_blocks(graph: Graph, leaves: list[list[int]], floating: set[int]) -> li
     # last consumer position of each non-constant, non-graph-input tensor
     last_use: dict[str, int] = {}
     for idx, node in enumerate(graph.nodes):
+        if idx in floating:  # a Shape reads no values: it keeps no activation live
+            continue
         for t in node.input:
             if t and t in graph.producer and graph.producer[t][0] not in floating:
                 last_use[t] = idx
@@ -200,16 +207,16 @@ def _cut_blocks(graph: Graph, leaves: list[list[int]], floating: set[int]) -> li
     return blocks
 
 
-def _sequences(leaf_ids: list[int], leaves: list[list[int]], max_size: int) -> list[list[int]]:
+def _sequences(leaf_ids: list[int], sizes: list[int], max_size: int) -> list[list[int]]:
     groups: list[list[int]] = []
     size = 0
     for lid in leaf_ids:
-        if groups and size + len(leaves[lid]) <= max_size:
+        if groups and size + sizes[lid] <= max_size:
             groups[-1].append(lid)
-            size += len(leaves[lid])
+            size += sizes[lid]
         else:
             groups.append([lid])
-            size = len(leaves[lid])
+            size = sizes[lid]
     return groups
 
 
@@ -223,6 +230,8 @@ def discover_regions(graph: Graph, config: RegionConfig | None = None) -> Region
     max_seq = max(1, cfg.maximum_sequence_region_size)
     leaves, kinds, floating = _build_leaves(graph, max_seq)
     blocks = _cut_blocks(graph, leaves, floating)
+    # a region's size counts what runs: constants and shape arithmetic ride along for free
+    sizes = [sum(1 for n in leaf if n not in floating) for leaf in leaves]
 
     regions: list[Region] = []
 
@@ -248,7 +257,7 @@ def discover_regions(graph: Graph, config: RegionConfig | None = None) -> Region
     pending_chain: list[int] = []  # consecutive single-leaf blocks, merged into sequences
 
     def flush_chain() -> None:
-        for group in _sequences(pending_chain, leaves, max_seq):
+        for group in _sequences(pending_chain, sizes, max_seq):
             if len(group) == 1:
                 top.append(leaf_region[group[0]])
                 tuning.append(leaf_region[group[0]])
@@ -268,14 +277,14 @@ def discover_regions(graph: Graph, config: RegionConfig | None = None) -> Region
             continue
         flush_chain()
         block_nodes = nodes_of(block)
-        if len(block_nodes) <= cfg.minimum_topdown_search_size:
+        if sum(sizes[lid] for lid in block) <= cfg.minimum_topdown_search_size:
             comp = new(RegionType.COMPOSITE, 1, "block", block_nodes,
                        [leaf_region[lid] for lid in block])
             top.append(comp.id)
             tuning.append(comp.id)
             continue
         children: list[int] = []
-        for group in _sequences(block, leaves, max_seq):
+        for group in _sequences(block, sizes, max_seq):
             if len(group) == 1:
                 children.append(leaf_region[group[0]])
                 tuning.append(leaf_region[group[0]])

@@ -73,9 +73,9 @@ def constant_weights() -> onnx.ModelProto:
 
 def integer_path() -> onnx.ModelProto:
     """A pattern with zero insertion points (magika's first op): the int32 input is reshaped
-    in a region of its own, in which no use is a float activation; the one-hot encoding after
-    it (Shape, Expand, Equal, Cast: a region that fills the size limit, so the Reshape stays
-    alone) and a residual float block follow, which do get points."""
+    (and passed through Identities: a region that fills the size limit) in a region of its
+    own, in which no use is a float activation; the one-hot encoding after it (Shape, Expand,
+    Equal, Cast) and a residual float block follow, which do get points."""
     rng = np.random.default_rng(RNG_SEED)
     ids = helper.make_tensor_value_info("ids", TensorProto.INT32, [1, 16])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])
@@ -85,14 +85,14 @@ def integer_path() -> onnx.ModelProto:
              numpy_helper.from_array(_w(rng, 8, 8), "fc1.w"),
              numpy_helper.from_array(_w(rng, 8, 8), "fc2.w")]
     nodes = [
-        helper.make_node("Reshape", ["ids", "shape"], ["ids3"], name="reshape_ids"),
-        helper.make_node("Shape", ["ids"], ["ids_shape0"], name="shape_of_ids"),
-        *[helper.make_node("Identity", [f"ids_shape{k}"], [f"ids_shape{k + 1}"],
-                           name=f"identity{k}") for k in range(5)],
-        helper.make_node("Concat", ["ids_shape5", "depth"], ["hot_shape"], name="hot_shape",
+        helper.make_node("Reshape", ["ids", "shape"], ["ids3_0"], name="reshape_ids"),
+        *[helper.make_node("Identity", [f"ids3_{k}"], [f"ids3_{k + 1}"],
+                           name=f"identity{k}") for k in range(9)],
+        helper.make_node("Shape", ["ids"], ["ids_shape"], name="shape_of_ids"),
+        helper.make_node("Concat", ["ids_shape", "depth"], ["hot_shape"], name="hot_shape",
                          axis=0),
         helper.make_node("Expand", ["classes", "hot_shape"], ["all_classes"], name="expand"),
-        helper.make_node("Equal", ["ids3", "all_classes"], ["hot"], name="equal"),
+        helper.make_node("Equal", ["ids3_9", "all_classes"], ["hot"], name="equal"),
         helper.make_node("Cast", ["hot"], ["x"], name="cast", to=TensorProto.FLOAT),
         helper.make_node("MatMul", ["x", "fc1.w"], ["m1"], name="fc1"),
         helper.make_node("Relu", ["m1"], ["r1"], name="relu1"),
@@ -240,3 +240,77 @@ def resize_with_roi() -> onnx.ModelProto:
         helper.make_node("Resize", ["r1", "roi", "scales"], ["y"], name="up", mode="nearest"),
     ]
     return _model(nodes, [x], [y], inits, opset=11)
+
+
+def anchor_grid_head(levels: int = 3, computed: bool = True) -> onnx.ModelProto:
+    """PyTorch's YOLOv8 export: a stack of identical Conv+SiLU (Sigmoid, Mul) stages, each
+    with a 1x1 head; the decode adds an anchor grid *computed from the head's shape* (Shape ->
+    Gather -> Cast -> Range -> Add 0.5 -> Unsqueeze -> Add -> Reshape), written right after the
+    head it reads, so shape arithmetic sits between the stages (its nodes and tensors named
+    ``grid<level>/...``). ``computed=False``: the same model with each grid an initializer
+    (what folding it gives, the zoo's kind of graph)."""
+    rng = np.random.default_rng(RNG_SEED)
+    side, ch = 8, 8
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, side, side])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, levels * side * side])
+    inits = [numpy_helper.from_array(_w(rng, ch, 3, 3, 3), "stem.w")]
+    nodes = [helper.make_node("Conv", ["x", "stem.w"], ["a0"], name="stem", pads=[1, 1, 1, 1])]
+    decoded = []
+    for i in range(levels):
+        inits += [numpy_helper.from_array(_w(rng, ch, ch, 3, 3), f"s{i}.w"),
+                  numpy_helper.from_array(_w(rng, ch, scale=0.1), f"s{i}.b"),
+                  numpy_helper.from_array(_w(rng, 4, ch, 1, 1), f"h{i}.w")]
+        nodes += [
+            helper.make_node("Conv", [f"a{i}", f"s{i}.w", f"s{i}.b"], [f"c{i}"], name=f"s{i}",
+                             pads=[1, 1, 1, 1]),
+            helper.make_node("Sigmoid", [f"c{i}"], [f"g{i}"], name=f"s{i}.sig"),
+            helper.make_node("Mul", [f"c{i}", f"g{i}"], [f"a{i + 1}"], name=f"s{i}.silu"),
+            helper.make_node("Conv", [f"a{i + 1}", f"h{i}.w"], [f"h{i}"], name=f"h{i}"),
+        ]
+        if computed:
+            nodes += _grid_from_shape(f"h{i}", f"grid{i}", f"grid{i}/")
+        else:
+            grid = (np.arange(side, dtype=np.float32)[:, None] + 0.5
+                    + np.arange(side, dtype=np.float32)[None, :] + 0.5).reshape(1, 1, -1)
+            inits.append(numpy_helper.from_array(grid, f"grid{i}"))
+        nodes += [
+            _const(f"l{i}.flat_shape", np.array([1, 4, -1], np.int64), f"l{i}.flat_shape"),
+            helper.make_node("Reshape", [f"h{i}", f"l{i}.flat_shape"], [f"f{i}"],
+                             name=f"l{i}.flat"),
+            helper.make_node("Add", [f"f{i}", f"grid{i}"], [f"d{i}"], name=f"l{i}.decode"),
+        ]
+        decoded.append(f"d{i}")
+    nodes.append(helper.make_node("Concat", decoded, ["y"], name="detections", axis=2))
+    return _model(nodes, [x], [y], inits)
+
+
+def _grid_from_shape(head: str, out: str, p: str) -> list[onnx.NodeProto]:
+    """The anchor grid of one level from its head's shape, as torch.onnx writes it (every
+    node and tensor named with the prefix ``p``)."""
+    f32, i64 = TensorProto.FLOAT, np.int64
+    nodes = [helper.make_node("Shape", [head], [f"{p}shape"], name=f"{p}shape")]
+    for axis, dim in ((2, "h"), (3, "w")):
+        nodes += [
+            _const(f"{p}{dim}.i", np.array(axis, i64), f"{p}{dim}.i"),
+            helper.make_node("Gather", [f"{p}shape", f"{p}{dim}.i"], [f"{p}{dim}"],
+                             name=f"{p}{dim}.gather", axis=0),
+            helper.make_node("Cast", [f"{p}{dim}"], [f"{p}{dim}f"], name=f"{p}{dim}.cast",
+                             to=f32),
+            _const(f"{p}{dim}.zero", np.array(0, np.float32), f"{p}{dim}.zero"),
+            _const(f"{p}{dim}.one", np.array(1, np.float32), f"{p}{dim}.one"),
+            helper.make_node("Range", [f"{p}{dim}.zero", f"{p}{dim}f", f"{p}{dim}.one"],
+                             [f"{p}{dim}.r"], name=f"{p}{dim}.range"),
+            _const(f"{p}{dim}.half", np.array(0.5, np.float32), f"{p}{dim}.half"),
+            helper.make_node("Add", [f"{p}{dim}.r", f"{p}{dim}.half"], [f"{p}{dim}.c"],
+                             name=f"{p}{dim}.center"),
+            _const(f"{p}{dim}.axes", np.array([1 if dim == "h" else 0], i64), f"{p}{dim}.axes"),
+            helper.make_node("Unsqueeze", [f"{p}{dim}.c", f"{p}{dim}.axes"],
+                             [f"{p}{dim}.u"], name=f"{p}{dim}.unsqueeze"),
+        ]
+    nodes += [
+        helper.make_node("Add", [f"{p}h.u", f"{p}w.u"], [f"{p}grid2d"], name=f"{p}grid"),
+        _const(f"{p}grid_shape", np.array([1, 1, -1], i64), f"{p}grid_shape"),
+        helper.make_node("Reshape", [f"{p}grid2d", f"{p}grid_shape"], [out],
+                         name=f"{p}grid_flat"),
+    ]
+    return nodes

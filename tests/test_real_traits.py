@@ -16,8 +16,10 @@ import onnxruntime as ort
 import pytest
 from test_cli import cli
 
+import qdq_optuna
 from qdq_optuna import calibration, zoo
 from qdq_optuna.accuracy import AccuracyEvaluator
+from qdq_optuna.config import Config
 from qdq_optuna.errors import ModelError
 from qdq_optuna.graph import InputShapes, load_model, node_label, opset_of, used_domains
 from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function, sub_plan
@@ -374,3 +376,53 @@ def test_an_opset_9_model_is_upgraded_on_loading():
     quantized = pm.exporter().to_model(pm.exporter().plan(_all_uses(pm)))
     onnx.checker.check_model(quantized, full_check=True)
     assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
+
+
+# -- an anchor grid computed from shapes (PyTorch's YOLOv8 export) -------------------------------
+def _grid(model: onnx.ModelProto | PreparedModel) -> set[str]:
+    """The tensors of the computed anchor grids (and of casts the FP16 conversion adds)."""
+    nodes = model.graph.nodes if isinstance(model, PreparedModel) else model.graph.node
+    return {t for n in nodes for t in n.output if t.startswith("grid")}
+
+
+def _structure(pm: PreparedModel) -> list[tuple]:
+    """Per tuned pattern: its regions' count, its op types (the grid and constants left out)
+    and its offered points' count, in graph order: what the search will tune."""
+    g, grid = pm.graph, _grid(pm)
+    out = []
+    for pp in pm.tunable:
+        rep = pp.pattern.node_maps[pp.pattern.representative]
+        ops = tuple(g.nodes[n].op_type for n in rep if g.nodes[n].op_type != "Constant"
+                    and not set(g.nodes[n].output) <= grid)
+        out.append((len(pp.pattern.regions), ops, len(pp.ids)))
+    return out
+
+
+def test_shape_arithmetic_is_no_insertion_point_on_tensorrt():
+    model = corpus.anchor_grid_head()
+    pm = PreparedModel.prepare(model, runtime="tensorrt")
+    float_grid = {t for t in _grid(model) if pm.graph.is_float(t)}
+    assert {"grid0/h.c", "grid0/grid2d", "grid0"} <= float_grid
+    assert not {u[0] for u in _all_uses(pm)} & float_grid
+    assert {"h0", "f0", "d0"} <= {u[0] for u in _all_uses(pm)}  # data flows on
+
+
+@pytest.mark.parametrize("high_precision", ["fp32", "fp16"])
+def test_computed_anchor_grid_tunes_like_a_constant_one(high_precision):
+    """The grid computed from the heads' shapes (written between the stages) gives the regions,
+    patterns and points of the same model with the grid stored as a constant."""
+    computed, stored = (PreparedModel.prepare(corpus.anchor_grid_head(computed=c),
+                                              runtime="tensorrt", high_precision=high_precision)
+                        for c in (True, False))
+    assert _structure(computed) == _structure(stored)
+
+
+@pytest.mark.slow
+def test_computed_anchor_grid_searches_like_a_constant_one(tmp_path):
+    """On the cost model the search measures as often and ends as fast with either grid."""
+    reports = [qdq_optuna.tune(corpus.anchor_grid_head(levels=2, computed=c),
+                               tmp_path / str(c), backend="costmodel", progress=False, seed=0,
+                               config=Config(schemes_per_region=10)).report
+               for c in (True, False)]
+    assert reports[0]["measurements"] == reports[1]["measurements"]
+    assert reports[0]["final_latency_ms"] == pytest.approx(reports[1]["final_latency_ms"])

@@ -172,6 +172,15 @@ def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
     return "breaks TensorRT's Conv+Add+Relu fusion"
 
 
+def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
+    """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
+    anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
+    quantizes a constant and moves no data, but each such point would be measured."""
+    if use[0] in graph.shape_values():
+        return "computed from tensor shapes (folded when TensorRT builds the engine)"
+    return None
+
+
 def _fused_activation(graph: Graph, use: Use) -> str | None:
     """ONNX Runtime folds a Relu that directly follows a quantized Conv/Gemm/MatMul into the
     kernel's output range (Q with zero point at the type's minimum); Q/DQ between them only adds
@@ -278,7 +287,7 @@ TENSORRT = RuntimeRules(
     name="tensorrt",
     default_quant_type="int8",
     quant_types=("int8", "fp8"),
-    use_filters=(_conv_add_relu_fusion,),
+    use_filters=(_shape_arithmetic, _conv_add_relu_fusion),
     promotions=(_promote_concat,),
     fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
 )
