@@ -14,7 +14,6 @@ from .backends import BACKEND_HELP
 from .backends.base import BackendError, BackendUnavailable
 from .calibration import DEFAULT_METHOD as DEFAULT_CALIBRATION_METHOD
 from .errors import OptionError, UserError
-from .insertion.rules import RULES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -204,7 +203,7 @@ def _add_tune(sub) -> None:
         epilog=TUNE_EXAMPLES)
     g = t.add_argument_group("model")
     g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
-    g.add_argument("--runtime", choices=list(RULES),
+    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
                    help="whose fusion rules place the Q/DQ (default: follows --backend; a "
                         "--backend package.module:function must name it)")
     _add_model_args(g)
@@ -250,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the regions, patterns and insertion points of MODEL "
                                    "and the tensors they resolve to.")
     i.add_argument("model", help="ONNX model")
-    i.add_argument("--runtime", choices=list(RULES), default="onnxruntime",
+    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                    help="whose fusion rules place the Q/DQ (default %(default)s)")
     _add_model_args(i)
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")

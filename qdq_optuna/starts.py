@@ -389,58 +389,6 @@ def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
     return start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
 
 
-# -- NNCF's recipe (OpenVINO) -----------------------------------------------------------------
-def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
-                      data: Mapping[str, np.ndarray] | None = None,
-                      input_shapes: InputShapes | str | None = None, samples: int = 4) -> Path:
-    """What an OpenVINO user gets from NNCF's documented one-liner: ``nncf.quantize`` (its
-    defaults: the performance preset, symmetric u8/i8 activations, per-channel weights, fast
-    bias correction) on ``model``, calibrated on ``data`` (graph input -> samples on axis 0),
-    or on ``samples`` random feeds. Returns the path of the quantized ONNX model."""
-    try:
-        import nncf
-    except ImportError as exc:
-        raise ToolError("NNCF is not installed (pip install nncf): no NNCF recipe start") from exc
-    from . import calibration
-
-    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()
-    if data is None:
-        data = calibration.random_calibration_data(proto, shapes.shapes or None,
-                                                   samples=samples, seed=0)
-    count = len(next(iter(data.values())))
-    feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
-    root, level = logging.getLogger(), logging.getLogger().level
-    nncf_log = logging.getLogger("nncf")
-    nncf_level = nncf_log.level
-    root.setLevel(logging.ERROR)
-    nncf_log.setLevel(logging.ERROR)  # its sample-count notes and progress bars
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantized = nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
-    except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
-        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-        raise ToolError(f"NNCF's recipe (nncf.quantize) failed on this model: {first[0]}") from exc
-    finally:
-        root.setLevel(level)
-        nncf_log.setLevel(nncf_level)
-    out = work / "nncf_recipe.onnx"
-    onnx.save(quantized, str(out))
-    return out
-
-
-def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
-                      data: Mapping[str, np.ndarray] | None = None,
-                      input_shapes: InputShapes | str | None = None) -> Start:
-    """NNCF's recipe (:func:`nncf_recipe_model`) on the user's ``model``, read back onto
-    ``pm``'s graph."""
-    with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
-        path = nncf_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
-        uses, notes, counts = read_placement(pm, path)
-    return start_from_uses(pm, "recipe:openvino", uses, notes, counts)
-
-
 # -- TensorRT's standard INT8 PTQ placement ---------------------------------------------------
 @dataclass(frozen=True)
 class PtqRules:

@@ -82,9 +82,6 @@ BACKENDS: dict[str, BackendSpec] = {
                             label="tensorrt"),
     "trtexec": BackendSpec("qdq_optuna.backends.trtexec", "TrtexecBackend", "tensorrt", None,
                            label="trtexec"),
-    "openvino": BackendSpec("qdq_optuna.backends.openvino", "OpenVINOBackend", "openvino",
-                            False, ("threads", "input_shapes", "high_precision"),
-                            label="openvino (CPU)"),
     "costmodel": BackendSpec("qdq_optuna.backends.costmodel", "CostModelBackend", "tensorrt",
                              None, label="costmodel"),
 }

@@ -321,33 +321,7 @@ ONNXRUNTIME_CPU = RuntimeRules(
     table_ops=frozenset({"Gather"}),
 )
 
-#: OpenVINO's low-precision transformations (LPT): ops that run in u8/i8 when a FakeQuantize
-#: (an ONNX Q -> DQ pair) feeds their activation inputs; unlike ONNX Runtime no Q is needed
-#: after the output (OpenVINO's "Low Precision Transformations" attribute and transformation
-#: lists; checked per layer with the compiled model's runtimePrecision: see docs/openvino.md)
-OPENVINO_QUANTIZED_OPS = frozenset(
-    {
-        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Sub", "Mul", "Concat", "MaxPool",
-        "AveragePool", "GlobalAveragePool", "Resize", "Clip", "Relu", "PRelu", "Reshape",
-        "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Split", "Gather", "Pad",
-        "DepthToSpace", "SpaceToDepth", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum",
-        "MeanVarianceNormalization", "LpNormalization",
-    }
-)
-
-OPENVINO_CPU = RuntimeRules(
-    name="openvino",
-    # NNCF emits u8 for non-negative activations and i8 for the rest, symmetric; the
-    # calibration gives uint8 a zero point (asymmetric), which OpenVINO's CPU plugin runs too
-    default_quant_type="uint8",
-    quant_types=("uint8", "int8"),
-    quantizable_ops=OPENVINO_QUANTIZED_OPS,
-    promotions=(_promote_concat,),
-    fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
-)
-
-RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU,
-                                     "openvino": OPENVINO_CPU}
+RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU}
 
 
 def rules_for(runtime: str) -> RuntimeRules:

@@ -124,8 +124,7 @@ def backend_for(options: TuneOptions) -> Backend:
         return CallableBackend(b)
     spec = BACKENDS.get(b)
     given = {"threads": options.threads,
-             "input_shapes": InputShapes.parse(options.input_shapes).shapes or None,
-             "high_precision": options.high_precision}
+             "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
     kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
     if ":" not in b:
         kwargs["isolate"] = bool(options.isolate)
@@ -187,7 +186,7 @@ class Settings:
         runtime = cls.runtime_of(options, backend)
         scales = options.scales
         if scales == "auto":
-            scales = "calibrated" if runtime in ("onnxruntime", "openvino") else "default"
+            scales = "calibrated" if runtime == "onnxruntime" else "default"
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
         constrained = options.max_output_error is not None

@@ -230,12 +230,10 @@ class Tuner:
 
         pm = self.prepared
         try:
-            recipe = {"onnxruntime": starts.ort_recipe_start,
-                      "openvino": starts.nncf_recipe_start}.get(self.settings.runtime)
-            if recipe is not None:
-                return recipe(pm, self.o.model,
-                              data=self.calibration[0] if self.calibration else None,
-                              input_shapes=self.o.input_shapes)
+            if self.settings.runtime == "onnxruntime":
+                return starts.ort_recipe_start(
+                    pm, self.o.model, data=self.calibration[0] if self.calibration else None,
+                    input_shapes=self.o.input_shapes)
             return starts.tensorrt_recipe_start(pm)
         except ToolError as exc:  # the quantizer refused this model: no recipe start
             log.warning("%s; starting without the recipe", exc)
@@ -508,7 +506,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
     scales = calibration.activation_scales(stats, method=options.calibration_method,
                                            quant_type=prepared.quant_type)
-    if prepared.rules.name in ("onnxruntime", "openvino") and hp is None:  # 8-bit Concat
+    if prepared.rules.name == "onnxruntime" and hp is None:  # the 8-bit kernels ORT has
         scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
                                                  prepared.quant_type)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
