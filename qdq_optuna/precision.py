@@ -101,7 +101,7 @@ def check_precision(name: str, option: str = "--high-precision") -> str:
 #: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower)
 DEFAULT_FOR_BACKEND: Mapping[str, str] = {
     "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16", "costmodel": "fp16",
-    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32",
+    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
 }
 #: (backend, precision) pairs that cannot run, with why
 _ORT_CPU_BF16 = "ONNX Runtime's CPU provider has no bfloat16 kernels for Conv, MatMul or most ops"
@@ -116,6 +116,10 @@ UNSUPPORTED: Mapping[tuple[str, str], str] = {
 def resolve_high_precision(requested: str | None, backend: str, runtime: str) -> str:
     """``--high-precision`` for a run: the requested one (checked against the backend) or the
     backend's default; a callable backend follows its runtime's rules (TensorRT: fp16)."""
+    if backend == "openvino":  # OpenVINO's is its INFERENCE_PRECISION_HINT: the graph stays FP32
+        if requested is not None:
+            check_precision(requested)
+        return "fp32"
     if requested is not None:
         check_precision(requested)
         why = UNSUPPORTED.get((backend, requested))
