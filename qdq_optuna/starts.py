@@ -427,6 +427,16 @@ def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
         root.setLevel(level)
 
 
+def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
+    """The activation type most of a Q/DQ model's QuantizeLinear write ("uint8" or "int8"):
+    NNCF's default preset writes int8 (symmetric) wherever a tensor can be negative."""
+    zps = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    types = [zps.get(n.input[2]) for n in qdq_model.graph.node
+             if n.op_type == "QuantizeLinear" and len(n.input) > 2]
+    signed, unsigned = types.count(onnx.TensorProto.INT8), types.count(onnx.TensorProto.UINT8)
+    return "int8" if signed > unsigned else "uint8"
+
+
 def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                       data: Mapping[str, np.ndarray] | None = None,
                       input_shapes: InputShapes | str | None = None) -> Start:
