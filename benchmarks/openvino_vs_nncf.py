@@ -68,6 +68,13 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     (work / "nncf_reexported.onnx").write_bytes(src if isinstance(src, bytes) else
                                                 Path(src).read_bytes())
     out["nncf_reexported"] = work / "nncf_reexported.onnx"
+    # the same placement with u8 activations everywhere (the OpenVINO rules' default type):
+    # an int8 (scale, 0) is the u8 (scale, 128), the same values
+    exporter = pm.exporter(scales=as_uint8(nncf_model), quant_type="uint8")
+    src = exporter.source(exporter.plan(set(start.scheme_uses)))
+    (work / "nncf_placement_u8.onnx").write_bytes(src if isinstance(src, bytes) else
+                                                  Path(src).read_bytes())
+    out["nncf_placement_u8"] = work / "nncf_placement_u8.onnx"
     info["nncf_start"] = {"counts": start.counts, "exact": start.exact,
                           "activation_type": qtype}
     if not args.no_tune:
@@ -84,6 +91,15 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
         out["tuned"] = tdir / "optimized.onnx"
     info["held"] = held
     return out, info
+
+
+def as_uint8(qdq_model: onnx.ModelProto) -> dict[str, tuple[float, int]]:
+    """NNCF's activation scales as uint8 ones (an int8 zero point z becomes z + 128)."""
+    inits = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    signed = {n.input[0] for n in qdq_model.graph.node if n.op_type == "QuantizeLinear"
+              and len(n.input) > 2 and inits.get(n.input[2]) == onnx.TensorProto.INT8}
+    return {t: (s, z + 128 if t in signed else z)
+            for t, (s, z) in starts.read_scales(qdq_model).items()}
 
 
 def interleaved(models: dict[str, tuple[Path, str]], shapes: str | None, rounds: int,
@@ -166,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--no-tune", action="store_true")
     args = ap.parse_args(argv)
-    import openvino
-
     import nncf
+    import openvino
 
     rows = []
     for name in args.models:
