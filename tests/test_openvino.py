@@ -62,6 +62,8 @@ def test_isolated_backend_measures_in_a_worker() -> None:
     try:
         with backend.load(zoo.build("tiny_chain").SerializeToString()) as runner:
             assert len(runner.time(1, 3)) == 3
+        _, model = _all_on("resnet")  # what ran is read through the isolated proxy too
+        assert backend.what_ran(model).fused
     finally:
         backend.close()
 
