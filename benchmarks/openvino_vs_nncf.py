@@ -63,8 +63,11 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     pm = PreparedModel.prepare(str(model), runtime="openvino", input_shapes=shapes)
     start = starts.nncf_recipe_start(pm, str(model), data=cal, input_shapes=shapes)
     qtype = starts.nncf_activation_type(nncf_model)
-    exporter = pm.exporter(scales=starts.read_scales(nncf_model), quant_type=qtype)
-    src = exporter.source(exporter.plan(set(start.scheme_uses)))
+    types = starts.activation_types(nncf_model)  # each tensor keeps NNCF's u8 or s8
+    scales = starts.read_scales(nncf_model)
+    scales.update({(t, types[t]): v for t, v in list(scales.items()) if t in types})
+    exporter = pm.exporter(scales=scales, quant_type=qtype)
+    src = exporter.source(exporter.plan({u: types.get(u[0], qtype) for u in start.scheme_uses}))
     (work / "nncf_reexported.onnx").write_bytes(src if isinstance(src, bytes) else
                                                 Path(src).read_bytes())
     out["nncf_reexported"] = work / "nncf_reexported.onnx"
