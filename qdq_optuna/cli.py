@@ -203,7 +203,7 @@ def _add_tune(sub) -> None:
         epilog=TUNE_EXAMPLES)
     g = t.add_argument_group("model")
     g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
-    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt"],
+    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"],
                    help="whose fusion rules place the Q/DQ (default: follows --backend; a "
                         "--backend package.module:function must name it)")
     _add_model_args(g)
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the regions, patterns and insertion points of MODEL "
                                    "and the tensors they resolve to.")
     i.add_argument("model", help="ONNX model")
-    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"], default="onnxruntime",
                    help="whose fusion rules place the Q/DQ (default %(default)s)")
     _add_model_args(i)
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")

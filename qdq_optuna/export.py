@@ -480,6 +480,7 @@ class QDQExporter(_QDQPieces):
             activations.extend(found[0])
             weights.update(found[1])
         weights.update(constant_operands(self.graph, self.rules, activations))
+        weights.update(preserved_weights(self.graph, self.rules, activations, weights))
         return QuantPlan(
             activations=tuple(activations),
             weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
@@ -708,6 +709,50 @@ def constant_operands(graph: Graph, rules: RuntimeRules,
         for s, t in enumerate(node.input):
             if t in graph.initializers and graph.elem_types.get(t) == TensorProto.FLOAT:
                 out[(n, s)] = qtype
+    return out
+
+
+def preserved_weights(graph: Graph, rules: RuntimeRules,
+                      activations: Iterable[tuple[str, tuple[tuple[int, int], ...], str]],
+                      weights: Mapping[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    """(node, weight slot) -> "int8" for the weighted ops that read a quantized tensor through
+    ``rules.precision_preserving_ops`` only (a Conv after a MaxPool of a Q/DQ'd Relu): the
+    runtime keeps the data integer through those ops, so the op runs integer once its weights
+    are quantized too (as NNCF quantizes every Conv's weights)."""
+    if not rules.precision_preserving_ops:
+        return {}
+    covered = {c for _, consumers, _ in activations for c in consumers}
+    memo: dict[str, bool] = {}
+
+    def integer(tensor: str, depth: int = 0) -> bool:
+        """Whether ``tensor`` reaches its readers integer (its producer reads quantized data
+        and preserves it)."""
+        if tensor in memo:
+            return memo[tensor]
+        memo[tensor] = False  # cycles and deep chains: not integer
+        prod = graph.producer.get(tensor)
+        if prod is None or depth > 64:
+            return False
+        node = graph.nodes[prod[0]]
+        if node.op_type not in rules.precision_preserving_ops:
+            return False
+        acts = [s for s, t in enumerate(node.input) if graph.is_activation(t)]
+        memo[tensor] = bool(acts) and all(
+            (prod[0], s) in covered or integer(node.input[s], depth + 1) for s in acts)
+        return memo[tensor]
+
+    out: dict[tuple[int, int], str] = {}
+    for n, node in enumerate(graph.nodes):
+        spec = WEIGHTED_OPS.get(node.op_type)
+        if spec is None or len(node.input) <= spec.weight_slot \
+                or (n, spec.weight_slot) in weights:
+            continue
+        w = node.input[spec.weight_slot]
+        if not (graph.is_constant(w) and w in graph.initializers and graph.is_float(w)):
+            continue
+        slots = [s for s in spec.activation_slots if s < len(node.input)]
+        if slots and all((n, s) not in covered and integer(node.input[s]) for s in slots):
+            out[(n, spec.weight_slot)] = "int8"
     return out
 
 

@@ -101,7 +101,7 @@ def check_precision(name: str, option: str = "--high-precision") -> str:
 #: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower)
 DEFAULT_FOR_BACKEND: Mapping[str, str] = {
     "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16", "costmodel": "fp16",
-    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32",
+    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
 }
 #: (backend, precision) pairs that cannot run, with why
 _ORT_CPU_BF16 = "ONNX Runtime's CPU provider has no bfloat16 kernels for Conv, MatMul or most ops"

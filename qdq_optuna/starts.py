@@ -389,6 +389,75 @@ def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
     return start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
 
 
+# -- NNCF, OpenVINO's recipe ------------------------------------------------------------------
+def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
+                      data: Mapping[str, np.ndarray] | None = None,
+                      input_shapes: InputShapes | str | None = None, samples: int = 4
+                      ) -> onnx.ModelProto:
+    """What an OpenVINO user gets from NNCF's documented one-liner, ``nncf.quantize`` with its
+    defaults (``nncf.Dataset`` of feed dicts), on ``model``; calibrated on ``data`` (graph
+    input -> samples on axis 0) or on ``samples`` random feeds. Raises :class:`ToolError` when
+    nncf is missing or refuses the model."""
+    try:
+        import nncf
+    except ImportError:
+        raise ToolError("NNCF (OpenVINO's recipe) is not installed (pip install nncf)") from None
+    from . import calibration
+
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    proto = load_model(model, shapes).full_model()
+    proto = ensure_opset(proto, 13, "NNCF's per-channel recipe")
+    if data is None:
+        data = calibration.random_calibration_data(proto, shapes.shapes or None,
+                                                   samples=samples, seed=0)
+    count = len(next(iter(data.values())))
+    feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # NNCF's progress bars and notes
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nncf.set_log_level(logging.ERROR)
+            return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
+    except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
+        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        raise ToolError(f"NNCF's recipe (nncf.quantize) failed on this model: "
+                        f"{type(exc).__name__}: {first[0]}") from None
+    finally:
+        root.setLevel(level)
+
+
+def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
+    """The activation type most of a Q/DQ model's QuantizeLinear write ("uint8" or "int8"):
+    NNCF's default preset writes int8 (symmetric) wherever a tensor can be negative."""
+    zps = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    types = [zps.get(n.input[2]) for n in qdq_model.graph.node
+             if n.op_type == "QuantizeLinear" and len(n.input) > 2]
+    signed, unsigned = types.count(onnx.TensorProto.INT8), types.count(onnx.TensorProto.UINT8)
+    return "int8" if signed > unsigned else "uint8"
+
+
+def activation_types(qdq_model: onnx.ModelProto) -> dict[str, str]:
+    """Activation tensor -> the type ("uint8"/"int8") its QuantizeLinear writes, so a
+    re-export keeps each tensor's type (NNCF mixes them: u8 where non-negative)."""
+    ix = _QDQIndex.of(qdq_model)
+    zps = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    names = {onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8"}
+    return {ix.source(q.input[0]): names[zps[q.input[2]]] for q in qdq_model.graph.node
+            if q.op_type == "QuantizeLinear" and len(q.input) > 2
+            and zps.get(q.input[2]) in names and q.input[0] not in ix.constants}
+
+
+def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
+                      data: Mapping[str, np.ndarray] | None = None,
+                      input_shapes: InputShapes | str | None = None) -> Start:
+    """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph."""
+    uses, notes, counts = read_placement(pm, nncf_recipe_model(model, data=data,
+                                                               input_shapes=input_shapes))
+    return start_from_uses(pm, "recipe:openvino", uses, notes, counts)
+
+
 # -- TensorRT's standard INT8 PTQ placement ---------------------------------------------------
 @dataclass(frozen=True)
 class PtqRules:

@@ -82,6 +82,9 @@ BACKENDS: dict[str, BackendSpec] = {
                             label="tensorrt"),
     "trtexec": BackendSpec("qdq_optuna.backends.trtexec", "TrtexecBackend", "tensorrt", None,
                            label="trtexec"),
+    # OpenVINO's CPU plugin: compiled in process like ONNX Runtime sessions (tune isolates it)
+    "openvino": BackendSpec("qdq_optuna.backends.openvino", "OpenVinoBackend", "openvino", False,
+                            ("threads", "input_shapes"), label="openvino (CPU)"),
     "costmodel": BackendSpec("qdq_optuna.backends.costmodel", "CostModelBackend", "tensorrt",
                              None, label="costmodel"),
 }
@@ -93,8 +96,8 @@ BACKEND_HELP = (", ".join(s.label for s in BACKENDS.values() if s.label)
 
 
 def runtime_for_backend(name: str) -> str:
-    """Whose fusion rules fit a backend: TensorRT's for the TensorRT-like ones, else ONNX
-    Runtime's (callables included)."""
+    """Whose fusion rules fit a backend: TensorRT's for the TensorRT-like ones, OpenVINO's for
+    openvino, else ONNX Runtime's (callables included)."""
     spec = BACKENDS.get(name)
     return spec.runtime if spec is not None else "onnxruntime"
 

@@ -235,6 +235,10 @@ class RuntimeRules:
     #: (the same numbers: a lookup commutes with quantization), and the op runs on the
     #: quantized table with no Q after it (``quantize_static`` does this for Gather)
     table_ops: frozenset[str] = frozenset()
+    #: ops a quantized tensor passes through still quantized (OpenVINO's precision-preserving
+    #: operations: a MaxPool or Split of u8 data writes u8), so a weighted op reading their
+    #: output runs integer with its weights quantized, without a Q/DQ of its own
+    precision_preserving_ops: frozenset[str] = frozenset()
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
         """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
@@ -321,7 +325,52 @@ ONNXRUNTIME_CPU = RuntimeRules(
     table_ops=frozenset({"Gather"}),
 )
 
-RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU}
+#: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an
+#: LPT transformation that keeps it in u8/i8 when a FakeQuantize (a Q/DQ pair read from ONNX)
+#: feeds it (docs: "OpenVINO Low Precision Transformations", its list of quantized operations:
+#: Add, AvgPool, Clamp, Concat, Convolution, ConvolutionBackpropData, DepthToSpace, Gather,
+#: GroupConvolution, Interpolate, MatMul, MaxPool, Multiply, MVN, NormalizeL2, Pad, PRelu,
+#: ReduceMax/Mean/Min/Sum, Relu, Reshape, ShuffleChannels, Split, Squeeze, StridedSlice,
+#: Subtract, Transpose, Unsqueeze, VariadicSplit). NNCF's placements for ONNX put Q/DQ on the
+#: inputs of Conv, MatMul, Gemm, Add, Concat, Split, Resize, MaxPool (read from its output on
+#: the zoo's YOLO, ResNet and on nudenet-320n), all inside this set.
+OPENVINO_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Sub", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Resize", "Reshape", "Transpose", "Squeeze",
+        "Unsqueeze", "Flatten", "Gather", "Split", "Slice", "Pad", "DepthToSpace",
+        "SpaceToDepth", "Relu", "Clip", "PRelu", "ReduceMean", "ReduceMax", "ReduceMin",
+        "ReduceSum", "MeanVarianceNormalization", "LpNormalization",
+    }
+)
+
+#: OpenVINO CPU: a Q/DQ pair is read as one FakeQuantize on the tensor; the plugin folds it
+#: into the *producer's* output (a Convolution writing u8: ``originalLayersNames`` of the
+#: runtime layer lists the QuantizeLinear) and the consumer reads u8. Unlike ONNX Runtime no Q
+#: is needed after an op to run it quantized, so only inputs are sites (no output rules), and
+#: a Relu after a Conv is folded by OpenVINO itself (no filter). Activations u8 (as NNCF emits
+#: for non-negative and asymmetric ranges), weights i8 per channel.
+OPENVINO_CPU = RuntimeRules(
+    name="openvino",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=OPENVINO_QUANTIZED_OPS,
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize"}
+    ),
+    # LPT's precision-preserving operations (MaxPool, Reshape, Transpose, Squeeze, Unsqueeze,
+    # Split, StridedSlice, Concat, DepthToSpace, Pad, Interpolate nearest): measured, NNCF's
+    # ResNet quantizes the Relu before a MaxPool and the next Conv's weights; that Conv runs
+    # u8 (runtimePrecision) only when its weights carry their DequantizeLinear too
+    precision_preserving_ops=frozenset(
+        {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice",
+         "Concat", "DepthToSpace", "SpaceToDepth", "Pad", "Resize"}
+    ),
+)
+
+RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU,
+                                     "openvino": OPENVINO_CPU}
 
 
 def rules_for(runtime: str) -> RuntimeRules:

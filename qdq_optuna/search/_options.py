@@ -126,6 +126,8 @@ def backend_for(options: TuneOptions) -> Backend:
     given = {"threads": options.threads,
              "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
     kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
+    if spec is not None and spec.runtime == "openvino":  # the float part: its precision hint
+        kwargs["precision"] = options.high_precision or "fp32"
     if ":" not in b:
         kwargs["isolate"] = bool(options.isolate)
     return make_backend(b, **kwargs)
@@ -186,7 +188,7 @@ class Settings:
         runtime = cls.runtime_of(options, backend)
         scales = options.scales
         if scales == "auto":
-            scales = "calibrated" if runtime == "onnxruntime" else "default"
+            scales = "calibrated" if runtime in ("onnxruntime", "openvino") else "default"
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
         constrained = options.max_output_error is not None

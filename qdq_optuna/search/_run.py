@@ -234,6 +234,10 @@ class Tuner:
                 return starts.ort_recipe_start(
                     pm, self.o.model, data=self.calibration[0] if self.calibration else None,
                     input_shapes=self.o.input_shapes)
+            if self.settings.runtime == "openvino":
+                return starts.nncf_recipe_start(
+                    pm, self.o.model, data=self.calibration[0] if self.calibration else None,
+                    input_shapes=self.o.input_shapes)
             return starts.tensorrt_recipe_start(pm)
         except ToolError as exc:  # the quantizer refused this model: no recipe start
             log.warning("%s; starting without the recipe", exc)

@@ -1,0 +1,214 @@
+"""FP32 vs NNCF vs ONNX Runtime's recipe vs tuned, on OpenVINO CPU (1 thread, latency hint).
+
+For each model: the user's FP32 file at OpenVINO's f32 and bf16 inference precision hints (which
+is faster is reported), NNCF's ``nncf.quantize`` with its defaults, ONNX Runtime's
+``quant_pre_process`` + ``quantize_static`` recipe, NNCF's placement read back as uses and
+re-exported by our exporter (with NNCF's scales and activation type: must run the same layers,
+see tests/test_openvino.py), and ``qdq-optuna tune --backend openvino`` (``--mode``, same
+calibration inputs) unless ``--no-tune``. All variants are timed interleaved in one process:
+every round compiles each variant afresh (rotating the order), 5 warm-up + ``--runs`` timed
+inferences, keeps the round's minimum; the first ``--drop`` rounds warm the process up and are
+dropped; the figure is the median over rounds and ratios get a 95% interval over the per-round
+ratios. Output cosine vs FP32 (worst output, OpenVINO f32) on held-out inputs.
+
+    flock /tmp/qdq-bench.lock python benchmarks/openvino_vs_nncf.py \\
+        --models nudenet-320n squeezenet-caffe2-light yolo@small --out benchmarks/results/openvino_vs_nncf.json
+
+Models: zoo names with a size (``yolo@small``) and real models of ``benchmarks/real_models.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import real_models  # noqa: E402
+
+from qdq_optuna import starts  # noqa: E402
+from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
+from qdq_optuna.model import PreparedModel  # noqa: E402
+
+
+def files(name: str, work: Path, samples: int) -> tuple[Path, str | None, Path, dict, dict]:
+    """(FP32 path, --input-shapes, calibration .npz, calibration inputs, held-out inputs)."""
+    label, _, size = name.partition("@")
+    path, shapes, cal, held, _ = real_models.benchmark_files(label, size or "medium", samples,
+                                                             work)
+    return path, shapes, work / "calibration.npz", cal, held
+
+
+def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
+    """The files to time: fp32, nncf, ort_recipe, nncf_reexported, tuned."""
+    model, shapes, cal_path, cal, held = files(name, work, args.samples)
+    out: dict[str, Path] = {"fp32": Path(model)}
+    info: dict = {"input_shapes": shapes}
+    nncf_model = starts.nncf_recipe_model(str(model), data=cal, input_shapes=shapes)
+    onnx.save(nncf_model, str(work / "nncf.onnx"))
+    out["nncf"] = work / "nncf.onnx"
+    rw = work / "ort"
+    rw.mkdir(exist_ok=True)
+    out["ort_recipe"] = starts.ort_recipe_model(str(model), rw, data=cal, input_shapes=shapes)
+    pm = PreparedModel.prepare(str(model), runtime="openvino", input_shapes=shapes)
+    start = starts.nncf_recipe_start(pm, str(model), data=cal, input_shapes=shapes)
+    qtype = starts.nncf_activation_type(nncf_model)
+    types = starts.activation_types(nncf_model)  # each tensor keeps NNCF's u8 or s8
+    scales = starts.read_scales(nncf_model)
+    scales.update({(t, types[t]): v for t, v in list(scales.items()) if t in types})
+    exporter = pm.exporter(scales=scales, quant_type=qtype)
+    src = exporter.source(exporter.plan({u: types.get(u[0], qtype) for u in start.scheme_uses}))
+    (work / "nncf_reexported.onnx").write_bytes(src if isinstance(src, bytes) else
+                                                Path(src).read_bytes())
+    out["nncf_reexported"] = work / "nncf_reexported.onnx"
+    # the same placement with u8 activations everywhere (the OpenVINO rules' default type):
+    # an int8 (scale, 0) is the u8 (scale, 128), the same values
+    exporter = pm.exporter(scales=as_uint8(nncf_model), quant_type="uint8")
+    src = exporter.source(exporter.plan(set(start.scheme_uses)))
+    (work / "nncf_placement_u8.onnx").write_bytes(src if isinstance(src, bytes) else
+                                                  Path(src).read_bytes())
+    out["nncf_placement_u8"] = work / "nncf_placement_u8.onnx"
+    info["nncf_start"] = {"counts": start.counts, "exact": start.exact,
+                          "activation_type": qtype}
+    if not args.no_tune:
+        tdir = work / "tuned"
+        cmd = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tdir),
+               "--backend", "openvino", "--mode", args.mode, "--calibration-data",
+               str(cal_path), "--fresh", "-q"] + (["--input-shapes", shapes] if shapes else [])
+        t0 = time.monotonic()
+        subprocess.run(cmd, check=True)
+        report = json.loads((tdir / "report.json").read_text())
+        info["tune"] = {"wall_s": round(time.monotonic() - t0, 1),
+                        "speedup_reported": report.get("speedup"),
+                        "backend": report.get("backend")}
+        out["tuned"] = tdir / "optimized.onnx"
+    info["held"] = held
+    return out, info
+
+
+def as_uint8(qdq_model: onnx.ModelProto) -> dict[str, tuple[float, int]]:
+    """NNCF's activation scales as uint8 ones (an int8 zero point z becomes z + 128)."""
+    inits = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    signed = {n.input[0] for n in qdq_model.graph.node if n.op_type == "QuantizeLinear"
+              and len(n.input) > 2 and inits.get(n.input[2]) == onnx.TensorProto.INT8}
+    return {t: (s, z + 128 if t in signed else z)
+            for t, (s, z) in starts.read_scales(qdq_model).items()}
+
+
+def interleaved(models: dict[str, tuple[Path, str]], shapes: str | None, rounds: int,
+                runs: int, drop: int) -> dict[str, list[float]]:
+    """Per-round minimum ms of every (file, hint), fresh compiled model each round."""
+    parsed = dict(p.split(":") for p in shapes.split(",")) if shapes else {}
+    input_shapes = {k: [int(d) for d in v.split("x")] for k, v in parsed.items()}
+    backends = {h: OpenVinoBackend(precision=h, input_shapes=input_shapes)
+                for h in {h for _, h in models.values()}}
+    names = list(models)
+    mins: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            n = names[(r + i) % len(names)]
+            path, hint = models[n]
+            with backends[hint].load(str(path)) as runner:
+                best = min(runner.time(5, runs))
+            if r >= drop:
+                mins[n].append(best)
+    return mins
+
+
+def ratio(a: list[float], b: list[float]) -> dict:
+    """b/a per round (how much faster a is than b): median and 95% interval."""
+    rs = [y / x for x, y in zip(a, b)]
+    med = statistics.median(rs)
+    if len(rs) < 3:
+        return {"ratio": round(med, 4)}
+    sd = statistics.stdev(rs) / math.sqrt(len(rs))
+    return {"ratio": round(med, 4), "ci95": [round(med - 2.1 * sd, 4), round(med + 2.1 * sd, 4)]}
+
+
+def cosine(fp32: Path, other: Path, held: dict, shapes: str | None) -> float:
+    """Worst output cosine similarity of ``other`` vs ``fp32`` (OpenVINO, f32 hint)."""
+    backend = OpenVinoBackend()
+    outs = []
+    for path in (fp32, other):
+        compiled = backend.compile(str(path))
+        count = len(next(iter(held.values())))
+        results = [compiled({k: v[i:i + 1] for k, v in held.items()}) for i in range(count)]
+        outs.append([[np.asarray(res[o]).ravel() for o in compiled.outputs] for res in results])
+    worst = 1.0
+    for a_sample, b_sample in zip(*outs):
+        for a, b in zip(a_sample, b_sample):
+            den = float(np.linalg.norm(a) * np.linalg.norm(b)) or 1.0
+            worst = min(worst, float(np.dot(a, b)) / den)
+    return round(worst, 5)
+
+
+def one(name: str, args) -> dict:
+    work = Path(args.work) / name.replace("@", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    paths, info = variants(name, work, args)
+    held = info.pop("held")
+    timed = {k: (v, "f32") for k, v in paths.items()}
+    if "bf16" in supported_hints():
+        timed["fp32_bf16"] = (paths["fp32"], "bf16")
+    mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
+    fp32 = mins["fp32"]
+    row = {"model": name, **info,
+           "ms": {k: round(statistics.median(v), 3) for k, v in mins.items()},
+           "speedup_vs_fp32_f32": {k: ratio(v, fp32) for k, v in mins.items() if k != "fp32"},
+           "cosine_vs_fp32": {k: cosine(paths["fp32"], p, held, info["input_shapes"])
+                              for k, p in paths.items() if k != "fp32"}}
+    if "tuned" in mins:
+        row["tuned_vs_nncf"] = ratio(mins["tuned"], mins["nncf"])
+    row["nncf_reexported_vs_nncf"] = ratio(mins["nncf_reexported"], mins["nncf"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["nudenet-320n", "yolo@small"])
+    ap.add_argument("--work", default="/tmp/qdq-openvino-bench")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--drop", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--mode", default="quick")
+    ap.add_argument("--no-tune", action="store_true")
+    args = ap.parse_args(argv)
+    import nncf
+    import openvino
+
+    rows = []
+    for name in args.models:
+        rows.append(one(name, args))
+        print(json.dumps(rows[-1], indent=1), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(
+                {"openvino": openvino.__version__, "nncf": nncf.__version__,
+                 "machine": _machine(), "args": vars(args), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def _machine() -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = "unknown CPU"
+    import os
+
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""OpenVINO backend: the CPU plugin, one inference thread and the latency hint by default.
+
+OpenVINO reads ONNX Q/DQ models directly and its low-precision transformations turn the
+QuantizeLinear/DequantizeLinear pairs into u8/i8 kernels, so placement matters there (unlike
+ONNX Runtime CPU, where "every point on" is nearly always best). Compiling is cheap (tens of
+ms), so every measurement round gets a freshly compiled model, as with ONNX Runtime sessions.
+
+The float part's precision is OpenVINO's ``INFERENCE_PRECISION_HINT``: on CPUs with
+AVX512-BF16 OpenVINO's default is bf16, which was measured *slower* than f32 on the CI-class
+machines (YOLOv8n 22.0 vs 13.3 ms), so f32 is this backend's default.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from qdq_optuna.backends.base import Backend, BackendError, BackendUnavailable, ModelSource, Runner
+from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.errors import OptionError
+
+#: ``--high-precision`` names -> OpenVINO's INFERENCE_PRECISION_HINT
+PRECISION_HINTS: Mapping[str, str] = {"fp32": "f32", "f32": "f32", "bf16": "bf16",
+                                      "fp16": "f16", "f16": "f16"}
+#: the capability OPTIMIZATION_CAPABILITIES must list for each hint
+_CAPABILITY = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
+PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT")
+#: layer types whose int8 execution is what quantization buys
+_COMPUTE = frozenset({"Convolution", "FullyConnected", "MatMul", "Deconvolution",
+                      "GroupConvolution", "Eltwise", "Pooling", "Concatenation", "Interpolate"})
+
+
+def _openvino() -> Any:
+    try:
+        import openvino as ov  # lazy: keeps `import qdq_optuna` light
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "the openvino backend needs the openvino package (pip install 'qdq-optuna[openvino]')"
+        ) from exc
+    return ov
+
+
+def precision_hint(name: str) -> str:
+    """OpenVINO's INFERENCE_PRECISION_HINT for ``--high-precision NAME`` (fp32/bf16/fp16)."""
+    try:
+        return PRECISION_HINTS[name.lower()]
+    except KeyError:
+        raise OptionError(f"--high-precision {name!r} has no OpenVINO inference precision "
+                          f"(choose from fp32, bf16, fp16)") from None
+
+
+def supported_hints(core: Any = None) -> tuple[str, ...]:
+    """The inference precision hints the CPU offers (from OPTIMIZATION_CAPABILITIES)."""
+    core = core if core is not None else _openvino().Core()
+    caps = set(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    return tuple(h for h, cap in _CAPABILITY.items() if cap in caps)
+
+
+class OpenVinoBackend(Backend):
+    """Times ``InferRequest.infer`` on a model compiled for the CPU plugin."""
+
+    def __init__(
+        self,
+        *,
+        threads: int = 1,
+        performance_hint: str = "LATENCY",
+        precision: str = "f32",
+        input_shapes: Mapping[str, Sequence[int]] | None = None,
+        input_data: Mapping[str, np.ndarray] | None = None,
+        seed: int = 0,
+        device: str = "CPU",
+        name: str | None = None,
+    ) -> None:
+        if int(threads) < 1:
+            raise OptionError(f"--threads must be >= 1, got {threads}")
+        hint = str(performance_hint).upper()
+        if hint not in PERFORMANCE_HINTS:
+            raise OptionError(f"OpenVINO performance_hint must be one of "
+                              f"{', '.join(PERFORMANCE_HINTS)}, got {performance_hint!r}")
+        self._ov = _openvino()
+        self.core = self._ov.Core()
+        if device not in self.core.available_devices:
+            raise BackendUnavailable(f"OpenVINO {self._ov.__version__} has no {device} device "
+                                     f"(available: {', '.join(self.core.available_devices)})")
+        self.precision = precision_hint(precision)
+        if device == "CPU" and self.precision not in supported_hints(self.core):
+            raise BackendUnavailable(
+                f"this CPU offers no {self.precision} inference precision to OpenVINO "
+                f"(it offers {', '.join(supported_hints(self.core))})")
+        self.threads = int(threads)
+        self.performance_hint = hint
+        self.device = device
+        self.input_shapes = {k: tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()}
+        self.input_data = {k: np.asarray(v) for k, v in (input_data or {}).items()}
+        self.seed = int(seed)
+        self.name = name or "openvino"
+
+    def describe(self) -> dict:
+        return {"name": self.name, "openvino": self._ov.__version__, "device": self.device,
+                "threads": self.threads, "performance_hint": self.performance_hint,
+                "inference_precision": self.precision,
+                "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
+                "input_data": sorted(self.input_data), "seed": self.seed,
+                "how_to_run": "openvino.Core().compile_model('optimized.onnx', 'CPU', "
+                              f"{self.config()!r})"}
+
+    def config(self) -> dict[str, str]:
+        """The compile_model properties every measurement uses (also the shipped how-to-run)."""
+        return {"INFERENCE_NUM_THREADS": str(self.threads),
+                "PERFORMANCE_HINT": self.performance_hint,
+                "INFERENCE_PRECISION_HINT": self.precision}
+
+    def compile(self, model: ModelSource) -> Any:
+        """The model compiled with :meth:`config` (a BackendError when OpenVINO refuses it)."""
+        try:
+            if isinstance(model, bytes):
+                read = self.core.read_model(model, b"")  # ONNX bytes: no separate weights
+            else:
+                read = self.core.read_model(os.fspath(model))
+            if self.input_shapes:
+                read.reshape({k: list(v) for k, v in self.input_shapes.items()})
+            return self.core.compile_model(read, self.device, self.config())
+        except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
+            text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise BackendError(f"OpenVINO could not compile the model: {text}") from exc
+
+    def load(self, model: ModelSource) -> Runner:
+        compiled = self.compile(model)
+        return OpenVinoRunner(compiled, self._make_inputs(compiled))
+
+    def _make_inputs(self, compiled: Any) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(self.seed)
+        feeds: dict[str, np.ndarray] = {}
+        for port in compiled.inputs:
+            name = port.get_any_name()
+            if name in self.input_data:
+                feeds[name] = self.input_data[name]
+                continue
+            if port.get_partial_shape().is_dynamic:
+                raise BackendError(f"input {name!r} has dynamic shape {port.get_partial_shape()}; "
+                                   f"give its shape (e.g. --input-shape {name}:1x3x224x224)")
+            shape = tuple(int(d) for d in port.get_shape())
+            dtype = port.get_element_type().to_dtype()
+            if np.issubdtype(dtype, np.floating):
+                feeds[name] = rng.standard_normal(shape).astype(dtype)
+            else:
+                feeds[name] = np.zeros(shape, dtype=dtype)
+        return feeds
+
+    def what_ran(self, model: bytes) -> WhatRan | None:
+        """Which layers OpenVINO's CPU plugin ran in u8/i8, read from the compiled model's
+        runtime graph (see :func:`read_what_ran`)."""
+        return read_what_ran(self.compile(model).get_runtime_model(), model)
+
+
+class OpenVinoRunner(Runner):
+    """One compiled model, its infer request and inputs; ``time`` wraps each ``infer``."""
+
+    def __init__(self, compiled: Any, feeds: dict[str, np.ndarray]) -> None:
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.feeds = feeds
+        for name, value in feeds.items():  # set once: timing covers inference, not copies
+            self.request.set_tensor(name, _tensor(value))
+
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        if self.request is None:
+            raise BackendError("runner used after close()")
+        infer, clock = self.request.infer, time.perf_counter
+        out: list[float] = []
+        try:
+            for _ in range(warmup):
+                infer()
+            for _ in range(iterations):
+                t0 = clock()
+                infer()
+                out.append((clock() - t0) * 1e3)
+        except Exception as exc:
+            raise BackendError(f"OpenVINO inference failed: {str(exc).strip()}") from exc
+        return out
+
+    def close(self) -> None:
+        self.request = None
+        self.compiled = None
+        self.feeds = {}
+
+
+def _tensor(value: np.ndarray) -> Any:
+    import openvino as ov
+
+    return ov.Tensor(np.ascontiguousarray(value))
+
+
+# -- what ran -------------------------------------------------------------------------------
+def _info(op: Any) -> dict[str, str]:
+    rt = op.get_rt_info()
+    return {k: str(rt[k].astype(str)) if hasattr(rt[k], "astype") else str(rt[k])
+            for k in ("layerType", "runtimePrecision", "originalLayersNames", "outputPrecisions")
+            if k in rt}
+
+
+def _originals(info: Mapping[str, str]) -> list[str]:
+    return [n for n in info.get("originalLayersNames", "").split(",") if n]
+
+
+def runtime_layers(runtime_model: Any) -> list[dict[str, str]]:
+    """Each layer of OpenVINO's runtime graph: name, layerType, runtimePrecision,
+    originalLayersNames (the ONNX node names it executes)."""
+    return [{"name": op.get_friendly_name(), **_info(op)} for op in runtime_model.get_ordered_ops()]
+
+
+def _integer(info: Mapping[str, str]) -> bool:
+    return info.get("runtimePrecision", "").lower() in ("u8", "i8")
+
+
+class _OnnxNames:
+    """The exported ONNX model's node names -> the float tensors they stand for."""
+
+    def __init__(self, model: bytes) -> None:
+        import onnx
+
+        proto = onnx.load_from_string(model)
+        producer = {o: n for n in proto.graph.node for o in n.output}
+        self.tensor: dict[str, str] = {}
+        self.compute: set[str] = set()
+        for node in proto.graph.node:
+            if node.op_type == "QuantizeLinear":
+                self.tensor[node.name] = node.input[0]
+            elif node.op_type == "DequantizeLinear":
+                q = producer.get(node.input[0])
+                if q is not None and q.op_type == "QuantizeLinear":
+                    self.tensor[node.name] = q.input[0]
+            elif node.output:
+                self.tensor[node.name] = node.output[0]
+                self.compute.add(node.name)
+
+    def quantized(self, names: list[str]) -> set[str]:
+        return {self.tensor[n] for n in names if n in self.tensor and n not in self.compute}
+
+
+def read_what_ran(runtime_model: Any, model: bytes) -> WhatRan:
+    """The :class:`WhatRan` of a compiled model's runtime graph, named in the exported ONNX
+    model ``model``. A layer lists the ONNX nodes it executes in originalLayersNames: a
+    QuantizeLinear folded into a layer that runs u8/i8 (a Convolution writing u8) is fused;
+    one that runs in a float layer of its own (a ``Subgraph`` or FakeQuantize computing the
+    rounding in f32) is standalone; Reorder/Convert layers are reformats of the tensor their
+    source layer writes; compute nodes in f32 layers, when integer layers ran too, are float."""
+    names = _OnnxNames(model)
+    layers = list(runtime_model.get_ordered_ops())
+    fused, standalone, floats, reformats = set(), set(), set(), set()
+    integer_seen = False
+    for op in layers:
+        info = _info(op)
+        layer, originals = info.get("layerType", ""), _originals(info)
+        if layer in ("Reorder", "Convert"):
+            for port in op.inputs():
+                source = _originals(_info(port.get_source_output().get_node()))
+                reformats.update(names.quantized(source) or
+                                 {names.tensor[n] for n in source if n in names.tensor})
+        elif layer in ("Const", "Input", "Parameter", "Output", "Result"):
+            continue
+        elif _integer(info):
+            integer_seen = True
+            fused.update(names.quantized(originals))
+        else:
+            standalone.update(names.quantized(originals))
+            if layer in _COMPUTE:
+                floats.update(n for n in originals if n in names.compute)
+    return WhatRan(how="OpenVINO CPU runtime graph (get_runtime_model: layerType, "
+                       "runtimePrecision, originalLayersNames)",
+                   fused=frozenset(fused - standalone), standalone=frozenset(standalone),
+                   float_nodes=frozenset(floats) if integer_seen else frozenset(),
+                   reformats=frozenset(reformats))

@@ -1,0 +1,157 @@
+"""The OpenVINO backend, its runtime rules and NNCF's start, on the real ``openvino`` package
+(NNCF's tests skip where ``nncf`` is not installed: it is heavy and only the start needs it)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from qdq_optuna import starts, zoo
+from qdq_optuna.backends import make_backend, runtime_for_backend
+from qdq_optuna.errors import OptionError
+from qdq_optuna.insertion.rules import rules_for
+from qdq_optuna.model import PreparedModel
+from qdq_optuna.precision import resolve_high_precision
+
+ov = pytest.importorskip("openvino")
+
+from qdq_optuna.backends.openvino import OpenVinoBackend, runtime_layers  # noqa: E402
+
+
+def _kinds(backend: OpenVinoBackend, model: bytes) -> collections.Counter:
+    """(layerType, runtimePrecision) of every computing layer OpenVINO's CPU plugin ran."""
+    layers = runtime_layers(backend.compile(model).get_runtime_model())
+    return collections.Counter((x.get("layerType"), x.get("runtimePrecision")) for x in layers
+                               if x.get("layerType") != "Const")
+
+
+def _all_on(name: str) -> tuple[PreparedModel, bytes]:
+    pm = PreparedModel.prepare(zoo.build(name, "small"), runtime="openvino")
+    exporter = pm.exporter()
+    uses = {u for pp in pm.points for u in pp.uses(pp.ids)}
+    return pm, exporter.source(exporter.plan(uses))
+
+
+def test_backend_times_fresh_compiled_models() -> None:
+    backend = make_backend("openvino")
+    assert runtime_for_backend("openvino") == "openvino"
+    model = zoo.build("resnet", "small").SerializeToString()
+    with backend.load(model) as runner:
+        times = runner.time(2, 5)
+    assert len(times) == 5 and all(t > 0 for t in times)
+    info = backend.describe()
+    assert info["threads"] == 1 and info["inference_precision"] == "f32"
+    assert info["performance_hint"] == "LATENCY" and "compile_model" in info["how_to_run"]
+
+
+def test_backend_options_are_checked() -> None:
+    with pytest.raises(OptionError, match="performance_hint"):
+        OpenVinoBackend(performance_hint="fastest")
+    with pytest.raises(OptionError, match="--high-precision"):
+        OpenVinoBackend(precision="int4")
+    # OpenVINO's float precision is a compile hint: the graph itself stays FP32
+    assert resolve_high_precision("bf16", "openvino", "openvino") == "fp32"
+
+
+def test_isolated_backend_measures_in_a_worker() -> None:
+    backend = make_backend("openvino", isolate=True)
+    try:
+        with backend.load(zoo.build("tiny_chain").SerializeToString()) as runner:
+            assert len(runner.time(1, 3)) == 3
+        _, model = _all_on("resnet")  # what ran is read through the isolated proxy too
+        assert backend.what_ran(model).fused
+    finally:
+        backend.close()
+
+
+def test_quantized_export_runs_integer_kernels() -> None:
+    """Every point on, exported with the OpenVINO rules: the CPU plugin runs the Convolutions
+    in u8 (runtimePrecision of the runtime graph), none in f32."""
+    _, model = _all_on("resnet")
+    kinds = _kinds(OpenVinoBackend(), model)
+    assert kinds[("Convolution", "u8")] >= 5 and kinds[("Convolution", "f32")] == 0
+
+
+def test_what_ran_reads_the_runtime_graph() -> None:
+    pm, model = _all_on("yolo")
+    ran = OpenVinoBackend().what_ran(model)
+    assert ran is not None and "runtime graph" in ran.how
+    assert len(ran.fused) > 10 and all(pm.graph.is_activation(t) for t in ran.fused)
+    # the graph input's quantize runs on its own (nothing before it to fold it into)
+    assert pm.graph.model.graph.input[0].name in ran.standalone
+    assert not ran.fused & ran.standalone
+    # the float model: nothing integer, so no float nodes "next to integer neighbours"
+    plain = OpenVinoBackend().what_ran(zoo.build("yolo", "small").SerializeToString())
+    assert not plain.fused and not plain.standalone and not plain.float_nodes
+
+
+def test_rules_keep_weights_after_precision_preserving_ops() -> None:
+    """A Conv reading a MaxPool of a quantized Relu runs u8 on OpenVINO once its weights are
+    quantized: the exporter adds them (the ONNX Runtime rules do not)."""
+    rules = rules_for("openvino")
+    assert "MaxPool" in rules.precision_preserving_ops
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="openvino")
+    g = pm.graph
+    pool = next(i for i, n in enumerate(g.nodes) if n.op_type == "MaxPool")
+    relu_out = g.nodes[pool].input[0]
+    plan = pm.exporter().plan({(relu_out, pool, 0)})
+    conv_after = [n for n, _ in g.consumers[g.nodes[pool].output[0]]
+                  if g.nodes[n].op_type == "Conv"]
+    assert conv_after and all((n, 1, "int8") in plan.weights for n in conv_after)
+
+
+@pytest.mark.parametrize("name", ["resnet", "yolo"])
+def test_nncf_start_reexported_runs_nncf_kernels(name: str) -> None:
+    """NNCF's placement read back as uses and exported by our exporter with NNCF's scales and
+    its activation type runs the same layers at the same precisions as NNCF's own file."""
+    pytest.importorskip("nncf")
+    model = zoo.build(name, "small")
+    pm = PreparedModel.prepare(model, runtime="openvino")
+    theirs = starts.nncf_recipe_model(model)
+    start = starts.nncf_recipe_start(pm, model)
+    assert start.name == "recipe:openvino" and start.exact
+    assert start.counts["unmapped"] == 0 and start.counts["mapped"] > 10
+    types = starts.activation_types(theirs)  # NNCF mixes u8 (non-negative) and s8
+    scales = starts.read_scales(theirs)
+    scales.update({(t, types[t]): v for t, v in list(scales.items()) if t in types})
+    exporter = pm.exporter(scales=scales, quant_type=starts.nncf_activation_type(theirs))
+    ours = exporter.source(exporter.plan({u: types[u[0]] for u in start.scheme_uses}))
+    backend = OpenVinoBackend()
+    assert _kinds(backend, ours) == _kinds(backend, theirs.SerializeToString())
+    if name != "resnet":  # the zoo YOLO's random weights: NNCF's bias correction moves it far
+        return
+    # the same numbers too, up to NNCF's bias correction (ours keeps the float model's biases)
+    x = {model.graph.input[0].name: np.random.default_rng(1).standard_normal(
+        [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)}
+
+    def output(m: bytes) -> np.ndarray:
+        compiled = backend.compile(m)
+        return np.asarray(compiled(x)[compiled.outputs[0]]).ravel()
+
+    a, b = output(ours), output(theirs.SerializeToString())
+    assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) > 0.99
+
+
+def test_missing_nncf_is_a_tool_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nncf", None)  # import nncf now raises ImportError
+    with pytest.raises(starts.ToolError, match="nncf"):
+        starts.nncf_recipe_model(zoo.build("tiny_chain"))
+
+
+def test_tune_on_openvino_writes_the_hint(tmp_path: Path) -> None:
+    from qdq_optuna import Config, tune
+
+    model = tmp_path / "m.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(model))
+    result = tune(model=str(model), output_dir=str(tmp_path / "out"), backend="openvino",
+                  config=Config(schemes_per_region=2, refine_rounds=0), timing="fast")
+    backend = result.report["backend"]
+    assert backend["name"] == "openvino" and backend["inference_precision"] == "f32"
+    assert result.report["runtime"] == "openvino"
+    assert np.isfinite(result.speedup)
