@@ -84,12 +84,17 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
         tdir = work / "tuned"
         cmd = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tdir),
                "--backend", "openvino", "--mode", args.mode, "--calibration-data",
-               str(cal_path), "--fresh", "-q"] + (["--input-shapes", shapes] if shapes else [])
+               str(cal_path), "--fresh", "-q"] + (["--input-shapes", shapes] if shapes else []) \
+            + (["--timeout", str(args.tune_timeout)] if args.tune_timeout else [])
         t0 = time.monotonic()
         subprocess.run(cmd, check=True)
         report = json.loads((tdir / "report.json").read_text())
         info["tune"] = {"wall_s": round(time.monotonic() - t0, 1),
                         "speedup_reported": report.get("speedup"),
+                        "measurements": report.get("measurements"),
+                        "elapsed_s": report.get("elapsed_s"),
+                        "chosen_start": next((x["name"] for x in report.get("starts") or []
+                                              if x.get("chosen")), None),
                         "backend": report.get("backend")}
         out["tuned"] = tdir / "optimized.onnx"
     info["held"] = held
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drop", type=int, default=3)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--mode", default="quick")
+    ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
     args = ap.parse_args(argv)
     import nncf
