@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import abc
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .what_ran import WhatRan
 
 #: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
 #: (needed when weights live in external data files next to it).
@@ -77,6 +81,11 @@ class Backend(abc.ABC):
     def describe(self) -> dict:
         """Settings that change what is measured; part of the run fingerprint."""
         return {"name": self.name}
+
+    def what_ran(self, model: bytes) -> WhatRan | None:
+        """Which Q/DQ the runtime fused, which stayed standalone, where float ran and where it
+        reformatted, for ``model`` (serialized); None: this backend cannot tell."""
+        return None
 
     def worker_pids(self) -> list[int]:
         """Processes that run models for this backend, so quietness checks do not count them."""

@@ -124,6 +124,15 @@ class OnnxRuntimeBackend(Backend):
             "seed": self.seed,
         }
 
+    def what_ran(self, model: bytes):
+        """Read from ONNX Runtime's optimized graph (CPU at its full optimization only: what a
+        GPU provider or a lower level runs is not what that graph shows)."""
+        if self.on_gpu or self.optimization != "all" or not isinstance(model, bytes):
+            return None
+        from ..kernels import what_onnxruntime_ran
+
+        return what_onnxruntime_ran(model)
+
     def _session_options(self) -> Any:
         ort = self._ort
         so = ort.SessionOptions()

@@ -100,6 +100,7 @@ class Tuner:
         self._baseline: tuple | None = None
         #: the agreed starts, once decided
         self.starts: dict | None = None
+        self.descent: Descent | None = None
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
@@ -136,8 +137,11 @@ class Tuner:
             self.starts = self._starts(search)
             self._mark("starts")
             self._write_state("running")
-            Descent(search, rounds=self.settings.rounds, lanes=self.starts["order"],
-                    cache=self.cache, seeds=self._seeds).run()
+            self._write_standing(self.starts["order"][0])
+            self.descent = Descent(search, rounds=self.settings.rounds,
+                                   lanes=self.starts["order"], cache=self.cache,
+                                   seeds=self._seeds, on_change=self._write_standing)
+            self.descent.run()
             self._mark("descent")
         except OutOfTime:
             self._write_state("timeout")
@@ -323,7 +327,7 @@ class Tuner:
 
     # -- finish ----------------------------------------------------------------------------
     def _finish(self, partial: bool) -> TuneResult:
-        from ..report import build_report, write_reports
+        from ..report import build_report, runtime_keys, write_reports
 
         plans = self.search.plans
         lane = self._final_lane(partial)
@@ -353,6 +357,7 @@ class Tuner:
             report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
                                            cmp, plan, self.out)
             report["measurements"] = plans.measurements
+        report.update(runtime_keys(self.backend, final_bytes, self.prepared, self.descent))
         self._mark("finish")
         report["elapsed_s"] = dict(self.elapsed)
         write_reports(self.out, report)
@@ -381,6 +386,18 @@ class Tuner:
                  "measures the final model again, --fresh starts over", self.run_id,
                  done.get("at"), done.get("speedup") or float("nan"))
         return json.loads(text)
+
+    def _write_standing(self, lane: str) -> None:
+        """The anytime result: ``optimized.onnx`` of the first lane's standing model (every
+        decision in it passed the guard), replaced atomically on each change, so a run
+        stopped at any point leaves the best model so far (``state.yaml`` says it is not
+        done; the report of a run cut short says ``partial``)."""
+        if self.starts is None or lane != self.starts["order"][0] or self.settings.multi_objective:
+            return
+        exporter = self.prepared.exporter(self._scales("final"), self.cfg)
+        plan = exporter.plan(self.record.uses(self.record.standing(lane)))
+        self._save_final(exporter, plan)
+        log.debug("optimized.onnx: the standing model of lane %r (%d Q/DQ)", lane, len(plan))
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""
