@@ -80,10 +80,10 @@ class Unfused:
         return what is None or bool(move.on) or bool(self.sites(move.off, what))
 
     def prune(self, moves: list[Move], what: WhatRan | None) -> tuple[list[Move], int]:
-        """The moves worth measuring, those at a standalone Q/DQ, a reformat or a float
-        island first (stable otherwise); and how many were dropped."""
+        """The moves worth measuring, in the descent's own order; and how many were dropped.
+        (Putting the moves at a standalone Q/DQ or a float island first was measured: the
+        visit's first improvement then lands elsewhere, 5 % slower on the zoo's ResNet.)"""
         if what is None:
             return moves, 0
         kept = [m for m in moves if self.live(m, what)]
-        kept.sort(key=lambda m: not self.sites(m.on | m.off, what))
         return kept, len(moves) - len(kept)
