@@ -15,13 +15,9 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import onnx
 from onnx import TensorProto
-
-if TYPE_CHECKING:
-    from .backends.what_ran import WhatRan
 
 _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
 _FLOATS = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16,
@@ -214,16 +210,15 @@ def _float_tensors(graph: onnx.GraphProto) -> set[str]:
 _REORDERS = frozenset({"ReorderInput", "ReorderOutput"})
 
 
-def what_onnxruntime_ran(model: bytes | onnx.ModelProto) -> WhatRan:
-    """:class:`~qdq_optuna.backends.what_ran.WhatRan` of a Q/DQ model on ONNX Runtime's CPU
-    provider, read from its fully optimized graph: a Q or DQ node still there ran standalone
+def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
+                         quantized: Mapping[str, str]) -> dict[str, frozenset[str]]:
+    """The fields of a :class:`~qdq_optuna.backends.what_ran.WhatRan` of a Q/DQ model on ONNX
+    Runtime's CPU provider (``quantized``: its Q/DQ tensors -> the float tensor each
+    quantizes), read from its fully optimized graph: a Q or DQ node still there ran standalone
     (its tensor's others were folded into QLinear kernels or not), every other activation Q/DQ
     was folded; a float compute node of the model next to a Q/DQ or an integer kernel is a
     float island; a Reorder node is a layout reformat."""
-    from .backends.what_ran import WhatRan, quantized_tensors
-
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
-    quantized = quantized_tensors(proto)
     names = {n.name for n in proto.graph.node if n.name}
     tensors = {t for n in proto.graph.node for t in (*n.input, *n.output) if t}
     graph = optimized_graph(proto).graph
@@ -250,7 +245,6 @@ def what_onnxruntime_ran(model: bytes | onnx.ModelProto) -> WhatRan:
                    and integer_side(n)}
     reformats = {quantized.get(n.input[0], n.input[0]) for n in graph.node
                  if n.op_type in _REORDERS and n.input[0] in tensors}
-    return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",
-                   fused=frozenset(set(quantized.values()) - standalone),
-                   standalone=frozenset(standalone), float_nodes=frozenset(float_nodes),
-                   reformats=frozenset(reformats))
+    return {"fused": frozenset(set(quantized.values()) - standalone),
+            "standalone": frozenset(standalone), "float_nodes": frozenset(float_nodes),
+            "reformats": frozenset(reformats)}

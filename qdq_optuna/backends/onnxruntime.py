@@ -129,9 +129,14 @@ class OnnxRuntimeBackend(Backend):
         GPU provider or a lower level runs is not what that graph shows)."""
         if self.on_gpu or self.optimization != "all" or not isinstance(model, bytes):
             return None
-        from ..kernels import what_onnxruntime_ran
+        import onnx
 
-        return what_onnxruntime_ran(model)
+        from ..kernels import what_onnxruntime_ran
+        from .what_ran import WhatRan, quantized_tensors
+
+        proto = onnx.load_from_string(model)
+        return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",
+                       **what_onnxruntime_ran(proto, quantized_tensors(proto)))
 
     def _session_options(self) -> Any:
         ort = self._ort

@@ -388,27 +388,15 @@ class Tuner:
         return json.loads(text)
 
     def _write_standing(self, lane: str) -> None:
-        """The anytime result: ``optimized.onnx`` of the first lane's standing model (every
-        decision in it passed the guard), replaced atomically on each change, so a run
-        stopped at any point leaves the best model so far (``state.yaml`` says it is not
-        done; the report of a run cut short says ``partial``)."""
-        if self.starts is None or lane != self.starts["order"][0] or self.settings.multi_objective:
-            return
-        exporter = self.prepared.exporter(self._scales("final"), self.cfg)
-        plan = exporter.plan(self.record.uses(self.record.standing(lane)))
-        self._save_final(exporter, plan)
-        log.debug("optimized.onnx: the standing model of lane %r (%d Q/DQ)", lane, len(plan))
+        """The anytime result (:func:`save_standing`), for the first lane (the fastest start)."""
+        if self.starts is not None and lane == self.starts["order"][0] \
+                and not self.settings.multi_objective:
+            save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
+                          self.record.uses(self.record.standing(lane)), self.out)
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""
-        if exporter.external or exporter.to_files:  # written piece by piece
-            return exporter.save(plan, self.out / "optimized.onnx")
-        import onnx
-
-        optimized = exporter.to_model(plan)
-        onnx.checker.check_model(optimized)
-        atomic_write_bytes(self.out / "optimized.onnx", optimized.SerializeToString())
-        return optimized.SerializeToString()
+        return save_model(exporter, plan, self.out / "optimized.onnx")
 
     def _header(self) -> dict:
         """The report's first fields: what was tuned, where, how."""
@@ -472,6 +460,26 @@ class Tuner:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def save_standing(exporter: QDQExporter, uses, out: Path) -> None:
+    """The anytime result: ``optimized.onnx`` of a standing model (every decision in it passed
+    the guard), written atomically after the starts and on each change, so a run stopped at
+    any point leaves the best model so far (``state.yaml`` says the run is not done; the
+    report of a run cut short says ``partial``)."""
+    plan = exporter.plan(uses)
+    save_model(exporter, plan, out / "optimized.onnx")
+    log.debug("optimized.onnx: the standing model so far (%d Q/DQ)", len(plan))
+
+
+def save_model(exporter: QDQExporter, plan, path: Path) -> bytes:
+    """Write the model of ``plan`` atomically; returns what the final comparison times."""
+    if exporter.external or exporter.to_files:  # written piece by piece
+        return exporter.save(plan, path)
+    optimized = exporter.to_model(plan)
+    onnx.checker.check_model(optimized)
+    atomic_write_bytes(path, optimized.SerializeToString())
+    return optimized.SerializeToString()
 
 
 def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:
