@@ -104,3 +104,14 @@ def test_pruned_descent_keeps_the_gain(tmp_path, name):
     assert after["measurements"] <= before["measurements"]
     assert after["what_ran"]["patterns"]  # the report's what-ran section
     assert (tmp_path / "True" / "optimized.onnx").is_file()
+
+
+def test_an_isolated_backend_reads_it_in_its_worker():
+    from qdq_optuna.backends.isolated import IsolatedBackend
+
+    _, model = _all_on("resnet", "tensorrt")
+    isolated = IsolatedBackend(("qdq_optuna.backends.costmodel", "CostModelBackend", {}))
+    try:
+        assert isolated.what_ran(model) == CostModelBackend().what_ran(model)
+    finally:
+        isolated.close()
