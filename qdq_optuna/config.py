@@ -43,6 +43,9 @@ class Config:
     #: a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
     #: that failed this many times in a descent and never paid is not tried again; 0: every move
     skip_failed_moves: int = 3
+    #: read what the runtime ran for each standing model (once per change) and measure no
+    #: move that only removes Q/DQ it fused into integer kernels (docs/time_to_result.md)
+    prune_by_runtime: bool = True
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1

@@ -204,3 +204,47 @@ def _float_tensors(graph: onnx.GraphProto) -> set[str]:
             if out and out not in types and made is not None:
                 types[out] = made
     return {t for t, elem in types.items() if elem in _FLOATS}
+
+
+#: ONNX Runtime's layout reformats (NCHWc blocked layout for float convolutions)
+_REORDERS = frozenset({"ReorderInput", "ReorderOutput"})
+
+
+def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
+                         quantized: Mapping[str, str]) -> dict[str, frozenset[str]]:
+    """The fields of a :class:`~qdq_optuna.backends.what_ran.WhatRan` of a Q/DQ model on ONNX
+    Runtime's CPU provider (``quantized``: its Q/DQ tensors -> the float tensor each
+    quantizes), read from its fully optimized graph: a Q or DQ node still there ran standalone
+    (its tensor's others were folded into QLinear kernels or not), every other activation Q/DQ
+    was folded; a float compute node of the model next to a Q/DQ or an integer kernel is a
+    float island; a Reorder node is a layout reformat."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
+    names = {n.name for n in proto.graph.node if n.name}
+    tensors = {t for n in proto.graph.node for t in (*n.input, *n.output) if t}
+    graph = optimized_graph(proto).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list] = collections.defaultdict(list)
+    for n in graph.node:
+        for t in n.input:
+            consumers[t].append(n)
+    standalone = {quantized[n.input[0]] for n in graph.node
+                  if n.op_type in _QDQ and n.input[0] in quantized}
+    constants = {t.name for t in graph.initializer}
+    floats = _float_tensors(graph)
+
+    def integer_side(node) -> bool:
+        near = [producer.get(t) for t in node.input] + [c for t in node.output
+                                                        for c in consumers[t]]
+        return any(m is not None and (m.op_type in _QDQ or is_integer_kernel(m.op_type))
+                   for m in near)
+
+    float_nodes = {n.name for n in graph.node
+                   if n.name in names and n.op_type not in _QDQ | _DATA_MOVEMENT
+                   and not is_integer_kernel(n.op_type)
+                   and any(t in floats for t in (*n.input, *n.output) if t and t not in constants)
+                   and integer_side(n)}
+    reformats = {quantized.get(n.input[0], n.input[0]) for n in graph.node
+                 if n.op_type in _REORDERS and n.input[0] in tensors}
+    return {"fused": frozenset(set(quantized.values()) - standalone),
+            "standalone": frozenset(standalone), "float_nodes": frozenset(float_nodes),
+            "reformats": frozenset(reformats)}

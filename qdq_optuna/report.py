@@ -56,6 +56,40 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
     }
 
 
+def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
+    """``what_ran``: for the shipped model, per pattern, which Q/DQ the runtime fused, which
+    stayed standalone, where float ran next to integer and where it reformatted (read from the
+    runtime itself: the thing a TensorRT user opens an engine explorer for); and
+    ``descent_skipped``: the visits the runtime's report of the standing model skipped."""
+    out: dict = {}
+    if descent is not None:
+        out["descent_skipped"] = [{"lane": lane, "round": rnd, "pattern": pid, "reason": why}
+                                  for lane, rnd, pid, why in descent.skipped]
+        if descent.unfused is not None:
+            out["what_ran_reads"] = descent.unfused.reads
+    try:
+        what = backend.what_ran(model) if isinstance(model, bytes) else None
+    except Exception as exc:  # the report still ships without it
+        out["what_ran"] = {"how": None, "error": str(exc)}
+        return out
+    if what is None:
+        return out
+    g = prepared.graph
+    patterns = []
+    for pp in prepared.tunable:
+        tensors = {u[0] for u in pp.uses(pp.ids)}
+        nodes = {g.nodes[u[1]].name for u in pp.uses(pp.ids)}
+        nodes |= {g.nodes[g.producer[t][0]].name for t in tensors if t in g.producer}
+        patterns.append({"id": pp.pattern.id, "fused": sorted(tensors & what.fused),
+                         "standalone": sorted(tensors & what.standalone),
+                         "float_nodes": sorted(nodes & what.float_nodes),
+                         "reformats": sorted(tensors & what.reformats)})
+    out["what_ran"] = {"how": what.how, "fused": len(what.fused),
+                       "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
+                       "reformats": len(what.reformats), "patterns": patterns}
+    return out
+
+
 def start_entries(record, baseline_ms: float | None) -> list[dict]:
     """The whole-model starts as the run decided them: latency, speedup over the baseline,
     output error, whether feasible, chosen, the lane that descended from it, notes."""
@@ -274,6 +308,33 @@ def _starts_lines(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _what_ran_lines(r: dict) -> list[str]:
+    """The runtime's own account of the shipped model, per pattern, and the skipped visits."""
+    lines = []
+    w = r.get("what_ran") or {}
+    if w.get("patterns"):
+        lines += ["", "## What the runtime ran", "",
+                  f"Read from {w['how']} for `optimized.onnx`: {w['fused']} Q/DQ fused into "
+                  f"integer kernels, {w['standalone']} standalone, {w['float_nodes']} float "
+                  f"node(s) next to integer ones, {w['reformats']} reformat(s).", "",
+                  "| pattern | fused | standalone | float next to integer | reformats |",
+                  "|---|---|---|---|---|"]
+        for p in w["patterns"]:
+            cells = [f"{len(p[k])}" + (f": {_short(', '.join(p[k]), 120)}"
+                                       if p[k] and k != "fused" else "")
+                     for k in ("fused", "standalone", "float_nodes", "reformats")]
+            lines.append(f"| {p['id']} | " + " | ".join(cells) + " |")
+    skipped = r.get("descent_skipped") or []
+    if skipped:
+        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
+                  + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
+                  + ("…" if len(skipped) > 40 else "") + f". Reason: {skipped[0]['reason']}."]
+    if not r.get("complete", True):
+        lines += ["", "**Partial result**: the run was cut short; `optimized.onnx` is the best "
+                  "standing model found so far."]
+    return lines
+
+
 def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
@@ -344,6 +405,7 @@ def render_markdown(r: dict) -> str:
             f"{len(p.get('start_scheme', []))} on | {', '.join(scheme) or '—'} | "
             f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
         )
+    lines += _what_ran_lines(r)
     if r.get("pareto"):
         from .pareto import write_front_table
 

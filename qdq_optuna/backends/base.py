@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qdq_optuna.backends.what_ran import WhatRan
+    from .what_ran import WhatRan
 
 #: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
 #: (needed when weights live in external data files next to it).
@@ -83,8 +83,8 @@ class Backend(abc.ABC):
         return {"name": self.name}
 
     def what_ran(self, model: bytes) -> WhatRan | None:
-        """Which Q/DQ the runtime fused, ran standalone or reformatted for ``model`` (see
-        :mod:`qdq_optuna.backends.what_ran`); None: this backend cannot tell."""
+        """Which Q/DQ the runtime fused, which stayed standalone, where float ran and where it
+        reformatted, for ``model`` (serialized); None: this backend cannot tell."""
         return None
 
     def worker_pids(self) -> list[int]:

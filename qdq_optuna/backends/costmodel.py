@@ -904,9 +904,51 @@ class CostModelBackend(Backend):
     def load(self, model: ModelSource) -> Runner:
         return FixedRunner(self.estimate(model).total_ms)
 
+    def what_ran(self, model: bytes):
+        """Read from this model's own fusion decisions (:func:`what_costmodel_ran`)."""
+        return what_costmodel_ran(model, device=self.device, input_shapes=self.input_shapes)
+
     def describe(self) -> dict:
         return {
             "name": self.name,
             "device": dataclasses.asdict(self.device),
             "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
         }
+
+
+def what_costmodel_ran(model: ModelSource | onnx.ModelProto, *, device: GpuSpec | None = None,
+                       input_shapes: dict[str, tuple] | None = None):
+    """What the cost model's engine ran (:class:`~qdq_optuna.backends.what_ran.WhatRan`): a Q
+    or DQ it priced as free was fused, one it priced as a reformat kernel stayed standalone
+    (its reformat); a float compute or memory kernel next to an INT8 one (or a Q/DQ) is a
+    float island."""
+    from .what_ran import WhatRan, quantized_tensors
+
+    proto = _read_model(model)
+    breakdown = estimate(proto, device=device, input_shapes=input_shapes)
+    nodes = list(proto.graph.node)
+    if len(nodes) != len(breakdown.nodes):  # the estimate reads the graph node by node
+        return None
+    quantized = quantized_tensors(proto)
+    entry = dict(zip((id(n) for n in nodes), breakdown.nodes, strict=True))
+    producer = {o: n for n in nodes for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in nodes:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    standalone = {quantized[n.input[0]] for n in nodes
+                  if n.op_type in (Q_OP, DQ_OP) and n.input[0] in quantized
+                  and entry[id(n)].kind == KIND_REFORMAT}
+
+    def int8_near(n) -> bool:
+        near = [producer.get(t) for t in n.input] + [c for t in n.output
+                                                     for c in consumers.get(t, [])]
+        return any(m is not None and entry[id(m)].precision == INT8 for m in near)
+
+    float_nodes = {n.name for n in nodes
+                   if n.name and entry[id(n)].kind in (KIND_COMPUTE, KIND_MEMORY)
+                   and entry[id(n)].precision != INT8 and int8_near(n)}
+    return WhatRan("cost model fusion decisions", fused=frozenset(set(quantized.values())
+                                                                   - standalone),
+                   standalone=frozenset(standalone), float_nodes=frozenset(float_nodes),
+                   reformats=frozenset(standalone))

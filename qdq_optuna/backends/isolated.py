@@ -134,6 +134,8 @@ def _worker_main() -> None:
                 next_id += 1
             elif op == "time":
                 reply = ("ok", list(runners[msg[1]].time(msg[2], msg[3])))
+            elif op == "what_ran":
+                reply = ("ok", backend.what_ran(msg[1]))
             elif op == "close_runner":
                 runner = runners.pop(msg[1], None)
                 if runner is not None:
@@ -364,6 +366,10 @@ class IsolatedBackend(Backend):
         with self._lock:
             self._ensure_worker()
             return self.generation
+
+    def what_ran(self, model: bytes):
+        """The worker's backend reads it (a TensorRT engine build belongs in the worker)."""
+        return self._call(("what_ran", model), self.load_timeout_s, "reading what ran")
 
     def worker_pids(self) -> list[int]:
         worker = self._worker

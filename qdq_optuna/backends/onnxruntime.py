@@ -124,6 +124,20 @@ class OnnxRuntimeBackend(Backend):
             "seed": self.seed,
         }
 
+    def what_ran(self, model: bytes):
+        """Read from ONNX Runtime's optimized graph (CPU at its full optimization only: what a
+        GPU provider or a lower level runs is not what that graph shows)."""
+        if self.on_gpu or self.optimization != "all" or not isinstance(model, bytes):
+            return None
+        import onnx
+
+        from ..kernels import what_onnxruntime_ran
+        from .what_ran import WhatRan, quantized_tensors
+
+        proto = onnx.load_from_string(model)
+        return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",
+                       **what_onnxruntime_ran(proto, quantized_tensors(proto)))
+
     def _session_options(self) -> Any:
         ort = self._ort
         so = ort.SessionOptions()

@@ -240,14 +240,17 @@ class TensorRTBackend(Backend):
                 profile.set_shape(name, shape, shape, shape)
             config.add_optimization_profile(profile)
 
-    def build(self, model: ModelSource) -> bytes:
-        """Serialized engine for ``model``; raises :class:`BackendError` with TensorRT's text."""
+    def build(self, model: ModelSource, *, detailed: bool = False) -> bytes:
+        """Serialized engine for ``model``; raises :class:`BackendError` with TensorRT's text.
+        ``detailed``: layer details kept for the engine inspector (:meth:`what_ran`)."""
         self._init()
         trt = self._trt
         self._logger.clear()
         network = self._builder.create_network(self._network_flags())
         self._parse(network, model)
         config = self._builder.create_builder_config()
+        if detailed:
+            config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
         if self.workspace_mb:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(self.workspace_mb) << 20)
         if self.builder_optimization_level is not None:
@@ -294,6 +297,22 @@ class TensorRTBackend(Backend):
             runner.close()
             raise
         return runner
+
+    def what_ran(self, model: bytes):
+        """Read with TensorRT's engine inspector (``IEngineInspector``, layer information as
+        JSON) from an engine built with detailed profiling verbosity: one build per standing
+        model, never per trial."""
+        import json
+
+        import onnx
+
+        engine = self._runtime.deserialize_cuda_engine(self.build(model, detailed=True))
+        if engine is None:
+            raise BackendError(f"TensorRT could not deserialize the engine: {self._logger.tail()}")
+        inspector = engine.create_engine_inspector()
+        info = json.loads(inspector.get_engine_information(
+            self._trt.LayerInformationFormat.JSON))
+        return what_engine_ran(info, onnx.load_from_string(model))
 
     def describe(self) -> dict:
         try:
@@ -451,3 +470,40 @@ class TensorRTRunner(Runner):
             self.stream = None
         self.context = None
         self.engine = None
+
+
+def what_engine_ran(info: Mapping, model: Any):
+    """:class:`~qdq_optuna.backends.what_ran.WhatRan` from an engine inspector's JSON
+    (``{"Layers": [{"Name", "LayerType", "Inputs": [{"Name", "Format/Datatype"}], "Outputs":
+    [...]}]}``, detailed verbosity) for the Q/DQ ``model`` it was built from. A layer's name
+    joins the ONNX nodes fused into it with " + ": a layer made of Q/DQ nodes only ran them
+    standalone; a Reformat layer reformats its input; a layer with a float output that reads
+    or writes a quantized tensor, and names compute nodes of the model, is a float island."""
+    from .what_ran import WhatRan, quantized_tensors
+
+    quantized = quantized_tensors(model)
+    qdq_nodes = {n.name: quantized.get(n.input[0]) for n in model.graph.node
+                 if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    compute = {n.name for n in model.graph.node if n.name and n.name not in qdq_nodes}
+    standalone, float_nodes, reformats = set(), set(), set()
+    for layer in info.get("Layers", []):
+        if isinstance(layer, str):  # names only: the engine was not built DETAILED
+            continue
+        parts = [p.strip() for p in str(layer.get("Name", "")).split(" + ")]
+        tensors = [t.get("Name", "") for t in (*layer.get("Inputs", []),
+                                                 *layer.get("Outputs", []))]
+        if parts and all(p in qdq_nodes for p in parts):
+            standalone |= {qdq_nodes[p] for p in parts if qdq_nodes[p]}
+        elif layer.get("LayerType") == "Reformat":
+            reformats |= {quantized.get(t.get("Name", ""), t.get("Name", ""))
+                          for t in layer.get("Inputs", [])}
+        else:
+            out_formats = " ".join(str(t.get("Format/Datatype", ""))
+                                   for t in layer.get("Outputs", []))
+            if "Int8" not in out_formats and "INT8" not in out_formats and \
+                    any(t in quantized for t in tensors):
+                float_nodes |= {p for p in parts if p in compute}
+    fused = set(quantized.values()) - {None} - standalone
+    return WhatRan("TensorRT engine inspector (detailed)", fused=frozenset(fused),
+                   standalone=frozenset(standalone), float_nodes=frozenset(float_nodes),
+                   reformats=frozenset(reformats))

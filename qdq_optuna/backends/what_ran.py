@@ -20,3 +20,27 @@ class WhatRan:
     float_nodes: frozenset[str] = frozenset()
     #: tensors at which the runtime inserted a precision or layout reformat (reorder)
     reformats: frozenset[str] = frozenset()
+
+    def to_dict(self) -> dict:
+        """JSON-ready, sorted (the report and the log)."""
+        return {"how": self.how, "fused": sorted(self.fused),
+                "standalone": sorted(self.standalone), "float_nodes": sorted(self.float_nodes),
+                "reformats": sorted(self.reformats)}
+
+
+def quantized_tensors(model) -> dict[str, str]:
+    """Q/DQ model (``onnx.ModelProto``) -> {tensor a Q or DQ node reads or writes: the float
+    activation tensor it quantizes}. Weights (a Q or DQ of an initializer) are left out: only
+    activations are placement decisions."""
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    out: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in constants:
+            out[node.input[0]] = node.input[0]
+            out[node.output[0]] = node.input[0]
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in out:
+            out[node.output[0]] = out[node.input[0]]
+    return out

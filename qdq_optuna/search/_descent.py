@@ -24,6 +24,7 @@ from ..insertion.points import PatternPoints
 from ._moves import MoveQueue, MoveSpace, MoveStats
 from ._pattern import PatternStudy, Search, Seed
 from ._record import PatternAttr, TrialAttr
+from ._unfused import FINAL_LINE, Unfused
 
 log = logging.getLogger("qdq_optuna")
 
@@ -35,7 +36,8 @@ class Descent:
 
     def __init__(self, search: Search, *, rounds: int, lanes: list[str],
                  cache: PatternCache | None = None,
-                 seeds: Callable[[PatternPoints], list[Seed]] | None = None) -> None:
+                 seeds: Callable[[PatternPoints], list[Seed]] | None = None,
+                 on_change: Callable[[str], None] | None = None) -> None:
         self.s = search
         self.rounds = rounds
         self.lanes = lanes
@@ -43,6 +45,14 @@ class Descent:
         self.seeds = seeds
         self.space = MoveSpace(search.prepared)
         self.tunable: list[PatternPoints] = search.prepared.tunable
+        #: the runtime's own report of the standing model prunes moves (latency only: in
+        #: the accuracy modes removing a fused pair can still pay in error)
+        self.unfused = (Unfused(search, self.space.uses_of) if search.config.prune_by_runtime
+                        and not search.settings.accuracy else None)
+        #: (lane, round, pattern id, why) of each visit the runtime's report skipped
+        self.skipped: list[tuple[str, int, str, str]] = []
+        #: called with the lane after a visit changed its standing model (anytime result)
+        self.on_change = on_change
 
     def run(self) -> None:
         for lane_no, lane in enumerate(self.lanes):
@@ -59,10 +69,15 @@ class Descent:
         label = f"{lane} round" if lane else "round"
         for rnd in range(1, self.rounds + 1):
             self.s.progress.stage(f"{label} {rnd}", len(self.tunable))
-            changed = 0
+            changed, before = 0, len(self.skipped)
             for idx, pp in enumerate(self.tunable):
-                changed += self.visit(lane, self.order(lane_no, rnd, idx), rnd, pp, stats)
+                now = self.visit(lane, self.order(lane_no, rnd, idx), rnd, pp, stats)
+                changed += now
+                if now and self.on_change is not None:
+                    self.on_change(lane)
             log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
+            if len(self.skipped) - before == len(self.tunable):
+                log.info("%s", FINAL_LINE)
             if not changed:
                 break
 
@@ -111,6 +126,14 @@ class Descent:
             seeds = self.cache.seeds_for(pp)
             cached = seeds[0] if seeds else None
         moves = self.space.moves(pid, schemes, stats, cached)
+        if self.unfused is not None:
+            moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
+            if dropped and not moves:  # the runtime fused all of it: nothing to measure
+                self.skipped.append((lane, rnd, pid, f"all {dropped} move(s) only remove "
+                                     "Q/DQ the runtime fused, with no float or reformat next "
+                                     "to them"))
+                s.progress.advance()
+                return False
         queue = MoveQueue(pid, schemes, moves, stats, s.settings.space)
         budget = min(s.config.schemes_per_region, max(len(moves) + 1, 2 * len(pp.ids)))
         study = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,

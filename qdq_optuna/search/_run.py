@@ -100,6 +100,7 @@ class Tuner:
         self._baseline: tuple | None = None
         #: the agreed starts, once decided
         self.starts: dict | None = None
+        self.descent: Descent | None = None
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
@@ -136,8 +137,11 @@ class Tuner:
             self.starts = self._starts(search)
             self._mark("starts")
             self._write_state("running")
-            Descent(search, rounds=self.settings.rounds, lanes=self.starts["order"],
-                    cache=self.cache, seeds=self._seeds).run()
+            self._write_standing(self.starts["order"][0])
+            self.descent = Descent(search, rounds=self.settings.rounds,
+                                   lanes=self.starts["order"], cache=self.cache,
+                                   seeds=self._seeds, on_change=self._write_standing)
+            self.descent.run()
             self._mark("descent")
         except OutOfTime:
             self._write_state("timeout")
@@ -327,7 +331,7 @@ class Tuner:
 
     # -- finish ----------------------------------------------------------------------------
     def _finish(self, partial: bool) -> TuneResult:
-        from ..report import build_report, write_reports
+        from ..report import build_report, runtime_keys, write_reports
 
         plans = self.search.plans
         lane = self._final_lane(partial)
@@ -363,6 +367,7 @@ class Tuner:
             report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
                                            cmp, plan, self.out)
             report["measurements"] = plans.measurements
+        report.update(runtime_keys(self.backend, final_bytes, self.prepared, self.descent))
         self._mark("finish")
         report["elapsed_s"] = dict(self.elapsed)
         write_reports(self.out, report)
@@ -392,16 +397,16 @@ class Tuner:
                  done.get("at"), done.get("speedup") or float("nan"))
         return json.loads(text)
 
+    def _write_standing(self, lane: str) -> None:
+        """The anytime result (:func:`save_standing`), for the first lane (the fastest start)."""
+        if self.starts is not None and lane == self.starts["order"][0] \
+                and not self.settings.multi_objective:
+            save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
+                          self.record.uses(self.record.standing(lane)), self.out)
+
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""
-        if exporter.external or exporter.to_files:  # written piece by piece
-            return exporter.save(plan, self.out / "optimized.onnx")
-        import onnx
-
-        optimized = exporter.to_model(plan)
-        onnx.checker.check_model(optimized)
-        atomic_write_bytes(self.out / "optimized.onnx", optimized.SerializeToString())
-        return optimized.SerializeToString()
+        return save_model(exporter, plan, self.out / "optimized.onnx")
 
     def _header(self) -> dict:
         """The report's first fields: what was tuned, where, how."""
@@ -465,6 +470,26 @@ class Tuner:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def save_standing(exporter: QDQExporter, uses, out: Path) -> None:
+    """The anytime result: ``optimized.onnx`` of a standing model (every decision in it passed
+    the guard), written atomically after the starts and on each change, so a run stopped at
+    any point leaves the best model so far (``state.yaml`` says the run is not done; the
+    report of a run cut short says ``partial``)."""
+    plan = exporter.plan(uses)
+    save_model(exporter, plan, out / "optimized.onnx")
+    log.debug("optimized.onnx: the standing model so far (%d Q/DQ)", len(plan))
+
+
+def save_model(exporter: QDQExporter, plan, path: Path) -> bytes:
+    """Write the model of ``plan`` atomically; returns what the final comparison times."""
+    if exporter.external or exporter.to_files:  # written piece by piece
+        return exporter.save(plan, path)
+    optimized = exporter.to_model(plan)
+    onnx.checker.check_model(optimized)
+    atomic_write_bytes(path, optimized.SerializeToString())
+    return optimized.SerializeToString()
 
 
 def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:

@@ -1,0 +1,117 @@
+"""What the runtime ran: the readers (real ONNX Runtime, the cost model) and the descent's use
+of them (a visit at a standalone Q/DQ is measured; the gain the descent finds stays)."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from qdq_optuna import starts, tune, zoo
+from qdq_optuna.backends.costmodel import CostModelBackend, estimate
+from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
+from qdq_optuna.backends.tensorrt import what_engine_ran
+from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
+from qdq_optuna.config import Config
+from qdq_optuna.kernels import optimized_graph
+from qdq_optuna.model import PreparedModel
+from qdq_optuna.search._moves import MoveSpace, MoveStats
+from qdq_optuna.search._unfused import Unfused
+
+
+def _all_on(name: str, runtime: str) -> tuple[PreparedModel, bytes]:
+    pm = PreparedModel.prepare(zoo.build(name, "small"), runtime=runtime)
+    exporter = pm.exporter()
+    return pm, exporter.to_bytes(exporter.plan(starts.all_on_start(pm).scheme_uses))
+
+
+def test_onnxruntime_report_matches_its_optimized_graph():
+    pm, model = _all_on("transformer", "onnxruntime")
+    what = OnnxRuntimeBackend().what_ran(model)
+    quantized = set(quantized_tensors(onnx.load_from_string(model)).values())
+    assert what.fused | what.standalone == quantized and not what.fused & what.standalone
+    assert what.fused and what.standalone  # MatMuls fold, LayerNorm / Softmax inputs do not
+    left = {n.input[0] for n in optimized_graph(model).graph.node
+            if n.op_type == "QuantizeLinear"}
+    assert left & quantized <= what.standalone
+
+
+def test_costmodel_report_is_its_own_pricing():
+    pm, model = _all_on("yolo", "tensorrt")
+    what = CostModelBackend().what_ran(model)
+    proto = onnx.load_from_string(model)
+    priced = {n.name: e.kind for n, e in zip(proto.graph.node, estimate(proto).nodes,
+                                             strict=True)}
+    q_of = {n.input[0]: n.name for n in proto.graph.node if n.op_type == "QuantizeLinear"}
+    for tensor in what.fused:
+        assert priced[q_of[tensor]] == "qdq"
+    assert any(priced[q_of[t]] == "reformat" for t in what.standalone if t in q_of)
+    assert what.float_nodes  # the all-on YOLO has Q/DQ before float-only ops
+
+
+def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
+    pm, model = _all_on("transformer", "tensorrt")
+    what = CostModelBackend().what_ran(model)
+    space = MoveSpace(pm)
+
+    class _S:  # the parts of a Search that Unfused reads for sites()
+        prepared = pm
+        plans = None
+
+    unfused = Unfused(_S(), space.uses_of)
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+    kept_any = dropped_any = False
+    for pp in pm.tunable:
+        moves = space.moves(pp.pattern.id, schemes, MoveStats(0))
+        kept, dropped = unfused.prune(moves, what)
+        for m in moves:
+            touches = {u[0] for pt in m.off for u in space.uses_of[pt]}
+            if touches & what.standalone:
+                assert m in kept  # never skip a visit's move at a standalone Q/DQ
+                kept_any = True
+        dropped_any |= dropped > 0
+    assert kept_any and dropped_any
+
+
+def test_engine_inspector_json():
+    pm, model = _all_on("resnet", "tensorrt")
+    proto = onnx.load_from_string(model)
+    qdq = [n for n in proto.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+           and n.input[0] in quantized_tensors(proto)]
+    conv = next(n for n in proto.graph.node if n.op_type == "Conv")
+    lone_q, lone_dq = (n for n in qdq if n.input[0] == qdq[0].input[0] or
+                       n.input[0] == qdq[0].output[0])
+    info = {"Layers": [
+        {"Name": f"{lone_q.name} + {lone_dq.name}", "LayerType": "Scale",
+         "Inputs": [{"Name": lone_q.input[0], "Format/Datatype": "Row major linear FP32"}],
+         "Outputs": [{"Name": lone_dq.output[0], "Format/Datatype": "Row major linear FP32"}]},
+        {"Name": "Reformatting CopyNode for Input Tensor 0 to x", "LayerType": "Reformat",
+         "Inputs": [{"Name": conv.input[0], "Format/Datatype": "Row major linear FP32"}],
+         "Outputs": [{"Name": "x", "Format/Datatype": "Channel major FP16 format"}]}]}
+    what = what_engine_ran(info, proto)
+    assert isinstance(what, WhatRan)
+    assert what.standalone == {lone_q.input[0]} and lone_q.input[0] not in what.fused
+    assert what.reformats == {quantized_tensors(proto).get(conv.input[0], conv.input[0])}
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_pruned_descent_keeps_the_gain(tmp_path, name):
+    model = zoo.build(name, "small")
+    runs = {prune: tune(model, tmp_path / str(prune), backend="costmodel", seed=0,
+                        progress=False, config=Config(prune_by_runtime=prune))
+            for prune in (False, True)}
+    before, after = runs[False].report, runs[True].report
+    assert after["final_latency_ms"] <= before["final_latency_ms"] * 1.01
+    assert after["measurements"] <= before["measurements"]
+    assert after["what_ran"]["patterns"]  # the report's what-ran section
+    assert (tmp_path / "True" / "optimized.onnx").is_file()
+
+
+def test_an_isolated_backend_reads_it_in_its_worker():
+    from qdq_optuna.backends.isolated import IsolatedBackend
+
+    _, model = _all_on("resnet", "tensorrt")
+    isolated = IsolatedBackend(("qdq_optuna.backends.costmodel", "CostModelBackend", {}))
+    try:
+        assert isolated.what_ran(model) == CostModelBackend().what_ran(model)
+    finally:
+        isolated.close()
