@@ -33,7 +33,6 @@ from qdq_optuna.backends.base import (
     Runner,
     TransientBackendError,
 )
-from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.errors import ModelError, OptionError
 
 #: (module path, class name, keyword arguments): everything must be picklable
@@ -252,20 +251,6 @@ class IsolatedBackend(Backend):
         #: bumped on every worker start; runners of an older generation are gone
         self.generation = 0
         self.restarts = 0
-
-    def what_ran(self, model: bytes) -> WhatRan | None:
-        """The proxied backend's :meth:`Backend.what_ran`, read in this process: only for
-        backends that implement it (compiling to read a runtime graph, as OpenVINO does, does
-        not run the model); None for the others, whose builds may crash."""
-        module, cls_name, kwargs = self.factory
-        cls = getattr(importlib.import_module(module), cls_name)
-        if getattr(cls, "what_ran", Backend.what_ran) is Backend.what_ran:
-            return None
-        backend = cls(**kwargs)
-        try:
-            return backend.what_ran(model)
-        finally:
-            backend.close()
 
     # -- worker lifecycle -------------------------------------------------------------------
     def _env(self) -> dict[str, str]:

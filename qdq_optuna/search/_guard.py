@@ -178,6 +178,18 @@ def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
     return []
 
 
+def check_default_session(accuracy: dict, scorer, saved) -> None:
+    """``accuracy["onnxruntime_cpu_default"]`` for a model the guard scored another way (see
+    :meth:`~qdq_optuna.accuracy.ErrorScorer.default_session_check`), and one warning line when
+    a default ONNX Runtime CPU session refuses it or drifts past the stated factor."""
+    check = scorer.default_session_check(saved) if isinstance(saved, bytes) else None
+    if check is None:
+        return
+    accuracy["onnxruntime_cpu_default"] = check
+    for line in default_session_lines(check, accuracy["error"]):
+        log.warning("%s", line.replace("`", ""))
+
+
 def data_kind(data: str) -> str:
     """Which data the guard's figures come from: ``validation data``, ``calibration data`` or
     ``random inputs``."""

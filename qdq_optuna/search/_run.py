@@ -43,7 +43,7 @@ from ..precision import resolve_high_precision
 from ..scheme import compute_inputs_scheme
 from ..storage import default_storage_url, open_storage, quiet_optuna
 from ._descent import Descent
-from ._guard import Guard, default_session_lines
+from ._guard import Guard, check_default_session
 from ._options import (
     Settings,
     TuneOptions,
@@ -234,15 +234,12 @@ class Tuner:
 
         pm = self.prepared
         try:
-            if self.settings.runtime == "onnxruntime":
-                return starts.ort_recipe_start(
-                    pm, self.o.model, data=self.calibration[0] if self.calibration else None,
-                    input_shapes=self.o.input_shapes)
-            if self.settings.runtime == "openvino":
-                return starts.nncf_recipe_start(
-                    pm, self.o.model, data=self.calibration[0] if self.calibration else None,
-                    input_shapes=self.o.input_shapes)
-            return starts.tensorrt_recipe_start(pm)
+            recipe = {"onnxruntime": starts.ort_recipe_start,
+                      "openvino": starts.nncf_recipe_start}.get(self.settings.runtime)
+            if recipe is None:
+                return starts.tensorrt_recipe_start(pm)
+            return recipe(pm, self.o.model, input_shapes=self.o.input_shapes,
+                          data=self.calibration[0] if self.calibration else None)
         except ToolError as exc:  # the quantizer refused this model: no recipe start
             log.warning("%s; starting without the recipe", exc)
             return None
@@ -351,12 +348,7 @@ class Tuner:
         report.update(guard.report_keys(
             verdict, bound_given=self.o.max_output_error is not None,
             bf16=self.search.plans.scorer.bf16))
-        check = plans.scorer.default_session_check(final_bytes) \
-            if isinstance(final_bytes, bytes) else None
-        if check is not None:
-            report["accuracy"]["onnxruntime_cpu_default"] = check
-            for line in default_session_lines(check, verdict.errors["error"]):
-                log.warning("%s", line.replace("`", ""))
+        check_default_session(report["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
             report.update({"objectives": list(self.settings.objectives),
                            "error_measure": guard.measure,
