@@ -688,6 +688,10 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         # per-channel weights need 13, which onnx's version converter gives (labels then
         # index the upgraded graph)
         model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
+        # the converter keeps the file's IR version; IR 3 (onnx-caffe2) wants every
+        # initializer listed as a graph input, which later rewrites do not keep
+        model.ir_version = max(model.ir_version,
+                               onnx.helper.find_min_ir_version_for(list(model.opset_import)))
         logging.getLogger("qdq_optuna").info("%s: opset %d upgraded to %d with onnx's version "
                                              "converter", label, opset, UPGRADE_OLD_TO)
         opset = opset_of(model)

@@ -368,10 +368,13 @@ def test_an_opset_9_model_is_upgraded_on_loading():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])
     w = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w")
+    w_input = helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 3, 3, 3])
     graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-                               helper.make_node("Relu", ["c"], ["y"])], "old", [x], [y], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
-    pm = PreparedModel.prepare(model, runtime="tensorrt")
+                               helper.make_node("Relu", ["c"], ["y"])], "old", [x, w_input], [y],
+                              [w])
+    # IR 3, as onnx-caffe2 wrote it: every initializer is a graph input too
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=3)
+    pm = PreparedModel.prepare(model, runtime="tensorrt", high_precision="fp16")
     assert opset_of(pm.graph.model) >= 13
     quantized = pm.exporter().to_model(pm.exporter().plan(_all_uses(pm)))
     onnx.checker.check_model(quantized, full_check=True)
