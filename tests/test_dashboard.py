@@ -301,7 +301,8 @@ def test_the_run_has_an_overview_and_small_bookkeeping(run):
 
 
 def test_drawing_is_cheap(tmp_path):
-    """The pictures cost well under 0.3 s per pattern once matplotlib is loaded."""
+    """The pictures cost well under 0.3 s of CPU per pattern once matplotlib is loaded (CPU
+    time of this process: other processes on a shared machine do not count)."""
     pm = PreparedModel.prepare(zoo.build("yolo", "small"))
     convergence_png(tmp_path / "warm.png", [(0, 1.0)], reference_ms=1.0, title="warm-up")
     worst = 0.0
@@ -310,14 +311,14 @@ def test_drawing_is_cheap(tmp_path):
         trials = [(i, 10.0 - 0.01 * i) for i in range(30)]
         best = float("inf")
         for _ in range(2):  # the better of two, so a busy machine does not fail the test
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             convergence_png(tmp_path / f"{pp.pattern.id}.png", trials, reference_ms=10.0,
                             title=pp.pattern.id)
             svg = region_svg(pm.graph, pm.tree[rep].all_nodes,
                              {p: pp.resolved[p].get(rep, []) for p in pp.ids},
                              chosen=set(pp.ids[:2]), committed=set(pp.ids[:1]),
                              kinds={p.id: p.kind for p in pp.points}, title=pp.pattern.id)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.process_time() - t0)
         ET.fromstring(svg)
         worst = max(worst, best)
     assert worst < 0.3, f"drawing one pattern took {worst:.3f} s"
