@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import os
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -50,6 +52,24 @@ class Runner(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def time_calls(infer: Callable[[], object], warmup: int, iterations: int,
+               runtime: str) -> list[float]:
+    """``warmup`` untimed then ``iterations`` timed calls of ``infer``, in ms each; a failure
+    is a :class:`BackendError` naming ``runtime``."""
+    clock = time.perf_counter
+    out: list[float] = []
+    try:
+        for _ in range(warmup):
+            infer()
+        for _ in range(iterations):
+            t0 = clock()
+            infer()
+            out.append((clock() - t0) * 1e3)
+    except Exception as exc:  # the runtime's own exception types
+        raise BackendError(f"{runtime} inference failed: {str(exc).strip()}") from exc
+    return out
 
 
 class FixedRunner(Runner):

@@ -8,7 +8,6 @@ int8 x int8 kernels run slower than FP32 on common x86 CPUs.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from qdq_optuna.backends.base import (
     BackendUnavailable,
     ModelSource,
     Runner,
+    time_calls,
 )
 from qdq_optuna.errors import OptionError
 
@@ -249,19 +249,7 @@ class OnnxRuntimeRunner(Runner):
     def time(self, warmup: int, iterations: int) -> list[float]:
         if self.session is None:
             raise BackendError("runner used after close()")
-        infer = self._inference()
-        clock = time.perf_counter
-        out: list[float] = []
-        try:
-            for _ in range(warmup):
-                infer()
-            for _ in range(iterations):
-                t0 = clock()
-                infer()
-                out.append((clock() - t0) * 1e3)
-        except Exception as exc:
-            raise BackendError(f"ONNX Runtime inference failed: {str(exc).strip()}") from exc
-        return out
+        return time_calls(self._inference(), warmup, iterations, "ONNX Runtime")
 
     def close(self) -> None:
         self.session = None

@@ -13,13 +13,19 @@ machines (YOLOv8n 22.0 vs 13.3 ms), so f32 is this backend's default.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from qdq_optuna.backends.base import Backend, BackendError, BackendUnavailable, ModelSource, Runner
+from qdq_optuna.backends.base import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    ModelSource,
+    Runner,
+    time_calls,
+)
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.errors import OptionError
 
@@ -170,18 +176,7 @@ class OpenVinoRunner(Runner):
     def time(self, warmup: int, iterations: int) -> list[float]:
         if self.request is None:
             raise BackendError("runner used after close()")
-        infer, clock = self.request.infer, time.perf_counter
-        out: list[float] = []
-        try:
-            for _ in range(warmup):
-                infer()
-            for _ in range(iterations):
-                t0 = clock()
-                infer()
-                out.append((clock() - t0) * 1e3)
-        except Exception as exc:
-            raise BackendError(f"OpenVINO inference failed: {str(exc).strip()}") from exc
-        return out
+        return time_calls(self.request.infer, warmup, iterations, "OpenVINO")
 
     def close(self) -> None:
         self.request = None
