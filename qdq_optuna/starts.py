@@ -21,13 +21,14 @@ read back from the Q/DQ model it wrote (:func:`read_placement`). Without Model O
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -357,25 +358,33 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
         def get_next(self):
             return next(self.it, None)
 
+    with _quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)"):
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
+                          save_as_external_data=big)
+        quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, use_external_data_format=big,
+                        reduce_range=calibration.cpu_saturates_u8s8())
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_tool(what: str) -> Iterator[None]:
+    """A third-party quantizer run without its per-tensor notes, hints and progress bars; its
+    failure is one :class:`ToolError` line naming it."""
     root = logging.getLogger()
     level = root.level
-    root.setLevel(logging.ERROR)  # the quantizer's per-tensor notes and its pre-processing hint
+    root.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
-                              save_as_external_data=big)
-            quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ,
-                            per_channel=True, activation_type=QuantType.QUInt8,
-                            weight_type=QuantType.QInt8, use_external_data_format=big,
-                            reduce_range=calibration.cpu_saturates_u8s8())
+            yield
     except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
         first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-        raise ToolError(f"ONNX Runtime's recipe (quant_pre_process + quantize_static) failed "
-                        f"on this model: {type(exc).__name__}: {first[0]}") from None
+        raise ToolError(f"{what} failed on this model: {type(exc).__name__}: {first[0]}"
+                        ) from None
     finally:
         root.setLevel(level)
-    return out
 
 
 def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
@@ -412,20 +421,9 @@ def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
                                                    samples=samples, seed=0)
     count = len(next(iter(data.values())))
     feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # NNCF's progress bars and notes
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            nncf.set_log_level(logging.ERROR)
-            return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
-    except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
-        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-        raise ToolError(f"NNCF's recipe (nncf.quantize) failed on this model: "
-                        f"{type(exc).__name__}: {first[0]}") from None
-    finally:
-        root.setLevel(level)
+    with _quiet_tool("NNCF's recipe (nncf.quantize)"):
+        nncf.set_log_level(logging.ERROR)
+        return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
 
 
 def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
