@@ -155,3 +155,21 @@ def test_tune_on_openvino_writes_the_hint(tmp_path: Path) -> None:
     assert backend["name"] == "openvino" and backend["inference_precision"] == "f32"
     assert result.report["runtime"] == "openvino"
     assert np.isfinite(result.speedup)
+
+
+def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
+    """OpenVINO's u8 Concatenation requantizes inputs whose scale differs from the output's
+    (NNCF unifies them): the run's calibrated scales share them, as under ONNX Runtime's
+    rules."""
+    from qdq_optuna.search._options import TuneOptions
+    from qdq_optuna.search._run import calibrated_scales
+
+    model = zoo.build("tiny_concat")
+    pm = PreparedModel.prepare(model, runtime="openvino")
+    scales = calibrated_scales(pm, TuneOptions(model=model, output_dir=str(tmp_path)),
+                               tmp_path, None)
+    concats = [n for n in pm.graph.nodes if n.op_type == "Concat"]
+    assert concats
+    shared = [name for n in concats for name in n.input if name in scales
+              and n.output[0] in scales and scales[name] == scales[n.output[0]]]
+    assert shared, "no Concat input shares its output's scale"
