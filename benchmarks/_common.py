@@ -76,11 +76,14 @@ def calibration_reader(data: Mapping[str, np.ndarray] | Iterable[dict]):
 
 
 def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) -> None:
-    """``quantize_static`` as users run it: QDQ, per-channel, uint8 activations, int8 weights.
+    """``quantize_static`` as users run it: QDQ, per-channel, uint8 activations, int8 weights
+    (7-bit on CPUs whose u8 x s8 kernels saturate, as ONNX Runtime's documentation advises).
 
     Its per-weight notes and hints are silenced (the root logger is restored afterwards).
     """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    from qdq_optuna.calibration import cpu_saturates_u8s8  # the package's recipe does the same
 
     root = logging.getLogger()
     level = root.level
@@ -90,7 +93,8 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
             warnings.simplefilter("ignore")
             quantize_static(str(src), str(dst), calibration_reader(data),
                             quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            reduce_range=cpu_saturates_u8s8())
     finally:
         root.setLevel(level)
 
