@@ -667,6 +667,23 @@ def _read_model_file(path: Path) -> tuple[onnx.ModelProto, dict[str, bytes]]:
     return model, fields
 
 
+def _upgrade_old(model: onnx.ModelProto, label: object) -> onnx.ModelProto:
+    """An opset < 10 model (onnx-caffe2, tf2onnx at opset 9) at opset 13, which Q/DQ and
+    per-channel weights need, by onnx's version converter (labels then index the upgraded
+    graph); others unchanged."""
+    opset = opset_of(model)
+    if opset >= MINIMUM_OPSET:
+        return model
+    model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
+    # the converter keeps the file's IR version; IR 3 (onnx-caffe2) wants every initializer
+    # listed as a graph input, which later rewrites do not keep
+    model.ir_version = max(model.ir_version,
+                           onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+    logging.getLogger("qdq_optuna").info("%s: opset %d upgraded to %d with onnx's version "
+                                         "converter", label, opset, UPGRADE_OLD_TO)
+    return model
+
+
 def _load_model(source: str | os.PathLike | onnx.ModelProto,
                 input_shapes: InputShapes | None, allow_qdq: bool) -> Graph:
     shapes = input_shapes or InputShapes({})
@@ -683,18 +700,8 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         model, fields = _read_model_file(path)
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
+    model = _upgrade_old(model, label)
     opset = opset_of(model)
-    if opset < MINIMUM_OPSET:  # older exporters (onnx-caffe2, tf2onnx at opset 9): Q/DQ and
-        # per-channel weights need 13, which onnx's version converter gives (labels then
-        # index the upgraded graph)
-        model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
-        # the converter keeps the file's IR version; IR 3 (onnx-caffe2) wants every
-        # initializer listed as a graph input, which later rewrites do not keep
-        model.ir_version = max(model.ir_version,
-                               onnx.helper.find_min_ir_version_for(list(model.opset_import)))
-        logging.getLogger("qdq_optuna").info("%s: opset %d upgraded to %d with onnx's version "
-                                             "converter", label, opset, UPGRADE_OLD_TO)
-        opset = opset_of(model)
     if opset < MINIMUM_OPSET or opset > MAXIMUM_OPSET:
         raise ModelError(
             f"{label}: unsupported opset {opset} (supported: {MINIMUM_OPSET}-{MAXIMUM_OPSET}); "

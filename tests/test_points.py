@@ -168,7 +168,7 @@ def test_zoo_points(analyzed, name, rules):
 def test_rules_for():
     assert rules_for("tensorrt") is TENSORRT and rules_for("onnxruntime") is ONNXRUNTIME_CPU
     with pytest.raises(OptionError, match="--runtime"):
-        rules_for("openvino")
+        rules_for("coreml")
 
 
 # -- golden: ResNet and the TensorRT Conv+Add+Relu fusion ------------------------------------
