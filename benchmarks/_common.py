@@ -81,9 +81,9 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
 
     Its per-weight notes and hints are silenced (the root logger is restored afterwards).
     """
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import quantize_static
 
-    from qdq_optuna.calibration import cpu_saturates_u8s8  # the package's recipe does the same
+    from qdq_optuna.starts import ort_recipe_options  # the package's recipe start's settings
 
     root = logging.getLogger()
     level = root.level
@@ -92,9 +92,7 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             quantize_static(str(src), str(dst), calibration_reader(data),
-                            quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            reduce_range=cpu_saturates_u8s8())
+                            **ort_recipe_options())
     finally:
         root.setLevel(level)
 

@@ -330,8 +330,6 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
     or on ``samples`` random feeds. Returns the path of the quantized model."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
-        QuantFormat,
-        QuantType,
         quantize_static,
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -361,11 +359,22 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
     with _quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)"):
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
                           save_as_external_data=big)
-        quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ,
-                        per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, use_external_data_format=big,
-                        reduce_range=calibration.cpu_saturates_u8s8())
+        quantize_static(str(pre), str(out), _Reader(), use_external_data_format=big,
+                        **ort_recipe_options())
     return out
+
+
+def ort_recipe_options() -> dict:
+    """``quantize_static``'s settings in ONNX Runtime's documented recipe (QDQ, per-channel,
+    uint8 activations, int8 weights; 7-bit weights where the CPU's u8 x s8 kernels saturate,
+    as its documentation advises): one place for the recipe start and the benchmarks."""
+    from onnxruntime.quantization import QuantFormat, QuantType
+
+    from . import calibration
+
+    return {"quant_format": QuantFormat.QDQ, "per_channel": True,
+            "activation_type": QuantType.QUInt8, "weight_type": QuantType.QInt8,
+            "reduce_range": calibration.cpu_saturates_u8s8()}
 
 
 @contextlib.contextmanager
