@@ -83,7 +83,9 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
     """
     from onnxruntime.quantization import quantize_static
 
-    from qdq_optuna.starts import ort_recipe_options  # the package's recipe start's settings
+    from qdq_optuna.placement.starts import (
+        ort_recipe_options,  # the package's recipe start's settings
+    )
 
     root = logging.getLogger()
     level = root.level

@@ -41,10 +41,11 @@ import _common  # noqa: E402  (the checkout on sys.path)
 import numpy as np
 import onnx  # noqa: E402
 
-from qdq_optuna import Config, tune, zoo  # noqa: E402
-from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
+from qdq_optuna import Config, tune
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402
-from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
+from qdq_optuna.measure.timing import Measurer, TimingProtocol  # noqa: E402
 
 QUIET_LOAD = 1.2
 

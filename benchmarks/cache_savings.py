@@ -40,7 +40,7 @@ def count(out: Path) -> dict:
     import optuna
     from optuna.trial import TrialState
 
-    from qdq_optuna.storage import open_storage
+    from qdq_optuna.record.storage import open_storage
 
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     c = {"patterns": 0, "trials": 0, "measured": 0, "cache_hits": 0,
@@ -68,7 +68,8 @@ def run(model_name: str, size: str, backend: str, work: Path, sampler: str = "qd
         **options) -> dict:
     import onnx
 
-    from qdq_optuna import Config, tune, zoo
+    from qdq_optuna import Config, tune
+    from qdq_optuna.examples import zoo
 
     path = work / f"{model_name}-{size}.onnx"
     onnx.save(zoo.build(model_name, size), str(path))

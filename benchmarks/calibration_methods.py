@@ -17,7 +17,7 @@ zoo models have random weights, so their errors say how quantization-friendly th
 are, not more.
 
 Where every method breaks the bound (``--bound``, worst-output relative L2), the Q/DQ pairs
-responsible are named by ``qdq_optuna.guard.bisect_plan`` under each method: a tensor named
+responsible are named by ``qdq_optuna.measure.bisect.bisect_plan`` under each method: a tensor named
 under all of them is an outlier no method handles.
 
     python benchmarks/calibration_methods.py                       # everything (~20 min, 2 cores)
@@ -36,10 +36,10 @@ import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 import real_models  # noqa: E402
 
-from qdq_optuna import calibration  # noqa: E402
-from qdq_optuna.accuracy import AccuracyEvaluator  # noqa: E402
-from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function  # noqa: E402
-from qdq_optuna.model import PreparedModel  # noqa: E402
+from qdq_optuna.measure.accuracy import AccuracyEvaluator  # noqa: E402
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function  # noqa: E402
+from qdq_optuna.model import calibration  # noqa: E402
+from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
 
 METHODS = calibration.METHODS
 ZOO = real_models.ZOO

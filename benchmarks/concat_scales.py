@@ -26,8 +26,9 @@ import onnx
 import verify_speedup  # noqa: E402
 import vs_recipe  # noqa: E402
 
-from qdq_optuna import calibration, starts  # noqa: E402
-from qdq_optuna.model import PreparedModel  # noqa: E402
+from qdq_optuna.model import calibration
+from qdq_optuna.placement import starts  # noqa: E402
+from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
 
 
 def concat_copies(path: Path, work: Path) -> tuple[int, int]:

@@ -38,19 +38,19 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.errors import UserError  # noqa: E402
-from qdq_optuna.export import QDQExporter, QuantPlan, upgrade_for, weight_scales  # noqa: E402
-from qdq_optuna.graph import Graph, InputShapes, load_model  # noqa: E402
-from qdq_optuna.insertion.points import enumerate_points  # noqa: E402
-from qdq_optuna.insertion.rules import (  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.model.graph import Graph, InputShapes, load_model  # noqa: E402
+from qdq_optuna.placement.export import QDQExporter, QuantPlan, upgrade_for, weight_scales  # noqa: E402
+from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
+from qdq_optuna.placement.points import enumerate_points  # noqa: E402
+from qdq_optuna.placement.regions import discover_regions  # noqa: E402
+from qdq_optuna.placement.rules import (  # noqa: E402
     ONNXRUNTIME_CPU,
     TENSORRT,
     WEIGHTED_OPS,
     RuntimeRules,
 )
-from qdq_optuna.patterns import PatternIndex  # noqa: E402
-from qdq_optuna.regions import discover_regions  # noqa: E402
 
 _ZP = {"int8": (np.int8, TensorProto.INT8), "uint8": (np.uint8, TensorProto.UINT8)}
 

@@ -44,13 +44,13 @@ from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from onnx import AttributeProto, TensorProto  # noqa: E402
 
-from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.errors import UserError  # noqa: E402
-from qdq_optuna.graph import InputShapes, load_model  # noqa: E402
-from qdq_optuna.insertion.points import enumerate_points  # noqa: E402
-from qdq_optuna.insertion.rules import rules_for  # noqa: E402
-from qdq_optuna.patterns import PatternIndex  # noqa: E402
-from qdq_optuna.regions import RegionConfig, discover_regions  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.model.graph import InputShapes, load_model  # noqa: E402
+from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
+from qdq_optuna.placement.points import enumerate_points  # noqa: E402
+from qdq_optuna.placement.regions import RegionConfig, discover_regions  # noqa: E402
+from qdq_optuna.placement.rules import rules_for  # noqa: E402
 
 DEFAULT_MODELS = (
     "tiny_chain,tiny_residual,tiny_concat,tiny_attention,resnet,mobilenet,yolo,transformer"
@@ -386,7 +386,7 @@ def pipeline(path: Path, shapes: str | None, region_config: RegionConfig,
             enumerate_points(graph, tree, index, pattern, rules)
     if prepare:  # what `inspect` does: ONNX Runtime preprocessing and opset upgrade too
         from qdq_optuna.config import Config
-        from qdq_optuna.model import PreparedModel
+        from qdq_optuna.placement.prepared import PreparedModel
 
         cfg = Config(maximum_sequence_region_size=region_config.maximum_sequence_region_size,
                      minimum_topdown_search_size=region_config.minimum_topdown_search_size)

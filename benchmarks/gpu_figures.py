@@ -31,9 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qdq_optuna import PreparedModel, zoo  # noqa: E402
+from qdq_optuna import PreparedModel
 from qdq_optuna.backends import make_backend, runtime_for_backend  # noqa: E402
-from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.measure.timing import Measurer, TimingProtocol  # noqa: E402
 
 
 def baseline_and_all_quantized(model_path: Path, runtime: str,

@@ -25,7 +25,7 @@ import onnxruntime as ort
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qdq_optuna.accuracy import output_errors, summarize  # noqa: E402
+from qdq_optuna.measure.accuracy import output_errors, summarize  # noqa: E402
 
 
 def machine() -> dict:

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import real_models  # noqa: E402
 
-from qdq_optuna import starts  # noqa: E402
 from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
-from qdq_optuna.model import PreparedModel  # noqa: E402
+from qdq_optuna.placement import starts  # noqa: E402
+from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
 
 
 def files(name: str, work: Path, samples: int) -> tuple[Path, str | None, Path, dict, dict]:

@@ -1,7 +1,7 @@
 """FP16/BF16 conversion check: valid models whose outputs agree with FP32.
 
 For each model: load and check it (``--input-shapes`` fixed), convert its float part with
-``qdq_optuna.precision.convert_precision`` (the converted model passes ``onnx.checker`` inside
+``qdq_optuna.model.precision.convert_precision`` (the converted model passes ``onnx.checker`` inside
 it), run FP32 and the converted model on the same seeded inputs and print the worst relative L2
 error and the worst absolute error over all outputs, with the tolerance each precision is held
 to. FP16 runs on ONNX Runtime's CPU provider (its FP16 kernels, FP32 with Casts where it has
@@ -29,9 +29,9 @@ from pathlib import Path
 import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 
-from qdq_optuna import zoo  # noqa: E402
-from qdq_optuna.graph import InputShapes, load_model  # noqa: E402
-from qdq_optuna.precision import convert_precision  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.model.graph import InputShapes, load_model  # noqa: E402
+from qdq_optuna.model.precision import convert_precision  # noqa: E402
 
 #: worst relative L2 error over the outputs that each precision must stay within
 TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}

@@ -17,7 +17,7 @@ Every ``optimized.onnx`` is checked: ``onnx.checker`` (full check), it loads and
 Runtime, its opset imports name only domains its nodes use, and its worst output's cosine /
 relative L2 error against the FP32 model on 8 *held-out* inputs (ONNX Runtime rules: run with
 ORT's optimizations, the deployed kernels; TensorRT rules: plain ONNX semantics) is within the
-guard's bound (``qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
+guard's bound (``qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
 
     python benchmarks/real_model_check.py                           # cost model runs (~50 min)
     python benchmarks/real_model_check.py --runs onnxruntime        # quiet machine
@@ -38,9 +38,9 @@ from pathlib import Path
 import _common  # noqa: E402,F401  (the checkout on sys.path)
 import real_models  # noqa: E402
 
-from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
-from qdq_optuna.graph import used_domains  # noqa: E402
-from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
+from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
+from qdq_optuna.model.graph import used_domains  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {  # name -> (backend, rules, further tune arguments)
@@ -117,7 +117,7 @@ def check_model(optimized: Path, original: Path, held: dict, optimize: bool,
     Runtime's CPU provider has no BF16 kernels)."""
     import onnx
 
-    from qdq_optuna.precision import bf16_computed_in_fp32
+    from qdq_optuna.model.precision import bf16_computed_in_fp32
 
     out: dict = {}
     try:

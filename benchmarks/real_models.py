@@ -404,7 +404,7 @@ def benchmark_model(name: str, size: str, samples: int, cache: str | None = None
     """(model: a zoo proto or a real model's path, --input-shapes, calibration inputs, held-out
     inputs, which inputs those are) for a zoo name or a name of :data:`MODELS`."""
     if name in ZOO:
-        from qdq_optuna import zoo
+        from qdq_optuna.examples import zoo
 
         model = zoo.build(name, size)
         return (model, None, zoo_inputs(model, samples, 0), zoo_inputs(model, samples, 1),

@@ -5,7 +5,7 @@ per-channel, uint8 activations, int8 weights, calibrated on the benchmark inputs
 placement read back and projected onto our insertion points (``starts.ort_recipe_start``); the
 projected start is exported with our exporter and the recipe's own scales. Both models are then
 loaded by ONNX Runtime (CPU, ``ORT_ENABLE_ALL``, ``optimized_model_filepath``) and the op types
-of the optimized graphs compared (``qdq_optuna.kernels``): integer kernels (QLinearConv,
+of the optimized graphs compared (``qdq_optuna.backends.onnxruntime_kernels``): integer kernels (QLinearConv,
 QLinearMatMul, QLinearAdd, QGemm, ...), Q/DQ nodes left, and the nodes that still compute in
 float. No timing: equal kernels mean the same work, whatever the machine.
 
@@ -28,8 +28,8 @@ import _common  # noqa: E402,F401  (the checkout on sys.path)
 import real_models  # noqa: E402
 
 from qdq_optuna.errors import UserError  # noqa: E402
-from qdq_optuna.kernels import recipe_parity  # noqa: E402
-from qdq_optuna.model import PreparedModel  # noqa: E402
+from qdq_optuna.measure.recipe_parity import recipe_parity  # noqa: E402
+from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
 
 ZOO_MODELS = [f"{m}@{s}" for m in real_models.ZOO for s in ("small", "medium")]
 DEFAULT_MODELS = ZOO_MODELS + list(real_models.MODELS)

@@ -19,9 +19,10 @@ import time
 
 import _common  # noqa: E402,F401  (the checkout on sys.path)
 
-from qdq_optuna import PreparedModel, zoo  # noqa: E402
+from qdq_optuna import PreparedModel
 from qdq_optuna.backends.costmodel import estimate  # noqa: E402
-from qdq_optuna.insertion.rules import residual_conv  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.placement.rules import residual_conv  # noqa: E402
 
 #: name -> (blocks, BatchNorm folded into the Convs as exporters do in eval mode)
 MODELS = {"resnet18": ((2, 2, 2, 2), False), "resnet18-folded": ((2, 2, 2, 2), True),

@@ -34,17 +34,17 @@ from pathlib import Path
 import _common  # noqa: E402,F401  (the checkout on sys.path)
 import optuna
 
-from qdq_optuna import zoo  # noqa: E402
 from qdq_optuna.backends.costmodel import CostModelBackend  # noqa: E402
 from qdq_optuna.config import Config  # noqa: E402
-from qdq_optuna.model import PreparedModel  # noqa: E402
-from qdq_optuna.sampling import make_sampler  # noqa: E402
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.search.samplers import make_sampler  # noqa: E402
 
 
 def pattern_attrs(pm, pp) -> dict:
     """The study user attributes the search sets for a pattern (its sampler reads them)."""
-    from qdq_optuna.scheme import ChoiceSpace
-    from qdq_optuna.search._record import pattern_attrs as stored
+    from qdq_optuna.placement.scheme import ChoiceSpace
+    from qdq_optuna.record.attrs import pattern_attrs as stored
 
     return stored(pp, pm, ChoiceSpace((pm.quant_type,)))
 

@@ -41,13 +41,14 @@ from pathlib import Path
 
 import _common  # noqa: E402,F401  (the checkout on sys.path)
 
-from qdq_optuna import Config, zoo  # noqa: E402
-from qdq_optuna.export import QDQExporter, upgrade_for  # noqa: E402
-from qdq_optuna.graph import load_model  # noqa: E402
-from qdq_optuna.insertion.points import enumerate_points  # noqa: E402
-from qdq_optuna.insertion.rules import rules_for  # noqa: E402
-from qdq_optuna.patterns import PatternIndex  # noqa: E402
-from qdq_optuna.regions import RegionConfig, discover_regions  # noqa: E402
+from qdq_optuna import Config
+from qdq_optuna.examples import zoo  # noqa: E402
+from qdq_optuna.model.graph import load_model  # noqa: E402
+from qdq_optuna.placement.export import QDQExporter, upgrade_for  # noqa: E402
+from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
+from qdq_optuna.placement.points import enumerate_points  # noqa: E402
+from qdq_optuna.placement.regions import RegionConfig, discover_regions  # noqa: E402
+from qdq_optuna.placement.rules import rules_for  # noqa: E402
 
 TARGET_ANALYSIS_S = 2.0
 TARGET_EXPORT_MS = 50.0

@@ -191,7 +191,8 @@ import json, sys, tempfile, os
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import qdq_optuna
-from qdq_optuna import zoo, Config
+from qdq_optuna import Config
+from qdq_optuna.examples import zoo
 root = Path(qdq_optuna.__file__).resolve().parent
 
 def module_of(frame):

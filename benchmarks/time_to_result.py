@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import qdq_optuna
-from qdq_optuna import zoo
 from qdq_optuna.config import Config
+from qdq_optuna.examples import zoo
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 

@@ -27,8 +27,8 @@ import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402
-from qdq_optuna.measure import Measurer, TimingProtocol  # noqa: E402
-from qdq_optuna.zoo import matmul_chain  # noqa: E402
+from qdq_optuna.examples.zoo import matmul_chain  # noqa: E402
+from qdq_optuna.measure.timing import Measurer, TimingProtocol  # noqa: E402
 
 
 def chain_model(layers: int, width: int, rows: int) -> bytes:

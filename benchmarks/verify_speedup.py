@@ -147,7 +147,7 @@ def trial_seconds(out: Path) -> list[float]:
     import optuna
     from optuna.trial import TrialState
 
-    from qdq_optuna.storage import open_storage
+    from qdq_optuna.record.storage import open_storage
 
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     secs = []
@@ -253,7 +253,7 @@ def isolation_overhead(args) -> dict:
         runs[label]["speedup"] = r["report"]["speedup"]
     # the same comparison through both backends, alternating, so drift hits both alike
     from qdq_optuna.backends import make_backend
-    from qdq_optuna.measure import Measurer, TimingProtocol
+    from qdq_optuna.measure.timing import Measurer, TimingProtocol
 
     float_bytes = model.read_bytes()
     tuned_bytes = (work / "isolated" / "optimized.onnx").read_bytes()

@@ -34,8 +34,8 @@ import numpy as np
 import real_models  # noqa: E402
 import verify_speedup  # noqa: E402
 
-from qdq_optuna import starts  # noqa: E402
-from qdq_optuna.accuracy import output_errors, run_model, summarize  # noqa: E402
+from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
+from qdq_optuna.placement import starts  # noqa: E402
 
 
 def recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> Path:

@@ -3,7 +3,7 @@ rules, FP16 high precision: what ``tune --backend costmodel`` runs by default).
 
 For each zoo model and size it reports the latency of: the baseline (the FP16 model); every
 offered point on; the TensorRT PTQ recipe (NVIDIA Model Optimizer's default INT8 placement: run
-for real with ``--modelopt-python``, else its rules in ``qdq_optuna.starts``); a long coordinate
+for real with ``--modelopt-python``, else its rules in ``qdq_optuna.placement.starts``); a long coordinate
 descent over every point, fusion group, Concat group and chain of every pattern, from each of
 those starts, until a whole pass improves nothing (the best-known reference, thousands of
 evaluations); and ``qdq_optuna.tune(..., backend="costmodel")`` with default settings and 30
@@ -34,10 +34,11 @@ from pathlib import Path
 import onnx
 
 import qdq_optuna
-from qdq_optuna import starts, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.config import Config
-from qdq_optuna.model import PreparedModel
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement import starts
+from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.search._moves import chain_groups
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .config import Config
-from .errors import ModelError, OptionError, UserError
-from .export import QDQExporter, QuantPlan
-from .model import PreparedModel
+from qdq_optuna.config import Config
+from qdq_optuna.errors import ModelError, OptionError, UserError
+from qdq_optuna.placement.export import QDQExporter, QuantPlan
+from qdq_optuna.placement.prepared import PreparedModel
 
 __all__ = [
     "Autotuner",
@@ -27,7 +27,7 @@ __all__ = [
 
 #: public name -> the private module that defines it
 _LAZY = {"tune": "search._run", "Tuner": "search._run", "TuneOptions": "search._options",
-         "TuneResult": "search._options", "Autotuner": "autotuner"}
+         "TuneResult": "search._options", "Autotuner": "search.autotuner"}
 
 
 def __getattr__(name: str):

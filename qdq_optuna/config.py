@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import OptionError
+from qdq_optuna.errors import OptionError
 
 #: ``--start``: where the whole-model descent starts (see :attr:`Config.start`)
 START_CHOICES = ("best", "float", "recipe", "all")

@@ -16,7 +16,7 @@ from pathlib import Path
 import _latency_fns as fns
 
 from qdq_optuna.backends.base import Backend, FixedRunner
-from qdq_optuna.export import graph_output_names
+from qdq_optuna.placement.export import graph_output_names
 
 
 def quantized_tensors(model) -> frozenset[str]:

@@ -20,7 +20,7 @@ ort.set_default_logger_severity(3)
 
 @pytest.fixture(scope="session")
 def zoo_model():
-    from qdq_optuna import zoo
+    from qdq_optuna.examples import zoo
 
     cache: dict[str, onnx.ModelProto] = {}
 
@@ -52,7 +52,7 @@ def analyzed(zoo_model):
 @pytest.fixture(scope="module")
 def residual(tmp_path_factory):
     """tiny_residual saved as a file, one per test module (tests check it stays unchanged)."""
-    from qdq_optuna import zoo
+    from qdq_optuna.examples import zoo
 
     path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
     onnx.save(zoo.build("tiny_residual"), str(path))

@@ -402,9 +402,9 @@ def spec_summary(spec: DagSpec) -> Sequence[str]:
 class Analysis:
     """Everything the model side computes for one graph and one rule table."""
 
-    graph: object  # qdq_optuna.graph.Graph
-    tree: object  # qdq_optuna.regions.RegionTree
-    index: object  # qdq_optuna.patterns.PatternIndex
+    graph: object  # qdq_optuna.model.graph.Graph
+    tree: object  # qdq_optuna.placement.regions.RegionTree
+    index: object  # qdq_optuna.placement.patterns.PatternIndex
     points: list  # list[PatternPoints], one per pattern, in pattern order
 
     def point_refs(self) -> list[tuple[object, str]]:
@@ -424,11 +424,11 @@ class Analysis:
 
 def analyze(source, rules, quant_types: Sequence[str] = ("int8",), input_shapes=None) -> Analysis:
     """load_model (or take a Graph) -> upgrade_for -> regions -> patterns -> points."""
-    from qdq_optuna.export import upgrade_for
-    from qdq_optuna.graph import Graph, load_model
-    from qdq_optuna.insertion.points import enumerate_points
-    from qdq_optuna.patterns import PatternIndex
-    from qdq_optuna.regions import discover_regions
+    from qdq_optuna.model.graph import Graph, load_model
+    from qdq_optuna.placement.export import upgrade_for
+    from qdq_optuna.placement.patterns import PatternIndex
+    from qdq_optuna.placement.points import enumerate_points
+    from qdq_optuna.placement.regions import discover_regions
 
     graph = source if isinstance(source, Graph) else load_model(source, input_shapes)
     graph = upgrade_for(graph, quant_types)
@@ -476,8 +476,8 @@ def run_ort(model: onnx.ModelProto | bytes, feeds: dict[str, np.ndarray] | None 
 
 
 def check_tree(graph, tree) -> None:
-    """Every structural promise of ``discover_regions`` (see qdq_optuna/regions.py)."""
-    from qdq_optuna.regions import RegionType
+    """Every structural promise of ``discover_regions`` (see qdq_optuna/placement/regions.py)."""
+    from qdq_optuna.placement.regions import RegionType
 
     n = len(graph.nodes)
     everything = list(range(n))

@@ -10,7 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna.accuracy import (
+from qdq_optuna.errors import OptionError
+from qdq_optuna.measure.accuracy import (
     AccuracyError,
     AccuracyEvaluator,
     error_value,
@@ -19,8 +20,7 @@ from qdq_optuna.accuracy import (
     run_model,
     summarize,
 )
-from qdq_optuna.calibration import METHODS, activation_params, collect_statistics
-from qdq_optuna.errors import OptionError
+from qdq_optuna.model.calibration import METHODS, activation_params, collect_statistics
 
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)

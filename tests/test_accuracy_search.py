@@ -18,13 +18,14 @@ from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 from test_final_placement import rewards_quantized_ops
 
-from qdq_optuna import Config, tune, zoo
-from qdq_optuna.accuracy import AccuracyEvaluator
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.calibration import random_calibration_data
-from qdq_optuna.cli import main
-from qdq_optuna.objectives import choose_candidate, pareto_indices
-from qdq_optuna.storage import open_storage
+from qdq_optuna.cli.main import main
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure.accuracy import AccuracyEvaluator
+from qdq_optuna.model.calibration import random_calibration_data
+from qdq_optuna.record.storage import open_storage
+from qdq_optuna.search.objectives import choose_candidate, pareto_indices
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

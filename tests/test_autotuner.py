@@ -6,8 +6,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qdq_optuna import Autotuner, zoo
-from qdq_optuna.export import quantized_tensors
+from qdq_optuna import Autotuner
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement.export import quantized_tensors
 
 
 def _qdq_latency(model_bytes: bytes) -> float:

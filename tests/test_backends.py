@@ -24,7 +24,7 @@ from qdq_optuna.backends import (
 )
 from qdq_optuna.backends.base import BackendError, BackendUnavailable, TransientBackendError
 from qdq_optuna.errors import OptionError, UserError
-from qdq_optuna.zoo import matmul_chain
+from qdq_optuna.examples.zoo import matmul_chain
 
 sys.path.insert(0, str(Path(__file__).parent))  # for the isolated worker's test backend
 import _crashy_backend  # noqa: E402

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qdq_optuna import bench
-from qdq_optuna.cli import main
+from qdq_optuna.cli import bench
+from qdq_optuna.cli.main import main
 
 SMOKE = bench.find_recipe("smoke")  # the shipped recipe (a checkout's studies/ or the wheel's)
 

@@ -33,9 +33,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_resume import REPO, cli_env
 
-from qdq_optuna.export import external_sources
-from qdq_optuna.graph import INLINE_EXTERNAL_ENV, PROTOBUF_LIMIT
-from qdq_optuna.model import PreparedModel
+from qdq_optuna._files import external_sources
+from qdq_optuna.model.graph import INLINE_EXTERNAL_ENV, PROTOBUF_LIMIT
+from qdq_optuna.placement.prepared import PreparedModel
 
 SLOW = os.environ.get("QDQ_OPTUNA_SLOW") == "1"
 
@@ -225,8 +225,8 @@ def test_big_inline_models_are_read_once_and_exported_to_files(tmp_path, monkeyp
     initializers go straight into the graph's serialized store), and above
     ``$QDQ_OPTUNA_FILE_EXPORT_BYTES`` its exports are files written piece by piece, never one
     bytes object: the same models as byte exports, and a tune run gives a valid model."""
-    from qdq_optuna.export import FILE_EXPORT_ENV, ExportedModel
-    from qdq_optuna.graph import load_model
+    from qdq_optuna.model.graph import load_model
+    from qdq_optuna.placement.export import FILE_EXPORT_ENV, ExportedModel
 
     folder = tmp_path / "in"
     folder.mkdir()

@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna.calibration import (
+from qdq_optuna.errors import OptionError, UserError
+from qdq_optuna.model.calibration import (
     METHODS,
     MIN_SCALE,
     QUANT_TYPES,
@@ -29,7 +30,6 @@ from qdq_optuna.calibration import (
     share_concat_scales,
     share_input_scales,
 )
-from qdq_optuna.errors import OptionError, UserError
 
 INTERMEDIATE = ["c1", "r1", "y"]
 
@@ -392,8 +392,8 @@ def _optimized_ops(model_bytes: bytes, tmp_path) -> collections.Counter:
 
 def _yolo_scales(method: str):
     """The small YOLO-like zoo model under ONNX Runtime rules and its own activation scales."""
-    from qdq_optuna import zoo
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.placement.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
     data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)
@@ -405,7 +405,7 @@ def test_shared_scales_let_onnxruntime_run_maxpool_and_split_on_8_bit_data(tmp_p
     """As quantize_static does: MaxPool's and Split's outputs carry their input's scale, so
     ONNX Runtime drops their DQ -> op -> Q (SPPF's MaxPools become NhwcMaxPool); with scales of
     their own, Q/DQ stay around float MaxPool and Split."""
-    from qdq_optuna import starts
+    from qdq_optuna.placement import starts
 
     pm, own = _yolo_scales("minmax")
     shared = share_input_scales(pm.graph.nodes, own)
@@ -450,7 +450,7 @@ def test_concat_scales_let_onnxruntime_copy_concat_inputs(tmp_path):
     is requantized by QLinearConcat; sharing the Concat's parameters with its inputs of a
     comparable range turns most into copies, keeps SAME_SCALE_OPS ties (MaxPool still runs on
     uint8) and leaves every tensor in its group's range."""
-    from qdq_optuna import starts
+    from qdq_optuna.placement import starts
 
     pm, own = _yolo_scales("percentile")
     before = share_input_scales(pm.graph.nodes, own)

@@ -14,9 +14,9 @@ import optuna
 import pytest
 import yaml
 
-from qdq_optuna import zoo
-from qdq_optuna.model import PreparedModel
-from qdq_optuna.search._record import run_attrs
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.record.attrs import run_attrs
 
 REPO = Path(__file__).resolve().parent.parent
 ERROR = "qdq-optuna: error:"
@@ -221,7 +221,7 @@ def test_a_log_has_whole_lines_and_each_warning_once(quick_run):
 def test_a_repeated_warning_is_said_once(capsys):
     import logging
 
-    from qdq_optuna.cli import _setup_logging
+    from qdq_optuna.cli.main import _setup_logging
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

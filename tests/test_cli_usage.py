@@ -12,8 +12,9 @@ from pathlib import Path
 import onnx
 import pytest
 
-from qdq_optuna import __version__, zoo
-from qdq_optuna.cli import DEFAULT_OUTPUT, build_parser, main
+from qdq_optuna import __version__
+from qdq_optuna.cli.main import DEFAULT_OUTPUT, build_parser, main
+from qdq_optuna.examples import zoo
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ("tune", "inspect", "dashboard", "example", "bench")
@@ -68,7 +69,7 @@ def test_verbosity_on_every_command_before_and_after_it(command):
 
 def test_rerun_with_v_shows_the_traceback(model, monkeypatch, capsys):
     """The internal-error hint is not a dead end: -v (anywhere) gives the traceback."""
-    from qdq_optuna import model as model_module
+    from qdq_optuna.placement import prepared as model_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("something internal")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qdq_optuna.measure import REMOVAL_MARGIN, CommitRule, Comparison
+from qdq_optuna.measure.timing import REMOVAL_MARGIN, CommitRule, Comparison
 
 
 def _cmp(ratio: float, lo: float, hi: float) -> Comparison:

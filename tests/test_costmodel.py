@@ -577,15 +577,15 @@ def test_int8_conv_fuses_the_add_only_with_an_int8_residual():
 def test_graph_input_cast_fuses_with_its_q():
     """keep_io_types models start with a Cast of the FP32 input: with a Q after it, the two
     are one kernel that writes INT8 (no stand-alone Q)."""
-    from qdq_optuna import zoo
-    from qdq_optuna.export import QDQExporter
-    from qdq_optuna.graph import Graph
-    from qdq_optuna.insertion.rules import TENSORRT
-    from qdq_optuna.precision import convert_precision
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.model.graph import Graph
+    from qdq_optuna.model.precision import convert_precision
+    from qdq_optuna.placement.export import QDQExporter
+    from qdq_optuna.placement.rules import TENSORRT
 
     hp = convert_precision(zoo.build("resnet", "small"), "fp16")
     graph = Graph.from_model(hp.model)
-    from qdq_optuna.export import upgrade_for
+    from qdq_optuna.placement.export import upgrade_for
 
     graph = upgrade_for(graph, ["int8"])
     exporter = QDQExporter(graph, TENSORRT, "int8", high_precision=hp)
@@ -602,8 +602,9 @@ def test_resnet_downsampling_shortcut_is_offered_and_pays():
     """The TensorRT rules offer Q/DQ on the shortcut Conv's output of a downsampling block
     (never on the main path's); with it the main path's INT8 Conv takes the Add, and the best
     placement a climb finds on the cost model is faster than the best without it."""
-    from qdq_optuna import PreparedModel, zoo
-    from qdq_optuna.insertion.rules import residual_conv
+    from qdq_optuna import PreparedModel
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.placement.rules import residual_conv
 
     pm = PreparedModel.prepare(zoo.resnet_like(image=64, width=32, blocks=(1, 1, 1, 1),
                                                num_classes=10),

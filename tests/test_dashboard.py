@@ -39,11 +39,12 @@ import onnx
 import optuna
 import pytest
 
-from qdq_optuna import Config, tune, zoo
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.dashboard import ARTIFACT_DIR, convergence_png, pattern_note, region_svg
-from qdq_optuna.model import PreparedModel
-from qdq_optuna.storage import open_storage
+from qdq_optuna.examples import zoo
+from qdq_optuna.outputs.dashboard import ARTIFACT_DIR, convergence_png, pattern_note, region_svg
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.record.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
@@ -405,7 +406,7 @@ def test_busy_port_and_port_zero(run, tmp_path):
 
 
 def test_cli_errors(tmp_path):
-    from qdq_optuna.cli import main
+    from qdq_optuna.cli.main import main
 
     assert main(["dashboard", str(tmp_path)]) == 2  # no studies.db
     assert main(["dashboard", str(tmp_path / "missing")]) == 2

@@ -1,4 +1,4 @@
-"""Calibration/validation data and models given from Python (``qdq_optuna.data``)."""
+"""Calibration/validation data and models given from Python (``qdq_optuna.model.data``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import onnx
 import pytest
 from onnxruntime.quantization import CalibrationDataReader
 
-from qdq_optuna import ModelError, UserError, calibration, zoo
-from qdq_optuna.data import data_digest, describe_model, input_data, model_argument
+from qdq_optuna import ModelError, UserError
+from qdq_optuna.examples import zoo
+from qdq_optuna.model import calibration
+from qdq_optuna.model.data import data_digest, describe_model, input_data, model_argument
 
 
 class Reader(CalibrationDataReader):

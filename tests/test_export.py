@@ -19,9 +19,10 @@ from strategies import (
     spec_summary,
 )
 
-from qdq_optuna import zoo
 from qdq_optuna.errors import ModelError, OptionError
-from qdq_optuna.export import (
+from qdq_optuna.examples import zoo
+from qdq_optuna.model.graph import GRAPH_OUTPUT, load_model, opset_of
+from qdq_optuna.placement.export import (
     QDQExporter,
     QuantPlan,
     check_quant_type,
@@ -31,8 +32,7 @@ from qdq_optuna.export import (
     upgrade_for,
     weight_scales,
 )
-from qdq_optuna.graph import GRAPH_OUTPUT, load_model, opset_of
-from qdq_optuna.insertion.rules import ONNXRUNTIME_CPU, TENSORRT, WEIGHTED_OPS
+from qdq_optuna.placement.rules import ONNXRUNTIME_CPU, TENSORRT, WEIGHTED_OPS
 
 RULES = [TENSORRT, ONNXRUNTIME_CPU]
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -614,8 +614,9 @@ def _bias_model() -> onnx.ModelProto:
 def test_a_quantized_graph_output_keeps_its_name_and_its_op_runs_quantized(zoo_model):
     """tiny_concat ends in a Conv writing the graph output: with the output's Q/DQ (its DQ
     writes the output's name) ONNX Runtime runs that Conv as a QLinearConv too."""
-    from qdq_optuna import kernels, starts
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.backends import onnxruntime_kernels as kernels
+    from qdq_optuna.placement import starts
+    from qdq_optuna.placement.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime")
     exporter = pm.exporter()
@@ -663,7 +664,7 @@ def test_constant_operands_come_with_their_ops_activations():
     from onnxruntime.quantization.quant_utils import compute_data_quant_params
     from strategies import analyze
 
-    from qdq_optuna import kernels
+    from qdq_optuna.backends import onnxruntime_kernels as kernels
 
     a = analyze(_bias_model(), ONNXRUNTIME_CPU, quant_types=("uint8",))
     matmul, add, relu = a.node("matmul"), a.node("add"), a.node("relu")
@@ -693,8 +694,9 @@ def test_an_embedding_table_takes_its_lookups_scale(zoo_model):
     with quantization), and ONNX Runtime looks up the quantized table with no Q after it."""
     import dataclasses
 
-    from qdq_optuna import kernels, starts
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.backends import onnxruntime_kernels as kernels
+    from qdq_optuna.placement import starts
+    from qdq_optuna.placement.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo_model("transformer"), runtime="onnxruntime")
     gather = next(i for i, n in enumerate(pm.graph.nodes) if n.op_type == "Gather")
@@ -721,7 +723,7 @@ def test_weights_take_seven_bits_where_onnx_runtime_kernels_saturate(monkeypatch
     """ONNX Runtime's u8 x s8 kernels on x86-64 without VNNI sum pairs in 16 bits: 8-bit
     weights overflow there, so its rules quantize weights to 7 bits (its ``reduce_range``);
     TensorRT's never do."""
-    import qdq_optuna.export as export
+    import qdq_optuna.placement.export as export
     from qdq_optuna import PreparedModel
 
     monkeypatch.setattr(export, "cpu_saturates_u8s8", lambda: saturates)

@@ -21,10 +21,11 @@ import optuna
 import pytest
 from _runs import standing_schemes
 
-from qdq_optuna import Config, tune, zoo
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.export import graph_output_names
-from qdq_optuna.storage import open_storage
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement.export import graph_output_names
+from qdq_optuna.record.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

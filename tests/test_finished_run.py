@@ -13,9 +13,10 @@ import onnx
 import pytest
 from test_resume import REPO, cli_env
 
-from qdq_optuna import Config, tune, zoo
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.storage import open_storage
+from qdq_optuna.examples import zoo
+from qdq_optuna.record.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

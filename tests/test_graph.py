@@ -13,9 +13,9 @@ from hypothesis import given
 from onnx import TensorProto, helper, numpy_helper
 from strategies import PROPERTY, dag_models, run_ort
 
-from qdq_optuna import zoo
 from qdq_optuna.errors import ModelError, OptionError, UserError
-from qdq_optuna.graph import (
+from qdq_optuna.examples import zoo
+from qdq_optuna.model.graph import (
     Graph,
     InputShapes,
     ensure_opset,
@@ -177,8 +177,8 @@ def test_unsupported_opset(tmp_path, chain, opset):
 
 
 def test_already_quantized(tmp_path, chain):
-    from qdq_optuna.export import QDQExporter
-    from qdq_optuna.insertion.rules import TENSORRT
+    from qdq_optuna.placement.export import QDQExporter
+    from qdq_optuna.placement.rules import TENSORRT
 
     graph = load_model(chain)
     exporter = QDQExporter(graph, TENSORRT, "int8")

@@ -23,11 +23,12 @@ import onnx
 import pytest
 from test_resume import REPO, cli_env
 
-from qdq_optuna import Config, tune, zoo
-from qdq_optuna.accuracy import output_errors, run_model, summarize
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.export import quantized_tensors
-from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure.accuracy import output_errors, run_model, summarize
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.placement.export import quantized_tensors
 from qdq_optuna.search._guard import FALLBACK, WITHIN_BOUND
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -176,13 +177,13 @@ def _guard(model: onnx.ModelProto, bound: float):
     FP32 model on the calibration data, the error memo in an Optuna study."""
     import optuna
 
-    from qdq_optuna import calibration
-    from qdq_optuna.accuracy import ErrorScorer
-    from qdq_optuna.measure import Measurer
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.measure.accuracy import ErrorScorer
+    from qdq_optuna.measure.timing import Measurer
+    from qdq_optuna.model import calibration
+    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.record.attrs import PlanMemo, RunAttr
     from qdq_optuna.search._guard import Guard
     from qdq_optuna.search._plans import PlanMeasurer
-    from qdq_optuna.search._record import PlanMemo, RunAttr
 
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(),

@@ -21,7 +21,7 @@ import onnx
 import pytest
 from hostile import CASES, PWNED_MARKER, Case, Ctx
 
-from qdq_optuna import zoo
+from qdq_optuna.examples import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 90

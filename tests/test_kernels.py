@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from qdq_optuna import kernels, zoo
-from qdq_optuna.kernels import Kernels, RecipeParity
+from qdq_optuna.backends import onnxruntime_kernels as kernels
+from qdq_optuna.backends.onnxruntime_kernels import Kernels
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure.recipe_parity import RecipeParity
 
 
 def test_a_float_model_runs_float_kernels_only():
@@ -17,7 +19,7 @@ def test_a_float_model_runs_float_kernels_only():
 def test_nodes_reading_a_dequantized_tensor_count_as_float(tmp_path):
     """ONNX Runtime leaves the tensors its fusions create untyped: a LayerNormalization that
     reads a DequantizeLinear's output is still a float kernel."""
-    from qdq_optuna import starts
+    from qdq_optuna.placement import starts
 
     model = zoo.build("transformer", "small")
     recipe = starts.ort_recipe_model(model, tmp_path)

@@ -12,11 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
-from qdq_optuna import measure
 from qdq_optuna.backends import CallableBackend, OnnxRuntimeBackend
 from qdq_optuna.backends.base import Backend, BackendError, Runner
 from qdq_optuna.errors import OptionError
-from qdq_optuna.measure import (
+from qdq_optuna.examples.zoo import matmul_chain
+from qdq_optuna.measure import timing as measure
+from qdq_optuna.measure.timing import (
     Comparison,
     Measurement,
     Measurer,
@@ -26,7 +27,6 @@ from qdq_optuna.measure import (
     ratio_interval,
     t_quantile,
 )
-from qdq_optuna.zoo import matmul_chain
 
 
 def chain_model(layers: int = 4, width: int = 128, rows: int = 32) -> bytes:

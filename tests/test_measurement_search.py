@@ -28,16 +28,17 @@ from _fake_trtexec import write_fake_trtexec
 from _runs import check_visit
 from optuna.trial import TrialState
 
-from qdq_optuna import Config, PreparedModel, TuneOptions, cli, tune
+from qdq_optuna import Config, PreparedModel, TuneOptions, tune
 from qdq_optuna.backends import IsolatedBackend
 from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.cli import main as cli
 from qdq_optuna.errors import UserError
-from qdq_optuna.measure import SCREEN_DISCARD_RATIO
-from qdq_optuna.scheme import ChoiceSpace
+from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
+from qdq_optuna.placement.scheme import ChoiceSpace
+from qdq_optuna.record.attrs import RunRecord
+from qdq_optuna.record.storage import open_storage
 from qdq_optuna.search._options import backend_for
-from qdq_optuna.search._record import RunRecord
-from qdq_optuna.storage import open_storage
 
 TESTS = Path(__file__).resolve().parent
 BUDGET = 6
@@ -117,7 +118,7 @@ def test_isolated_worker_keeps_recent_models_and_measurer_rewarms_a_new_worker()
     import _crashy_backend
 
     from qdq_optuna.backends.isolated import KEEP_MODELS
-    from qdq_optuna.measure import Measurer, TimingProtocol
+    from qdq_optuna.measure.timing import Measurer, TimingProtocol
 
     backend = IsolatedBackend(("_crashy_backend", "CrashyBackend", {}), start_timeout_s=120)
     try:

@@ -21,12 +21,13 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState
 from test_final_placement import rewards_quantized_ops
 
-from qdq_optuna import Config, tune, zoo
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.export import graph_output_names
-from qdq_optuna.model import PreparedModel
-from qdq_optuna.storage import open_storage
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement.export import graph_output_names
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.record.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -1,5 +1,5 @@
 """--exclude-nodes / --op-types: excluded nodes never get Q/DQ, whatever the points, seeds or
-promotions would place (``qdq_optuna.insertion.filters``)."""
+promotions would place (``qdq_optuna.placement.filters``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import logging
 import onnx
 import pytest
 
-from qdq_optuna import OptionError, PreparedModel, zoo
-from qdq_optuna.cache import baseline_seed
-from qdq_optuna.insertion.filters import NodeFilter
-from qdq_optuna.scheme import compute_inputs_scheme
+from qdq_optuna import OptionError, PreparedModel
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement.filters import NodeFilter
+from qdq_optuna.placement.scheme import compute_inputs_scheme
+from qdq_optuna.placement.seeds import baseline_seed
 
 
 def _dq_consumers(model: onnx.ModelProto) -> list[onnx.NodeProto]:

@@ -26,7 +26,7 @@ from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import UserError
-from qdq_optuna.storage import open_storage
+from qdq_optuna.record.storage import open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -10,12 +10,13 @@ import numpy as np
 import onnx
 import pytest
 
-from qdq_optuna import starts, zoo
 from qdq_optuna.backends import make_backend, runtime_for_backend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.insertion.rules import rules_for
-from qdq_optuna.model import PreparedModel
-from qdq_optuna.precision import resolve_high_precision
+from qdq_optuna.examples import zoo
+from qdq_optuna.model.precision import resolve_high_precision
+from qdq_optuna.placement import starts
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.rules import rules_for
 
 ov = pytest.importorskip("openvino")
 
@@ -168,7 +169,7 @@ def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
     pm = PreparedModel.prepare(model, runtime="openvino")
     scales = calibrated_scales(pm, TuneOptions(model=model, output_dir=str(tmp_path)),
                                tmp_path, None)
-    from qdq_optuna import calibration
+    from qdq_optuna.model import calibration
 
     data = calibration.random_calibration_data(pm.graph.model, None, samples=4, seed=0)
     own = calibration.activation_scales(

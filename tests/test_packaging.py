@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import qdq_optuna
-from qdq_optuna import bench
-from qdq_optuna.export import atomic_write_bytes
+from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna.cli import bench
 
 INSTALLED = os.environ.get("QDQ_OPTUNA_TEST_INSTALLED") == "1"
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def test_our_sampler_does_not_depend_on_a_top_level_samplers_package(tmp_path):
     code = textwrap.dedent("""
         import samplers
         from qdq_optuna.config import Config
-        from qdq_optuna.sampling import make_sampler
+        from qdq_optuna.search.samplers import make_sampler
         from qdq_optuna.samplers.qdq_mutation import QDQMutationSampler
         assert samplers.USER
         s = make_sampler("qdq", seed=0, config=Config())
@@ -117,7 +117,8 @@ def test_the_gp_extra_runs_the_gp_sampler(tmp_path):
     """``pip install qdq-optuna[gp]`` brings torch; then --sampler gp tunes (skipped without
     torch, where tests/test_search.py checks the clear error instead)."""
     pytest.importorskip("torch")
-    from qdq_optuna import Config, tune, zoo
+    from qdq_optuna import Config, tune
+    from qdq_optuna.examples import zoo
 
     model = tmp_path / "m.onnx"
     model.write_bytes(zoo.build("tiny_residual").SerializeToString())

@@ -27,10 +27,10 @@ from strategies import (
     spec_summary,
 )
 
-from qdq_optuna.graph import load_model
-from qdq_optuna.insertion.rules import ONNXRUNTIME_CPU, TENSORRT
-from qdq_optuna.patterns import COMMUTATIVE_OPS, PatternIndex
-from qdq_optuna.regions import RegionTree, RegionType, discover_regions
+from qdq_optuna.model.graph import load_model
+from qdq_optuna.placement.patterns import COMMUTATIVE_OPS, PatternIndex
+from qdq_optuna.placement.regions import RegionTree, RegionType, discover_regions
+from qdq_optuna.placement.rules import ONNXRUNTIME_CPU, TENSORRT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def _block_of(graph, region) -> set[str]:
 
 
 def test_resnet_basic_blocks_share_a_pattern(zoo_model):
-    from qdq_optuna import zoo
+    from qdq_optuna.examples import zoo
 
     graph = load_model(zoo.small("resnet", blocks=(2, 2, 2, 2)))
     tree = discover_regions(graph)
@@ -297,12 +297,12 @@ def test_transformer_layers_share_patterns(analyzed):
 _SCRIPT = textwrap.dedent(
     """
     import json
-    from qdq_optuna import zoo
-    from qdq_optuna.graph import load_model
-    from qdq_optuna.insertion.points import enumerate_points
-    from qdq_optuna.insertion.rules import TENSORRT
-    from qdq_optuna.patterns import PatternIndex
-    from qdq_optuna.regions import discover_regions
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.model.graph import load_model
+    from qdq_optuna.placement.points import enumerate_points
+    from qdq_optuna.placement.rules import TENSORRT
+    from qdq_optuna.placement.patterns import PatternIndex
+    from qdq_optuna.placement.regions import discover_regions
 
     out = []
     for name in ("yolo", "transformer"):

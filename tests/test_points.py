@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from strategies import PROPERTY, analyze, build_model, dag_specs, spec_summary
 
-from qdq_optuna.graph import GRAPH_OUTPUT
-from qdq_optuna.insertion.points import (
+from qdq_optuna.model.graph import GRAPH_OUTPUT
+from qdq_optuna.placement.points import (
     CHILD_REGION_INPUT,
     NODE_INPUT,
     REGION_OUTPUT,
     InsertionPoint,
 )
-from qdq_optuna.insertion.rules import (
+from qdq_optuna.placement.rules import (
     ONNXRUNTIME_CPU,
     STRUCTURAL_INPUTS,
     TENSORRT,
@@ -369,7 +369,7 @@ def test_graph_output_is_covered_by_its_tensor_level_point(analyzed):
 
 @pytest.mark.parametrize("option", [{"op_types": "Relu,Concat"}, {"exclude_nodes": "sppf/conv"}])
 def test_node_filters_keep_the_graph_output_of_an_excluded_node_float(zoo_model, option):
-    from qdq_optuna.model import PreparedModel
+    from qdq_optuna.placement.prepared import PreparedModel
 
     use = ("output", GRAPH_OUTPUT, 0)
     pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime", **option)

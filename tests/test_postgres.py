@@ -20,8 +20,8 @@ from _runs import check_visit, is_visit
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
-from qdq_optuna.search._record import delete_run
-from qdq_optuna.storage import open_storage
+from qdq_optuna.record.attrs import delete_run
+from qdq_optuna.record.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 URL_ENV = "QDQ_OPTUNA_TEST_POSTGRES_URL"

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna import PreparedModel
 from qdq_optuna.errors import OptionError
-from qdq_optuna.precision import (
+from qdq_optuna.model.precision import (
     KEEP_FP32,
     convert_precision,
     float_types,
@@ -300,7 +300,7 @@ def test_scales_calibrated_on_fp32_names_reach_the_converted_graph(zoo_model):
 def test_fp16_qdq_model_computes_what_the_fp32_one_does(zoo_model):
     """Same plan, same scales: the FP16 Q/DQ model's outputs stay within FP16 rounding of the
     FP32 Q/DQ model's (ONNX Runtime CPU runs both)."""
-    from qdq_optuna import calibration
+    from qdq_optuna.model import calibration
 
     model = zoo_model("resnet")
     feeds = feeds_for(model)
@@ -369,7 +369,8 @@ def test_report_says_what_onnx_runtime_cpu_does_with_the_fp16_model(tmp_path):
     """TensorRT rules, FP16 default: the guard scores the Q/DQ as written; the report also
     says what a default ONNX Runtime CPU session does with the file (here: refuses it, its
     QLinearConcat fusion takes no FP16 scales), and how to check it the guard's way."""
-    from qdq_optuna import Config, tune, zoo
+    from qdq_optuna import Config, tune
+    from qdq_optuna.examples import zoo
 
     model = zoo.build("tiny_concat")
     result = tune(model, tmp_path / "out", backend="costmodel", runtime="tensorrt",

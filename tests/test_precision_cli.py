@@ -10,8 +10,8 @@ import corpus
 import onnx
 import pytest
 
-from qdq_optuna import zoo
-from qdq_optuna.cli import main
+from qdq_optuna.cli.main import main
+from qdq_optuna.examples import zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -139,7 +139,7 @@ def test_refinement_stages_are_named_in_lines():
 
 
 def test_tune_piped_to_a_file_has_no_redraws(tmp_path):
-    from qdq_optuna import zoo
+    from qdq_optuna.examples import zoo
 
     model = tmp_path / "m.onnx"
     model.write_bytes(zoo.build("tiny_residual").SerializeToString())

@@ -17,13 +17,19 @@ import pytest
 from test_cli import cli
 
 import qdq_optuna
-from qdq_optuna import calibration, zoo
-from qdq_optuna.accuracy import AccuracyEvaluator
 from qdq_optuna.config import Config
 from qdq_optuna.errors import ModelError
-from qdq_optuna.graph import InputShapes, load_model, node_label, opset_of, used_domains
-from qdq_optuna.guard import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function, sub_plan
-from qdq_optuna.model import PreparedModel
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure.accuracy import AccuracyEvaluator
+from qdq_optuna.measure.bisect import (
+    DEFAULT_MAX_OUTPUT_ERROR,
+    bisect_plan,
+    plan_error_function,
+    sub_plan,
+)
+from qdq_optuna.model import calibration
+from qdq_optuna.model.graph import InputShapes, load_model, node_label, opset_of, used_domains
+from qdq_optuna.placement.prepared import PreparedModel
 
 RUNTIMES = {"tensorrt": "int8", "onnxruntime": "uint8"}
 
@@ -348,8 +354,8 @@ def test_high_precision_prepares_every_trait(build, precision):
 
 
 def test_precision_conversion_leaves_its_input_alone():
-    from qdq_optuna.graph import load_model
-    from qdq_optuna.precision import convert_precision
+    from qdq_optuna.model.graph import load_model
+    from qdq_optuna.model.precision import convert_precision
 
     graph = load_model(corpus.constant_batchnorm())
     before = graph.model.SerializeToString()

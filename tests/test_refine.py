@@ -13,10 +13,11 @@ import optuna
 import pytest
 from _runs import check_visit, is_visit
 
-from qdq_optuna import Config, tune, zoo
+from qdq_optuna import Config, tune
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.storage import open_storage
+from qdq_optuna.examples import zoo
+from qdq_optuna.record.storage import open_storage
 
 BUDGET = 30
 

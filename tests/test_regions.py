@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import PROPERTY, build_model, check_tree, dag_specs, node_count, spec_summary
 
-from qdq_optuna.graph import load_model
-from qdq_optuna.regions import RegionConfig, RegionTree, RegionType, discover_regions
+from qdq_optuna.model.graph import load_model
+from qdq_optuna.placement.regions import RegionConfig, RegionTree, RegionType, discover_regions
 
 ZOO = ["resnet", "mobilenet", "yolo", "transformer", "tiny_chain", "tiny_residual",
        "tiny_concat", "tiny_attention"]

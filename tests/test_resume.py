@@ -23,8 +23,8 @@ from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.search._record import run_attrs
-from qdq_optuna.storage import open_storage
+from qdq_optuna.record.attrs import run_attrs
+from qdq_optuna.record.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = 6

@@ -24,8 +24,8 @@ from optuna.trial import TrialState
 from qdq_optuna import Config, PreparedModel, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
-from qdq_optuna.export import graph_output_names
-from qdq_optuna.storage import open_storage
+from qdq_optuna.placement.export import graph_output_names
+from qdq_optuna.record.storage import open_storage
 
 BUDGET = 6
 REPORT_KEYS = {"baseline_latency_ms", "final_latency_ms", "speedup", "quantized_tensors",
@@ -484,8 +484,8 @@ def test_a_recipe_the_quantizer_refuses_is_skipped_as_a_start(residual, tmp_path
     starts and says so in one warning (the failure itself: test_starts)."""
     import logging
 
-    from qdq_optuna import starts
     from qdq_optuna.errors import ToolError
+    from qdq_optuna.placement import starts
 
     def refuses(*args, **kwargs):
         raise ToolError("ONNX Runtime's recipe (quant_pre_process + quantize_static) failed on "

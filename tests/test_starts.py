@@ -11,13 +11,15 @@ import onnxruntime as ort
 import pytest
 
 import qdq_optuna
-from qdq_optuna import kernels, starts, zoo
 from qdq_optuna.backends.costmodel import CostModelBackend
-from qdq_optuna.cache import PatternCache
 from qdq_optuna.errors import UserError
-from qdq_optuna.graph import GRAPH_OUTPUT
-from qdq_optuna.insertion.rules import residual_conv
-from qdq_optuna.model import PreparedModel
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure.recipe_parity import recipe_parity
+from qdq_optuna.model.graph import GRAPH_OUTPUT
+from qdq_optuna.placement import starts
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.rules import residual_conv
+from qdq_optuna.placement.seeds import PatternCache
 
 
 @pytest.mark.parametrize("name", ["resnet", "yolo", "transformer"])
@@ -27,7 +29,7 @@ def test_ort_recipe_read_back_runs_the_same_kernels(name: str) -> None:
     Q/DQ, Div inputs and the constant operands of Add/Mul included)."""
     model = zoo.build(name, "small")
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
-    result = kernels.recipe_parity(pm, model)
+    result = recipe_parity(pm, model)
     start = result.start
     assert start.counts["unmapped"] == 0 and start.counts["mapped"] == start.counts["reads"] > 10
     assert start.counts["not_offered"] == 0 and start.exact  # the points express it use for use

@@ -69,7 +69,7 @@ def test_unit_sizes_are_measured_from_the_first_line_to_the_last(tmp_path):
 @pytest.mark.parametrize("name", ["POINTS", "CONCAT_GROUPS", "FUSION_GROUPS", "POINT_USES",
                                   "POINT_TENSORS", "NUM_CHOICES"])
 def test_the_record_writes_the_keys_our_sampler_reads(name):
-    from qdq_optuna.search._record import PatternAttr, SystemAttr
+    from qdq_optuna.record.attrs import PatternAttr, SystemAttr
     from samplers.qdq_mutation import _sampler
 
     assert getattr(PatternAttr, name) == getattr(_sampler, f"{name}_ATTR")
@@ -113,9 +113,52 @@ def test_search_modules_import_only_the_ones_listed_below_them():
             break
         if line.split()[0].endswith(".py"):
             order.append(line.split()[0])
-    assert order[0] == "_run.py" and "_record.py" in order
+    assert order[0] == "_run.py" and "_options.py" in order
     graph = structure.import_graph(REPO)
     rank = {f"qdq_optuna.search.{name[:-3]}": i for i, name in enumerate(order)}
     for module, i in rank.items():
         for target in graph[module]:
             assert rank.get(target, len(order)) > i, f"{module} imports {target}, listed above it"
+
+
+def _stages() -> list[str]:
+    """The pipeline's folders, in the map's order."""
+    return [line.split()[0].rstrip("/") for line in _module_map()[1:]
+            if line.startswith("  ") and not line.startswith("   ") and line.split()[0].endswith("/")]
+
+
+def _upward(graph: dict[str, set[str]], stages: list[str]) -> list[str]:
+    rank = {name: i for i, name in enumerate(stages)}
+
+    def stage(module: str) -> int | None:
+        parts = module.split(".")
+        return rank.get(parts[1]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in rank) else None
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = stage(module)
+        for target in sorted(targets):
+            there = stage(target)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_no_folder_imports_a_stage_listed_below_it():
+    stages = _stages()
+    assert stages[:3] == ["examples", "model", "placement"] and stages[-1] == "cli"
+    assert _upward(structure.import_graph(REPO), stages) == []
+
+
+def test_the_stage_check_finds_an_upward_import():
+    graph = {"qdq_optuna.model.graph": {"qdq_optuna.placement.rules"},
+             "qdq_optuna.placement.rules": {"qdq_optuna.model.graph", "qdq_optuna.errors"}}
+    assert _upward(graph, ["model", "placement"]) == [
+        "qdq_optuna.model.graph -> qdq_optuna.placement.rules"]
+
+
+def test_no_private_search_module_is_imported_outside_the_search():
+    graph = structure.import_graph(REPO)
+    found = [f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("qdq_optuna.search.")
+             for t in targets if t.startswith("qdq_optuna.search._")]
+    assert found == []

@@ -311,7 +311,7 @@ def test_tensorrt_errors_name_the_problem(trt_env, tmp_path):
 
 @pytest.mark.gpu
 def test_tensorrt_isolated_via_make_backend(trt_env, tmp_path):
-    from qdq_optuna.measure import Measurer, TimingProtocol
+    from qdq_optuna.measure.timing import Measurer, TimingProtocol
 
     cache = tmp_path / "iso.cache"
     backend = make_backend("tensorrt", timing_cache=str(cache), warmup=2)
@@ -351,7 +351,8 @@ def test_real_trtexec(tmp_path):
 
 def _fp16_qdq_model(tmp_path) -> str:
     """resnet (small) converted to FP16 with every TensorRT point quantized, as a file."""
-    from qdq_optuna import PreparedModel, zoo
+    from qdq_optuna import PreparedModel
+    from qdq_optuna.examples import zoo
 
     pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="tensorrt",
                                high_precision="fp16")

@@ -6,14 +6,16 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from qdq_optuna import starts, tune, zoo
+from qdq_optuna import tune
 from qdq_optuna.backends.costmodel import CostModelBackend, estimate
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
+from qdq_optuna.backends.onnxruntime_kernels import optimized_graph
 from qdq_optuna.backends.tensorrt import what_engine_ran
 from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 from qdq_optuna.config import Config
-from qdq_optuna.kernels import optimized_graph
-from qdq_optuna.model import PreparedModel
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement import starts
+from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._unfused import Unfused
 

@@ -30,8 +30,8 @@ from optuna.trial import TrialState
 from test_postgres import POSTGRES_URL, URL_ENV, run_studies
 from test_resume import REPO, cli_env
 
-from qdq_optuna.search._record import delete_run
-from qdq_optuna.storage import AGREE_KEY, open_storage
+from qdq_optuna.record.attrs import delete_run
+from qdq_optuna.record.storage import AGREE_KEY, open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
@@ -197,7 +197,7 @@ def test_three_workers_one_killed_mid_trial(residual, tmp_path, storage_url):
 
 _AGREE_SCRIPT = """
 import sys, optuna
-from qdq_optuna.storage import agree, open_storage
+from qdq_optuna.record.storage import agree, open_storage
 storage = open_storage(sys.argv[1], heartbeat=False)
 study = optuna.load_study(study_name=sys.argv[2], storage=storage)
 print(agree(study, "the-key", sys.argv[3]))

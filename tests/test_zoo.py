@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qdq_optuna import zoo
+from qdq_optuna.examples import zoo
 
 SMALL_NAMES = ["resnet", "mobilenet", "yolo", "transformer"]
 TINY_NAMES = ["tiny_chain", "tiny_residual", "tiny_concat", "tiny_attention"]

@@ -2,7 +2,7 @@
 
 A backend turns a serialized model into a :class:`Runner` (an ONNX Runtime session, a TensorRT
 engine, ...); a runner times the model. Timing protocols (screening, interleaved A/B, confidence
-intervals) live in :mod:`qdq_optuna.measure` and work on any backend through this interface, so a
+intervals) live in :mod:`qdq_optuna.measure.timing` and work on any backend through this interface, so a
 new backend only has to know how to build and run.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .what_ran import WhatRan
+    from qdq_optuna.backends.what_ran import WhatRan
 
 #: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
 #: (needed when weights live in external data files next to it).

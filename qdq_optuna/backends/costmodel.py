@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from qdq_optuna.backends.base import Backend, BackendError, FixedRunner, ModelSource, Runner
-from qdq_optuna.insertion.rules import COMPUTE_OPS as RULES_COMPUTE_OPS
+from qdq_optuna.placement.rules import COMPUTE_OPS as RULES_COMPUTE_OPS
 
 if TYPE_CHECKING:  # onnx is imported lazily: backends must stay cheap to import
     import onnx
@@ -922,7 +922,7 @@ def what_costmodel_ran(model: ModelSource | onnx.ModelProto, *, device: GpuSpec 
     or DQ it priced as free was fused, one it priced as a reformat kernel stayed standalone
     (its reformat); a float compute or memory kernel next to an INT8 one (or a Q/DQ) is a
     float island."""
-    from .what_ran import WhatRan, quantized_tensors
+    from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 
     proto = _read_model(model)
     breakdown = estimate(proto, device=device, input_shapes=input_shapes)

@@ -131,8 +131,8 @@ class OnnxRuntimeBackend(Backend):
             return None
         import onnx
 
-        from ..kernels import what_onnxruntime_ran
-        from .what_ran import WhatRan, quantized_tensors
+        from qdq_optuna.backends.onnxruntime_kernels import what_onnxruntime_ran
+        from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 
         proto = onnx.load_from_string(model)
         return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",

@@ -7,7 +7,7 @@ Design notes:
   into with ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; 11.x always types strongly and
   deprecates that flag, so it is not passed there. Every layer then runs in its ONNX tensors'
   type: the high precision (FP16/BF16) is the model's own, converted beforehand
-  (``qdq_optuna.precision``), never a builder flag (those are refused on strongly typed
+  (``qdq_optuna.model.precision``), never a builder flag (those are refused on strongly typed
   networks). FP32 layers still use TF32 tensor cores, which TensorRT enables by default.
 * Logger, builder and runtime are created once, on the first ``load``, and reused for every
   build; so is the timing cache, which makes repeated builds of similar candidates fast and their
@@ -479,7 +479,7 @@ def what_engine_ran(info: Mapping, model: Any):
     joins the ONNX nodes fused into it with " + ": a layer made of Q/DQ nodes only ran them
     standalone; a Reformat layer reformats its input; a layer with a float output that reads
     or writes a quantized tensor, and names compute nodes of the model, is a float island."""
-    from .what_ran import WhatRan, quantized_tensors
+    from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 
     quantized = quantized_tensors(model)
     qdq_nodes = {n.name: quantized.get(n.input[0]) for n in model.graph.node

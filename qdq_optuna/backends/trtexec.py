@@ -11,7 +11,7 @@ lines, and a missing binary :class:`BackendUnavailable` (never "infinite latency
 
 Builds are strongly typed (``--stronglyTyped`` where ``trtexec --help`` lists it; TensorRT 11
 always types strongly): every layer runs in its ONNX tensors' type, so the high precision is
-the model's own (FP16/BF16, see ``qdq_optuna.precision``). A trtexec without strong typing
+the model's own (FP16/BF16, see ``qdq_optuna.model.precision``). A trtexec without strong typing
 (8.x) gets the builder precision flags the model's types ask for instead (:func:`precision_flags`).
 """
 

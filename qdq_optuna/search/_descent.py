@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 from optuna.trial import TrialState
 
-from ..cache import PatternCache
-from ..insertion.points import PatternPoints
-from ._moves import MoveQueue, MoveSpace, MoveStats
-from ._pattern import PatternStudy, Search, Seed
-from ._record import PatternAttr, TrialAttr
-from ._unfused import FINAL_LINE, Unfused
+from qdq_optuna.placement.points import PatternPoints
+from qdq_optuna.placement.seeds import PatternCache
+from qdq_optuna.record.attrs import PatternAttr, TrialAttr
+from qdq_optuna.search._moves import MoveQueue, MoveSpace, MoveStats
+from qdq_optuna.search._pattern import PatternStudy, Search, Seed
+from qdq_optuna.search._unfused import FINAL_LINE, Unfused
 
 log = logging.getLogger("qdq_optuna")
 

@@ -5,7 +5,7 @@ Errors are those of the model that would ship: exported with calibrated scales (
 the trials use), run in ONNX Runtime on the validation data (else the calibration data, else
 random inputs) and compared with the FP32 model; the measure is the run's ``--error-measure``
 (worst output) or its ``--metric``. The bound is ``--max-output-error`` when given, else
-:data:`~qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR`.
+:data:`~qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..export import QDQExporter, QuantPlan
-from ..guard import bisect_plan
-from ._plans import PlanMeasurer
+from qdq_optuna.measure.bisect import bisect_plan
+from qdq_optuna.placement.export import QDQExporter, QuantPlan
+from qdq_optuna.search._plans import PlanMeasurer
 
 log = logging.getLogger("qdq_optuna")
 
@@ -45,7 +45,7 @@ class Guard:
     def final(self, plan: QuantPlan, *, max_evaluations: int = 64) -> Verdict:
         """What may ship of the tuned ``plan``: the plan itself when it is within the bound;
         else, with the Q/DQ pairs responsible named by bisection
-        (:func:`~qdq_optuna.guard.bisect_plan`), the plan without them (every other commit
+        (:func:`~qdq_optuna.measure.bisect.bisect_plan`), the plan without them (every other commit
         kept), or the model without Q/DQ when that is all that is within the bound."""
         tuned = self.error(plan)
         if tuned["error"] <= self.bound:
@@ -130,7 +130,7 @@ class Verdict:
     status: str
     shipped: str
     #: output errors of what ships, and of the tuned plan (error records, see
-    #: :func:`qdq_optuna.accuracy.error_record`)
+    #: :func:`qdq_optuna.measure.accuracy.error_record`)
     errors: dict
     tuned_errors: dict
     #: activation tensors whose Q/DQ broke the bound (empty when within it)
@@ -180,7 +180,7 @@ def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
 
 def check_default_session(accuracy: dict, scorer, saved) -> None:
     """``accuracy["onnxruntime_cpu_default"]`` for a model the guard scored another way (see
-    :meth:`~qdq_optuna.accuracy.ErrorScorer.default_session_check`), and one warning line when
+    :meth:`~qdq_optuna.measure.accuracy.ErrorScorer.default_session_check`), and one warning line when
     a default ONNX Runtime CPU session refuses it or drifts past the stated factor."""
     check = scorer.default_session_check(saved) if isinstance(saved, bytes) else None
     if check is None:

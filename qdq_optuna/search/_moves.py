@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..insertion.points import PatternPoints
+from qdq_optuna.placement.points import PatternPoints
 
 #: (pattern id, point id)
 Point = tuple[str, str]

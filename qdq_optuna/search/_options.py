@@ -11,23 +11,28 @@ from typing import Any
 
 import onnx
 
-from ..backends import BACKENDS, make_backend, runtime_for_backend
-from ..backends.base import Backend
-from ..backends.callable import CallableBackend
-from ..calibration import DEFAULT_METHOD
-from ..config import Config
-from ..errors import OptionError
-from ..graph import InputShapes
-from ..guard import DEFAULT_MAX_OUTPUT_ERROR
-from ..model import PreparedModel
-from ..objectives import CATEGORICAL_SAMPLERS, check_error_options, check_sampler, parse_objectives
-from ..scheme import ChoiceSpace
-from ._record import FLOW, WHOLE_MODEL
+from qdq_optuna.backends import BACKENDS, make_backend, runtime_for_backend
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.model.calibration import DEFAULT_METHOD
+from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.scheme import ChoiceSpace
+from qdq_optuna.record.attrs import FLOW, WHOLE_MODEL
+from qdq_optuna.search.objectives import (
+    CATEGORICAL_SAMPLERS,
+    check_error_options,
+    check_sampler,
+    parse_objectives,
+)
 
 
 @dataclass
 class TuneOptions:
-    #: a path, or an ``onnx.ModelProto`` (see :func:`qdq_optuna.data.model_argument`)
+    #: a path, or an ``onnx.ModelProto`` (see :func:`qdq_optuna.model.data.model_argument`)
     model: str | onnx.ModelProto
     output_dir: str
     #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
@@ -42,7 +47,7 @@ class TuneOptions:
     timing: str = "robust"
     scales: str = "auto"
     #: an .npz path, a dict of arrays, an iterable of feeds or a CalibrationDataReader
-    #: (:func:`qdq_optuna.data.input_data`)
+    #: (:func:`qdq_optuna.model.data.input_data`)
     calibration_data: Any = None
     calibration_method: str = DEFAULT_METHOD
     pattern_cache: str | None = None
@@ -57,7 +62,7 @@ class TuneOptions:
     #: (names of ONNX Runtime / TensorRT backends; a callable or Backend object runs as given)
     isolate: bool = True
     progress: bool = True
-    #: accuracy (see qdq_optuna.objectives): data the output errors are measured on (default:
+    #: accuracy (see qdq_optuna.search.objectives): data the output errors are measured on (default:
     #: the calibration data), a user metric ``module:function`` (lower is better), the error
     #: measure, an error budget, and the objectives (``latency`` or ``latency,error``)
     validation_data: Any = None
@@ -69,12 +74,12 @@ class TuneOptions:
     #: is retried (default: $QDQ_OPTUNA_HEARTBEAT_GRACE, else storage.GRACE_PERIOD_S)
     heartbeat_grace: float | None = None
     #: the float part's precision (``fp32``, ``fp16``, ``bf16``; None: the backend's default,
-    #: see :func:`qdq_optuna.precision.resolve_high_precision`) and whether the graph's inputs
+    #: see :func:`qdq_optuna.model.precision.resolve_high_precision`) and whether the graph's inputs
     #: and outputs keep their types
     high_precision: str | None = None
     keep_io_types: bool = True
     #: nodes (names or regular expressions) whose inputs never get Q/DQ, and the op types whose
-    #: inputs may (``--exclude-nodes``, ``--op-types``; :mod:`qdq_optuna.insertion.filters`)
+    #: inputs may (``--exclude-nodes``, ``--op-types``; :mod:`qdq_optuna.placement.filters`)
     exclude_nodes: list[str] | None = None
     op_types: list[str] | None = None
     #: a run that finished already is measured again (its final A/B and report); without it
@@ -169,7 +174,7 @@ class Settings:
     rounds: int
     max_output_error: float | None = None
     #: the accuracy guard's bound on the output error (``--max-output-error``, else
-    #: :data:`~qdq_optuna.guard.DEFAULT_MAX_OUTPUT_ERROR`)
+    #: :data:`~qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR`)
     error_bound: float = DEFAULT_MAX_OUTPUT_ERROR
     #: where the descent starts (``Config.start``; ``float`` with two objectives)
     start: str = "best"

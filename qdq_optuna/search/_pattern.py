@@ -2,7 +2,7 @@
 
 A study is one *visit* of the descent (``RUN/P003/round2``): every trial applies one scheme to
 every member region of the pattern, placed between the standing schemes of the other patterns
-(its :data:`~qdq_optuna.scheme.Around`), and is timed against the same *reference*: the
+(its :data:`~qdq_optuna.placement.scheme.Around`), and is timed against the same *reference*: the
 standing model (everything that stands, this pattern's standing scheme included), so machine
 drift cancels in the ratio; the objective returns ``reference_ms * ratio``, a whole-model
 latency. Its first trial is the standing scheme itself (free: the reference). A visit's moves
@@ -10,7 +10,7 @@ latency. Its first trial is the standing scheme itself (free: the reference). A 
 chain move also sets points of neighbouring patterns (the trial's ``partner``). When the moves
 are done (our sampler: the visit ends; other samplers: they spend the rest of the budget), the
 best trial replaces the standing scheme if the commit rule
-(:class:`~qdq_optuna.measure.CommitRule`) says so and the accuracy guard allows it.
+(:class:`~qdq_optuna.measure.timing.CommitRule`) says so and the accuracy guard allows it.
 """
 
 from __future__ import annotations
@@ -21,22 +21,16 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.trial import TrialState
 
-from .._progress import Progress
-from ..accuracy import AccuracyError
-from ..backends.base import BackendError
-from ..config import Config
-from ..export import QDQExporter, QuantPlan
-from ..insertion.points import PatternPoints
-from ..measure import CommitRule
-from ..model import PreparedModel
-from ..objectives import METRIC_NAMES, choose_candidate, feasible
-from ..sampling import make_sampler
-from ..scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
-from ._guard import Guard
-from ._moves import MoveQueue
-from ._options import Settings
-from ._plans import PlanMeasurer, Reference
-from ._record import (
+from qdq_optuna._progress import Progress
+from qdq_optuna.backends.base import BackendError
+from qdq_optuna.config import Config
+from qdq_optuna.measure.accuracy import AccuracyError
+from qdq_optuna.measure.timing import CommitRule
+from qdq_optuna.placement.export import QDQExporter, QuantPlan
+from qdq_optuna.placement.points import PatternPoints
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
+from qdq_optuna.record.attrs import (
     Agreed,
     PatternAttr,
     RunRecord,
@@ -47,7 +41,13 @@ from ._record import (
     note_scheme,
     pattern_attrs,
 )
-from ._workers import Workers, lost_race
+from qdq_optuna.search._guard import Guard
+from qdq_optuna.search._moves import MoveQueue
+from qdq_optuna.search._options import Settings
+from qdq_optuna.search._plans import PlanMeasurer, Reference
+from qdq_optuna.search._workers import Workers, lost_race
+from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
+from qdq_optuna.search.samplers import make_sampler
 
 #: two objectives: Pareto points whose latency is within this factor of the fastest count as
 #: equally fast (the most accurate of them is committed), or within the threshold when higher

@@ -1,6 +1,6 @@
 """Measuring plans: the one place the search asks the backend to time a model.
 
-A *plan* (:class:`~qdq_optuna.export.QuantPlan`) is one Q/DQ placement of the whole model;
+A *plan* (:class:`~qdq_optuna.placement.export.QuantPlan`) is one Q/DQ placement of the whole model;
 its key names the model it builds. :class:`PlanMeasurer` measures the baseline (the user's
 model), the whole-model starts, each visit's reference (the standing model), a candidate's
 latency against that reference (the screen, then an interleaved A/B), confirmations and the
@@ -18,12 +18,12 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from ..accuracy import ErrorScorer
-from ..backends.base import BackendError, BackendUnavailable
-from ..errors import UserError
-from ..export import QuantPlan
-from ..measure import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
-from ._record import PHASES, PlanMemo  # noqa: F401 (PHASES: re-exported)
+from qdq_optuna.backends.base import BackendError, BackendUnavailable
+from qdq_optuna.errors import UserError
+from qdq_optuna.measure.accuracy import ErrorScorer
+from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
+from qdq_optuna.placement.export import QuantPlan
+from qdq_optuna.record.attrs import PHASES, PlanMemo  # noqa: F401 (PHASES: re-exported)
 
 log = logging.getLogger("qdq_optuna")
 
@@ -145,7 +145,7 @@ class PlanMeasurer:
 
         The record (the trial's ``measurement`` user attr) always has ``kind`` (``ab``:
         interleaved A/B against the pattern's reference; ``screened_out``: dropped by the
-        screen, see :data:`~qdq_optuna.measure.SCREEN_DISCARD_RATIO`; ``screen``: one session,
+        screen, see :data:`~qdq_optuna.measure.timing.SCREEN_DISCARD_RATIO`; ``screen``: one session,
         fast timing; ``deterministic``), ``latency_ms``, ``ratio``, ``ci`` (of the ratio;
         ``None`` where there is none), ``rounds``, ``decided``, ``screened_out``, ``sessions``
         (timed sessions of the candidate), ``reference_ms``; ``cached: true`` when the model was

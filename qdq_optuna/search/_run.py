@@ -26,25 +26,27 @@ from pathlib import Path
 
 import onnx
 
-from .._progress import Progress
-from ..accuracy import ErrorScorer, validation_data
-from ..backends.base import Backend
-from ..cache import PatternCache, baseline_seed, baseline_tensors
-from ..config import Config
-from ..dashboard import PatternPictures, save_run_overview
-from ..data import data_id, describe_model, input_data, model_argument
-from ..errors import OptionError, ToolError, UserError
-from ..export import QDQExporter, atomic_write_bytes, plan_uses, remove_stale_temps
-from ..graph import InputShapes
-from ..insertion.points import PatternPoints
-from ..measure import CommitRule, Measurer, TimingProtocol
-from ..model import PreparedModel
-from ..precision import resolve_high_precision
-from ..scheme import compute_inputs_scheme
-from ..storage import default_storage_url, open_storage, quiet_optuna
-from ._descent import Descent
-from ._guard import Guard, check_default_session
-from ._options import (
+from qdq_optuna._files import atomic_write_bytes, remove_stale_temps
+from qdq_optuna._progress import Progress
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError, ToolError, UserError
+from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
+from qdq_optuna.measure.timing import CommitRule, Measurer, TimingProtocol
+from qdq_optuna.model.data import data_id, describe_model, input_data, model_argument
+from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.model.precision import resolve_high_precision
+from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
+from qdq_optuna.placement.export import QDQExporter, plan_uses
+from qdq_optuna.placement.points import PatternPoints
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.scheme import compute_inputs_scheme
+from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
+from qdq_optuna.record.attrs import RunRecord, delete_run
+from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
+from qdq_optuna.search._descent import Descent
+from qdq_optuna.search._guard import Guard, check_default_session
+from qdq_optuna.search._options import (
     Settings,
     TuneOptions,
     TuneResult,
@@ -54,11 +56,10 @@ from ._options import (
     digest,
     fingerprint,
 )
-from ._pattern import OutOfTime, Search, Seed
-from ._plans import PlanMeasurer
-from ._record import RunRecord, delete_run
-from ._starts import StartsPhase
-from ._workers import Workers, retry_stale_trial
+from qdq_optuna.search._pattern import OutOfTime, Search, Seed
+from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._starts import StartsPhase
+from qdq_optuna.search._workers import Workers, retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
 
@@ -230,7 +231,7 @@ class Tuner:
 
     def _recipe_start(self):
         """The runtime's classic recipe as a start (None when it cannot be made)."""
-        from .. import starts
+        from qdq_optuna.placement import starts
 
         pm = self.prepared
         try:
@@ -252,7 +253,7 @@ class Tuner:
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
-        from .. import starts
+        from qdq_optuna.placement import starts
 
         found = []
         if self.o.qdq_baseline:
@@ -328,7 +329,7 @@ class Tuner:
 
     # -- finish ----------------------------------------------------------------------------
     def _finish(self, partial: bool) -> TuneResult:
-        from ..report import build_report, runtime_keys, write_reports
+        from qdq_optuna.outputs.report import build_report, runtime_keys, write_reports
 
         plans = self.search.plans
         lane = self._final_lane(partial)
@@ -354,7 +355,7 @@ class Tuner:
                            "error_measure": guard.measure,
                            "max_output_error": self.o.max_output_error})
         if self.settings.multi_objective:
-            from ..pareto import model_front
+            from qdq_optuna.outputs.pareto import model_front
 
             report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
                                            cmp, plan, self.out)
@@ -501,7 +502,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
                       data: tuple[dict, str] | None) -> dict:
     """Activation scales from one calibration pass on the FP32 model (statistics cached in
     ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
-    from .. import calibration
+    from qdq_optuna.model import calibration
 
     hp = prepared.high_precision
     source = hp.source if hp is not None else prepared.graph  # statistics of FP32 values
@@ -568,7 +569,7 @@ def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | N
                ) -> onnx.ModelProto:
     """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
     the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
-    from ..graph import apply_input_shapes
+    from qdq_optuna.model.graph import apply_input_shapes
 
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()

@@ -1,6 +1,6 @@
 """The starts phase: whole-model placements measured before any pattern is tuned.
 
-Candidates (:mod:`qdq_optuna.starts`): float; every offered point on; the runtime's classic
+Candidates (:mod:`qdq_optuna.placement.starts`): float; every offered point on; the runtime's classic
 recipe (ONNX Runtime rules: ``quant_pre_process`` + ``quantize_static`` run on the user's model
 with the user's calibration data, read back; TensorRT rules: Model Optimizer's default INT8
 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
@@ -22,10 +22,10 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import TrialState
 
-from .. import starts as whole
-from ..backends.base import BackendError
-from ..starts import Start
-from ._record import RunRecord
+from qdq_optuna.backends.base import BackendError
+from qdq_optuna.placement import starts as whole
+from qdq_optuna.placement.starts import Start
+from qdq_optuna.record.attrs import RunRecord
 
 log = logging.getLogger("qdq_optuna")
 

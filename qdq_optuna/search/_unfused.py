@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..backends.what_ran import WhatRan
-from ._moves import Move, Point
+from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.search._moves import Move, Point
 
 log = logging.getLogger("qdq_optuna")
 

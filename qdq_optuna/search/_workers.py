@@ -16,8 +16,15 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import TrialState
 
-from ..storage import claim
-from ._record import Agreed, PatternAttr, RunRecord, SystemAttr, TrialAttr, run_study_of
+from qdq_optuna.record.attrs import (
+    Agreed,
+    PatternAttr,
+    RunRecord,
+    SystemAttr,
+    TrialAttr,
+    run_study_of,
+)
+from qdq_optuna.record.storage import claim
 
 #: seconds between looks while a worker waits for other workers' trials to free a slot
 SLOT_POLL_S = 0.25
@@ -100,7 +107,7 @@ def retry_stale_trial(study: optuna.Study, trial) -> None:
     exactly once per dead trial even when several workers notice it together (they agree on
     who enqueues; PostgreSQL already lets only one of them fail it, SQLite does not). A trial
     that died before all its points were suggested measured nothing and is not queued.
-    (The storage's stale-trial callback, see :func:`qdq_optuna.storage.open_storage`.)"""
+    (The storage's stale-trial callback, see :func:`qdq_optuna.record.storage.open_storage`.)"""
     history = list(trial.system_attrs.get(SystemAttr.RETRY_HISTORY, [])) + [trial.number]
     if len(history) > MAX_RETRY or not fully_sampled(study, trial.params):
         return

@@ -21,8 +21,9 @@ import _latency_fns as fns
 import onnx
 
 import qdq_optuna
-from qdq_optuna import Config, zoo
+from qdq_optuna import Config
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.examples import zoo
 
 #: the settings ``tests/test_old_layout.py`` resumes with (they must match, or the run is refused)
 BUDGET = 6

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna import zoo
+from qdq_optuna.examples import zoo
 
 #: written by the YAML payload of ``cache_python_tag`` if a loader ever executes it
 PWNED_MARKER = "pwned.txt"

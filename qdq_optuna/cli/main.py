@@ -1,0 +1,542 @@
+"""qdq-optuna: a thin layer over the library (every command is one library call)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from qdq_optuna import __version__
+from qdq_optuna.backends import BACKEND_HELP
+from qdq_optuna.backends.base import BackendError, BackendUnavailable
+from qdq_optuna.errors import OptionError, UserError
+from qdq_optuna.model.calibration import DEFAULT_METHOD as DEFAULT_CALIBRATION_METHOD
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+#: where ``tune`` writes when no --output is given (a folder in the working directory)
+DEFAULT_OUTPUT = "qdq_optuna_output"
+
+DESCRIPTION = """\
+qdq-optuna decides where Quantize/Dequantize (Q/DQ) pairs go in an ONNX model so that the
+quantized model runs fastest on its target runtime: one Optuna study per region pattern."""
+
+TUNE_EXAMPLES = """\
+examples:
+  qdq-optuna tune -m model.onnx                       # ONNX Runtime CPU; results in ./qdq_optuna_output
+  qdq-optuna tune -m model.onnx -o out --mode quick   # fewer schemes per pattern: a first look
+  qdq-optuna tune -m model.onnx -o out -b costmodel --runtime tensorrt
+  qdq-optuna tune -m model.onnx -o out --calibration-data calib.npz --max-output-error 0.05
+  qdq-optuna tune -m model.onnx -o out --exclude-nodes '/head/.*' --op-types Conv,MatMul
+rerun the same command to resume an interrupted run; --fresh starts over."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise OptionError(message)
+
+
+def _number(cast, accept, expected: str):
+    """An argparse type: ``cast`` the text, then ``accept`` it, else say what was expected."""
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            v = None
+        if v is None or not accept(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return v
+    return parse
+
+
+_port = _number(int, lambda v: 0 <= v <= 65535, "a port 0-65535 (0: any free port)")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_count = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
+_threshold = _number(float, lambda v: 1.0 <= v < float("inf"), "a number >= 1.0 (1.02: 2 % faster)")
+
+
+def _add_verbosity(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """-v / -q, accepted before the command and after it (the command's value wins)."""
+    g = p.add_argument_group("output detail") if not top else p
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("-v", "--verbose", action="count", default=0 if top else argparse.SUPPRESS,
+                   help="more detail: INFO log lines, and the traceback of an internal error "
+                        "(-vv: DEBUG)")
+    x.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="no progress output, only warnings and errors")
+
+
+def _add_filter_args(g) -> None:
+    g.add_argument("--exclude-nodes", nargs="+", action="extend", metavar="NAME",
+                   help="nodes whose inputs never carry Q/DQ: names or regular expressions "
+                        "matching a whole name (as 'inspect' prints them; unnamed nodes are "
+                        "#INDEX), like quantize_static's nodes_to_exclude")
+    g.add_argument("--op-types", nargs="+", action="extend", metavar="OP",
+                   help="quantize only the inputs of these op types (space- or comma-separated, "
+                        "e.g. Conv,MatMul), like quantize_static's op_types_to_quantize")
+
+
+def _add_precision_args(g) -> None:
+    g.add_argument("--high-precision", choices=["fp32", "fp16", "bf16"],
+                   help="precision of the float part, converted before the search (tune's "
+                        "default: the backend's, fp16 for TensorRT-like backends and ort-cuda, "
+                        "fp32 for ONNX Runtime CPU; inspect's: fp32, the model as given)")
+    g.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
+                   help="with fp16/bf16, graph inputs and outputs keep their FP32 type "
+                        "(default; --no-keep-io-types converts them too)")
+    g.add_argument("--opset-upgrade", action=argparse.BooleanOptionalAction, default=True,
+                   help="upgrade the model's opset when the precision or the quant type needs "
+                        "it (default; --no-opset-upgrade refuses such a model instead)")
+
+
+def _add_model_args(g) -> None:
+    g.add_argument("--input-shapes", metavar="NAME:DxD,...",
+                   help="fix symbolic input dims, e.g. input:1x3x224x224")
+    g.add_argument("--quant-type", choices=["int8", "uint8", "fp8", "mixed"],
+                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT); "
+                        "mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
+    g.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
+                   help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
+                        "ONNX Runtime rules, none for TensorRT")
+    _add_precision_args(g)
+    _add_filter_args(g)
+    g.add_argument("--maximum-sequence-region-size", type=_positive_int, metavar="N",
+                   help="largest sequence region top-down refinement cuts (default 10 nodes)")
+    g.add_argument("--minimum-topdown-search-size", type=_positive_int, metavar="N",
+                   help="blocks of more nodes than this are refined top-down (default 10)")
+
+
+def _add_accuracy_args(g) -> None:
+    g.add_argument("--validation-data", metavar="FILE.npz",
+                   help="inputs the output errors are measured on (default: the calibration "
+                        "data; random inputs with a warning otherwise)")
+    g.add_argument("--metric", metavar="MODULE:FUNCTION",
+                   help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is "
+                        "better (replaces --error-measure)")
+    g.add_argument("--error-measure", choices=["relative_l2", "1-cosine", "max_abs"],
+                   default="relative_l2",
+                   help="error of a trial's model vs FP32, worst output (default %(default)s)")
+    g.add_argument("--max-output-error", type=_positive_float, metavar="X",
+                   help="error budget: trials above it are infeasible; commits take the fastest "
+                        "feasible scheme")
+    g.add_argument("--objectives", default="latency", metavar="latency[,error]",
+                   help="latency (default) or latency,error (two-objective studies, Pareto "
+                        "front of the whole model in OUTPUT/pareto/)")
+
+
+def _add_search_args(g) -> None:
+    g.add_argument("-s", "--sampler", default="qdq", metavar="NAME",
+                   choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"],
+                   help="qdq: ours, a visit ends when its moves are done (default); tpe, "
+                        "cmaes, random, gp (needs torch), nsga2, bruteforce: Optuna's, which "
+                        "spend the rest of each visit's budget after the moves")
+    g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
+                   help="finished trials per pattern study (default 30; --mode sets it too)")
+    g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
+                   help="budget preset: quick (10 schemes per pattern), default (30), "
+                        "extensive (80, larger mutations)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampler seed: the same seed and settings propose the same schemes "
+                        "(default %(default)s)")
+    g.add_argument("--converged-patience", type=_count, metavar="N",
+                   help="our sampler: stop a pattern study early after N exploration trials "
+                        "in a row that did not improve (default 1; 0: spend every budget)")
+    g.add_argument("--start", choices=["best", "float", "recipe", "all"],
+                   help="where the descent starts: best (the fastest whole-model start, and "
+                        "the runtime's recipe too when it is close; default), float, recipe, "
+                        "all (a descent from every start)")
+    g.add_argument("--refine-rounds", type=_count, metavar="N",
+                   help="descent rounds after the first (default 4; a round that changes "
+                        "nothing ends it earlier); 0: one pass over the patterns")
+    g.add_argument("--performance-threshold", type=_threshold, metavar="RATIO",
+                   help="the speedup a change that adds Q/DQ must show to replace the standing "
+                        "model (default 1.0: any gain, confirmed by an interleaved "
+                        "re-measurement on a measured backend)")
+    g.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="seconds for the whole run; what is committed by then is saved")
+    g.add_argument("--pattern-cache", metavar="FILE.yaml",
+                   help="pattern cache of an earlier run: its schemes seed the studies")
+    g.add_argument("--qdq-baseline", metavar="MODEL.onnx",
+                   help="a Q/DQ model whose placement seeds the search")
+    g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
+
+
+def _add_measurement_args(g) -> None:
+    g.add_argument("-b", "--backend", default="onnxruntime", help=BACKEND_HELP)
+    g.add_argument("--timing", choices=["fast", "robust"], default="robust",
+                   help="robust: every candidate A/B-compared with its pattern's reference in "
+                        "interleaved fresh sessions (default); fast: one screen per candidate, "
+                        "for a quiet, dedicated machine")
+    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads (default 1: ranks most reliably)")
+    g.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="build and time in a worker subprocess, so a crash or hang fails only "
+                        "that trial (default; --no-isolate runs the backend in this process)")
+    g.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
+                   help="scales used in trials (auto: calibrated for ONNX Runtime, default for "
+                        "TensorRT)")
+    g.add_argument("--calibration-data", metavar="FILE.npz",
+                   help=".npz of input name -> array (samples on axis 0); random inputs "
+                        "otherwise")
+    g.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
+                   choices=["minmax", "percentile", "entropy", "mse"],
+                   help="how activation statistics become scales (default %(default)s: the "
+                        "lowest output error in benchmarks/calibration_methods.py)")
+
+
+def _add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune", help="search the Q/DQ placement (resumes automatically)",
+        usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
+        description="Search where Q/DQ pairs go in MODEL: whole-model starts, then rounds "
+                    "over the patterns,\neach tuned against the whole model, measuring every "
+                    "candidate on the backend;\nwrites DIR/optimized.onnx, report.md, "
+                    "report.json and the studies.",
+        epilog=TUNE_EXAMPLES)
+    g = t.add_argument_group("model")
+    g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
+    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"],
+                   help="whose fusion rules place the Q/DQ (default: follows --backend; a "
+                        "--backend package.module:function must name it)")
+    _add_model_args(g)
+
+    _add_search_args(t.add_argument_group("search"))
+    _add_measurement_args(t.add_argument_group("measurement"))
+    _add_accuracy_args(t.add_argument_group(
+        "accuracy", "any of these turns accuracy on: trials use calibrated scales and record "
+                    "their output errors"))
+
+    g = t.add_argument_group("storage and workers")
+    g.add_argument("--storage", metavar="URL",
+                   help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for "
+                        "several workers)")
+    g.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
+    g.add_argument("--worker", action="store_true",
+                   help="cooperate with other workers on the same --storage run")
+    g.add_argument("--heartbeat-grace", type=_positive_float, metavar="S",
+                   help="seconds without a heartbeat before a worker's trial is failed and "
+                        "retried (default 180; workers only)")
+
+    g = t.add_argument_group("output")
+    g.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="DIR",
+                   help="output folder, also holds the studies (default ./%(default)s)")
+    g.add_argument("--fresh", action="store_true",
+                   help="discard this run's studies and start over")
+    g.add_argument("--remeasure", action="store_true",
+                   help="a finished run: measure the final model again and rewrite the report "
+                        "(otherwise a rerun prints the stored result and exits)")
+    _add_verbosity(t)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qdq-optuna", description=DESCRIPTION,
+                     epilog="run 'qdq-optuna COMMAND -h' for the options of a command")
+    parser.add_argument("--version", action="version", version=f"qdq-optuna {__version__}")
+    _add_verbosity(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    _add_tune(sub)
+
+    i = sub.add_parser("inspect", help="print regions, patterns and insertion points",
+                       description="Print the regions, patterns and insertion points of MODEL "
+                                   "and the tensors they resolve to.")
+    i.add_argument("model", help="ONNX model")
+    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"], default="onnxruntime",
+                   help="whose fusion rules place the Q/DQ (default %(default)s)")
+    _add_model_args(i)
+    i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
+    _add_verbosity(i)
+
+    d = sub.add_parser("dashboard", help="open a run's studies in optuna-dashboard",
+                       description="Serve a run's studies and artifacts with optuna-dashboard.")
+    d.add_argument("output", help="the run's output folder")
+    d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    d.add_argument("-p", "--port", type=_port, default=8080,
+                   help="TCP port (default 8080; 0 picks a free one, printed at start)")
+    d.add_argument("--storage", metavar="URL",
+                   help="storage URL when the run did not use OUTPUT/studies.db")
+    _add_verbosity(d)
+
+    e = sub.add_parser("example", help="write an example model (resnet, mobilenet, yolo, "
+                                       "transformer, ...)",
+                       description="Write one of the built-in example models to an ONNX file.")
+    e.add_argument("name", help="resnet, mobilenet, yolo, transformer, or a tiny_* model")
+    e.add_argument("output", help="the .onnx file to write")
+    e.add_argument("--size", choices=["full", "medium", "small"], default="medium",
+                   help="model size (default %(default)s)")
+    _add_verbosity(e)
+
+    from qdq_optuna.cli.bench import recipe_names
+
+    b = sub.add_parser("bench", help="run a sampler-comparison recipe; resumes",
+                       description="Run every model x sampler x seed x budget of a recipe as "
+                                   "one tune run, then\nwrite results.csv, results.json, "
+                                   "summary.md and bench.png (with matplotlib).")
+    b.add_argument("recipe", help="a shipped recipe by name "
+                                  f"({', '.join(recipe_names()) or 'none found'}) or a YAML file")
+    b.add_argument("-o", "--output",
+                   help="results folder (default: the recipe's output, or runs/NAME)")
+    b.add_argument("--only", metavar="SUBSTRING",
+                   help="run only the runs whose name (MODEL-SAMPLER-sSEED-bBUDGET) contains it")
+    _add_verbosity(b)
+    return parser
+
+
+def _config_from(args: argparse.Namespace):
+    from qdq_optuna.config import Config
+
+    base = Config.from_yaml(args.config).to_dict() if getattr(args, "config", None) else {}
+    overrides = {
+        "schemes_per_region": getattr(args, "schemes_per_region", None),
+        "converged_patience": getattr(args, "converged_patience", None),
+        "refine_rounds": getattr(args, "refine_rounds", None),
+        "start": getattr(args, "start", None),
+        "performance_threshold": getattr(args, "performance_threshold", None),
+        "maximum_sequence_region_size": args.maximum_sequence_region_size,
+        "minimum_topdown_search_size": args.minimum_topdown_search_size,
+        "verbose": bool(getattr(args, "verbose", 0)) or None,
+    }
+    return Config.preset(getattr(args, "mode", "default"), **{**base, **overrides})
+
+
+def _node_filter(args: argparse.Namespace) -> dict:
+    """--exclude-nodes / --op-types as keyword arguments (only those given)."""
+    given = {"exclude_nodes": args.exclude_nodes, "op_types": args.op_types}
+    return {k: v for k, v in given.items() if v}
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from qdq_optuna.search._options import TuneOptions
+    from qdq_optuna.search._run import Tuner
+
+    if args.model and Path(args.output).resolve() == Path(args.model).resolve():
+        raise OptionError("--output must be a folder, not the model file")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise OptionError(f"--output {args.output}: exists and is not a folder")
+    opts = TuneOptions(
+        model=args.model, output_dir=args.output, backend=args.backend, runtime=args.runtime,
+        quant_type=args.quant_type, input_shapes=args.input_shapes, config=_config_from(args),
+        sampler=args.sampler, storage=args.storage, seed=args.seed, timing=args.timing,
+        scales=args.scales, calibration_data=args.calibration_data,
+        calibration_method=args.calibration_method, pattern_cache=args.pattern_cache,
+        qdq_baseline=args.qdq_baseline, fresh=args.fresh, timeout=args.timeout,
+        run_id=args.run_id, worker=args.worker, heartbeat_grace=args.heartbeat_grace,
+        preprocess=args.preprocess,
+        threads=args.threads, isolate=args.isolate, progress=not args.quiet,
+        validation_data=args.validation_data, metric=args.metric,
+        error_measure=args.error_measure, max_output_error=args.max_output_error,
+        objectives=args.objectives, high_precision=args.high_precision,
+        keep_io_types=args.keep_io_types, opset_upgrade=args.opset_upgrade,
+        remeasure=args.remeasure, **_node_filter(args),
+    )
+    result = Tuner(opts).run()
+    if not args.quiet:
+        _print_result(result)
+    return 0
+
+
+def _print_result(result) -> None:
+    """tune's summary lines on stdout (the report's figures)."""
+    r = result.report
+    lo, hi = r["speedup_ci"]
+    if result.finished_before:
+        print(f"run {r['run_id']!r} finished on {r.get('finished')}; its report is unchanged "
+              "(--remeasure measures the final model again, --fresh starts over)")
+    print(f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
+          f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
+          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements")
+    acc = r.get("accuracy")
+    if acc:
+        left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
+                    if acc["status"] != "within bound" and acc["responsible_tensors"] else "")
+        print(f"output error vs FP32 ({acc['measure']}, worst output, on {acc['data_kind']}): "
+              f"{acc['error']:.4g}, bound {acc['bound']:g}: {acc['status']}{left_out}")
+    if r.get("pareto"):
+        print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
+              f"in {result.output_dir}/pareto/")
+    print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from qdq_optuna.config import Config
+    from qdq_optuna.placement.prepared import PreparedModel
+
+    cfg = Config(
+        maximum_sequence_region_size=args.maximum_sequence_region_size or 10,
+        minimum_topdown_search_size=args.minimum_topdown_search_size or 10,
+    )
+    pm = PreparedModel.prepare(args.model, runtime=args.runtime, quant_type=args.quant_type,
+                               input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess,
+                               high_precision=args.high_precision or "fp32",
+                               keep_io_types=args.keep_io_types, upgrade_opset=args.opset_upgrade,
+                               **_node_filter(args))
+    doc = pm.to_json()
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    leaves = sum(1 for r in doc["regions"] if r["type"] == "LEAF")
+    described = doc["graph"]
+    print(f"{doc['model']}: {doc['nodes']} nodes, opset {doc['opset']}, {len(doc['regions'])} regions "
+          f"({leaves} leaves), {len(doc['patterns'])} patterns, rules: {doc['runtime']}")
+    print(f"describes {described['description']} ({described['nodes']} nodes; the file has "
+          f"{described['file_nodes']}); nodes are named as in the file"
+          + (", fused nodes as listed under 'fused'" if doc["node_origins"] else ""))
+    for p in doc["patterns"]:
+        print(f"\n{p['id']} {p['signature'][:12]}  {len(p['regions'])} region(s) {p['regions']}  "
+              f"ops: {' '.join(p['ops'])}" + ("" if p["tuned"] else "  (no insertion point: not tuned)"))
+        for pt in p["insertion_points"]:
+            first = next(iter(pt["resolved"].values()))
+            more = f" (+{len(pt['resolved']) - 1} regions)" if len(pt["resolved"]) > 1 else ""
+            weights = next(iter(pt["weights"].values()), [])
+            with_w = f"  + weights {', '.join(weights)}" if weights else ""
+            print(f"  {pt['id']:<28} {pt['kind']:<17} -> {', '.join(first) or '-'}{more}{with_w}")
+        for g in p["concat_groups"]:
+            print(f"  concat group: {' '.join(g)}")
+    if doc["node_origins"]:
+        print("\nfused (node here <- the file's nodes it stands for):")
+        for name, labels in doc["node_origins"].items():
+            print(f"  {name} <- {', '.join(labels) or '(new)'}")
+    w = doc["weights"]
+    print(f"\nweights: {len(w['quantized'])} can be quantized (with their activation's Q/DQ), "
+          f"{len(w['float'])} stay float")
+    for name, why in w["float"].items():
+        print(f"  float: {name}: {why}")
+    return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    import onnx
+
+    from qdq_optuna._files import atomic_write_bytes
+    from qdq_optuna.examples import zoo
+
+    try:
+        model = zoo.build(args.name, args.size)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    onnx.checker.check_model(model)
+    atomic_write_bytes(args.output, model.SerializeToString())
+    print(f"wrote {args.output} ({len(model.graph.node)} nodes)")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from qdq_optuna.outputs.dashboard import serve
+
+    serve(args.output, host=args.host, port=args.port, storage=args.storage)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from qdq_optuna.cli.bench import bench
+
+    echo = None if args.quiet else (lambda line: print(line, flush=True))
+    records, paths = bench(args.recipe, output=args.output, only=args.only, echo=echo)
+    if not args.quiet:
+        print(paths["summary"].read_text(), end="")
+        print(f"wrote {', '.join(str(p) for p in paths.values() if p.exists())}")
+    return 0
+
+
+COMMANDS = {"tune": cmd_tune, "inspect": cmd_inspect, "example": cmd_example,
+            "dashboard": cmd_dashboard, "bench": cmd_bench}
+
+
+class _OnceEach(logging.Filter):
+    """Each warning once per command: a second step that finds the same missing input (the
+    calibration data, say) says nothing new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        if text in self._seen:
+            return False
+        self._seen.add(text)
+        return True
+
+
+def _setup_logging(verbosity: int) -> None:
+    """Log records and Python warnings as ``qdq-optuna: LEVEL: message`` lines on stderr, unless
+    the process configured logging itself (as ``logging.basicConfig`` decides)."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_qdq_optuna", False)]
+    for h in ours:
+        root.removeHandler(h)  # main() called again in the same process: today's stderr
+    if ours or not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("qdq-optuna: %(levelname)s: %(message)s"))
+        handler._qdq_optuna = True  # type: ignore[attr-defined]
+        handler.addFilter(_OnceEach())
+        root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity else logging.WARNING)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    logging.getLogger("py.warnings").warning("%s: %s (%s:%s)", category.__name__, message,
+                                             Path(filename).name, lineno)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    verbose = 0
+    showwarning = warnings.showwarning
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)
+    except ImportError:
+        pass
+    try:
+        args = parser.parse_args(argv)
+        verbose = args.verbose
+        _setup_logging(verbose)
+        warnings.showwarning = _warning_line
+        if args.command is None:  # bare qdq-optuna: what there is to run
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        return COMMANDS[args.command](args)
+    except UserError as exc:  # one line even if a file or tensor name holds a line break
+        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"qdq-optuna: error: {message or type(exc).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    except BackendUnavailable as exc:
+        print(f"qdq-optuna: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BackendError as exc:  # outside a trial (a reference or the final measurement)
+        message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"qdq-optuna: error: measuring failed: {message}; finished trials are saved, "
+              "rerun the same command to resume", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+    except KeyboardInterrupt:
+        print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
+              "Rerun the same command to resume.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # an internal error: one line, traceback with -v
+        if verbose:
+            raise
+        first = str(exc).strip().splitlines()
+        print(f"qdq-optuna: internal error: {type(exc).__name__}: {first[0] if first else ''} "
+              "(rerun with -v for the traceback)", file=sys.stderr)
+        return 1
+    finally:
+        warnings.showwarning = showwarning
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""How far a Q/DQ candidate's outputs drift from the FP32 model's.
+
+The search trades latency against this error, so it must be cheap per candidate (the FP32
+reference is computed once) and never NaN: a candidate that produces non-finite outputs gets the
+worst possible error instead, which an optimizer can still rank. :class:`ErrorScorer` is what the
+search calls: errors of candidate models on the validation data.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from qdq_optuna.errors import ModelError, OptionError, UserError
+from qdq_optuna.model.calibration import iter_batches, make_session, one_line
+
+log = logging.getLogger("qdq_optuna")
+
+#: Scalar error measures for the objective / constraint (see :func:`error_value`).
+ERROR_MEASURES = ("relative_l2", "1-cosine", "max_abs")
+
+Metric = Callable[[dict, dict], float]
+
+_EPS = 1e-12
+
+
+class AccuracyError(RuntimeError):
+    """A candidate model could not be run (the trial fails; the user's input is fine)."""
+
+
+def run_model(
+    model: bytes | onnx.ModelProto | str | os.PathLike,
+    data: Mapping[str, np.ndarray],
+    *,
+    batch_size: int = 1,
+    threads: int = 1,
+    optimize: bool = True,
+) -> dict[str, np.ndarray]:
+    """All outputs of ``model`` over ``data``, batches concatenated on axis 0.
+
+    By default runs with all ORT optimizations so a Q/DQ model executes with the fused integer
+    kernels an ONNX Runtime deployment would use; ``optimize=False`` runs the model's ONNX
+    semantics node by node (the better proxy for other runtimes, and the only correct one for
+    FP8 Q/DQ: ONNX Runtime's Relu->QuantizeLinear fusion drops a Relu in front of a float8 Q).
+    A path keeps external weights next to the model loadable.
+    """
+    if isinstance(model, onnx.ModelProto):
+        try:
+            model = model.SerializeToString()
+        except ValueError as exc:
+            raise ModelError(
+                f"model too large to serialize in memory; pass its path ({one_line(exc)})"
+            ) from exc
+    session = make_session(model, optimize=optimize, threads=threads)
+    names = [o.name for o in session.get_outputs()]
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for feed in iter_batches(session, data, batch_size):
+        for name, value in zip(names, session.run(names, feed)):
+            parts[name].append(np.asarray(value))
+    return {name: _join(chunks) for name, chunks in parts.items()}
+
+
+def _join(chunks: list[np.ndarray]) -> np.ndarray:
+    if len(chunks) == 1:
+        return chunks[0]
+    if all(c.ndim >= 1 for c in chunks):
+        return np.concatenate(chunks, axis=0)
+    return np.stack(chunks)
+
+
+def output_errors(
+    reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]
+) -> dict[str, dict[str, float]]:
+    """Per output: mean per-sample ``cosine``, ``relative_l2`` and ``max_abs`` of the difference.
+
+    Non-finite candidate values (where the reference is finite) give the worst values
+    (cosine -1, inf) rather than NaN.
+    """
+    errors: dict[str, dict[str, float]] = {}
+    for name, ref in reference.items():
+        if name not in candidate:
+            raise KeyError(f"candidate outputs lack {name!r}")
+        errors[name] = _compare(np.asarray(ref), np.asarray(candidate[name]), name)
+    return errors
+
+
+def _compare(ref: np.ndarray, cand: np.ndarray, name: str) -> dict[str, float]:
+    worst = {"cosine": -1.0, "relative_l2": math.inf, "max_abs": math.inf}
+    if ref.shape != cand.shape:
+        raise ValueError(f"output {name!r}: shape {cand.shape} differs from {ref.shape}")
+    r = ref.astype(np.float64)
+    c = cand.astype(np.float64)
+    # positions where the reference itself is non-finite only count if the candidate differs
+    ref_bad = ~np.isfinite(r)
+    if ref_bad.any():
+        same = (r == c) | (np.isnan(r) & np.isnan(c))
+        if (ref_bad & ~same).any():
+            return worst
+        r = np.where(ref_bad, 0.0, r)
+        c = np.where(ref_bad, 0.0, c)
+    if not np.isfinite(c).all():
+        return worst
+    if r.size == 0:
+        return {"cosine": 1.0, "relative_l2": 0.0, "max_abs": 0.0}
+    diff = c - r
+    # one vector per sample; a 0-d or 1-d output (one value per sample) is a single vector
+    rows_r = r.reshape(r.shape[0], -1) if r.ndim >= 2 else r.reshape(1, -1)
+    rows_c = c.reshape(rows_r.shape)
+    return {
+        "cosine": float(np.mean(_cosine_rows(rows_r, rows_c))),
+        "relative_l2": float(np.linalg.norm(diff) / max(float(np.linalg.norm(r)), _EPS)),
+        "max_abs": float(np.max(np.abs(diff))),
+    }
+
+
+def _cosine_rows(r: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Cosine per sample; two zero vectors agree (1), one zero vector does not (0)."""
+    nr = np.linalg.norm(r, axis=1)
+    nc = np.linalg.norm(c, axis=1)
+    dot = np.einsum("ij,ij->i", r, c)
+    both_zero = (nr == 0) & (nc == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where((nr > 0) & (nc > 0), dot / (nr * nc), 0.0)
+    cos = np.where(both_zero, 1.0, cos)
+    return np.clip(cos, -1.0, 1.0)
+
+
+def summarize(errors: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Worst value of each measure across outputs (the model is as good as its worst output)."""
+    if not errors:
+        raise ValueError("no outputs to summarize")
+    return {
+        "worst_cosine": min(e["cosine"] for e in errors.values()),
+        "worst_relative_l2": max(e["relative_l2"] for e in errors.values()),
+        "worst_max_abs": max(e["max_abs"] for e in errors.values()),
+    }
+
+
+def error_value(errors: Mapping[str, Mapping[str, float]], name: str = "relative_l2") -> float:
+    """The scalar "error" objective / constraint (lower is better)."""
+    summary = summarize(errors)
+    if name == "relative_l2":
+        return summary["worst_relative_l2"]
+    if name == "1-cosine":
+        return 1.0 - summary["worst_cosine"]
+    if name == "max_abs":
+        return summary["worst_max_abs"]
+    raise OptionError(
+        f"--error-measure: unknown error measure {name!r} (choose {', '.join(ERROR_MEASURES)})"
+    )
+
+
+def load_metric(spec: str) -> Metric:
+    """Import ``module:function`` (or ``path/to/file.py:function``) as a user metric.
+
+    The function gets ``(reference_outputs, candidate_outputs)`` dicts and returns a float,
+    lower is better. Modules resolve from the working directory and ``PYTHONPATH``.
+    """
+    module_name, sep, func_name = str(spec).rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise OptionError(f"--metric {spec!r}: expected module:function")
+    try:
+        module = _import_metric_module(module_name)
+    except Exception as exc:  # the user's module may raise anything while importing
+        raise OptionError(
+            f"--metric {spec!r}: cannot import {module_name!r} "
+            f"({type(exc).__name__}: {one_line(exc)})"
+        ) from exc
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise OptionError(f"--metric {spec!r}: {module_name!r} has no attribute {func_name!r}")
+    if not callable(func):
+        raise OptionError(f"--metric {spec!r}: {func_name!r} is not callable")
+    return func
+
+
+def _import_metric_module(module_name: str) -> Any:
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {path}")
+        mod_spec = importlib.util.spec_from_file_location(f"_qdq_metric_{path.stem}", path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        return module
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+class AccuracyEvaluator:
+    """Scores candidates against FP32 reference outputs computed once up front.
+
+    ``metric`` is a callable or a ``module:function`` spec (see :func:`load_metric`); without
+    one the error is :func:`error_value` of ``error_measure``.
+    """
+
+    def __init__(
+        self,
+        reference_model: bytes | onnx.ModelProto | str | os.PathLike,
+        data: Mapping[str, np.ndarray],
+        *,
+        metric: str | Metric | None = None,
+        batch_size: int = 1,
+        error_measure: str = "relative_l2",
+        threads: int = 1,
+        optimize: bool = True,
+    ) -> None:
+        if error_measure not in ERROR_MEASURES:
+            raise OptionError(
+                f"--error-measure: unknown error measure {error_measure!r} "
+                f"(choose {', '.join(ERROR_MEASURES)})"
+            )
+        self.metric_name = metric if isinstance(metric, str) else getattr(metric, "__name__", None)
+        self.metric: Metric | None = load_metric(metric) if isinstance(metric, str) else metric
+        self.data = dict(data)
+        self.batch_size = batch_size
+        self.error_measure = error_measure
+        self.threads = threads
+        self.optimize = optimize
+        try:
+            self.reference = run_model(
+                reference_model, self.data, batch_size=batch_size, threads=threads,
+                optimize=optimize,
+            )
+        except UserError:
+            raise
+        except Exception as exc:  # ORT raises its own exception types
+            raise ModelError(f"the FP32 model fails in ONNX Runtime: {one_line(exc)}") from exc
+
+    def evaluate(self, candidate_model: bytes | onnx.ModelProto | str) -> tuple[float, dict]:
+        """``(error, details)``; details hold per-output errors and their worst values."""
+        try:
+            outputs = run_model(
+                candidate_model, self.data, batch_size=self.batch_size, threads=self.threads,
+                optimize=self.optimize,
+            )
+        except UserError:
+            raise
+        except Exception as exc:  # ORT raises its own exception types
+            raise AccuracyError(f"candidate model failed in ONNX Runtime: {one_line(exc)}") from exc
+        missing = [name for name in self.reference if name not in outputs]
+        if missing:
+            raise AccuracyError(f"candidate model lacks outputs {missing}")
+        errors = output_errors(self.reference, outputs)
+        details: dict[str, Any] = {"outputs": errors, **summarize(errors)}
+        if self.metric is None:
+            error = error_value(errors, self.error_measure)
+        else:
+            error = self._user_metric(outputs)
+            details["metric"] = error
+        details["error"] = error
+        return error, details
+
+    def _user_metric(self, outputs: dict[str, np.ndarray]) -> float:
+        try:
+            value = self.metric(dict(self.reference), outputs)
+        except Exception as exc:  # the user's code may raise anything
+            raise OptionError(
+                f"--metric {self.metric_name!r} raised {type(exc).__name__}: {one_line(exc)}"
+            ) from exc
+        try:
+            value = float(value)
+        except (TypeError, ValueError) as exc:
+            raise OptionError(
+                f"--metric {self.metric_name!r} returned {type(value).__name__}, not a number"
+            ) from exc
+        # NaN would make the trial incomparable; a broken candidate is simply the worst one
+        return math.inf if math.isnan(value) else value
+
+
+# -- scoring the search's candidates -------------------------------------------------------------
+def error_record(error: float, details: Mapping) -> dict:
+    """JSON-safe error record (inf becomes a large number Optuna and JSON both accept)."""
+    def clean(x: float) -> float:
+        return float(x) if math.isfinite(float(x)) else 1e30
+
+    outputs = {name: {k: clean(v) for k, v in e.items()}
+               for name, e in details.get("outputs", {}).items()}
+    rec = {"error": clean(error), "output_errors": outputs}
+    for k in ("worst_cosine", "worst_relative_l2", "worst_max_abs", "metric"):
+        if k in details:
+            rec[k] = clean(details[k])
+    return rec
+
+
+def validation_data(model, *, validation: tuple[dict, str] | None,
+                    calibration: tuple[dict, str] | None, input_shapes: Mapping | None,
+                    samples: int = 8) -> tuple[dict, str]:
+    """The data trials are scored on, and an id for fingerprints and reports: the validation
+    data, else the calibration data (each ``(arrays, id)``, loaded by
+    :func:`qdq_optuna.model.data.input_data`), else random inputs (with a warning: errors on noise are
+    only a sanity check)."""
+    from qdq_optuna.model import calibration as _calibration
+
+    if validation is not None:
+        return validation[0], f"--validation-data {validation[1]}"
+    if calibration is not None:
+        return calibration[0], f"--calibration-data {calibration[1]}"
+    log.warning("no --validation-data or --calibration-data: output errors are measured on "
+                "random inputs (a sanity check only; pass real data for meaningful errors)")
+    data = _calibration.random_calibration_data(model, input_shapes or None, samples=samples,
+                                                seed=1)
+    return data, f"random:{samples}:1"
+
+
+class ErrorScorer:
+    """Output errors of candidate models against the FP32 model, as JSON-safe records.
+
+    ``optimize``: run candidates with ONNX Runtime's full graph optimizations (its fused integer
+    kernels, what an ONNX Runtime deployment runs) or with none (the ONNX semantics of the Q/DQ
+    model: the better proxy for TensorRT, and the only correct one for FP8, see
+    :func:`run_model`).
+    """
+
+    def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
+                 error_measure: str, optimize: bool, bf16: bool = False) -> None:
+        self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
+                                           error_measure=error_measure, optimize=optimize)
+        self.evaluations = 0
+        #: candidates are BF16 models: scored as :func:`~qdq_optuna.model.precision.
+        #: bf16_computed_in_fp32` (ONNX Runtime's CPU provider has no BF16 kernels)
+        self.bf16 = bf16
+
+    def score_bytes(self, data: bytes | os.PathLike) -> dict:
+        """The errors of a model given as bytes (or as a path, when its weights stay on
+        disk)."""
+        self.evaluations += 1
+        if self.bf16:
+            from qdq_optuna.model.precision import bf16_computed_in_fp32
+
+            data = bf16_computed_in_fp32(data if isinstance(data, bytes)
+                                         else onnx.load(os.fspath(data)))
+        error, details = self.evaluator.evaluate(data)
+        return error_record(error, details)
+
+    def default_session_check(self, model: bytes) -> dict | None:
+        """What a user who checks the shipped model on ONNX Runtime CPU with default options
+        sees, when the guard measured something else (the Q/DQ as written, for TensorRT): the
+        worst output's error there, or ONNX Runtime's refusal in one line. None when the guard
+        already measured that way, or when the model is BF16 (no BF16 kernels on the CPU)."""
+        if self.evaluator.optimize or self.bf16:
+            return None
+        fused = copy.copy(self.evaluator)  # the same reference outputs and data
+        fused.optimize = True
+        try:
+            error, details = fused.evaluate(model)
+        except AccuracyError as exc:
+            return {"loads": False, "refused": str(exc)}
+        return {"loads": True, "error": float(error), "output_errors": details["outputs"]}

@@ -1,0 +1,413 @@
+"""``report.json`` (read by other tools: keys are stable) and ``report.md`` (read by people).
+
+Built from the run record (what the storage holds) and the plan measurer (what this process
+measured), never from the tuner itself."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+from optuna.trial import TrialState
+
+from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
+from qdq_optuna.record.attrs import PHASES, PatternAttr, RunAttr, TrialAttr
+
+
+def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
+                 baseline_ms: float | None, partial: bool, lane: str = "") -> dict:
+    """``report.json``'s content. ``header``: what was tuned, where, how (its keys come first);
+    ``record``: the run record (:class:`~qdq_optuna.record.attrs.RunRecord`); ``plans``: the
+    plan measurer (its counters); ``plan``/``comparison``: the saved model and its A/B against
+    the baseline (the user's model); ``rows``: the patterns (:meth:`RunRecord.committed` of
+    ``lane``, the lane whose standing model was saved)."""
+    cmp = comparison
+    speedup = 1.0 / cmp.ratio if cmp.ratio > 0 else float("nan")
+    patterns, all_trials = pattern_entries(record, rows)
+    stats = trial_statistics(all_trials)
+    run_attrs = record.run_study.user_attrs
+    return {
+        **header,
+        "complete": not partial,
+        "baseline_model": run_attrs.get(RunAttr.BASELINE_MODEL),
+        "baseline_latency_ms": cmp.reference.score_ms,
+        "final_latency_ms": cmp.candidate.score_ms,
+        "speedup": speedup,
+        "speedup_ci": [1.0 / cmp.ci_high if cmp.ci_high > 0 else None,
+                       1.0 / cmp.ci_low if cmp.ci_low > 0 else None],
+        "speedup_confidence": cmp.confidence,
+        "final_comparison": cmp.to_dict(),
+        "in_search_baseline_latency_ms": baseline_ms,
+        "quantized_tensors": plan.tensors,
+        "quantized_weights": sorted({prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
+        "qdq_pairs": plan.qdq_pairs,
+        "measurements": plans.measurements,
+        "measurements_by_phase": {phase: plans.by_phase.get(phase, 0) for phase in PHASES},
+        "builds_saved_by_cache": stats["cache_hits"],
+        "search_statistics": stats,
+        "measurer": plans.measurer.counters(),
+        "starts": start_entries(record, baseline_ms),
+        "lane": lane,
+        "descent": descent_summary(record, lane),
+        "patterns": patterns,
+        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+
+
+def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
+    """``what_ran``: for the shipped model, per pattern, which Q/DQ the runtime fused, which
+    stayed standalone, where float ran next to integer and where it reformatted (read from the
+    runtime itself: the thing a TensorRT user opens an engine explorer for); and
+    ``descent_skipped``: the visits the runtime's report of the standing model skipped."""
+    out: dict = {}
+    if descent is not None:
+        out["descent_skipped"] = [{"lane": lane, "round": rnd, "pattern": pid, "reason": why}
+                                  for lane, rnd, pid, why in descent.skipped]
+        if descent.unfused is not None:
+            out["what_ran_reads"] = descent.unfused.reads
+    try:
+        what = backend.what_ran(model) if isinstance(model, bytes) else None
+    except Exception as exc:  # the report still ships without it
+        out["what_ran"] = {"how": None, "error": str(exc)}
+        return out
+    if what is None:
+        return out
+    g = prepared.graph
+    patterns = []
+    for pp in prepared.tunable:
+        tensors = {u[0] for u in pp.uses(pp.ids)}
+        nodes = {g.nodes[u[1]].name for u in pp.uses(pp.ids)}
+        nodes |= {g.nodes[g.producer[t][0]].name for t in tensors if t in g.producer}
+        patterns.append({"id": pp.pattern.id, "fused": sorted(tensors & what.fused),
+                         "standalone": sorted(tensors & what.standalone),
+                         "float_nodes": sorted(nodes & what.float_nodes),
+                         "reformats": sorted(tensors & what.reformats)})
+    out["what_ran"] = {"how": what.how, "fused": len(what.fused),
+                       "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
+                       "reformats": len(what.reformats), "patterns": patterns}
+    return out
+
+
+def start_entries(record, baseline_ms: float | None) -> list[dict]:
+    """The whole-model starts as the run decided them: latency, speedup over the baseline,
+    output error, whether feasible, chosen, the lane that descended from it, notes."""
+    starts = record.starts() or {}
+    out = []
+    for row in starts.get("starts", []):
+        entry = {k: row.get(k) for k in ("name", "latency_ms", "error", "feasible", "chosen",
+                                          "lane", "exact", "qdq", "notes")}
+        entry["points_on"] = sum(len(v) for v in (row.get("points_on") or {}).values())
+        if row.get("latency_ms") and baseline_ms:
+            entry["speedup"] = baseline_ms / row["latency_ms"]
+        if row.get("failure"):
+            entry["failure"] = row["failure"]
+        if row.get("ab_vs_float"):
+            entry["ab_vs_float"] = row["ab_vs_float"]
+        out.append(entry)
+    return out
+
+
+def descent_summary(record, lane: str) -> dict:
+    """Per lane: rounds run, visits (decided, changed the standing model), moves queued and
+    moves left out because their kind kept failing."""
+    starts = record.starts() or {}
+    lanes = {}
+    for name in starts.get("order", []):
+        visits = record.visits(name)
+        lanes[name or "main"] = {
+            "start": (starts.get("lane_starts") or {}).get(name),
+            "rounds": max((int(a.get(PatternAttr.ROUND, 0)) for a in visits), default=0),
+            "visits": len(visits),
+            "changed": sum(1 for a in visits if _changed(a)),
+            "moves": sum(int(a.get(PatternAttr.MOVES, 0)) for a in visits),
+            "moves_skipped": sum(int(a.get(PatternAttr.MOVES_SKIPPED, 0)) for a in visits),
+        }
+    return {"lanes": lanes, "shipped": lane or "main"}
+
+
+def _changed(attrs: dict) -> bool:
+    if PatternAttr.COMMITTED not in attrs:
+        return False
+    on = sorted(p for p, v in attrs[PatternAttr.COMMITTED].items() if v)
+    return on != sorted(attrs.get(PatternAttr.FROM, [])) or bool(attrs.get(PatternAttr.PARTNER))
+
+
+def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
+    """One entry per tunable pattern, and every trial of the run's visits."""
+    by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
+    trials_of: dict[str, list] = {}
+    done_in: dict[tuple, int] = {}  # (pattern, lane, round) -> finished trials
+    all_trials: list = []
+    for attrs in record.visits():
+        trials = record.visit_trials(attrs)
+        all_trials += trials
+        pid = attrs[PatternAttr.PATTERN_ID]
+        trials_of.setdefault(pid, []).extend(trials)
+        done_in[(pid, attrs.get(PatternAttr.LANE, ""), attrs.get(PatternAttr.ROUND))] = sum(
+            t.state == TrialState.COMPLETE for t in trials)
+    patterns: list[dict] = []
+    for pp in record.tunable:
+        row = by_id.get(pp.pattern.id) or {}
+        visits = [{**v, "trials": done_in.get((v["pattern"], v["lane"], v["round"]), 0)}
+                  for v in row.get("visits", [])]
+        entry = {
+            "id": pp.pattern.id,
+            "signature": pp.pattern.signature,
+            "regions": list(pp.pattern.regions),
+            "ops": list(pp.pattern.ops),
+            "insertion_points": pp.ids,
+            "trials": sum(t.state == TrialState.COMPLETE for t in trials_of.get(pp.pattern.id, [])),
+            "status": "committed" if any(v["status"] == "committed" for v in visits)
+                      else ("running" if visits else "not tuned"),
+            "start_scheme": row.get("start_scheme", []),
+            "committed_scheme": sorted(p for p, v in row.get(PatternAttr.COMMITTED, {}).items()
+                                       if v),
+            "gain": float(row.get(PatternAttr.GAIN, 1.0)),
+            "reference_ms": row.get(PatternAttr.REFERENCE_MS),
+            "commit_reason": row.get(PatternAttr.COMMIT_REASON),
+            "visits": visits,
+            # the rounds after the first (as the earlier pattern-by-pattern search reported
+            # its refinement rounds)
+            "refinements": [v for v in visits if v["round"] and v["round"] > 1
+                            and v["pattern"] == pp.pattern.id],
+        }
+        # accuracy modes; converged_after: the last visit stopped before its budget
+        for key in (PatternAttr.COMMITTED_ERROR, PatternAttr.REFERENCE_ERROR,
+                    PatternAttr.COMMITTED_TYPES, PatternAttr.CONVERGED_AFTER):
+            if key in row:
+                entry[key] = row[key]
+        patterns.append(entry)
+    return patterns, all_trials
+
+
+def trial_statistics(trials) -> dict:
+    """How a run's trials were measured, from their ``measurement`` records (so resumed runs
+    count every process): ``measured`` = ``ab_compared`` + ``screened_out`` + ``screen_only`` +
+    ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved)."""
+    out = {"trials": 0, "complete": 0, "failed": 0, "failed_transient": 0,
+           "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
+           "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
+           "screen_discard_ratio": SCREEN_DISCARD_RATIO}
+    kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
+             "deterministic": "deterministic"}
+    for t in trials:
+        out["trials"] += 1
+        attrs = t.user_attrs
+        if t.state == TrialState.FAIL:
+            out["failed"] += 1
+            out["failed_transient"] += bool(attrs.get(TrialAttr.TRANSIENT))
+        elif t.state == TrialState.PRUNED and TrialAttr.KNOWN_FAILURE in attrs:
+            out["pruned_known_failure"] += 1
+        elif t.state == TrialState.COMPLETE:
+            out["complete"] += 1
+            rec = attrs.get(TrialAttr.MEASUREMENT) or {}
+            if rec.get("cached"):
+                out["cache_hits"] += 1
+                continue
+            key = kinds.get(rec.get("kind", ""))
+            if key is None:
+                continue
+            out["measured"] += 1
+            out[key] += 1
+            out["ab_decided"] += key == "ab_compared" and bool(rec.get("decided"))
+    return out
+
+
+def write_reports(out: Path, report: dict) -> None:
+    atomic_write_bytes(out / "report.json", json.dumps(report, indent=2, default=str).encode())
+    atomic_write_bytes(out / "report.md", render_markdown(report).encode())
+
+
+def _statistics_lines(st: dict | None) -> list[str]:
+    if not st:
+        return []
+    failed = ""
+    if st["failed"]:
+        failed = (f" {st['failed']} trials failed ({st['failed_transient']} of them a worker "
+                  "crash or timeout).")
+    return ["", f"Trials: {st['complete']} finished: {st['ab_compared']} A/B-compared against "
+            f"their pattern's reference ({st['ab_decided']} decided), {st['screened_out']} screened "
+            f"out (screen over {st['screen_discard_ratio']}x the reference; their value is the "
+            f"screen estimate), {st['screen_only']} screen-only, {st['deterministic']} "
+            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"]
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _precision_line(hp: dict | None) -> str:
+    """What ran at which precision: the float part, the graph's inputs and outputs, the nodes
+    kept FP32."""
+    if not hp or hp.get("precision", "fp32") == "fp32":
+        return "FP32 (the model's float part as given)"
+    kept = hp.get("kept_fp32") or {}
+    io = "kept FP32" if hp.get("keep_io_types", True) else f"{hp['precision'].upper()} too"
+    shown = ", ".join(f"`{n}`" for n in list(kept)[:5]) + (f" … (+{len(kept) - 5})"
+                                                            if len(kept) > 5 else "")
+    return (f"{hp['precision'].upper()} (converted before the search; graph inputs and outputs "
+            f"{io}; {len(kept)} nodes kept FP32{': ' + shown if kept else ''})")
+
+
+def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
+    """The accuracy guard's section: the errors of what ships, the data they were measured on,
+    the bound and whether the guard stepped in."""
+    from qdq_optuna.search._guard import data_phrase, default_session_lines
+
+    lines = ["## Accuracy", "",
+             f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "
+             f"calibrated scales): **{acc['error']:.4g}**, measured on {data_phrase(acc['data'])}. "
+             f"Bound {acc['bound']:g} ({acc['bound_from']}"
+             + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
+             f"**{acc['status']}**.", ""]
+    if acc.get("scored_as"):
+        lines += [f"Scored as {acc['scored_as']}.", ""]
+    for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
+        lines += [line, ""]
+    if acc.get("data_kind") == "random inputs":
+        lines += ["Random inputs show only that nothing is badly broken; pass "
+                  "`--validation-data` or `--calibration-data` for errors that mean something.",
+                  ""]
+    if acc["status"] != "within bound" and not acc.get("tuned_tensors"):
+        lines += ["**Even the model without Q/DQ is past the bound** (the high-precision "
+                  "conversion alone drifts that far): `optimized.onnx` is that model. Raise "
+                  "`--max-output-error` or choose another `--high-precision`.", ""]
+    elif acc["status"] != "within bound":
+        culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
+        lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
+                  f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "
+                  f"evaluations): {culprits}. `optimized.onnx` is the {acc['shipped']}; every "
+                  "figure in this report is that model's.", ""]
+    lines += ["| output | cosine | relative L2 | max abs |", "|---|---|---|---|"]
+    for name, e in acc.get("output_errors", {}).items():
+        lines.append(f"| `{name}` | {e.get('cosine', float('nan')):.5f} | "
+                     f"{e.get('relative_l2', float('nan')):.4g} | "
+                     f"{e.get('max_abs', float('nan')):.4g} |")
+    return lines + [""]
+
+
+def _starts_lines(r: dict) -> list[str]:
+    starts = r.get("starts") or []
+    if not starts:
+        return []
+    lines = ["## Starts", "",
+             "Whole-model placements measured before the descent; the fastest feasible one is "
+             "the standing model every pattern starts from.", "",
+             "| start | latency (ms) | vs baseline | output error | feasible | descent | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for s in starts:
+        lane = "" if s.get("lane") is None else ("**standing model**" if s.get("chosen")
+                                                 else f"lane `{s['lane']}`")
+        notes = s.get("failure") or "; ".join(s.get("notes") or [])
+        lines.append(f"| {s['name']} ({s.get('points_on', 0)} points) | "
+                     f"{_f(s.get('latency_ms'), '{:.4f}')} | {_f(s.get('speedup'))}x | "
+                     f"{_f(s.get('error'), '{:.3g}')} | {'yes' if s.get('feasible') else 'no'} | "
+                     f"{lane} | {_short(notes, 160)} |")
+    return lines + [""]
+
+
+def _what_ran_lines(r: dict) -> list[str]:
+    """The runtime's own account of the shipped model, per pattern, and the skipped visits."""
+    lines = []
+    w = r.get("what_ran") or {}
+    if w.get("patterns"):
+        lines += ["", "## What the runtime ran", "",
+                  f"Read from {w['how']} for `optimized.onnx`: {w['fused']} Q/DQ fused into "
+                  f"integer kernels, {w['standalone']} standalone, {w['float_nodes']} float "
+                  f"node(s) next to integer ones, {w['reformats']} reformat(s).", "",
+                  "| pattern | fused | standalone | float next to integer | reformats |",
+                  "|---|---|---|---|---|"]
+        for p in w["patterns"]:
+            cells = [f"{len(p[k])}" + (f": {_short(', '.join(p[k]), 120)}"
+                                       if p[k] and k != "fused" else "")
+                     for k in ("fused", "standalone", "float_nodes", "reformats")]
+            lines.append(f"| {p['id']} | " + " | ".join(cells) + " |")
+    skipped = r.get("descent_skipped") or []
+    if skipped:
+        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
+                  + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
+                  + ("…" if len(skipped) > 40 else "") + f". Reason: {skipped[0]['reason']}."]
+    if not r.get("complete", True):
+        lines += ["", "**Partial result**: the run was cut short; `optimized.onnx` is the best "
+                  "standing model found so far."]
+    return lines
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _phases(r: dict) -> str:
+    by = r.get("measurements_by_phase") or {}
+    return ", ".join(f"{k} {v}" for k, v in by.items() if v)
+
+
+def _elapsed(r: dict) -> str:
+    """When each phase ended, in seconds of this process (a resumed run counts from its
+    resumption)."""
+    at = r.get("elapsed_s") or {}
+    return (" Phases ended at " + ", ".join(f"{k} {v:.0f} s" for k, v in at.items()) + "."
+            if at else "")
+
+
+def render_markdown(r: dict) -> str:
+    lo, hi = r["speedup_ci"]
+    lines = [
+        "# qdq-optuna report",
+        "",
+        f"- model: `{r['model']}`",
+        f"- backend: `{r['backend'].get('name')}` (rules: {r['runtime']}), quant type `{r['quant_type']}`,"
+        f" sampler `{r['sampler']}`, timing `{r['timing']}`, scales `{r['scales']}`",
+        f"- high precision: {_precision_line(r.get('high_precision'))}",
+        f"- run: `{r['run_id']}` in `{r['storage']}`" + ("" if r["complete"] else " — **incomplete (timeout)**"),
+        "",
+        "| | latency (ms) |",
+        "|---|---|",
+        f"| baseline ({r.get('baseline_model') or 'no Q/DQ'}) | {_f(r['baseline_latency_ms'])} |",
+        f"| tuned (`optimized.onnx`) | {_f(r['final_latency_ms'])} |",
+        "",
+        f"**Speedup {_f(r['speedup'])}x** ({int(r['speedup_confidence'] * 100)} % interval "
+        f"{_f(lo)}–{_f(hi)}, interleaved re-measurement of the saved model against the baseline).",
+        "",
+        f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
+        f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
+        "builds saved by the cache." + _elapsed(r),
+        *_statistics_lines(r.get("search_statistics")),
+        "",
+        *_starts_lines(r),
+    ]
+    if r.get("accuracy"):
+        lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))
+    accuracy = any("committed_error" in p for p in r["patterns"])
+    lines += [
+        "## Patterns",
+        "",
+        "Each visit tunes the pattern against the whole standing model; its gain is the whole "
+        "model's.",
+        "",
+        "| pattern | regions | points | trials | start | standing scheme | gain |"
+        + (" error after commit |" if accuracy else "") + " visits |",
+        "|---|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
+    ]
+    for p in r["patterns"]:
+        scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
+                  for k in p["committed_scheme"]]
+        err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
+        visits = "; ".join(
+            f"{(v['lane'] + ' ') if v.get('lane') else ''}round {v['round']}"
+            + (f" (as {v['pattern']}'s chain partner)" if v.get("pattern") != p["id"] else "")
+            + f": {v.get('commit_reason') or v['status']}" for v in p.get("visits", []))
+        lines.append(
+            f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
+            f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
+            f"{len(p.get('start_scheme', []))} on | {', '.join(scheme) or '—'} | "
+            f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
+        )
+    lines += _what_ran_lines(r)
+    if r.get("pareto"):
+        from qdq_optuna.outputs.pareto import write_front_table
+
+        lines += write_front_table(r["pareto"])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,382 @@
+"""Where Q/DQ may go, as data: one :class:`RuntimeRules` table per target runtime.
+
+TensorRT and ONNX Runtime CPU fuse differently (see the README's "Rules" section), so a placement
+that is fast on one can be the slowest on the other. Everything runtime-specific lives in the two
+tables at the bottom of this module; code elsewhere only reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from qdq_optuna.errors import OptionError
+from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
+
+ALL_SLOTS = -1
+
+#: Inputs that carry shapes, indices, axes, scales or biases: never a Q/DQ site on any runtime.
+STRUCTURAL_INPUTS: Mapping[str, frozenset[int]] = {
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "GatherND": frozenset({1}),
+    "ScatterND": frozenset({1}),
+    "ScatterElements": frozenset({1}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Pad": frozenset({1, 2, 3}),
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "TopK": frozenset({1}),
+    "Split": frozenset({1}),
+    "ReduceMean": frozenset({1}),
+    "ReduceSum": frozenset({1}),
+    "ReduceMax": frozenset({1}),
+    "ReduceMin": frozenset({1}),
+    "Clip": frozenset({1, 2}),
+    "BatchNormalization": frozenset({1, 2, 3, 4}),
+    "InstanceNormalization": frozenset({1, 2}),
+    "LayerNormalization": frozenset({1, 2}),
+    "GroupNormalization": frozenset({1, 2}),
+    "Conv": frozenset({2}),
+    "ConvTranspose": frozenset({2}),
+    "Gemm": frozenset({2}),
+    "Where": frozenset({0}),
+    "Range": frozenset({0, 1, 2}),
+    "OneHot": frozenset({0, 1, 2}),
+    "CumSum": frozenset({1}),
+}
+
+#: Ops whose inputs are never quantized at all (shape/utility ops).
+STRUCTURAL_OPS = frozenset(
+    {
+        "Shape", "Size", "NonZero", "ConstantOfShape", "Range", "Cast", "CastLike", "NonMaxSuppression",
+        "Loop", "If", "Scan", "QuantizeLinear", "DequantizeLinear", "Identity", "Dropout",
+        "ArgMax", "ArgMin", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+        "And", "Or", "Xor", "IsNaN", "IsInf", "RandomNormalLike", "RandomUniformLike",
+    }
+)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A weighted op: its activation input(s), its weight input and the per-channel axis."""
+
+    activation_slots: frozenset[int]
+    weight_slot: int
+    #: (graph, node index) -> channel axis of the weight, or None for per-tensor
+    axis: Callable[[Graph, int], int | None]
+
+
+def _conv_axis(graph: Graph, idx: int) -> int | None:
+    return 0
+
+
+def _conv_transpose_axis(graph: Graph, idx: int) -> int | None:
+    return 1
+
+
+def _gemm_axis(graph: Graph, idx: int) -> int | None:
+    node = graph.nodes[idx]
+    trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+    return 0 if trans_b else 1
+
+
+def _matmul_axis(graph: Graph, idx: int) -> int | None:
+    shape = graph.shapes.get(graph.nodes[idx].input[1])
+    return (len(shape) - 1) if shape else None
+
+
+WEIGHTED_OPS: Mapping[str, WeightSpec] = {
+    "Conv": WeightSpec(frozenset({0}), 1, _conv_axis),
+    "ConvTranspose": WeightSpec(frozenset({0}), 1, _conv_transpose_axis),
+    "Gemm": WeightSpec(frozenset({0}), 1, _gemm_axis),
+    "MatMul": WeightSpec(frozenset({0}), 1, _matmul_axis),
+}
+
+COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
+_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+
+# -- use filters: (graph, use) -> reason the use is not offered, or None --------------------
+def _fusable_conv(graph: Graph, tensor: str) -> int | None:
+    """The Conv whose (BN'd) output ``tensor`` is, when TensorRT can fuse an Add reading it
+    into that Conv: a Conv or Conv->BN output with a single consumer."""
+    prod = graph.producer.get(tensor)
+    if prod is None or len(graph.consumers.get(tensor, [])) != 1:
+        return None
+    node = graph.nodes[prod[0]]
+    if node.op_type == "BatchNormalization":
+        conv = graph.producer.get(node.input[0])
+        if conv is None or graph.nodes[conv[0]].op_type not in ("Conv", "ConvTranspose") \
+                or len(graph.consumers.get(node.input[0], [])) != 1:
+            return None
+        return conv[0]
+    return prod[0] if node.op_type in ("Conv", "ConvTranspose") else None
+
+
+def _reaches(graph: Graph, source: str, target: str) -> bool:
+    """Whether ``target`` is computed from ``source`` (walking producers back from target)."""
+    seen, stack = set(), [target]
+    while stack:
+        t = stack.pop()
+        if t == source:
+            return True
+        if t in seen or t not in graph.producer:
+            continue
+        seen.add(t)
+        stack.extend(x for x in graph.nodes[graph.producer[t][0]].input if x)
+    return False
+
+
+def residual_conv(graph: Graph, add: int) -> int | None:
+    """Of an Add of two fusable Conv outputs (a ResNet downsampling block), the input slot that
+    TensorRT reads as the quantized residual; the other Conv gets the Add fused into it. The
+    residual is the shortcut: the Conv whose input the other branch is computed from (the 1x1
+    downsampling Conv reads the block input, the main path's last Conv is two Convs deeper).
+    Ties (two independent branches) go to the earlier Conv, so the later one, which runs when
+    both inputs exist, takes the Add. None when the Add is not of two fusable Conv outputs."""
+    node = graph.nodes[add]
+    if node.op_type != "Add" or len(node.input) != 2:
+        return None
+    convs = [_fusable_conv(graph, t) for t in node.input]
+    if None in convs or convs[0] == convs[1]:
+        return None
+    inputs = [graph.nodes[c].input[0] for c in convs]
+    for slot in (0, 1):
+        if _reaches(graph, inputs[slot], inputs[1 - slot]) and \
+                not _reaches(graph, inputs[1 - slot], inputs[slot]):
+            return slot
+    return 0 if convs[0] < convs[1] else 1
+
+
+def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
+    """TensorRT fuses Conv->[BN->]Add->Relu into one INT8 kernel; Q/DQ on the Conv (or BN)
+    output that feeds the Add breaks it. Fires only when that output has a single consumer and
+    the Add feeds a Relu (the review's refinement of the upstream rule). When both Add inputs
+    are such Conv outputs, TensorRT fuses the Add into one Conv and wants the other input, the
+    residual, in INT8: that one (the shortcut, see :func:`residual_conv`) is offered."""
+    tensor, consumer, slot = use
+    if consumer == GRAPH_OUTPUT or graph.nodes[consumer].op_type != "Add" \
+            or _fusable_conv(graph, tensor) is None:
+        return None
+    add_out = graph.nodes[consumer].output[0]
+    if not any(graph.nodes[n].op_type == "Relu" for n, _ in graph.consumers.get(add_out, [])):
+        return None
+    if residual_conv(graph, consumer) == slot:
+        return None
+    return "breaks TensorRT's Conv+Add+Relu fusion"
+
+
+def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
+    """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
+    anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
+    quantizes a constant and moves no data, but each such point would be measured."""
+    if use[0] in graph.shape_values():
+        return "computed from tensor shapes (folded when TensorRT builds the engine)"
+    return None
+
+
+def _fused_activation(graph: Graph, use: Use) -> str | None:
+    """ONNX Runtime folds a Relu that directly follows a quantized Conv/Gemm/MatMul into the
+    kernel's output range (Q with zero point at the type's minimum); Q/DQ between them only adds
+    a float round trip. (A Clip folds only when its range fits the Q range: left to the search.)"""
+    tensor, consumer, _ = use
+    if consumer == GRAPH_OUTPUT or graph.nodes[consumer].op_type != "Relu":
+        return None
+    if graph.producer_op(tensor) not in COMPUTE_OPS or len(graph.consumers.get(tensor, [])) != 1:
+        return None
+    return "activation fused into the producer's quantized kernel"
+
+
+def _promote_concat(graph: Graph, tensor: str, uncovered: list[tuple[int, int]]) -> bool:
+    """TensorRT: when the only uncovered consumers are Concats, quantize the tensor for them too
+    so the Concat sees INT8 inputs (it is a byte copy in TensorRT)."""
+    return bool(uncovered) and all(graph.nodes[n].op_type == "Concat" for n, _ in uncovered)
+
+
+@dataclass(frozen=True)
+class RuntimeRules:
+    """One runtime's answer to "may this tensor use carry Q/DQ, and what comes with it"."""
+
+    name: str
+    default_quant_type: str
+    quant_types: tuple[str, ...]
+    #: op -> input slots that are never quantized (in addition to STRUCTURAL_INPUTS)
+    never_quantize: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    #: if set, only these consumer ops may have Q/DQ on their inputs
+    quantizable_ops: frozenset[str] | None = None
+    #: extra per-use filters (name kept for reports)
+    use_filters: tuple[Callable[[Graph, Use], str | None], ...] = ()
+    #: merge-stage promotions: (graph, tensor, uncovered consumers) -> cover them too
+    promotions: tuple[Callable[[Graph, str, list[tuple[int, int]]], bool], ...] = ()
+    #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized
+    #: when all are in place
+    fusion_group_ops: frozenset[str] = frozenset()
+    #: quantize Gemm/Conv bias to int32 (scale = input scale * weight scale)
+    quantize_bias_ops: frozenset[str] = frozenset()
+    #: op -> per-tensor weights (runtime kernels that do not take per-channel weights)
+    per_tensor_weight_ops: frozenset[str] = frozenset()
+    #: ops whose output may carry Q/DQ whatever reads it, graph outputs included: the Q
+    #: completes the op's DQ -> op -> Q group, and a reader without a quantized kernel (Div,
+    #: Sub, Shape, ...) reads the dequantized value (ONNX Runtime fuses an op only when the Q
+    #: is its output's only reader, and never when the output is a graph output)
+    output_quantized_ops: frozenset[str] = frozenset()
+    #: ops whose constant float inputs are quantized with their activations (activation
+    #: type, per tensor, asymmetric: as ``quantize_static`` does), when every float
+    #: activation input of the op carries Q/DQ: the op then runs as one quantized kernel
+    constant_operand_ops: frozenset[str] = frozenset()
+    #: ops that look up rows of a constant table (input 0): when every reader of the output
+    #: reads it through Q/DQ, the table is quantized with the output's scale and zero point
+    #: (the same numbers: a lookup commutes with quantization), and the op runs on the
+    #: quantized table with no Q after it (``quantize_static`` does this for Gather)
+    table_ops: frozenset[str] = frozenset()
+    #: ops a quantized tensor passes through still quantized (OpenVINO's precision-preserving
+    #: operations: a MaxPool or Split of u8 data writes u8), so a weighted op reading their
+    #: output runs integer with its weights quantized, without a Q/DQ of its own
+    precision_preserving_ops: frozenset[str] = frozenset()
+
+    def use_reason(self, graph: Graph, use: Use) -> str | None:
+        """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
+        tensor, consumer, slot = use
+        if not graph.is_activation(tensor):
+            return "not a float activation"
+        if consumer == GRAPH_OUTPUT:
+            reason = None if self.after_quantized_op(graph, tensor) else \
+                f"a graph output carries no Q/DQ on {self.name} here"
+        else:
+            reason = self._consumer_reason(graph, use)
+        if reason:
+            return reason
+        for rule in self.use_filters:
+            reason = rule(graph, use)
+            if reason:
+                return reason
+        return None
+
+    def after_quantized_op(self, graph: Graph, tensor: str) -> bool:
+        """``tensor`` is the output of an op whose output Q/DQ any reader may share."""
+        return graph.producer_op(tensor) in self.output_quantized_ops
+
+    def _consumer_reason(self, graph: Graph, use: Use) -> str | None:
+        tensor, consumer, slot = use
+        node = graph.nodes[consumer]
+        op = node.op_type
+        structural = slot in STRUCTURAL_INPUTS.get(op, frozenset()) \
+            or slot in self.never_quantize.get(op, ())
+        if not structural and op not in _QDQ_OPS and ALL_SLOTS not in self.never_quantize.get(op, ()) \
+                and self.after_quantized_op(graph, tensor):
+            return None
+        if op in STRUCTURAL_OPS:
+            return f"{op} inputs are structural"
+        if node.domain not in ("", "ai.onnx"):
+            return f"custom-domain op {node.domain}.{op}"
+        if structural:
+            return f"input {slot} of {op} is structural (shape/index/bias)"
+        if ALL_SLOTS in self.never_quantize.get(op, ()):
+            return f"{op} inputs are never quantized on {self.name}"
+        if self.quantizable_ops is not None and op not in self.quantizable_ops:
+            return f"{op} has no quantized kernel on {self.name}"
+        return None
+
+    def quantizable(self, graph: Graph, use: Use) -> bool:
+        return self.use_reason(graph, use) is None
+
+
+TENSORRT = RuntimeRules(
+    name="tensorrt",
+    default_quant_type="int8",
+    quant_types=("int8", "fp8"),
+    use_filters=(_shape_arithmetic, _conv_add_relu_fusion),
+    promotions=(_promote_concat,),
+    fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
+)
+
+#: ONNX Runtime's QDQ selectors (onnxruntime/core/optimizer/qdq_transformer): ops that run
+#: quantized when DQ feeds their inputs and Q follows their output.
+ORT_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid",
+        "Resize", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Split",
+        "Softmax", "Where", "Pad", "DepthToSpace", "SpaceToDepth", "Slice", "Tanh", "Expand",
+        "Tile", "ReduceMean", "ReduceMin", "ReduceMax", "InstanceNormalization",
+        "LayerNormalization", "Abs", "Neg", "Erf",
+    }
+)
+
+ONNXRUNTIME_CPU = RuntimeRules(
+    name="onnxruntime",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=ORT_QUANTIZED_OPS,
+    use_filters=(_fused_activation,),
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize", "Sigmoid", "LeakyRelu"}
+    ),
+    quantize_bias_ops=frozenset({"Gemm"}),
+    output_quantized_ops=ORT_QUANTIZED_OPS,
+    constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
+    table_ops=frozenset({"Gather"}),
+)
+
+#: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an
+#: LPT transformation that keeps it in u8/i8 when a FakeQuantize (a Q/DQ pair read from ONNX)
+#: feeds it (docs: "OpenVINO Low Precision Transformations", its list of quantized operations:
+#: Add, AvgPool, Clamp, Concat, Convolution, ConvolutionBackpropData, DepthToSpace, Gather,
+#: GroupConvolution, Interpolate, MatMul, MaxPool, Multiply, MVN, NormalizeL2, Pad, PRelu,
+#: ReduceMax/Mean/Min/Sum, Relu, Reshape, ShuffleChannels, Split, Squeeze, StridedSlice,
+#: Subtract, Transpose, Unsqueeze, VariadicSplit). NNCF's placements for ONNX put Q/DQ on the
+#: inputs of Conv, MatMul, Gemm, Add, Concat, Split, Resize, MaxPool (read from its output on
+#: the zoo's YOLO, ResNet and on nudenet-320n), all inside this set.
+OPENVINO_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Sub", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Resize", "Reshape", "Transpose", "Squeeze",
+        "Unsqueeze", "Flatten", "Gather", "Split", "Slice", "Pad", "DepthToSpace",
+        "SpaceToDepth", "Relu", "Clip", "PRelu", "ReduceMean", "ReduceMax", "ReduceMin",
+        "ReduceSum", "MeanVarianceNormalization", "LpNormalization",
+    }
+)
+
+#: OpenVINO CPU: a Q/DQ pair is read as one FakeQuantize on the tensor; the plugin folds it
+#: into the *producer's* output (a Convolution writing u8: ``originalLayersNames`` of the
+#: runtime layer lists the QuantizeLinear) and the consumer reads u8. Unlike ONNX Runtime no Q
+#: is needed after an op to run it quantized, so only inputs are sites (no output rules), and
+#: a Relu after a Conv is folded by OpenVINO itself (no filter). Activations u8 (as NNCF emits
+#: for non-negative and asymmetric ranges), weights i8 per channel.
+OPENVINO_CPU = RuntimeRules(
+    name="openvino",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=OPENVINO_QUANTIZED_OPS,
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize"}
+    ),
+    # LPT's precision-preserving operations (MaxPool, Reshape, Transpose, Squeeze, Unsqueeze,
+    # Split, StridedSlice, Concat, DepthToSpace, Pad, Interpolate nearest): measured, NNCF's
+    # ResNet quantizes the Relu before a MaxPool and the next Conv's weights; that Conv runs
+    # u8 (runtimePrecision) only when its weights carry their DequantizeLinear too
+    precision_preserving_ops=frozenset(
+        {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice",
+         "Concat", "DepthToSpace", "SpaceToDepth", "Pad", "Resize"}
+    ),
+)
+
+RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU,
+                                     "openvino": OPENVINO_CPU}
+
+
+def rules_for(runtime: str) -> RuntimeRules:
+    try:
+        return RULES[runtime]
+    except KeyError:
+        raise OptionError(
+            f"--runtime: unknown runtime {runtime!r} (choose from {', '.join(RULES)})"
+        ) from None

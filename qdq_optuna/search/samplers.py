@@ -1,0 +1,67 @@
+"""Samplers by name: ours by default, Optuna's own to compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import optuna
+
+from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError
+
+SAMPLERS = ("qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce")
+
+
+def make_sampler(
+    name: str,
+    *,
+    seed: int | None,
+    config: Config,
+    scheme_key: Callable[[dict[str, int]], Hashable] | None = None,
+    multi_objective: bool = False,
+    refine: bool = False,
+) -> optuna.samplers.BaseSampler:
+    """``refine``: the study starts from an enqueued scheme (a refinement round), so our
+    sampler does not propose the empty and full schemes first."""
+    if name == "qdq":
+        from qdq_optuna.samplers.qdq_mutation import QDQMutationSampler
+
+        return QDQMutationSampler(
+            seed=seed,
+            top_percent_to_mutate=config.top_percent_to_mutate,
+            minimum_schemes_to_mutate=config.minimum_schemes_to_mutate,
+            maximum_mutations=config.maximum_mutations,
+            maximum_generation_attempts=config.maximum_generation_attempts,
+            concat_group_min_samples=config.concat_group_min_samples,
+            schemes_per_region=config.schemes_per_region,
+            fusion_group_probability=config.fusion_group_probability,
+            seed_empty_scheme=not refine,
+            seed_full_scheme=not refine,
+            scheme_key=scheme_key,
+        )
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "cmaes":
+        if multi_objective:
+            raise OptionError("--sampler cmaes supports one objective only; use qdq or nsga2")
+        try:
+            import cmaes  # noqa: F401
+        except ImportError:
+            raise OptionError("--sampler cmaes needs the 'cmaes' package: pip install cmaes") from None
+        return optuna.samplers.CmaEsSampler(seed=seed, with_margin=True, warn_independent_sampling=False)
+    if name == "gp":
+        try:
+            import scipy  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError:
+            raise OptionError(
+                "--sampler gp needs torch and scipy: pip install \"qdq-optuna[gp]\""
+            ) from None
+        return optuna.samplers.GPSampler(seed=seed)
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    if name == "bruteforce":
+        return optuna.samplers.BruteForceSampler(seed=seed)
+    raise OptionError(f"--sampler: unknown {name!r} (choose from {', '.join(SAMPLERS)})")
