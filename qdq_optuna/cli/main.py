@@ -314,8 +314,7 @@ def _node_filter(args: argparse.Namespace) -> dict:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from qdq_optuna.search._options import TuneOptions
-    from qdq_optuna.search._run import Tuner
+    from qdq_optuna.search import TuneOptions, Tuner
 
     if args.model and Path(args.output).resolve() == Path(args.model).resolve():
         raise OptionError("--output must be a folder, not the model file")

@@ -1,17 +1,24 @@
-"""The search side: one Optuna study per pattern, run by run (private; the public names are
-re-exported from :mod:`qdq_optuna`).
+"""The search side: one Optuna study per pattern, run by run.
 
-Modules, top down (each imports only the ones below it):
-
-* ``_run``: :class:`Tuner` and :func:`tune`: a run, phase by phase;
-* ``_pattern``: :class:`PatternStudy`: one pattern's study in one round;
-* ``_plans``: :class:`PlanMeasurer`: every measurement of a plan, counted;
-* ``_workers``: budget slots, twins and redone trials when processes share a study;
-* ``_progress``: the progress bars;
-* ``_options``: :class:`TuneOptions`, :class:`TuneResult`, the resolved settings and the
-  fingerprint;
-* ``_record``: :class:`RunRecord`: the stored run's study names and user attributes.
-
-This package's ``__init__`` imports nothing, so the modules outside the search that read a
-stored run (report, dashboard, bench) can import ``_record`` without pulling the search in.
+Its modules are private (``_run``, ``_starts``, ``_descent``, ``_pattern``, ``_moves``,
+``_guard``, ``_plans``, ``_workers``, ``_options``; the map in docs/architecture.md orders
+them). Code outside the search imports the names below from this package (or the public ones
+from :mod:`qdq_optuna`); each is imported on first use, so importing the package costs nothing.
+The stored run the search writes is :mod:`qdq_optuna.record`'s.
 """
+
+from __future__ import annotations
+
+#: public name -> the module of the search that defines it
+_NAMES = {"tune": "_run", "Tuner": "_run", "TuneOptions": "_options", "TuneResult": "_options",
+          "Settings": "_options", "Autotuner": "autotuner", "chain_groups": "_moves"}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(name)

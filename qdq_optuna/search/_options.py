@@ -21,7 +21,7 @@ from qdq_optuna.model.calibration import DEFAULT_METHOD
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record.attrs import FLOW, WHOLE_MODEL
+from qdq_optuna.record import FLOW, WHOLE_MODEL
 from qdq_optuna.search.objectives import (
     CATEGORICAL_SAMPLERS,
     check_error_options,

@@ -42,7 +42,7 @@ from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
-from qdq_optuna.record.attrs import RunRecord, delete_run
+from qdq_optuna.record import RunRecord, delete_run, write_pattern_cache, write_state
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import Guard, check_default_session
@@ -364,8 +364,8 @@ class Tuner:
         self._mark("finish")
         report["elapsed_s"] = dict(self.elapsed)
         write_reports(self.out, report)
-        self.record.write_pattern_cache(
-            self.out / "pattern_cache.yaml",
+        write_pattern_cache(
+            self.record, self.out / "pattern_cache.yaml",
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=lane)
         self._write_state("timeout" if partial else "done")
@@ -446,7 +446,7 @@ class Tuner:
     def _write_state(self, status: str) -> None:
         plans = self.search.plans if self.search is not None else None
         order = (self.starts or {}).get("order")
-        self.record.write_state(self.out, status, {
+        write_state(self.record, self.out, status, {
             "storage": self.storage_url,
             "fingerprint": self.fingerprint_digest,
             "baseline_latency_ms": self.search.baseline_ms if self.search is not None else None,
