@@ -314,15 +314,14 @@ def _node_filter(args: argparse.Namespace) -> dict:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from qdq_optuna.search._options import TuneOptions
-    from qdq_optuna.search._run import Tuner
+    from qdq_optuna import tune
 
     if args.model and Path(args.output).resolve() == Path(args.model).resolve():
         raise OptionError("--output must be a folder, not the model file")
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise OptionError(f"--output {args.output}: exists and is not a folder")
-    opts = TuneOptions(
-        model=args.model, output_dir=args.output, backend=args.backend, runtime=args.runtime,
+    result = tune(
+        args.model, args.output, backend=args.backend, runtime=args.runtime,
         quant_type=args.quant_type, input_shapes=args.input_shapes, config=_config_from(args),
         sampler=args.sampler, storage=args.storage, seed=args.seed, timing=args.timing,
         scales=args.scales, calibration_data=args.calibration_data,
@@ -337,7 +336,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         keep_io_types=args.keep_io_types, opset_upgrade=args.opset_upgrade,
         remeasure=args.remeasure, **_node_filter(args),
     )
-    result = Tuner(opts).run()
     if not args.quiet:
         _print_result(result)
     return 0

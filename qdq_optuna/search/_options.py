@@ -120,6 +120,35 @@ class TuneResult:
         return self.output_dir / "optimized.onnx"
 
 
+@dataclass
+class SearchOutcome:
+    """What a search concluded, for the outputs (:func:`qdq_optuna.outputs.write.write_outputs`):
+    the model that ships (saved as ``out/optimized.onnx``), its A/B against the baseline, its
+    accuracy, and the objects the report reads (the run record, the plan measurer)."""
+
+    out: Path
+    #: report.json's first fields: what was tuned, where, how
+    header: dict
+    record: Any  # qdq_optuna.record.attrs.RunRecord
+    plans: Any  # the plan measurer: every measurement, counted per phase
+    prepared: PreparedModel
+    backend: Backend
+    descent: Any  # the descent (None when the run stopped before it)
+    lane: str
+    rows: list[dict]
+    plan: Any  # the shipped QuantPlan
+    exporter: Any  # the exporter with the final scales
+    final_bytes: bytes | None
+    baseline_bytes: Any
+    comparison: Any  # the final A/B (shipped model vs baseline)
+    baseline_ms: float
+    #: report.json's ``accuracy`` and ``final_output_error(s)`` (and the accuracy modes' keys)
+    accuracy: dict
+    partial: bool
+    multi_objective: bool
+    elapsed: dict[str, float]
+
+
 def backend_for(options: TuneOptions) -> Backend:
     """The backend that measures this run (see :data:`~qdq_optuna.backends.BACKENDS`)."""
     b = options.backend
