@@ -78,7 +78,7 @@ ARG_TYPES = {"int": int, "positive_int": _positive_int, "positive_float": _posit
 
 def add_options(groups: dict, names=None, **overrides) -> None:
     """The flags of :class:`~qdq_optuna.TuneOptions`'s fields (``names``: only these), each
-    defined once, on the field (:func:`~qdq_optuna.search._options.option`); ``groups``: group
+    defined once, on the field (:func:`~qdq_optuna.search.option`); ``groups``: group
     name -> argparse group; ``overrides``: field name -> changed argparse keywords."""
     import dataclasses
 
@@ -152,7 +152,7 @@ def _add_search_args(g) -> None:
 
 
 def _add_tune(sub) -> None:
-    from qdq_optuna.search._options import OPTION_GROUPS
+    from qdq_optuna.search import OPTION_GROUPS
 
     t = sub.add_parser(
         "tune", help="search the Q/DQ placement (resumes automatically)",

@@ -25,12 +25,11 @@ from qdq_optuna.placement.rules import RULES
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record.attrs import FLOW, WHOLE_MODEL
 from qdq_optuna.search.objectives import (
-    CATEGORICAL_SAMPLERS,
     check_error_options,
     check_sampler,
     parse_objectives,
 )
-from qdq_optuna.search.samplers import SAMPLERS
+from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
 
 
 def option(default: Any = MISSING, *, help: str, group: str | None, flag: str | None = None,

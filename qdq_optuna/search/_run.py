@@ -34,7 +34,7 @@ from qdq_optuna._files import atomic_write_bytes, remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError
 from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
-from qdq_optuna.measure.timing import CommitRule, Measurer, TimingProtocol
+from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, describe_model, input_data
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.model.precision import resolve_high_precision
@@ -45,6 +45,7 @@ from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
 from qdq_optuna.record.attrs import RunRecord, delete_run
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
+from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import Guard, check_default_session
 from qdq_optuna.search._options import (
