@@ -24,7 +24,7 @@ from ..insertion.points import PatternPoints
 from ._moves import MoveQueue, MoveSpace, MoveStats
 from ._pattern import PatternStudy, Search, Seed
 from ._record import PatternAttr, TrialAttr
-from ._unfused import FINAL_LINE, Unfused
+from ._unfused import FINAL_LINE, Unfused, skip_reason
 
 log = logging.getLogger("qdq_optuna")
 
@@ -128,10 +128,8 @@ class Descent:
         moves = self.space.moves(pid, schemes, stats, cached)
         if self.unfused is not None:
             moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
-            if dropped and not moves:  # the runtime fused all of it: nothing to measure
-                self.skipped.append((lane, rnd, pid, f"all {dropped} move(s) only remove "
-                                     "Q/DQ the runtime fused, with no float or reformat next "
-                                     "to them"))
+            if dropped and not moves:  # nothing the runtime left can gain: nothing to measure
+                self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
                 s.progress.advance()
                 return False
         queue = MoveQueue(pid, schemes, moves, stats, s.settings.space)
