@@ -519,9 +519,11 @@ class Measurer:
         finally:
             runner.close()
 
-    def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners):
-        """Time each model once; re-measure the round once if the machine was busy."""
-        attempts = 2 if self.protocol.remeasure_noisy else 1
+    def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners,
+               repeat: bool = True):
+        """Time each model once; re-measure the round once if the machine was busy (and
+        ``repeat``: an A/B whose interval already separates does not repeat its rounds)."""
+        attempts = 2 if self.protocol.remeasure_noisy and repeat else 1
         best: tuple[float, list] | None = None
         for attempt in range(attempts):
             token = self.probe.start()
@@ -695,16 +697,20 @@ class Measurer:
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
-                results, ok, again = self._round(order, p.warmup, p.runs, runners)
+                # a busy round is measured again only while the interval still includes 1: once
+                # it separates, a repeat cannot change the verdict, only narrow the figure
+                results, ok, again = self._round(order, p.warmup, p.runs, runners,
+                                                 repeat=not (hi < 1.0 or lo > 1.0))
                 quiet &= ok
                 remeasured += again
                 s_ref, s_cand = (results[0], results[1]) if r % 2 == 0 else (results[1], results[0])
                 acc_ref.add(s_ref)
                 acc_cand.add(s_cand)
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
+                if len(ratios) >= 2:
+                    center, lo, hi = ratio_interval(ratios, level)
                 if len(ratios) < max(2, min_rounds):
                     continue
-                center, lo, hi = ratio_interval(ratios, level)
                 significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
                 if significant or (hi - lo) / (2 * center) < p.target:
                     decided = True
