@@ -128,6 +128,9 @@ class Descent:
         moves = self.space.moves(pid, schemes, stats, cached)
         if self.unfused is not None:
             moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
+            if dropped:
+                log.info("%s round %d: %d move(s) kept; %s", pid, rnd, len(moves),
+                         skip_reason(dropped).replace("all ", "dropped ", 1))
             if dropped and not moves:  # nothing the runtime left can gain: nothing to measure
                 self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
                 s.progress.advance()
