@@ -60,6 +60,10 @@ SCREEN_DISCARD_RATIO = 1.3
 #: YOLO-like model nine such removals, each within noise (intervals as wide as 0.90-1.21), left
 #: the tuned model 2 % slower than the start it came from.
 REMOVAL_MARGIN = 0.01
+#: an interleaved A/B stops re-measuring busy rounds after this many repeats in a row were busy
+#: too: the machine is loaded for good and a repeat only doubles the round's cost (a real
+#: YOLOv8n's A/B took 74 s instead of about 35 s at load average 5 on 2 cores)
+BUSY_STREAK = 2
 
 
 def far_off(candidate_ms: float, reference_ms: float) -> bool:
@@ -689,7 +693,7 @@ class Measurer:
         warm = self._warm_rounds()
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
-        quiet, remeasured, decided = True, 0, False
+        quiet, remeasured, decided, busy = True, 0, False, 0
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
@@ -697,10 +701,13 @@ class Measurer:
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
-                # a busy round is measured again only while the interval still includes 1: once
-                # it separates, a repeat cannot change the verdict, only narrow the figure
+                # a busy round is measured again only while the interval still includes 1 (once
+                # it separates, a repeat cannot change the verdict) and while repeats can find
+                # a quiet moment (not after BUSY_STREAK repeats in a row were busy too)
+                repeat = not (hi < 1.0 or lo > 1.0) and busy < BUSY_STREAK
                 results, ok, again = self._round(order, p.warmup, p.runs, runners,
-                                                 repeat=not (hi < 1.0 or lo > 1.0))
+                                                 repeat=repeat)
+                busy = 0 if ok else busy + again
                 quiet &= ok
                 remeasured += again
                 s_ref, s_cand = (results[0], results[1]) if r % 2 == 0 else (results[1], results[0])

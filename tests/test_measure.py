@@ -188,8 +188,17 @@ def test_a_busy_round_is_not_repeated_once_the_interval_separates():
     assert c.candidate.remeasured == 2 and m.loads == 2 * (c.rounds + 2)
     m = Measurer(FakeBackend(sigma=0.01), protocol)
     m.probe = Busy()
-    c = m.compare(b"y" * 100, b"y" * 100)  # never separates: every busy round repeated
-    assert not c.significant and c.candidate.remeasured == c.rounds
+    c = m.compare(b"y" * 100, b"y" * 100)  # never separates, but the machine stays busy:
+    assert not c.significant and c.rounds > measure.BUSY_STREAK
+    assert c.candidate.remeasured == measure.BUSY_STREAK  # no repeat after the busy streak
+
+
+def test_a_busy_round_is_repeated_while_repeats_find_quiet_moments():
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0)
+    m = Measurer(FakeBackend(sigma=0.01), protocol)
+    m.probe = NullProbe([False, True] * 20)  # every first attempt busy, every repeat quiet
+    c = m.compare(b"y" * 100, b"y" * 100)
+    assert c.candidate.quiet and c.candidate.remeasured == c.rounds
 
 def test_bad_timings_are_backend_errors():
     class Liar(FakeBackend):
