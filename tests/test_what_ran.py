@@ -111,6 +111,33 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
     assert unfused.live(off[small], reformat)
     assert unfused.live(space._move("single", [single[small]], ()), what)
 
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_round_that_changes_nothing_ends_with_one_final_line(caplog, skipped):
+    import logging
+
+    from qdq_optuna._progress import Progress
+    from qdq_optuna.search._descent import Descent
+    from qdq_optuna.search._unfused import FINAL_LINE
+
+    descent = object.__new__(Descent)  # the lane loop alone: visits are stubbed
+    descent.s = type("S", (), {"progress": Progress(False)})()
+    descent.rounds, descent.tunable, descent.skipped, descent.on_change = 3, ["a", "b"], [], None
+    visits = []
+
+    def visit(lane, order, rnd, pp, stats):
+        visits.append((rnd, pp))
+        if skipped and pp == "b":
+            descent.skipped.append((lane, rnd, pp, "nothing left"))
+        return False
+
+    descent.visit, descent._stats = visit, lambda lane: None
+    with caplog.at_level(logging.INFO, logger="qdq_optuna"):
+        descent.lane("", 0)
+    assert visits == [(1, "a"), (1, "b")]  # no second round
+    lines = [r.getMessage() for r in caplog.records if r.getMessage() == FINAL_LINE]
+    assert lines == ([FINAL_LINE] if skipped else [])
+
 def test_engine_inspector_json():
     pm, model = _all_on("resnet", "tensorrt")
     proto = onnx.load_from_string(model)

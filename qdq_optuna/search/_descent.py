@@ -76,9 +76,11 @@ class Descent:
                 if now and self.on_change is not None:
                     self.on_change(lane)
             log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
-            if len(self.skipped) - before == len(self.tunable):
-                log.info("%s", FINAL_LINE)
             if not changed:
+                # every pattern had nothing the runtime left unfused, or had it measured
+                # without a gain: one line says so (once per lane)
+                if len(self.skipped) > before:
+                    log.info("%s", FINAL_LINE)
                 break
 
     def _stats(self, lane: str) -> MoveStats:
@@ -128,9 +130,10 @@ class Descent:
         moves = self.space.moves(pid, schemes, stats, cached)
         if self.unfused is not None:
             moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
-            if dropped:
-                log.info("%s round %d: %d move(s) kept; %s", pid, rnd, len(moves),
-                         skip_reason(dropped).replace("all ", "dropped ", 1))
+            if dropped:  # a visit skipped outright is in the report: only the log's detail
+                log.log(logging.INFO if moves else logging.DEBUG, "%s round %d: %d move(s) "
+                        "kept; %s", pid, rnd, len(moves),
+                        skip_reason(dropped).replace("all ", "dropped ", 1))
             if dropped and not moves:  # nothing the runtime left can gain: nothing to measure
                 self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
                 s.progress.advance()

@@ -16,7 +16,8 @@ reformat, or on a tensor of unknown size, is always kept). On a real YOLOv8n (ON
 this leaves the detection head's decode (six 4,200-element tensors, 0.2 % of 14.8 M) unmeasured:
 each of its eleven moves cost a 12-round A/B that could not separate (intervals +-10 %).
 
-A visit with no move kept is skipped; a round whose every visit was skipped ends the descent.
+A visit with no move kept is skipped; a round that changes nothing ends the lane (with
+:data:`FINAL_LINE` when the report skipped any of its visits).
 A backend that cannot tell (``what_ran`` returns None) prunes nothing.
 """
 
