@@ -25,9 +25,9 @@ __all__ = [
 ]
 
 
-#: public name -> the package that exports it (the search's names: see qdq_optuna/search/__init__.py)
-_LAZY = {"tune": "search", "Tuner": "search", "TuneOptions": "search", "TuneResult": "search",
-         "Autotuner": "search"}
+#: public name -> the private module that defines it
+_LAZY = {"tune": "_tune", "Tuner": "search._run", "TuneOptions": "search._options",
+         "TuneResult": "search._options", "Autotuner": "search.autotuner"}
 
 
 def __getattr__(name: str):

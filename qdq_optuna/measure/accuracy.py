@@ -369,10 +369,30 @@ class ErrorScorer:
         return {"loads": True, "error": float(error), "output_errors": details["outputs"]}
 
 
-# -- wording: the accuracy figures for people (the guard's log, the report, the dashboard) ------
+# -- the accuracy figures in words (the run's log lines, report.md, the dashboard) ---------
 #: how far the error a user sees on ONNX Runtime CPU with default options may exceed the
 #: guard's before the run warns (ONNX Runtime's integer kernels round differently)
 DEFAULT_SESSION_FACTOR = 2.0
+
+
+def data_kind(data: str) -> str:
+    """Which data the guard's figures come from: ``validation data``, ``calibration data`` or
+    ``random inputs``."""
+    if data.startswith("--validation-data"):
+        return "validation data"
+    if data.startswith("--calibration-data"):
+        return "calibration data"
+    return "random inputs"
+
+
+def data_phrase(data: str) -> str:
+    """:attr:`Guard.data` for people: ``the calibration data (cal.npz:1a2b...)``, or random
+    inputs named as such."""
+    kind = data_kind(data)
+    if kind == "random inputs":
+        _, samples, seed = (data.split(":") + ["?", "?"])[:3]
+        return f"random inputs ({samples} samples, seed {seed}; a sanity check only)"
+    return f"the {kind} ({data.split(' ', 1)[-1]})"
 
 
 def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
@@ -392,23 +412,3 @@ def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
                 f"{check['error']:.4g}, over {DEFAULT_SESSION_FACTOR:g}x the {guard_error:.4g} "
                 f"above (its fused integer kernels, not the Q/DQ as written); {how}."]
     return []
-
-
-def data_kind(data: str) -> str:
-    """Which data the guard's figures come from: ``validation data``, ``calibration data`` or
-    ``random inputs``."""
-    if data.startswith("--validation-data"):
-        return "validation data"
-    if data.startswith("--calibration-data"):
-        return "calibration data"
-    return "random inputs"
-
-
-def data_phrase(data: str) -> str:
-    """The guard's data (``Guard.data``) for people: ``the calibration data (cal.npz:1a2b...)``, or random
-    inputs named as such."""
-    kind = data_kind(data)
-    if kind == "random inputs":
-        _, samples, seed = (data.split(":") + ["?", "?"])[:3]
-        return f"random inputs ({samples} samples, seed {seed}; a sanity check only)"
-    return f"the {kind} ({data.split(' ', 1)[-1]})"

@@ -327,7 +327,8 @@ def _what_ran_lines(r: dict) -> list[str]:
     if skipped:
         lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
                   + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
-                  + ("…" if len(skipped) > 40 else "") + f". Reason: {skipped[0]['reason']}."]
+                  + ("…" if len(skipped) > 40 else "") + ". Reason: "
+                  + "; ".join(sorted({s["reason"] for s in skipped})) + "."]
     if not r.get("complete", True):
         lines += ["", "**Partial result**: the run was cut short; `optimized.onnx` is the best "
                   "standing model found so far."]

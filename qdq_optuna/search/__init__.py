@@ -1,24 +1,9 @@
-"""The search side: one Optuna study per pattern, run by run.
+"""The search: one Optuna study per pattern, a run phase by phase (see the module map in
+docs/architecture.md). Its public names; the modules with a leading underscore are private."""
 
-Its modules are private (``_run``, ``_starts``, ``_descent``, ``_pattern``, ``_moves``,
-``_guard``, ``_plans``, ``_workers``, ``_options``; the map in docs/architecture.md orders
-them). Code outside the search imports the names below from this package (or the public ones
-from :mod:`qdq_optuna`); each is imported on first use, so importing the package costs nothing.
-The stored run the search writes is :mod:`qdq_optuna.record`'s.
-"""
+from qdq_optuna.search._moves import chain_groups
+from qdq_optuna.search._options import OPTION_GROUPS, SearchOutcome, TuneOptions, TuneResult, option
+from qdq_optuna.search._run import Tuner
 
-from __future__ import annotations
-
-#: public name -> the module of the search that defines it
-_NAMES = {"tune": "_run", "Tuner": "_run", "TuneOptions": "_options", "TuneResult": "_options",
-          "Settings": "_options", "Autotuner": "autotuner", "chain_groups": "_moves"}
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    raise AttributeError(name)
+__all__ = ["OPTION_GROUPS", "SearchOutcome", "TuneOptions", "TuneResult", "Tuner", "chain_groups",
+           "option"]

@@ -165,3 +165,5 @@ def check_default_session(accuracy: dict, scorer, saved) -> None:
     accuracy["onnxruntime_cpu_default"] = check
     for line in default_session_lines(check, accuracy["error"]):
         log.warning("%s", line.replace("`", ""))
+
+
