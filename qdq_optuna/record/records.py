@@ -16,6 +16,7 @@ The dicts are the stored format; their keys never change.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,8 +92,6 @@ class Measurement:
     def as_cached(self, reference_ms: float | None = None) -> Measurement:
         """The same model met again in the run: against ``reference_ms``, only its latency
         carries over when it was measured on its own or against another reference."""
-        import math
-
         then = self.reference_ms
         if reference_ms is None or (then is not None and math.isclose(then, reference_ms)):
             return dataclasses.replace(self, cached=True)
