@@ -352,6 +352,16 @@ def _elapsed(r: dict) -> str:
             if at else "")
 
 
+def _kept_lines(kept: dict | None) -> list[str]:
+    """The tuned model measured slower than the baseline, which ships instead."""
+    if not kept:
+        return []
+    c = kept["tuned_comparison"]
+    return [f"**`optimized.onnx` is {kept['baseline_model']}**: the search's best model measured "
+            f"{_f(c['ratio'])}x its latency (interval {_f(c['ci_low'])}–{_f(c['ci_high'])}), "
+            "so no placement found beat it; the figures above re-measure the shipped file.", ""]
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -376,6 +386,7 @@ def render_markdown(r: dict) -> str:
         "builds saved by the cache." + _elapsed(r),
         *_statistics_lines(r.get("search_statistics")),
         "",
+        *_kept_lines(r.get("kept_your_model")),
         *_starts_lines(r),
     ]
     if r.get("accuracy"):
