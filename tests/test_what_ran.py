@@ -62,15 +62,19 @@ def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
     unfused = Unfused(_S(), space.uses_of)
     schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
     kept_any = dropped_any = False
+    fused = unfused.fused(what)
     for pp in pm.tunable:
-        moves = space.moves(pp.pattern.id, schemes, MoveStats(0))
-        kept, dropped = unfused.prune(moves, what)
-        for m in moves:
-            touches = {u[0] for pt in m.off for u in space.uses_of[pt]}
+        every = space.visit(pp.pattern.id, schemes, MoveStats(0)).moves
+        visit = space.visit(pp.pattern.id, schemes, MoveStats(0), fused=fused)
+        assert len(every) == len(visit.moves) + visit.dropped
+        for m in every:
+            off = {(pp.pattern.id, q) if ":" not in q else tuple(q.split(":", 1))
+                   for q in m.off}
+            touches = {u[0] for pt in off for u in space.uses_of[pt]}
             if touches & what.standalone:
-                assert m in kept  # never skip a visit's move at a standalone Q/DQ
+                assert m in visit.moves  # never skip a visit's move at a standalone Q/DQ
                 kept_any = True
-        dropped_any |= dropped > 0
+        dropped_any |= visit.dropped > 0
     assert kept_any and dropped_any
 
 
