@@ -77,8 +77,9 @@ def test_the_record_writes_the_keys_our_sampler_reads(name):
     assert SystemAttr.DUPLICATE == _sampler.DUPLICATE_KEY
     assert SystemAttr.PHASE == _sampler.PHASE_KEY
     # the move engine reads what the objective writes on a visit's trials
-    assert (TrialAttr.IMPROVED, TrialAttr.QDQ_COUNT, TrialAttr.TRANSIENT) == (
-        _visit.IMPROVED_KEY, _visit.QDQ_COUNT_KEY, _visit.TRANSIENT_KEY)
+    assert (TrialAttr.IMPROVED, TrialAttr.QDQ_COUNT, TrialAttr.TRANSIENT,
+            TrialAttr.DUPLICATE_OF) == (_visit.IMPROVED_KEY, _visit.QDQ_COUNT_KEY,
+                                        _visit.TRANSIENT_KEY, _visit.DUPLICATE_OF_KEY)
 
 
 def _module_map() -> list[str]:

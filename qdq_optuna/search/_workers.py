@@ -228,10 +228,11 @@ class Workers:
         return lost
 
     def wait_for_others(self, study: optuna.Study, trial: optuna.Trial) -> bool:
-        """Wait until no other trial of ``study`` runs (trials that wait too, marked
-        ``skipped``, do not count: two of them would wait for each other); whether one did."""
+        """Wait until no other trial of ``study`` measures a scheme; whether one did. Trials
+        without a scheme yet (waiting for a budget slot, which this one holds) and trials that
+        wait too (marked ``skipped``) do not count: they would wait for each other."""
         waited = False
-        while any(t.number != trial.number and TrialAttr.SKIPPED not in t.user_attrs
+        while any(t.number != trial.number and t.params and TrialAttr.SKIPPED not in t.user_attrs
                   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
             waited = True
             remaining = self.remaining()

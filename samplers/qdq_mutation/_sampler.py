@@ -263,6 +263,8 @@ class QDQMutationSampler(BaseSampler):
             fixed = trial.system_attrs.get("fixed_params") or {}
             if any(name in fixed for name in space.names):
                 params = self._seed_params(study, trial, space, meta, fixed)
+            elif set(space.names) <= set(trial.params):
+                params = {}  # a retried trial: its scheme is given
             elif self._visit(study) is not None and meta.points is not None:
                 params = self._visit_params(study, trial, space, meta)
             else:

@@ -46,6 +46,9 @@ VISIT_ATTR = "qdq_visit"
 IMPROVED_KEY = "improved"
 QDQ_COUNT_KEY = "qdq_count"
 TRANSIENT_KEY = "transient"
+#: a trial that stepped back because another worker measures the same model (at the same
+#: time both may: the move is then proposed again)
+DUPLICATE_OF_KEY = "duplicate_of"
 #: trial system attr: the visit's move a trial measures (kind, index, signature, foreign
 #: points it sets); ``{"kind": None}``: the visit had no move left when the trial was asked
 VISIT_MOVE_KEY = "qdq:visit_move"
@@ -269,6 +272,7 @@ class Visit:
         point values (empty: none yet); ``key(trial, own, foreign)``: the model's identity
         (``trial``: whose scheme it is, None for a candidate)."""
         moves, _ = self.moves()
+        trials = [t for t in trials if t.user_attrs.get(DUPLICATE_OF_KEY) is None]
         records = [t.system_attrs.get(VISIT_MOVE_KEY) or {} for t in trials]
         taken = max((r["index"] for r in records if r.get("index") is not None), default=-1)
         keys = {key(None, dict(self.own_standing), {})}
