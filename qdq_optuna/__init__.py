@@ -26,7 +26,7 @@ __all__ = [
 
 
 #: public name -> the private module that defines it
-_LAZY = {"tune": "search._run", "Tuner": "search._run", "TuneOptions": "search._options",
+_LAZY = {"tune": "_tune", "Tuner": "search._run", "TuneOptions": "search._options",
          "TuneResult": "search._options", "Autotuner": "search.autotuner"}
 
 

@@ -109,8 +109,8 @@ def test_short_flags_and_output_default():
     args = parser.parse_args(["tune", "-m", "m.onnx", "-b", "costmodel", "-s", "tpe", "-n", "4"])
     assert (args.model, args.backend, args.sampler, args.schemes_per_region) == \
         ("m.onnx", "costmodel", "tpe", 4)
-    assert args.output == DEFAULT_OUTPUT == "qdq_optuna_output"
-    assert parser.parse_args(["tune", "-m", "m", "-o", "out"]).output == "out"
+    assert args.output_dir == DEFAULT_OUTPUT == "qdq_optuna_output"
+    assert parser.parse_args(["tune", "-m", "m", "-o", "out"]).output_dir == "out"
     assert parser.parse_args(["bench", "smoke", "-o", "x"]).output == "x"
     assert parser.parse_args(["dashboard", "out", "-p", "0"]).port == 0
 
@@ -158,3 +158,28 @@ def test_python_warnings_are_one_log_line(model, tmp_path):
     assert lines and set(lines) == {"qdq-optuna: WARNING: UserWarning: the device runs slow "
                                     "today (warny_backend_xyz.py:3)"}, proc.stderr
     assert "warnings.warn(" not in proc.stderr  # no source line echoed below it
+
+
+def test_each_tune_option_is_defined_once_on_its_field():
+    """Every TuneOptions field with a group is one tune flag (its dest the field's name, its
+    default the field's), and the parsed flags are TuneOptions' keyword arguments."""
+    import dataclasses
+
+    from qdq_optuna.cli.main import tune_options
+    from qdq_optuna.search import TuneOptions
+
+    tune = _subparsers(build_parser())["tune"]
+    dests = {a.dest: a for a in tune._actions}
+    fields = {f.name: f for f in dataclasses.fields(TuneOptions)}
+    flagged = {n for n, f in fields.items() if f.metadata.get("group")}
+    assert flagged <= set(dests) and {"model", "sampler", "isolate", "op_types"} <= flagged
+    for name in flagged - {"model", "output_dir"}:
+        assert dests[name].default == fields[name].default, name
+        assert dests[name].help == fields[name].metadata["help"], name
+    args = build_parser().parse_args(["tune", "-m", "m.onnx", "--no-isolate", "--seed", "3",
+                                      "--op-types", "Conv", "MatMul", "--worker"])
+    given = tune_options(args)
+    assert set(given) == flagged
+    opts = TuneOptions(**given)
+    assert (opts.isolate, opts.seed, opts.op_types, opts.worker) == (False, 3, ["Conv", "MatMul"],
+                                                                     True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qdq_optuna.measure.timing import REMOVAL_MARGIN, CommitRule, Comparison
+from qdq_optuna.measure.timing import Comparison
+from qdq_optuna.search._commit import REMOVAL_MARGIN, CommitRule
 
 
 def _cmp(ratio: float, lo: float, hi: float) -> Comparison:

@@ -307,8 +307,8 @@ def model_path(recipe: Recipe, label: str, out: Path) -> Path:
 
 def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
     """Run (or resume) one tuning run and write its record; returns the record."""
+    from qdq_optuna import tune
     from qdq_optuna.config import Config
-    from qdq_optuna.search._run import tune
 
     run_dir = out / "runs" / spec.name
     config = Config.preset(recipe.mode, **{**recipe.config, "schemes_per_region": spec.budget})

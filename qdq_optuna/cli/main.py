@@ -10,10 +10,8 @@ import warnings
 from pathlib import Path
 
 from qdq_optuna import __version__
-from qdq_optuna.backends import BACKEND_HELP
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import OptionError, UserError
-from qdq_optuna.model.calibration import DEFAULT_METHOD as DEFAULT_CALIBRATION_METHOD
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -74,78 +72,68 @@ def _add_verbosity(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="no progress output, only warnings and errors")
 
 
-def _add_filter_args(g) -> None:
-    g.add_argument("--exclude-nodes", nargs="+", action="extend", metavar="NAME",
-                   help="nodes whose inputs never carry Q/DQ: names or regular expressions "
-                        "matching a whole name (as 'inspect' prints them; unnamed nodes are "
-                        "#INDEX), like quantize_static's nodes_to_exclude")
-    g.add_argument("--op-types", nargs="+", action="extend", metavar="OP",
-                   help="quantize only the inputs of these op types (space- or comma-separated, "
-                        "e.g. Conv,MatMul), like quantize_static's op_types_to_quantize")
+#: the CLI's checked number types, by the name a tune option's metadata gives
+ARG_TYPES = {"int": int, "positive_int": _positive_int, "positive_float": _positive_float}
 
 
-def _add_precision_args(g) -> None:
-    g.add_argument("--high-precision", choices=["fp32", "fp16", "bf16"],
-                   help="precision of the float part, converted before the search (tune's "
-                        "default: the backend's, fp16 for TensorRT-like backends and ort-cuda, "
-                        "fp32 for ONNX Runtime CPU; inspect's: fp32, the model as given)")
-    g.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=True,
-                   help="with fp16/bf16, graph inputs and outputs keep their FP32 type "
-                        "(default; --no-keep-io-types converts them too)")
-    g.add_argument("--opset-upgrade", action=argparse.BooleanOptionalAction, default=True,
-                   help="upgrade the model's opset when the precision or the quant type needs "
-                        "it (default; --no-opset-upgrade refuses such a model instead)")
+def add_options(groups: dict, names=None, **overrides) -> None:
+    """The flags of :class:`~qdq_optuna.TuneOptions`'s fields (``names``: only these), each
+    defined once, on the field (:func:`~qdq_optuna.search.option`); ``groups``: group
+    name -> argparse group; ``overrides``: field name -> changed argparse keywords."""
+    import dataclasses
+
+    from qdq_optuna.search import TuneOptions
+
+    for f in dataclasses.fields(TuneOptions):
+        m = f.metadata
+        if not m.get("group") or (names is not None and f.name not in names):
+            continue
+        kw = {"dest": f.name, "help": m["help"]}
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is True:
+            kw.update(action=argparse.BooleanOptionalAction, default=True)
+        elif default is False:
+            kw.update(action="store_true", default=False)
+        else:
+            kw.update(default=default, choices=m["choices"], metavar=m["metavar"],
+                      type=ARG_TYPES.get(m["type"]) if m["type"] else None)
+            if m["nargs"]:
+                kw.update(nargs=m["nargs"], action="extend")
+        kw = {k: v for k, v in {**kw, **overrides.get(f.name, {})}.items() if v is not None
+              or k == "default"}
+        flags = [m["short"]] if m["short"] else []
+        flags.append(m["flag"] or "--" + f.name.replace("_", "-"))
+        groups[m["group"]].add_argument(*flags, **kw)
 
 
-def _add_model_args(g) -> None:
-    g.add_argument("--input-shapes", metavar="NAME:DxD,...",
-                   help="fix symbolic input dims, e.g. input:1x3x224x224")
-    g.add_argument("--quant-type", choices=["int8", "uint8", "fp8", "mixed"],
-                   help="activation type (default: uint8 on ONNX Runtime CPU, int8 on TensorRT); "
-                        "mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
-    g.add_argument("--preprocess", choices=["auto", "none", "ort-basic"], default="auto",
-                   help="float-model preprocessing; auto = ONNX Runtime basic fusions for the "
-                        "ONNX Runtime rules, none for TensorRT")
-    _add_precision_args(g)
-    _add_filter_args(g)
+def tune_options(args: argparse.Namespace) -> dict:
+    """The parsed flags as :class:`~qdq_optuna.TuneOptions` fields (those the command has)."""
+    import dataclasses
+
+    from qdq_optuna.search import TuneOptions
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions)
+            if f.metadata.get("group") and hasattr(args, f.name)}
+
+
+#: the model-side flags that ``inspect`` shares with ``tune``
+MODEL_OPTIONS = ("input_shapes", "quant_type", "preprocess", "high_precision", "keep_io_types",
+                 "exclude_nodes", "op_types", "opset_upgrade")
+
+
+def _add_region_args(g) -> None:
     g.add_argument("--maximum-sequence-region-size", type=_positive_int, metavar="N",
                    help="largest sequence region top-down refinement cuts (default 10 nodes)")
     g.add_argument("--minimum-topdown-search-size", type=_positive_int, metavar="N",
                    help="blocks of more nodes than this are refined top-down (default 10)")
 
 
-def _add_accuracy_args(g) -> None:
-    g.add_argument("--validation-data", metavar="FILE.npz",
-                   help="inputs the output errors are measured on (default: the calibration "
-                        "data; random inputs with a warning otherwise)")
-    g.add_argument("--metric", metavar="MODULE:FUNCTION",
-                   help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is "
-                        "better (replaces --error-measure)")
-    g.add_argument("--error-measure", choices=["relative_l2", "1-cosine", "max_abs"],
-                   default="relative_l2",
-                   help="error of a trial's model vs FP32, worst output (default %(default)s)")
-    g.add_argument("--max-output-error", type=_positive_float, metavar="X",
-                   help="error budget: trials above it are infeasible; commits take the fastest "
-                        "feasible scheme")
-    g.add_argument("--objectives", default="latency", metavar="latency[,error]",
-                   help="latency (default) or latency,error (two-objective studies, Pareto "
-                        "front of the whole model in OUTPUT/pareto/)")
-
-
 def _add_search_args(g) -> None:
-    g.add_argument("-s", "--sampler", default="qdq", metavar="NAME",
-                   choices=["qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce"],
-                   help="qdq: ours, a visit ends when its moves are done (default); tpe, "
-                        "cmaes, random, gp (needs torch), nsga2, bruteforce: Optuna's, which "
-                        "spend the rest of each visit's budget after the moves")
     g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
                    help="finished trials per pattern study (default 30; --mode sets it too)")
     g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
                    help="budget preset: quick (10 schemes per pattern), default (30), "
                         "extensive (80, larger mutations)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="sampler seed: the same seed and settings propose the same schemes "
-                        "(default %(default)s)")
     g.add_argument("--converged-patience", type=_count, metavar="N",
                    help="our sampler: stop a pattern study early after N exploration trials "
                         "in a row that did not improve (default 1; 0: spend every budget)")
@@ -160,39 +148,12 @@ def _add_search_args(g) -> None:
                    help="the speedup a change that adds Q/DQ must show to replace the standing "
                         "model (default 1.0: any gain, confirmed by an interleaved "
                         "re-measurement on a measured backend)")
-    g.add_argument("--timeout", type=_positive_float, metavar="S",
-                   help="seconds for the whole run; what is committed by then is saved")
-    g.add_argument("--pattern-cache", metavar="FILE.yaml",
-                   help="pattern cache of an earlier run: its schemes seed the studies")
-    g.add_argument("--qdq-baseline", metavar="MODEL.onnx",
-                   help="a Q/DQ model whose placement seeds the search")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
 
 
-def _add_measurement_args(g) -> None:
-    g.add_argument("-b", "--backend", default="onnxruntime", help=BACKEND_HELP)
-    g.add_argument("--timing", choices=["fast", "robust"], default="robust",
-                   help="robust: every candidate A/B-compared with its pattern's reference in "
-                        "interleaved fresh sessions (default); fast: one screen per candidate, "
-                        "for a quiet, dedicated machine")
-    g.add_argument("--threads", type=_positive_int, default=1, metavar="N",
-                   help="ONNX Runtime intra-op threads (default 1: ranks most reliably)")
-    g.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
-                   help="build and time in a worker subprocess, so a crash or hang fails only "
-                        "that trial (default; --no-isolate runs the backend in this process)")
-    g.add_argument("--scales", choices=["auto", "default", "calibrated"], default="auto",
-                   help="scales used in trials (auto: calibrated for ONNX Runtime, default for "
-                        "TensorRT)")
-    g.add_argument("--calibration-data", metavar="FILE.npz",
-                   help=".npz of input name -> array (samples on axis 0); random inputs "
-                        "otherwise")
-    g.add_argument("--calibration-method", default=DEFAULT_CALIBRATION_METHOD,
-                   choices=["minmax", "percentile", "entropy", "mse"],
-                   help="how activation statistics become scales (default %(default)s: the "
-                        "lowest output error in benchmarks/calibration_methods.py)")
-
-
 def _add_tune(sub) -> None:
+    from qdq_optuna.search import OPTION_GROUPS
+
     t = sub.add_parser(
         "tune", help="search the Q/DQ placement (resumes automatically)",
         usage="qdq-optuna tune -m MODEL [-o DIR] [options]",
@@ -201,38 +162,11 @@ def _add_tune(sub) -> None:
                     "candidate on the backend;\nwrites DIR/optimized.onnx, report.md, "
                     "report.json and the studies.",
         epilog=TUNE_EXAMPLES)
-    g = t.add_argument_group("model")
-    g.add_argument("-m", "--model", required=True, help="float ONNX model (never modified)")
-    g.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"],
-                   help="whose fusion rules place the Q/DQ (default: follows --backend; a "
-                        "--backend package.module:function must name it)")
-    _add_model_args(g)
-
-    _add_search_args(t.add_argument_group("search"))
-    _add_measurement_args(t.add_argument_group("measurement"))
-    _add_accuracy_args(t.add_argument_group(
-        "accuracy", "any of these turns accuracy on: trials use calibrated scales and record "
-                    "their output errors"))
-
-    g = t.add_argument_group("storage and workers")
-    g.add_argument("--storage", metavar="URL",
-                   help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for "
-                        "several workers)")
-    g.add_argument("--run-id", help="name of the run in the storage (default: output folder name)")
-    g.add_argument("--worker", action="store_true",
-                   help="cooperate with other workers on the same --storage run")
-    g.add_argument("--heartbeat-grace", type=_positive_float, metavar="S",
-                   help="seconds without a heartbeat before a worker's trial is failed and "
-                        "retried (default 180; workers only)")
-
-    g = t.add_argument_group("output")
-    g.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="DIR",
-                   help="output folder, also holds the studies (default ./%(default)s)")
-    g.add_argument("--fresh", action="store_true",
-                   help="discard this run's studies and start over")
-    g.add_argument("--remeasure", action="store_true",
-                   help="a finished run: measure the final model again and rewrite the report "
-                        "(otherwise a rerun prints the stored result and exits)")
+    groups = {name: t.add_argument_group(name, about) for name, about in OPTION_GROUPS.items()}
+    add_options(groups, model={"required": True, "default": None},
+                output_dir={"default": DEFAULT_OUTPUT})
+    _add_region_args(groups["model"])
+    _add_search_args(groups["search"])
     _add_verbosity(t)
 
 
@@ -249,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the regions, patterns and insertion points of MODEL "
                                    "and the tensors they resolve to.")
     i.add_argument("model", help="ONNX model")
-    i.add_argument("--runtime", choices=["onnxruntime", "tensorrt", "openvino"], default="onnxruntime",
-                   help="whose fusion rules place the Q/DQ (default %(default)s)")
-    _add_model_args(i)
+    add_options({"model": i}, names=("runtime", *MODEL_OPTIONS),
+                runtime={"default": "onnxruntime",
+                         "help": "whose fusion rules place the Q/DQ (default %(default)s)"})
+    _add_region_args(i)
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
     _add_verbosity(i)
 
@@ -314,30 +249,15 @@ def _node_filter(args: argparse.Namespace) -> dict:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from qdq_optuna.search._options import TuneOptions
-    from qdq_optuna.search._run import Tuner
+    from qdq_optuna import tune
 
-    if args.model and Path(args.output).resolve() == Path(args.model).resolve():
+    if args.model and Path(args.output_dir).resolve() == Path(args.model).resolve():
         raise OptionError("--output must be a folder, not the model file")
-    if Path(args.output).exists() and not Path(args.output).is_dir():
-        raise OptionError(f"--output {args.output}: exists and is not a folder")
-    opts = TuneOptions(
-        model=args.model, output_dir=args.output, backend=args.backend, runtime=args.runtime,
-        quant_type=args.quant_type, input_shapes=args.input_shapes, config=_config_from(args),
-        sampler=args.sampler, storage=args.storage, seed=args.seed, timing=args.timing,
-        scales=args.scales, calibration_data=args.calibration_data,
-        calibration_method=args.calibration_method, pattern_cache=args.pattern_cache,
-        qdq_baseline=args.qdq_baseline, fresh=args.fresh, timeout=args.timeout,
-        run_id=args.run_id, worker=args.worker, heartbeat_grace=args.heartbeat_grace,
-        preprocess=args.preprocess,
-        threads=args.threads, isolate=args.isolate, progress=not args.quiet,
-        validation_data=args.validation_data, metric=args.metric,
-        error_measure=args.error_measure, max_output_error=args.max_output_error,
-        objectives=args.objectives, high_precision=args.high_precision,
-        keep_io_types=args.keep_io_types, opset_upgrade=args.opset_upgrade,
-        remeasure=args.remeasure, **_node_filter(args),
-    )
-    result = Tuner(opts).run()
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise OptionError(f"--output {args.output_dir}: exists and is not a folder")
+    options = tune_options(args)
+    result = tune(options.pop("model"), options.pop("output_dir"), config=_config_from(args),
+                  progress=not args.quiet, **options)
     if not args.quiet:
         _print_result(result)
     return 0

@@ -36,7 +36,16 @@ from qdq_optuna.errors import ModelError, OptionError, UserError
 #: external data files, or the model is too large to serialize in memory).
 ModelLike = onnx.ModelProto | str | os.PathLike
 
-QUANT_TYPES = ("int8", "uint8", "fp8")
+#: the quant types, one row each: the ONNX element type a QuantizeLinear writes and the
+#: largest quantized magnitude (every other table of types is derived from this one)
+QUANT_TYPE_TABLE = {
+    "int8": (onnx.TensorProto.INT8, 127.0),
+    "uint8": (onnx.TensorProto.UINT8, 255.0),
+    "fp8": (onnx.TensorProto.FLOAT8E4M3FN, 448.0),
+}
+QUANT_TYPES = tuple(QUANT_TYPE_TABLE)
+#: quant type -> the ONNX element type of its zero point and QuantizeLinear output
+QUANT_ONNX_TYPES = {name: row[0] for name, row in QUANT_TYPE_TABLE.items()}
 METHODS = ("minmax", "percentile", "entropy", "mse")
 #: the activation calibration method runs use unless told otherwise, chosen by measurement
 #: (``benchmarks/calibration_methods.py``: every offered point quantized on 4 zoo and 9 real
@@ -52,7 +61,7 @@ DEFAULT_METHOD = "percentile"
 MIN_SCALE = 1e-8
 
 #: the largest quantized magnitude of each quant type
-QMAX = {"int8": 127.0, "uint8": 255.0, "fp8": 448.0}
+QMAX = {name: row[1] for name, row in QUANT_TYPE_TABLE.items()}
 #: the largest int8 weight when weights take 7 bits (ONNX Runtime's ``reduce_range``)
 REDUCED_WEIGHT_QMAX = 63.0
 

@@ -254,7 +254,7 @@ def _precision_line(hp: dict | None) -> str:
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
-    from qdq_optuna.search._guard import data_phrase, default_session_lines
+    from qdq_optuna.measure.accuracy import data_phrase, default_session_lines
 
     lines = ["## Accuracy", "",
              f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "

@@ -37,7 +37,13 @@ from qdq_optuna._files import (
     atomic_write_bytes,
 )
 from qdq_optuna.errors import OptionError
-from qdq_optuna.model.calibration import QMAX, QUANT_TYPES, REDUCED_WEIGHT_QMAX, cpu_saturates_u8s8
+from qdq_optuna.model.calibration import (
+    MIN_SCALE,
+    QMAX,
+    QUANT_TYPES,
+    REDUCED_WEIGHT_QMAX,
+    cpu_saturates_u8s8,
+)
 from qdq_optuna.model.graph import (
     GRAPH_INITIALIZER,
     GRAPH_NODE,
@@ -53,12 +59,6 @@ from qdq_optuna.model.graph import (
 from qdq_optuna.model.precision import HighPrecisionModel
 from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules
 
-_QTYPE_PROTO = {
-    "int8": TensorProto.INT8,
-    "uint8": TensorProto.UINT8,
-    "fp8": TensorProto.FLOAT8E4M3FN,
-}
-_MIN_SCALE = 1e-8
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
 _MEMO_PER_NODE = 2
@@ -220,7 +220,7 @@ class _QDQPieces:
             found = self._scale_entry(source, qtype) if source != tensor else None
         if found is not None:
             scale, zp = found
-            return max(float(scale), _MIN_SCALE), int(zp)
+            return max(float(scale), MIN_SCALE), int(zp)
         if self.default_zero_point is not None and qtype != "fp8":
             return self.default_scale, int(self.default_zero_point)
         if qtype == "uint8":
@@ -1018,7 +1018,7 @@ def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str,
         amax = 0.0
         for _, c in _row_chunks(w):
             amax = max(amax, float(np.abs(c).max(initial=0.0)))
-        return np.array(max(amax / qmax, _MIN_SCALE), dtype=np.float32)
+        return np.array(max(amax / qmax, MIN_SCALE), dtype=np.float32)
     reduce = tuple(i for i in range(w.ndim) if i != axis)
     parts = [np.abs(c).max(axis=reduce, initial=0.0) if reduce else np.abs(c)
              for _, c in _row_chunks(w)]
@@ -1028,7 +1028,7 @@ def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str,
         amax = parts[0]
         for part in parts[1:]:
             amax = np.maximum(amax, part)
-    return np.maximum(amax / qmax, _MIN_SCALE).astype(np.float32)
+    return np.maximum(amax / qmax, MIN_SCALE).astype(np.float32)
 
 
 def _quantized_chunks(w: np.ndarray, scales: np.ndarray, axis: int | None,
@@ -1081,10 +1081,10 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str,
     largest integer the weight may take (default the type's: 127 for int8)."""
     qmax = qmax or QMAX["fp8" if qtype == "fp8" else "int8"]
     if axis is None or w.ndim == 0:
-        return np.array(max(float(np.abs(w).max(initial=0.0)) / qmax, _MIN_SCALE), dtype=np.float32)
+        return np.array(max(float(np.abs(w).max(initial=0.0)) / qmax, MIN_SCALE), dtype=np.float32)
     reduce = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=reduce, initial=0.0) if reduce else np.abs(w)
-    return np.maximum(amax / qmax, _MIN_SCALE).astype(np.float32)
+    return np.maximum(amax / qmax, MIN_SCALE).astype(np.float32)
 
 
 def quantized_tensors(model: onnx.ModelProto) -> set[str]:

@@ -448,9 +448,11 @@ def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
 def activation_types(qdq_model: onnx.ModelProto) -> dict[str, str]:
     """Activation tensor -> the type ("uint8"/"int8") its QuantizeLinear writes, so a
     re-export keeps each tensor's type (NNCF mixes them: u8 where non-negative)."""
+    from qdq_optuna.model import calibration
+
     ix = _QDQIndex.of(qdq_model)
     zps = {t.name: t.data_type for t in qdq_model.graph.initializer}
-    names = {onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8"}
+    names = {calibration.QUANT_ONNX_TYPES[n]: n for n in ("int8", "uint8")}
     return {ix.source(q.input[0]): names[zps[q.input[2]]] for q in qdq_model.graph.node
             if q.op_type == "QuantizeLinear" and len(q.input) > 2
             and zps.get(q.input[2]) in names and q.input[0] not in ix.constants}

@@ -4,90 +4,196 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from qdq_optuna.backends import BACKENDS, make_backend, runtime_for_backend
+from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend, runtime_for_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
+from qdq_optuna.measure.accuracy import ERROR_MEASURES
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
-from qdq_optuna.model.calibration import DEFAULT_METHOD
+from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.rules import RULES
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record.attrs import FLOW, WHOLE_MODEL
 from qdq_optuna.search.objectives import (
-    CATEGORICAL_SAMPLERS,
     check_error_options,
     check_sampler,
     parse_objectives,
 )
+from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+
+
+def option(default: Any = MISSING, *, help: str, group: str | None, flag: str | None = None,
+           short: str | None = None, choices: Sequence[str] | None = None,
+           type: str | None = None, metavar: str | None = None, nargs: str | None = None,
+           default_factory: Any = MISSING) -> Any:
+    """One tune option, defined once: the field of :class:`TuneOptions` and its command-line
+    flag (``group`` None: no flag), built by :func:`qdq_optuna.cli.main.add_options`. ``type``
+    names one of the CLI's checked number types (``positive_int``, ``positive_float``, ``int``).
+    """
+    meta = {"help": help, "group": group, "flag": flag, "short": short, "choices": choices,
+            "type": type, "metavar": metavar, "nargs": nargs}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+#: the command line's option groups, in the order ``tune -h`` shows them
+OPTION_GROUPS = {
+    "model": None,
+    "search": None,
+    "measurement": None,
+    "accuracy": ("any of these turns accuracy on: trials use calibrated scales and record "
+                 "their output errors"),
+    "storage and workers": None,
+    "output": None,
+}
 
 
 @dataclass
 class TuneOptions:
+    """Everything a tuning run takes besides :class:`~qdq_optuna.config.Config`; each field is
+    also the ``qdq-optuna tune`` flag its metadata describes."""
+
     #: a path, or an ``onnx.ModelProto`` (see :func:`qdq_optuna.model.data.model_argument`)
-    model: str | onnx.ModelProto
-    output_dir: str
+    model: str | onnx.ModelProto = option(
+        group="model", short="-m", help="float ONNX model (never modified)")
+    output_dir: str = option(
+        group="output", short="-o", flag="--output", metavar="DIR",
+        help="output folder, also holds the studies (default ./qdq_optuna_output)")
     #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
-    backend: str | Backend | Callable = "onnxruntime"
-    runtime: str | None = None
-    quant_type: str | None = None
-    input_shapes: str | None = None
-    config: Config = field(default_factory=Config)
-    sampler: str = "qdq"
-    storage: str | None = None
-    seed: int | None = 0
-    timing: str = "robust"
-    scales: str = "auto"
+    backend: str | Backend | Callable = option(
+        "onnxruntime", group="measurement", short="-b", help=BACKEND_HELP)
+    runtime: str | None = option(
+        None, group="model", choices=tuple(RULES),
+        help="whose fusion rules place the Q/DQ (default: follows --backend; a --backend "
+             "package.module:function must name it)")
+    quant_type: str | None = option(
+        None, group="model", choices=(*QUANT_TYPES, "mixed"),
+        help="activation type (default: uint8 on ONNX Runtime CPU and OpenVINO, int8 on "
+             "TensorRT); mixed: each point chooses none/int8/fp8 (TensorRT) or none/uint8/int8")
+    input_shapes: str | None = option(
+        None, group="model", metavar="NAME:DxD,...",
+        help="fix symbolic input dims, e.g. input:1x3x224x224")
+    config: Config = option(default_factory=Config, group=None,
+                            help="search settings (the CLI: --config FILE.yaml and the flags "
+                                 "of the search group)")
+    sampler: str = option(
+        "qdq", group="search", short="-s", metavar="NAME", choices=SAMPLERS,
+        help="qdq: ours, a visit ends when its moves are done (default); tpe, cmaes, random, "
+             "gp (needs torch), nsga2, bruteforce: Optuna's, which spend the rest of each "
+             "visit's budget after the moves")
+    storage: str | None = option(
+        None, group="storage and workers", metavar="URL",
+        help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for several "
+             "workers)")
+    seed: int | None = option(
+        0, group="search", type="int",
+        help="sampler seed: the same seed and settings propose the same schemes (default 0)")
+    timing: str = option(
+        "robust", group="measurement", choices=("fast", "robust"),
+        help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
+             "fresh sessions (default); fast: one screen per candidate, for a quiet, dedicated "
+             "machine")
+    scales: str = option(
+        "auto", group="measurement", choices=("auto", "default", "calibrated"),
+        help="scales used in trials (auto: calibrated for ONNX Runtime and OpenVINO, default "
+             "for TensorRT)")
     #: an .npz path, a dict of arrays, an iterable of feeds or a CalibrationDataReader
     #: (:func:`qdq_optuna.model.data.input_data`)
-    calibration_data: Any = None
-    calibration_method: str = DEFAULT_METHOD
-    pattern_cache: str | None = None
-    qdq_baseline: str | None = None
-    fresh: bool = False
-    timeout: float | None = None
-    run_id: str | None = None
-    worker: bool = False
-    preprocess: str = "auto"
-    threads: int = 1
-    #: build and time in a worker subprocess, so a crash or hang fails one trial, not the run
-    #: (names of ONNX Runtime / TensorRT backends; a callable or Backend object runs as given)
-    isolate: bool = True
-    progress: bool = True
-    #: accuracy (see qdq_optuna.search.objectives): data the output errors are measured on (default:
-    #: the calibration data), a user metric ``module:function`` (lower is better), the error
-    #: measure, an error budget, and the objectives (``latency`` or ``latency,error``)
-    validation_data: Any = None
-    metric: str | None = None
-    error_measure: str = "relative_l2"
-    max_output_error: float | None = None
-    objectives: str = "latency"
-    #: seconds without a heartbeat after which a ``worker``'s RUNNING trial counts as dead and
-    #: is retried (default: $QDQ_OPTUNA_HEARTBEAT_GRACE, else storage.GRACE_PERIOD_S)
-    heartbeat_grace: float | None = None
-    #: the float part's precision (``fp32``, ``fp16``, ``bf16``; None: the backend's default,
-    #: see :func:`qdq_optuna.model.precision.resolve_high_precision`) and whether the graph's inputs
-    #: and outputs keep their types
-    high_precision: str | None = None
-    keep_io_types: bool = True
-    #: nodes (names or regular expressions) whose inputs never get Q/DQ, and the op types whose
-    #: inputs may (``--exclude-nodes``, ``--op-types``; :mod:`qdq_optuna.placement.filters`)
-    exclude_nodes: list[str] | None = None
-    op_types: list[str] | None = None
-    #: a run that finished already is measured again (its final A/B and report); without it
-    #: a rerun returns the stored report unchanged
-    remeasure: bool = False
-    #: the model's opset may be upgraded (high precision, per-channel weights, FP8); when
-    #: False a model below the opset its options need is refused
-    opset_upgrade: bool = True
+    calibration_data: Any = option(
+        None, group="measurement", metavar="FILE.npz",
+        help=".npz of input name -> array (samples on axis 0); random inputs otherwise")
+    calibration_method: str = option(
+        DEFAULT_METHOD, group="measurement", choices=METHODS,
+        help=f"how activation statistics become scales (default {DEFAULT_METHOD}: the lowest "
+             "output error in benchmarks/calibration_methods.py)")
+    pattern_cache: str | None = option(
+        None, group="search", metavar="FILE.yaml",
+        help="pattern cache of an earlier run: its schemes seed the studies")
+    qdq_baseline: str | None = option(
+        None, group="search", metavar="MODEL.onnx",
+        help="a Q/DQ model whose placement seeds the search")
+    fresh: bool = option(False, group="output",
+                         help="discard this run's studies and start over")
+    timeout: float | None = option(
+        None, group="search", type="positive_float", metavar="S",
+        help="seconds for the whole run; what is committed by then is saved")
+    run_id: str | None = option(
+        None, group="storage and workers",
+        help="name of the run in the storage (default: output folder name)")
+    worker: bool = option(False, group="storage and workers",
+                          help="cooperate with other workers on the same --storage run")
+    preprocess: str = option(
+        "auto", group="model", choices=("auto", "none", "ort-basic"),
+        help="float-model preprocessing; auto = ONNX Runtime basic fusions for the ONNX "
+             "Runtime rules, none for TensorRT")
+    threads: int = option(
+        1, group="measurement", type="positive_int", metavar="N",
+        help="inference threads of the measuring runtime (default 1: ranks most reliably)")
+    isolate: bool = option(
+        True, group="measurement",
+        help="build and time in a worker subprocess, so a crash or hang fails only that trial "
+             "(default; --no-isolate runs the backend in this process; a callable or Backend "
+             "object runs as given)")
+    progress: bool = option(True, group=None, help="progress bars (the CLI: -q turns them off)")
+    #: accuracy (see qdq_optuna.search.objectives): data the output errors are measured on
+    validation_data: Any = option(
+        None, group="accuracy", metavar="FILE.npz",
+        help="inputs the output errors are measured on (default: the calibration data; random "
+             "inputs with a warning otherwise)")
+    metric: str | None = option(
+        None, group="accuracy", metavar="MODULE:FUNCTION",
+        help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is better "
+             "(replaces --error-measure)")
+    error_measure: str = option(
+        "relative_l2", group="accuracy", choices=ERROR_MEASURES,
+        help="error of a trial's model vs FP32, worst output (default relative_l2)")
+    max_output_error: float | None = option(
+        None, group="accuracy", type="positive_float", metavar="X",
+        help="error budget: trials above it are infeasible; commits take the fastest feasible "
+             "scheme")
+    objectives: str = option(
+        "latency", group="accuracy", metavar="latency[,error]",
+        help="latency (default) or latency,error (two-objective studies, Pareto front of the "
+             "whole model in OUTPUT/pareto/)")
+    heartbeat_grace: float | None = option(
+        None, group="storage and workers", type="positive_float", metavar="S",
+        help="seconds without a heartbeat before a worker's trial is failed and retried "
+             "(default 180, or $QDQ_OPTUNA_HEARTBEAT_GRACE; workers only)")
+    high_precision: str | None = option(
+        None, group="model", choices=("fp32", "fp16", "bf16"),
+        help="precision of the float part, converted before the search (tune's default: the "
+             "backend's, fp16 for TensorRT-like backends and ort-cuda, fp32 for ONNX Runtime "
+             "CPU and OpenVINO; inspect's: fp32, the model as given)")
+    keep_io_types: bool = option(
+        True, group="model",
+        help="with fp16/bf16, graph inputs and outputs keep their FP32 type (default; "
+             "--no-keep-io-types converts them too)")
+    exclude_nodes: list[str] | None = option(
+        None, group="model", nargs="+", metavar="NAME",
+        help="nodes whose inputs never carry Q/DQ: names or regular expressions matching a "
+             "whole name (as 'inspect' prints them; unnamed nodes are #INDEX), like "
+             "quantize_static's nodes_to_exclude")
+    op_types: list[str] | None = option(
+        None, group="model", nargs="+", metavar="OP",
+        help="quantize only the inputs of these op types (space- or comma-separated, e.g. "
+             "Conv,MatMul), like quantize_static's op_types_to_quantize")
+    remeasure: bool = option(
+        False, group="output",
+        help="a finished run: measure the final model again and rewrite the report (otherwise "
+             "a rerun prints the stored result and exits)")
+    opset_upgrade: bool = option(
+        True, group="model",
+        help="upgrade the model's opset when the precision or the quant type needs it "
+             "(default; --no-opset-upgrade refuses such a model instead)")
 
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
@@ -118,6 +224,35 @@ class TuneResult:
     @property
     def optimized_model(self) -> Path:
         return self.output_dir / "optimized.onnx"
+
+
+@dataclass
+class SearchOutcome:
+    """What a search concluded, for the outputs (:func:`qdq_optuna.outputs.write.write_outputs`):
+    the model that ships (saved as ``out/optimized.onnx``), its A/B against the baseline, its
+    accuracy, and the objects the report reads (the run record, the plan measurer)."""
+
+    out: Path
+    #: report.json's first fields: what was tuned, where, how
+    header: dict
+    record: Any  # qdq_optuna.record.attrs.RunRecord
+    plans: Any  # the plan measurer: every measurement, counted per phase
+    prepared: PreparedModel
+    backend: Backend
+    descent: Any  # the descent (None when the run stopped before it)
+    lane: str
+    rows: list[dict]
+    plan: Any  # the shipped QuantPlan
+    exporter: Any  # the exporter with the final scales
+    final_bytes: bytes | None
+    baseline_bytes: Any
+    comparison: Any  # the final A/B (shipped model vs baseline)
+    baseline_ms: float
+    #: report.json's ``accuracy`` and ``final_output_error(s)`` (and the accuracy modes' keys)
+    accuracy: dict
+    partial: bool
+    multi_objective: bool
+    elapsed: dict[str, float]
 
 
 def backend_for(options: TuneOptions) -> Backend:

@@ -28,7 +28,6 @@ from qdq_optuna._progress import Progress
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import Config
 from qdq_optuna.measure.accuracy import AccuracyError
-from qdq_optuna.measure.timing import CommitRule
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
@@ -44,6 +43,7 @@ from qdq_optuna.record.attrs import (
     note_scheme,
     pattern_attrs,
 )
+from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._moves import VisitMoves
 from qdq_optuna.search._options import Settings

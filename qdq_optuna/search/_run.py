@@ -10,8 +10,11 @@
 * **descent** (:mod:`~qdq_optuna.search._descent`): rounds over the patterns, each visit tuned
   against the whole standing model, from the chosen start and, when it is close, from the
   runtime's recipe too (each such *lane* is a descent of its own);
-* **finish**: the best lane's standing model saved, its independent A/B against the baseline,
-  the report, the pattern cache and ``state.yaml``.
+* **conclude**: the best lane's standing model guarded and saved, and its independent A/B
+  against the baseline: a :class:`~qdq_optuna.search._options.SearchOutcome`, which
+  :func:`qdq_optuna.outputs.write.write_outputs` turns into the report (the search imports no
+  output module; :mod:`qdq_optuna._tune` runs prepare -> search -> write outputs);
+* **close**: the pattern cache, ``state.yaml`` and the finished mark, once the report is written.
 """
 
 from __future__ import annotations
@@ -21,22 +24,20 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
 
 from qdq_optuna._files import atomic_write_bytes, remove_stale_temps
 from qdq_optuna._progress import Progress
-from qdq_optuna.backends.base import Backend
-from qdq_optuna.config import Config
-from qdq_optuna.errors import OptionError, ToolError, UserError
+from qdq_optuna.errors import ToolError, UserError
 from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
-from qdq_optuna.measure.timing import CommitRule, Measurer, TimingProtocol
-from qdq_optuna.model.data import data_id, describe_model, input_data, model_argument
+from qdq_optuna.measure.timing import Measurer, TimingProtocol
+from qdq_optuna.model.data import data_id, describe_model, input_data
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.model.precision import resolve_high_precision
-from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
@@ -44,12 +45,13 @@ from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
 from qdq_optuna.record.attrs import RunRecord, delete_run
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
+from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import Guard, check_default_session
 from qdq_optuna.search._options import (
+    SearchOutcome,
     Settings,
     TuneOptions,
-    TuneResult,
     backend_for,
     backend_name,
     check_runtime_named,
@@ -94,7 +96,7 @@ class Tuner:
         self.started = time.monotonic()
         self.fingerprint_digest: str | None = None
         self.record: RunRecord | None = None  # these four once the run is open
-        self.search: Search | None = None
+        self.search_state: Search | None = None
         self.cache: PatternCache | None = None
         self.baseline_q: set[str] | None = None
         self._calibrated: dict | None = None
@@ -105,6 +107,9 @@ class Tuner:
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
+        #: called with (study, pattern) after each stored decision (given by the caller: the
+        #: dashboard's pictures, see :mod:`qdq_optuna._tune`)
+        self.on_commit: list[Callable] = []
 
     def remaining(self) -> float | None:
         if self.o.timeout is None:
@@ -112,11 +117,14 @@ class Tuner:
         return self.o.timeout - (time.monotonic() - self.started)
 
     # -- the run ---------------------------------------------------------------------------
-    def run(self) -> TuneResult:
+    @contextmanager
+    def session(self) -> Iterator[Tuner]:
+        """Progress output for the run; on Ctrl-C no trial of ours stays RUNNING; the
+        backend's worker process (ours) stops at the end."""
         try:
             with Progress(self.o.progress) as progress:
                 self.progress = progress
-                return self._run()
+                yield self
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -124,12 +132,16 @@ class Tuner:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
                 self.backend.close()
 
-    def _run(self) -> TuneResult:
+    def open(self) -> dict | None:
+        """Open the storage and the run record; a run that finished with these settings
+        returns its stored report (nothing is measured again), else None."""
         quiet_optuna(self.cfg.verbose)
-        search = self._open()
-        done = None if self.o.remeasure else self._finished_report()
-        if done is not None:  # a finished run: its result, nothing measured again
-            return TuneResult(self.out, done, finished_before=True)
+        self._open()
+        return None if self.o.remeasure else self._finished_report()
+
+    def search(self) -> SearchOutcome:
+        """Baseline, starts, descent and the conclusion: what ships, measured."""
+        search = self.search_state
         self._say_resuming()
         search.baseline_ms = self._measure_baseline(search)
         self._mark("baseline")
@@ -146,8 +158,8 @@ class Tuner:
             self._mark("descent")
         except OutOfTime:
             self._write_state("timeout")
-            return self._finish(partial=True)
-        return self._finish(partial=False)
+            return self._conclude(partial=True)
+        return self._conclude(partial=False)
 
     def _open(self) -> Search:
         """The storage, the run record and everything the pattern studies share."""
@@ -172,14 +184,14 @@ class Tuner:
         guard = Guard(plans, calibrated, self.settings.error_bound,
                       f"metric {self.o.metric}" if self.o.metric else self.o.error_measure,
                       data_name)
-        self.search = Search(
+        self.search_state = Search(
             prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
             record=self.record, rule=CommitRule(self.cfg.performance_threshold),
             sampler=self.o.sampler, seed=self.o.seed, plans=plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
             progress=self.progress, remaining=self.remaining, guard=guard,
-            on_commit=[PatternPictures(self.out, self.prepared)])
-        return self.search
+            on_commit=self.on_commit)
+        return self.search_state
 
     def _say_resuming(self) -> None:
         """A resumed run says so: what is done and what is left."""
@@ -192,7 +204,7 @@ class Tuner:
         """What every speedup is measured against: ``(source, memo key, description)``: the
         user's model as given, or converted to the run's high precision (no Q/DQ)."""
         if self._baseline is None:
-            exporter = self.search.exporter
+            exporter = self.search_state.exporter
             hp = self.prepared.high_precision
             if hp is not None:
                 data = hp.model.SerializeToString()
@@ -231,25 +243,7 @@ class Tuner:
 
     def _recipe_start(self):
         """The runtime's classic recipe as a start (None when it cannot be made)."""
-        from qdq_optuna.placement import starts
-
-        pm = self.prepared
-        try:
-            recipe = {"onnxruntime": starts.ort_recipe_start,
-                      "openvino": starts.nncf_recipe_start}.get(self.settings.runtime)
-            if recipe is None:
-                return starts.tensorrt_recipe_start(pm)
-            return recipe(pm, self.o.model, input_shapes=self.o.input_shapes,
-                          data=self.calibration[0] if self.calibration else None)
-        except ToolError as exc:  # the quantizer refused this model: no recipe start
-            log.warning("%s; starting without the recipe", exc)
-            return None
-        except UserError:
-            raise
-        except Exception as exc:  # the quantizer failed on this model: no recipe start
-            log.warning("the %s recipe could not be made for this model (%s: %s); starting "
-                        "without it", self.settings.runtime, type(exc).__name__, exc)
-            return None
+        return recipe_start(self.prepared, self.o, self.settings.runtime, self.calibration)
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -294,8 +288,8 @@ class Tuner:
             return self._fastest_lane(lanes)
 
         def pick() -> tuple[str, int]:
-            before = self.search.plans.measurements
-            return self._fastest_lane(lanes), self.search.plans.measurements - before
+            before = self.search_state.plans.measurements
+            return self._fastest_lane(lanes), self.search_state.plans.measurements - before
 
         return self.record.winner(pick)
 
@@ -303,7 +297,7 @@ class Tuner:
         """The first lane's standing model ships unless another lane's beats it as a commit
         must (the run's commit rule: measured once on a deterministic backend, an interleaved
         A/B on a measured one)."""
-        s, rule = self.search, self.search.rule
+        s, rule = self.search_state, self.search_state.rule
         sources = {}
         for lane in lanes:
             plan = s.exporter.plan(self.record.uses(self.record.standing(lane)))
@@ -328,14 +322,14 @@ class Tuner:
         self.elapsed[phase] = round(time.monotonic() - self.started, 1)
 
     # -- finish ----------------------------------------------------------------------------
-    def _finish(self, partial: bool) -> TuneResult:
-        from qdq_optuna.outputs.report import build_report, runtime_keys, write_reports
-
-        plans = self.search.plans
+    def _conclude(self, partial: bool) -> SearchOutcome:
+        """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
+        A/B against the baseline (the multi-objective front is measured by the outputs)."""
+        plans = self.search_state.plans
         lane = self._final_lane(partial)
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
-        guard = self.search.guard
+        guard = self.search_state.guard
         verdict = guard.ship(guard.exporter.plan(plan_uses(final_exporter.plan(uses))),
                              self.prepared.high_precision.precision
                              if self.prepared.high_precision else "fp32")
@@ -343,36 +337,32 @@ class Tuner:
         final_bytes = self._save_final(final_exporter, plan)
         base_bytes = self.baseline_source()[0]
         cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
-        report = build_report(self._header(), self.record, plans, self.prepared, plan, cmp,
-                              rows=rows, baseline_ms=self.search.baseline_ms, partial=partial,
-                              lane=lane)
-        report.update(guard.report_keys(
-            verdict, bound_given=self.o.max_output_error is not None,
-            bf16=self.search.plans.scorer.bf16))
-        check_default_session(report["accuracy"], plans.scorer, final_bytes)
+        accuracy = guard.report_keys(verdict, bound_given=self.o.max_output_error is not None,
+                                     bf16=plans.scorer.bf16)
+        check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
-            report.update({"objectives": list(self.settings.objectives),
-                           "error_measure": guard.measure,
-                           "max_output_error": self.o.max_output_error})
-        if self.settings.multi_objective:
-            from qdq_optuna.outputs.pareto import model_front
-
-            report["pareto"] = model_front(self.record, plans, final_exporter, rows, base_bytes,
-                                           cmp, plan, self.out)
-            report["measurements"] = plans.measurements
-        report.update(runtime_keys(self.backend, final_bytes, self.prepared, self.descent))
+            accuracy.update({"objectives": list(self.settings.objectives),
+                             "error_measure": guard.measure,
+                             "max_output_error": self.o.max_output_error})
         self._mark("finish")
-        report["elapsed_s"] = dict(self.elapsed)
-        write_reports(self.out, report)
+        return SearchOutcome(
+            out=self.out, header=self._header(), record=self.record, plans=plans,
+            prepared=self.prepared, backend=self.backend, descent=self.descent, lane=lane,
+            rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
+            baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
+            accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
+            elapsed=dict(self.elapsed))
+
+    def close(self, outcome: SearchOutcome, report: dict) -> None:
+        """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
+        the finished mark that a rerun with the same settings returns."""
         self.record.write_pattern_cache(
             self.out / "pattern_cache.yaml",
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
-            max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=lane)
-        self._write_state("timeout" if partial else "done")
-        if not partial:
+            max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=outcome.lane)
+        self._write_state("timeout" if outcome.partial else "done")
+        if not outcome.partial:
             self.record.mark_finished(self.fingerprint_digest, report)
-        save_run_overview(self.record, self.out, report, dict(plans.by_phase))
-        return TuneResult(self.out, report)
 
     def _finished_report(self) -> dict | None:
         """The report of this run when it finished with these settings and this output
@@ -444,25 +434,47 @@ class Tuner:
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
-        plans = self.search.plans if self.search is not None else None
+        plans = self.search_state.plans if self.search_state is not None else None
         order = (self.starts or {}).get("order")
         self.record.write_state(self.out, status, {
             "storage": self.storage_url,
             "fingerprint": self.fingerprint_digest,
-            "baseline_latency_ms": self.search.baseline_ms if self.search is not None else None,
+            "baseline_latency_ms": self.search_state.baseline_ms if self.search_state is not None else None,
             "measurements": plans.measurements if plans is not None else 0,
             "cache_hits": plans.cache_hits if plans is not None else 0,
         }, lane=order[0] if order else None)
 
     def _interrupted(self) -> None:
         """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
-        if self.search is not None and self.search.workers is not None:
-            self.search.workers.interrupted()
+        if self.search_state is not None and self.search_state.workers is not None:
+            self.search_state.workers.interrupted()
         if self.record is not None:
             try:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibration):
+    """The runtime's classic recipe as a start (None when it cannot be made)."""
+    from qdq_optuna.placement import starts
+
+    try:
+        recipe = {"onnxruntime": starts.ort_recipe_start,
+                  "openvino": starts.nncf_recipe_start}.get(runtime)
+        if recipe is None:
+            return starts.tensorrt_recipe_start(pm)
+        return recipe(pm, options.model, input_shapes=options.input_shapes,
+                      data=calibration[0] if calibration else None)
+    except ToolError as exc:  # the quantizer refused this model: no recipe start
+        log.warning("%s; starting without the recipe", exc)
+        return None
+    except UserError:
+        raise
+    except Exception as exc:  # the quantizer failed on this model: no recipe start
+        log.warning("the %s recipe could not be made for this model (%s: %s); starting "
+                    "without it", runtime, type(exc).__name__, exc)
+        return None
 
 
 def save_standing(exporter: QDQExporter, uses, out: Path) -> None:
@@ -540,25 +552,6 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
                                               quant_type=qtype)
         scales.update({(t, qtype): v for t, v in typed.items()})
     return scales
-
-
-def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
-         backend: Callable | Backend | str | None = None, config: Config | None = None,
-         benchmark: Callable | Backend | str | None = None, **options) -> TuneResult:
-    """Tune ``model``; results go to ``output_dir`` (see README: outputs).
-
-    ``backend`` (or its older name ``benchmark``) is a backend name (``"onnxruntime"``,
-    ``"tensorrt"``, ``"costmodel"``, ...), a :class:`~qdq_optuna.backends.base.Backend`, or any
-    callable ``fn(model: onnx.ModelProto) -> ms``. Other keyword arguments are the fields of
-    :class:`TuneOptions`.
-    """
-    if backend is not None and benchmark is not None:
-        raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
-    chosen = backend if backend is not None else benchmark
-    opts = TuneOptions(model=model_argument(model), output_dir=str(output_dir),
-                       backend=chosen if chosen is not None else "onnxruntime",
-                       config=config or Config(), **options)
-    return Tuner(opts).run()
 
 
 def _sha(data: bytes) -> str:

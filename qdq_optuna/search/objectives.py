@@ -38,12 +38,6 @@ log = logging.getLogger("qdq_optuna")
 
 OBJECTIVES = ("latency", "error")
 METRIC_NAMES = {"latency": "latency_ms", "error": "error"}
-#: samplers that take categorical parameters (mixed precision with choice names)
-CATEGORICAL_SAMPLERS = ("tpe", "random", "nsga2", "bruteforce")
-#: samplers that cannot handle two objectives
-SINGLE_OBJECTIVE_SAMPLERS = ("cmaes",)
-#: samplers that ignore Optuna trial constraints (the commit still takes feasible trials only)
-UNCONSTRAINED_SAMPLERS = ("cmaes", "random", "bruteforce")
 
 
 def parse_objectives(spec: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -80,17 +74,22 @@ def check_error_options(error_measure: str, max_output_error: float | None) -> N
 def check_sampler(sampler: str, *, multi_objective: bool, mixed: bool,
                   constrained: bool) -> None:
     """Clear errors for sampler/mode combinations that cannot work."""
-    if mixed and sampler not in ("qdq", *CATEGORICAL_SAMPLERS):
+    from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLER_TRAITS
+
+    traits = SAMPLER_TRAITS.get(sampler)
+    if traits is None:
+        return  # unknown names are refused where the sampler is made
+    if mixed and not traits.categorical:
         raise OptionError(
             f"--quant-type mixed needs categorical parameters; --sampler {sampler} has none "
             f"(use qdq, {', '.join(CATEGORICAL_SAMPLERS[:-1])} or {CATEGORICAL_SAMPLERS[-1]})"
         )
-    if multi_objective and sampler in SINGLE_OBJECTIVE_SAMPLERS:
+    if multi_objective and not traits.multi_objective:
         raise OptionError(
             f"--objectives latency,error: --sampler {sampler} supports one objective only "
             "(use qdq or nsga2)"
         )
-    if constrained and sampler in UNCONSTRAINED_SAMPLERS:
+    if constrained and not traits.constrained:
         log.warning("--sampler %s ignores the --max-output-error constraint while sampling; "
                     "the commit still takes feasible trials only", sampler)
 

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import optuna
 
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 
-SAMPLERS = ("qdq", "tpe", "cmaes", "random", "gp", "nsga2", "bruteforce")
+
+@dataclass(frozen=True)
+class SamplerTraits:
+    """What a sampler can search: categorical parameters (mixed precision's choice names),
+    two objectives, and whether it honours Optuna's trial constraints while sampling."""
+
+    categorical: bool
+    multi_objective: bool
+    constrained: bool
+
+
+#: every sampler by name, with what it can search: the one table of sampler capabilities
+SAMPLER_TRAITS = {
+    "qdq": SamplerTraits(categorical=True, multi_objective=True, constrained=True),
+    "tpe": SamplerTraits(categorical=True, multi_objective=True, constrained=True),
+    "cmaes": SamplerTraits(categorical=False, multi_objective=False, constrained=False),
+    "random": SamplerTraits(categorical=True, multi_objective=True, constrained=False),
+    "gp": SamplerTraits(categorical=False, multi_objective=True, constrained=True),
+    "nsga2": SamplerTraits(categorical=True, multi_objective=True, constrained=True),
+    "bruteforce": SamplerTraits(categorical=True, multi_objective=True, constrained=False),
+}
+SAMPLERS = tuple(SAMPLER_TRAITS)
+#: Optuna's samplers that take categorical parameters (ours encodes choices itself)
+CATEGORICAL_SAMPLERS = tuple(n for n, s in SAMPLER_TRAITS.items() if s.categorical and n != "qdq")
 
 
 def make_sampler(

@@ -1,0 +1,58 @@
+"""``tune()``: the pipeline in one place: prepare -> search -> write outputs.
+
+* **prepare** (:class:`~qdq_optuna.search.Tuner`): the model (regions, patterns, points,
+  precision), the backend, the user's data;
+* **search** (:meth:`Tuner.search <qdq_optuna.search.Tuner.search>`): baseline, starts,
+  descent, and what ships, measured (a :class:`~qdq_optuna.search.SearchOutcome`);
+* **write outputs** (:func:`~qdq_optuna.outputs.write.write_outputs`): report.json / .md
+  (pareto/ for two objectives), then the run's pattern cache, state and finished mark, and
+  the dashboard's overview.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import onnx
+
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError
+from qdq_optuna.model.data import model_argument
+from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
+from qdq_optuna.outputs.write import write_outputs
+from qdq_optuna.search import TuneOptions, Tuner, TuneResult
+
+
+def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
+         backend: Callable | Backend | str | None = None, config: Config | None = None,
+         benchmark: Callable | Backend | str | None = None, **options) -> TuneResult:
+    """Tune ``model``; results go to ``output_dir`` (see the docs: outputs).
+
+    ``backend`` (or its older name ``benchmark``) is a backend name (``"onnxruntime"``,
+    ``"tensorrt"``, ``"costmodel"``, ...), a :class:`~qdq_optuna.backends.base.Backend`, or any
+    callable ``fn(model: onnx.ModelProto) -> ms``. Other keyword arguments are the fields of
+    :class:`~qdq_optuna.TuneOptions`.
+    """
+    if backend is not None and benchmark is not None:
+        raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
+    chosen = backend if backend is not None else benchmark
+    return run(TuneOptions(model=model_argument(model), output_dir=str(output_dir),
+                           backend=chosen if chosen is not None else "onnxruntime",
+                           config=config or Config(), **options))
+
+
+def run(options: TuneOptions) -> TuneResult:
+    """Run (or resume) the tuning run ``options`` describe."""
+    tuner = Tuner(options)  # prepare
+    tuner.on_commit.append(PatternPictures(tuner.out, tuner.prepared))
+    with tuner.session():
+        done = tuner.open()
+        if done is not None:  # a finished run: its result, nothing measured again
+            return TuneResult(tuner.out, done, finished_before=True)
+        outcome = tuner.search()  # search
+        report = write_outputs(outcome)  # write outputs
+        tuner.close(outcome, report)
+        save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))
+        return TuneResult(tuner.out, report)

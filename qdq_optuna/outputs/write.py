@@ -1,0 +1,28 @@
+"""The run's written results: from what the search concluded to ``report.json`` /
+``report.md`` (and ``pareto/`` for two objectives). The search imports none of this: the
+pipeline (:mod:`qdq_optuna._tune`) hands the outcome over."""
+
+from __future__ import annotations
+
+from qdq_optuna.outputs.report import build_report, runtime_keys, write_reports
+
+
+def write_outputs(outcome) -> dict:
+    """Build and write the report of ``outcome`` (a
+    :class:`~qdq_optuna.search.SearchOutcome`); returns it. Two objectives: the
+    latency/error front is measured here (with the run's plan measurer) and written first."""
+    o = outcome
+    report = build_report(o.header, o.record, o.plans, o.prepared, o.plan, o.comparison,
+                          rows=o.rows, baseline_ms=o.baseline_ms, partial=o.partial,
+                          lane=o.lane)
+    report.update(o.accuracy)
+    if o.multi_objective:
+        from qdq_optuna.outputs.pareto import model_front
+
+        report["pareto"] = model_front(o.record, o.plans, o.exporter, o.rows, o.baseline_bytes,
+                                       o.comparison, o.plan, o.out)
+        report["measurements"] = o.plans.measurements
+    report.update(runtime_keys(o.backend, o.final_bytes, o.prepared, o.descent))
+    report["elapsed_s"] = dict(o.elapsed)
+    write_reports(o.out, report)
+    return report
