@@ -112,6 +112,11 @@ class QDQMutationSampler(BaseSampler):
     yields an already known model. Study metadata comes from study user attrs so that all
     workers sharing a storage behave alike. See README.md for the attributes it reads.
 
+    A study with the ``qdq_visit`` user attr is a visit of a descent: the sampler then
+    proposes the visit's moves (its move engine, ``_visit.py``) in expected-gain order, each on
+    the best scheme so far, and stops the study when none is left. ``scheme_key`` then also
+    receives the other patterns' points a chain move sets (their ``qdq_visit`` names).
+
     Args:
         seed: Base seed; per-trial generators are derived from it and the trial number.
         top_percent_to_mutate: Fraction of completed trials eligible as parents.
