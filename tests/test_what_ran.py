@@ -16,7 +16,7 @@ from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.search._moves import MoveSpace, MoveStats
+from qdq_optuna.search._moves import Move, MoveSpace, MoveStats
 from qdq_optuna.search._unfused import Unfused
 
 
@@ -50,6 +50,17 @@ def test_costmodel_report_is_its_own_pricing():
     assert what.float_nodes  # the all-on YOLO has Q/DQ before float-only ops
 
 
+def _points(pid: str, m: Move) -> Move:
+    """An engine's move over (pattern, point) pairs (foreign points are ``P005:<point>``)."""
+    def pt(name: str) -> tuple[str, str]:
+        return tuple(name.split(":", 1)) if ":" in name else (pid, name)
+    return Move(m.kind, frozenset(map(pt, m.on)), frozenset(map(pt, m.off)), m.signature)
+
+
+def _single(on=(), off=()) -> Move:
+    return Move("single", frozenset(on), frozenset(off), ())
+
+
 def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
     pm, model = _all_on("transformer", "tensorrt")
     what = CostModelBackend().what_ran(model)
@@ -62,21 +73,97 @@ def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
     unfused = Unfused(_S(), space.uses_of)
     schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
     kept_any = dropped_any = False
-    fused = unfused.fused(what)
+    sites = unfused.point_sites(what)
     for pp in pm.tunable:
-        every = space.visit(pp.pattern.id, schemes, MoveStats(0)).moves
-        visit = space.visit(pp.pattern.id, schemes, MoveStats(0), fused=fused)
-        assert len(every) == len(visit.moves) + visit.dropped
+        pid = pp.pattern.id
+        every = space.visit(pid, schemes, MoveStats(0)).moves
+        visit = space.visit(pid, schemes, MoveStats(0), sites=sites)
+        assert len(every) == len(visit.moves) + sum(visit.dropped.values())
         for m in every:
-            off = {(pp.pattern.id, q) if ":" not in q else tuple(q.split(":", 1))
-                   for q in m.off}
-            touches = {u[0] for pt in off for u in space.uses_of[pt]}
+            points = _points(pid, m)
+            # the sampler's engine prunes as Unfused does
+            assert (m in visit.moves) == unfused.live(points, what)
+            touches = {u[0] for pt in points.off for u in space.uses_of[pt]}
             if touches & what.standalone:
                 assert m in visit.moves  # never skip a visit's move at a standalone Q/DQ
                 kept_any = True
-        dropped_any |= visit.dropped > 0
+        dropped_any |= sum(visit.dropped.values()) > 0
     assert kept_any and dropped_any
 
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(deterministic):
+    from qdq_optuna.search._unfused import MIN_RESOLVABLE_SHARE, TOO_SMALL, skip_reason
+
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
+    space = MoveSpace(pm)
+
+    class _Plans:  # a measured (or exact) backend, never asked to read a report here
+        measurer = type("M", (), {"backend": None})
+
+    class _S:
+        prepared = pm
+        plans = _Plans()
+
+    _S.plans.deterministic = deterministic
+    unfused = Unfused(_S(), space.uses_of)
+    single = {}  # tensor -> a point that quantizes only it
+    for pt, uses in space.uses_of.items():
+        tensors = {u[0] for u in uses}
+        if len(tensors) == 1:
+            single.setdefault(next(iter(tensors)), pt)
+    by_size = sorted(single, key=lambda t: unfused.numel[t])
+    small, big = by_size[0], by_size[-1]
+    assert unfused.share([small]) < MIN_RESOLVABLE_SHARE <= unfused.share([big])
+    what = WhatRan("test", standalone=frozenset({small, big}))
+    off = {t: _single(off=[single[t]]) for t in (small, big)}
+    kept, dropped = unfused.prune(list(off.values()), what)
+    assert off[big] in kept  # enough work to show up: measured
+    if deterministic:  # an exact backend resolves any gain: nothing dropped for its size
+        assert off[small] in kept and not dropped
+    else:
+        assert off[small] not in kept and dropped == {TOO_SMALL: 1}
+        assert "too small to measure" in skip_reason(dropped)
+    # a reformat there, or a move that switches a point on, is always measured
+    reformat = WhatRan("test", standalone=frozenset({small}), reformats=frozenset({small}))
+    assert unfused.live(off[small], reformat)
+    assert unfused.live(_single(on=[single[small]]), what)
+    # the sampler's engine drops what Unfused drops
+    pid, q = single[small]
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+    visit = space.visit(pid, schemes, MoveStats(0), sites=unfused.point_sites(what),
+                        resolvable=unfused.resolvable())
+    alone = [m for m in space.visit(pid, schemes, MoveStats(0)).moves
+             if m.off == frozenset({q}) and not m.on]
+    assert alone and (alone[0] in visit.moves) == deterministic
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_round_that_changes_nothing_ends_with_one_final_line(caplog, skipped):
+    import logging
+
+    from qdq_optuna._progress import Progress
+    from qdq_optuna.search._descent import Descent
+    from qdq_optuna.search._unfused import FINAL_LINE
+
+    descent = object.__new__(Descent)  # the lane loop alone: visits are stubbed
+    descent.s = type("S", (), {"progress": Progress(False)})()
+    descent.rounds, descent.tunable, descent.skipped, descent.on_change = 3, ["a", "b"], [], None
+    visits = []
+
+    def visit(lane, order, rnd, pp, stats):
+        visits.append((rnd, pp))
+        if skipped and pp == "b":
+            descent.skipped.append((lane, rnd, pp, "nothing left"))
+        return False
+
+    descent.visit, descent._stats = visit, lambda lane: None
+    with caplog.at_level(logging.INFO, logger="qdq_optuna"):
+        descent.lane("", 0)
+    assert visits == [(1, "a"), (1, "b")]  # no second round
+    lines = [r.getMessage() for r in caplog.records if r.getMessage() == FINAL_LINE]
+    assert lines == ([FINAL_LINE] if skipped else [])
 
 def test_engine_inspector_json():
     pm, model = _all_on("resnet", "tensorrt")

@@ -17,6 +17,7 @@ always a finished, feasible state: every decision passed the guard).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from optuna.trial import TrialState
@@ -26,7 +27,7 @@ from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record.attrs import PatternAttr, TrialAttr
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
-from qdq_optuna.search._unfused import FINAL_LINE, Unfused
+from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason
 
 log = logging.getLogger("qdq_optuna")
 
@@ -78,9 +79,11 @@ class Descent:
                 if now and self.on_change is not None:
                     self.on_change(lane)
             log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
-            if len(self.skipped) - before == len(self.tunable):
-                log.info("%s", FINAL_LINE)
             if not changed:
+                # every pattern had nothing the runtime left unfused, or had it measured
+                # without a gain: one line says so (once per lane)
+                if len(self.skipped) > before:
+                    log.info("%s", FINAL_LINE)
                 break
 
     def _stats(self, lane: str) -> MoveStats:
@@ -127,12 +130,16 @@ class Descent:
         if self.cache is not None:
             seeds = self.cache.seeds_for(pp)
             cached = seeds[0] if seeds else None
-        fused = self.unfused.fused(self.unfused.of(schemes)) if self.unfused is not None else None
-        visit = self.space.visit(pid, schemes, stats, cached, fused)
-        if visit.dropped and not visit.moves:  # the runtime fused all of it: nothing to measure
-            self.skipped.append((lane, rnd, pid, f"all {visit.dropped} move(s) only remove "
-                                 "Q/DQ the runtime fused, with no float or reformat next "
-                                 "to them"))
+        sites = self.unfused.point_sites(self.unfused.of(schemes)) if self.unfused else None
+        visit = self.space.visit(pid, schemes, stats, cached, sites,
+                                 self.unfused.resolvable() if self.unfused else None)
+        dropped = Counter(visit.dropped)
+        if dropped:  # a visit skipped outright is in the report: only the log's detail
+            log.log(logging.INFO if visit.moves else logging.DEBUG, "%s round %d: %d move(s) "
+                    "kept; %s", pid, rnd, len(visit.moves),
+                    skip_reason(dropped).replace("all ", "dropped ", 1))
+        if dropped and not visit.moves:  # nothing the runtime left can gain: nothing to measure
+            self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
             s.progress.advance()
             return False
         budget = min(s.config.schemes_per_region, max(len(visit.moves) + 1, 2 * len(pp.ids)))

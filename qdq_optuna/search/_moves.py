@@ -5,8 +5,9 @@ sampler; the search only describes a visit in the study attr the sampler reads
 (:data:`~qdq_optuna.samplers.qdq_mutation.VISIT_ATTR`): the pattern's standing scheme, the
 points of other patterns a chain reaches and their standing choice, each point's
 producer/consumer ops (a move's signature), the chains, the pattern cache's scheme, what the
-lane's earlier visits taught (:class:`MoveStats`) and the points whose Q/DQ the runtime fused
-(moves that only remove those are not proposed). A foreign point is named ``P005:<point>``; a
+lane's earlier visits taught (:class:`MoveStats`) and, from the runtime's report, where removing
+a point's Q/DQ may still win (moves that only remove Q/DQ the runtime fused, or too little to
+measure, are not proposed: ``_unfused.py``). A foreign point is named ``P005:<point>``; a
 trial that sets foreign points carries them as its ``partner``.
 """
 
@@ -45,9 +46,12 @@ class MoveSpace:
 
     def visit(self, pid: str, schemes: Schemes, stats: MoveStats,
               cached: Mapping[str, int] | None = None,
-              fused: Callable[[Point], bool] | None = None) -> VisitMoves:
-        """The visit of pattern ``pid`` from the standing ``schemes``. ``fused(point)``: the
-        runtime's report says removing the point's Q/DQ cannot win (None: no report)."""
+              sites: Callable[[Point], dict[str, int]] | None = None,
+              resolvable: Mapping | None = None) -> VisitMoves:
+        """The visit of pattern ``pid`` from the standing ``schemes``. ``sites(point)``: by
+        the runtime's report, the tensors where removing the point's Q/DQ may still win, with
+        their activation elements (None: no report); ``resolvable``: ``min_share`` of
+        ``total`` elements a removal must touch to be measured (None: any)."""
         pp = self.by_id[pid]
         mine = {(pid, q) for q in pp.ids}
         chains = [c for c in self.chains if c & mine]
@@ -61,8 +65,9 @@ class MoveSpace:
             "cache": dict(cached) if cached else None,
             "taught": stats.to_attr(),
             "give_up_after": stats.give_up_after,
-            "fused": None if fused is None else sorted(
-                name(pt) for pt in sorted(mine) + foreign if fused(pt)),
+            "sites": None if sites is None else {
+                name(pt): sites(pt) for pt in sorted(mine) + foreign},
+            **(dict(resolvable) if resolvable else {}),
         }
         return VisitMoves(pid, schemes, attr, Visit(attr, pp.ids, pp.fusion_groups,
                                                     pp.concat_groups))

@@ -13,8 +13,11 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
 * ``cache``: a scheme a pattern cache knows for the pattern, or None;
 * ``taught``: ``{signature: [tried, paid]}``, what earlier visits' moves taught;
 * ``give_up_after``: a signature tried that often without paying is not tried again (0: never);
-* ``fused``: points whose Q/DQ the runtime fused with nothing left to win by removing it (a
-  move that only switches such points off is not proposed), or None when unknown.
+* ``sites``: per point, the tensors where removing its Q/DQ may still win by the runtime's
+  report, with their activation elements (-1: never too small); empty: the runtime fused it.
+  A move that only switches off points with no site is not proposed (``fused``), nor, with
+  ``min_share`` and ``total``, one whose sites hold less than ``min_share`` of the ``total``
+  activation elements (``too small`` to measure). None: no report.
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
@@ -169,11 +172,13 @@ class Visit:
         self.cache = attr.get("cache")
         self.stats = MoveStats.from_attr(attr.get("taught") or {},
                                          int(attr.get("give_up_after", 0)))
-        fused = attr.get("fused")
-        self.fused = None if fused is None else frozenset(fused)
+        sites = attr.get("sites")
+        self.sites = None if sites is None else {str(p): dict(t) for p, t in sites.items()}
+        self.min_share = attr.get("min_share")
+        self.total = attr.get("total") or 0
         self.fusion = [frozenset(g) for g in fusion_groups]
         self.concat = [frozenset(g) for g in concat_groups]
-        self._moves: tuple[list[Move], int] | None = None
+        self._moves: tuple[list[Move], dict[str, int]] | None = None
 
     @classmethod
     def of(cls, user_attrs: Mapping[str, Any]) -> Visit | None:
@@ -236,14 +241,32 @@ class Visit:
         moves.sort(key=lambda rm: (-self.stats.rate(rm[1].signature), rm[0]))
         return [m for _, m in moves]
 
-    def moves(self) -> tuple[list[Move], int]:
-        """The visit's moves in order, and how many the runtime's report dropped (moves that
-        only switch off points it fused)."""
+    def why_not(self, move: Move) -> str | None:
+        """Why the runtime's report says ``move`` cannot win (None: it may)."""
+        if self.sites is None or move.on:
+            return None
+        found: dict[str, int] = {}
+        for p in move.off:
+            found.update(self.sites.get(p, {}))
+        if not found:
+            return "fused"
+        if self.min_share is not None and self.total and all(n >= 0 for n in found.values()) \
+                and sum(found.values()) / self.total < self.min_share:
+            return "too small"
+        return None
+
+    def moves(self) -> tuple[list[Move], dict[str, int]]:
+        """The visit's moves in order, and how many the runtime's report dropped, by reason
+        (``fused``, ``too small``)."""
         if self._moves is None:
-            every = self.all_moves()
-            kept = every if self.fused is None else [
-                m for m in every if m.on or not m.off <= self.fused]
-            self._moves = (kept, len(every) - len(kept))
+            kept, dropped = [], Counter()
+            for m in self.all_moves():
+                why = self.why_not(m)
+                if why is None:
+                    kept.append(m)
+                else:
+                    dropped[why] += 1
+            self._moves = (kept, dict(dropped))
         return self._moves
 
     # -- the walk ----------------------------------------------------------------------------

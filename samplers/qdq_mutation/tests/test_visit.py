@@ -24,7 +24,7 @@ def _visit_attr(**over: Any) -> dict:
         "cache": None,
         "taught": {},
         "give_up_after": 0,
-        "fused": None,
+        "sites": None,
     }
     attr.update(over)
     return attr
@@ -75,11 +75,17 @@ def test_moves_apply_to_the_best_scheme_so_far() -> None:
 
 
 def test_moves_that_only_remove_fused_qdq_are_not_proposed() -> None:
-    every, dropped = Visit(_visit_attr(), POINTS, [["a", "b"]]).moves()
-    kept, dropped = Visit(_visit_attr(fused=["c"]), POINTS, [["a", "b"]]).moves()
-    assert dropped == 1 and len(kept) == len(every) - 1
+    # c's Q/DQ was fused (no site); removing d alone touches too little to measure
+    sites = {"a": {"ta": 50}, "b": {"tb": 50}, "d": {"td": 1}, "P9:x": {"td": 1}}
+    every, _ = Visit(_visit_attr(), POINTS, [["a", "b"]]).moves()
+    kept, dropped = Visit(_visit_attr(sites=sites), POINTS, [["a", "b"]]).moves()
+    assert dropped == {"fused": 1} and len(kept) == len(every) - 1
     assert not any(m.off == frozenset({"c"}) and not m.on for m in kept)
-    study = _study(_visit_attr(fused=["c"]))
+    small = _visit_attr(sites=sites, min_share=0.05, total=100, standing={**_visit_attr()[
+        "standing"], "d": 1})
+    kept, dropped = Visit(small, POINTS, [["a", "b"]]).moves()
+    assert dropped == {"fused": 1, "too small": 1}
+    study = _study(_visit_attr(sites=sites))
     study.optimize(_latency, n_trials=50)
     assert all(t.params["c"] == 1 for t in study.get_trials(deepcopy=False))
 
