@@ -38,8 +38,8 @@ from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
+from qdq_optuna.placement.points import chain_groups
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.search import chain_groups
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 Point = tuple[str, str]  # (pattern id, point id)

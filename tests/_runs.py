@@ -20,14 +20,17 @@ def visit_cap(attrs: dict, budget: int) -> int:
     return min(budget, max(int(attrs.get("moves", 0)) + 1, 2 * len(attrs["qdq_points"])))
 
 
-def check_visit(name: str, study: optuna.Study, budget: int) -> list[optuna.trial.FrozenTrial]:
+def check_visit(name: str, study: optuna.Study, budget: int,
+                repeats: bool = False) -> list[optuna.trial.FrozenTrial]:
     """The invariants of a decided visit: within its budget, no model measured twice, its
     first trial the standing scheme (free), decided, nothing left running. Returns its
-    finished trials."""
+    finished trials. ``repeats``: the sampler may propose a model again (Optuna's samplers);
+    the repeat is then answered without a measurement."""
     attrs = study.user_attrs
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     assert 1 <= len(done) <= visit_cap(attrs, budget), (name, len(done), visit_cap(attrs, budget))
-    keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)]
+    keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)
+            and (not repeats or t.user_attrs.get("measurements", 1))]
     assert len(keys) == len(set(keys)), f"{name}: a model was measured twice"
     first = min(study.get_trials(deepcopy=False), key=lambda t: t.number)
     assert first.user_attrs.get("move") == "start", name

@@ -264,8 +264,9 @@ def test_threshold_above_any_gain_changes_nothing(residual, tmp_path):
 # -- 3. samplers -------------------------------------------------------------------------------
 @pytest.mark.parametrize("sampler", ["qdq", "tpe", "random", "cmaes", "nsga2", "bruteforce"])
 def test_samplers_by_name(sampler, residual, tmp_path):
-    """Every sampler runs the same flow: starts, then visits whose queued moves come first;
-    our sampler ends a visit when its moves are done, the others spend the visit's budget."""
+    """Every sampler runs the same flow: starts, then visits from the standing scheme with
+    the same budget; our sampler proposes the visit's moves and ends it when they are done,
+    the others spend the visit's budget on their own schemes."""
     budget = 4
     result = tune(residual, tmp_path / sampler, benchmark=deterministic(fns.rewards_groups),
                   runtime="onnxruntime", sampler=sampler,
@@ -275,14 +276,14 @@ def test_samplers_by_name(sampler, residual, tmp_path):
     assert report["final_latency_ms"] <= min(s["latency_ms"] for s in report["starts"]) + 1e-9
     for name, s in pattern_studies(result.output_dir, report["run_id"]).items():
         if is_visit(name):
-            check_visit(name, s, budget)
+            check_visit(name, s, budget, repeats=sampler != "qdq")
             moves = [t for t in s.get_trials(deepcopy=False) if t.user_attrs.get("move")]
             assert moves and moves[0].user_attrs["move"] == "start"
 
 
 def test_qdq_ends_a_visit_when_its_moves_are_done(residual, tmp_path):
-    """With a large budget our sampler's visits stop once every queued move was tried (the
-    moves are its climb); TPE spends what is left of each visit's budget on its own schemes."""
+    """With a large budget our sampler's visits stop once every move it proposes was tried
+    (the moves are its climb); TPE spends each visit's budget on its own schemes."""
     budget = 40
     runs = {s: tune(residual, tmp_path / s, benchmark=deterministic(fns.rewards_groups),
                     runtime="onnxruntime", sampler=s, config=Config(schemes_per_region=budget),
@@ -295,6 +296,25 @@ def test_qdq_ends_a_visit_when_its_moves_are_done(residual, tmp_path):
     sampled = [t for name, s in own.items() if is_visit(name) for t in complete(s)
                if not t.user_attrs.get("move")]
     assert sampled, "TPE proposed nothing of its own after the moves"
+
+
+def test_the_default_sampler_proposes_the_descent_moves_none_is_enqueued(residual, tmp_path):
+    """Without a pattern cache, a visit's only queued trial is its start (the standing scheme);
+    every move is proposed by our sampler (no ``fixed_params``), which records it."""
+    result = tune(residual, tmp_path / "q", benchmark=deterministic(fns.rewards_groups),
+                  runtime="onnxruntime", config=Config(schemes_per_region=40), progress=False)
+    moves = 0
+    for name, s in pattern_studies(result.output_dir, result.report["run_id"]).items():
+        if not is_visit(name):
+            continue
+        for t in s.get_trials(deepcopy=False):
+            queued = "fixed_params" in t.system_attrs
+            assert queued == (t.user_attrs.get("move") == "start"), (name, t.number)
+            if not queued and t.state == TrialState.COMPLETE:
+                assert t.system_attrs["qdq:visit_move"]["kind"] == t.user_attrs["move"]
+                assert t.system_attrs["qdq:origin"] == "move"
+                moves += 1
+    assert moves
 
 
 def test_gp_sampler_without_torch_is_a_clear_error(residual, tmp_path):

@@ -67,14 +67,19 @@ def test_unit_sizes_are_measured_from_the_first_line_to_the_last(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["POINTS", "CONCAT_GROUPS", "FUSION_GROUPS", "POINT_USES",
-                                  "POINT_TENSORS", "NUM_CHOICES"])
+                                  "POINT_TENSORS", "NUM_CHOICES", "VISIT"])
 def test_the_record_writes_the_keys_our_sampler_reads(name):
-    from qdq_optuna.record import PatternAttr, SystemAttr
-    from samplers.qdq_mutation import _sampler
+    from qdq_optuna.record import PatternAttr, SystemAttr, TrialAttr
+    from samplers.qdq_mutation import _sampler, _visit
 
-    assert getattr(PatternAttr, name) == getattr(_sampler, f"{name}_ATTR")
+    assert getattr(PatternAttr, name) == getattr(_sampler if hasattr(_sampler, f"{name}_ATTR")
+                                                 else _visit, f"{name}_ATTR")
     assert SystemAttr.DUPLICATE == _sampler.DUPLICATE_KEY
     assert SystemAttr.PHASE == _sampler.PHASE_KEY
+    # the move engine reads what the objective writes on a visit's trials
+    assert (TrialAttr.IMPROVED, TrialAttr.QDQ_COUNT, TrialAttr.TRANSIENT,
+            TrialAttr.DUPLICATE_OF) == (_visit.IMPROVED_KEY, _visit.QDQ_COUNT_KEY,
+                                        _visit.TRANSIENT_KEY, _visit.DUPLICATE_OF_KEY)
 
 
 def _module_map() -> list[str]:

@@ -16,7 +16,7 @@ from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.search._moves import MoveSpace, MoveStats
+from qdq_optuna.search._moves import Move, MoveSpace, MoveStats
 from qdq_optuna.search._unfused import Unfused
 
 
@@ -50,6 +50,17 @@ def test_costmodel_report_is_its_own_pricing():
     assert what.float_nodes  # the all-on YOLO has Q/DQ before float-only ops
 
 
+def _points(pid: str, m: Move) -> Move:
+    """An engine's move over (pattern, point) pairs (foreign points are ``P005:<point>``)."""
+    def pt(name: str) -> tuple[str, str]:
+        return tuple(name.split(":", 1)) if ":" in name else (pid, name)
+    return Move(m.kind, frozenset(map(pt, m.on)), frozenset(map(pt, m.off)), m.signature)
+
+
+def _single(on=(), off=()) -> Move:
+    return Move("single", frozenset(on), frozenset(off), ())
+
+
 def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
     pm, model = _all_on("transformer", "tensorrt")
     what = CostModelBackend().what_ran(model)
@@ -62,15 +73,21 @@ def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
     unfused = Unfused(_S(), space.uses_of)
     schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
     kept_any = dropped_any = False
+    sites = unfused.point_sites(what)
     for pp in pm.tunable:
-        moves = space.moves(pp.pattern.id, schemes, MoveStats(0))
-        kept, dropped = unfused.prune(moves, what)
-        for m in moves:
-            touches = {u[0] for pt in m.off for u in space.uses_of[pt]}
+        pid = pp.pattern.id
+        every = space.visit(pid, schemes, MoveStats(0)).moves
+        visit = space.visit(pid, schemes, MoveStats(0), sites=sites)
+        assert len(every) == len(visit.moves) + sum(visit.dropped.values())
+        for m in every:
+            points = _points(pid, m)
+            # the sampler's engine prunes as Unfused does
+            assert (m in visit.moves) == unfused.live(points, what)
+            touches = {u[0] for pt in points.off for u in space.uses_of[pt]}
             if touches & what.standalone:
-                assert m in kept  # never skip a visit's move at a standalone Q/DQ
+                assert m in visit.moves  # never skip a visit's move at a standalone Q/DQ
                 kept_any = True
-        dropped_any |= sum(dropped.values()) > 0
+        dropped_any |= sum(visit.dropped.values()) > 0
     assert kept_any and dropped_any
 
 
@@ -100,7 +117,7 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
     small, big = by_size[0], by_size[-1]
     assert unfused.share([small]) < MIN_RESOLVABLE_SHARE <= unfused.share([big])
     what = WhatRan("test", standalone=frozenset({small, big}))
-    off = {t: space._move("single", (), [single[t]]) for t in (small, big)}
+    off = {t: _single(off=[single[t]]) for t in (small, big)}
     kept, dropped = unfused.prune(list(off.values()), what)
     assert off[big] in kept  # enough work to show up: measured
     if deterministic:  # an exact backend resolves any gain: nothing dropped for its size
@@ -111,7 +128,15 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
     # a reformat there, or a move that switches a point on, is always measured
     reformat = WhatRan("test", standalone=frozenset({small}), reformats=frozenset({small}))
     assert unfused.live(off[small], reformat)
-    assert unfused.live(space._move("single", [single[small]], ()), what)
+    assert unfused.live(_single(on=[single[small]]), what)
+    # the sampler's engine drops what Unfused drops
+    pid, q = single[small]
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+    visit = space.visit(pid, schemes, MoveStats(0), sites=unfused.point_sites(what),
+                        resolvable=unfused.resolvable())
+    alone = [m for m in space.visit(pid, schemes, MoveStats(0)).moves
+             if m.off == frozenset({q}) and not m.on]
+    assert alone and (alone[0] in visit.moves) == deterministic
 
 
 @pytest.mark.parametrize("skipped", [True, False])

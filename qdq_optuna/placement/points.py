@@ -190,3 +190,17 @@ def _groups(graph: Graph, pp: PatternPoints, rules: RuntimeRules, index_of: dict
                 fusion.append(group)
     pp.concat_groups = concat
     pp.fusion_groups = fusion
+
+
+def chain_groups(uses_of: dict[tuple[str, str], frozenset]) -> list[frozenset[tuple[str, str]]]:
+    """The chains: per tensor, the points (of any pattern) that quantize only that tensor,
+    when they belong to more than one pattern (a producer's output pair and its consumers'
+    input pairs are one Q/DQ pair). ``uses_of``: (pattern id, point id) -> the uses it
+    quantizes."""
+    by_tensor: dict[str, set[tuple[str, str]]] = {}
+    for pt, uses in uses_of.items():
+        tensors = {u[0] for u in uses}
+        if len(tensors) == 1:
+            by_tensor.setdefault(next(iter(tensors)), set()).add(pt)
+    return [frozenset(pts) for _, pts in sorted(by_tensor.items())
+            if len({p for p, _ in pts}) > 1]

@@ -120,6 +120,8 @@ class PatternAttr:
     #: the moves a visit queued and those it left out (their kind failed in this run before)
     MOVES = "moves"
     MOVES_SKIPPED = "moves_skipped"
+    #: a visit as our sampler's move engine reads it (see search/_moves.py)
+    VISIT = "qdq_visit"
     #: every attr above is stored (a killed process may have left only some)
     COMPLETE = "attrs_complete"
     REFERENCE_MS = "reference_ms"

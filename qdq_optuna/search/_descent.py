@@ -4,8 +4,10 @@ A *lane* descends from one start (the standing model the starts phase chose, and
 recipe: see :mod:`~qdq_optuna.search._starts`). A round visits the patterns in order of first
 appearance; a visit (:class:`~qdq_optuna.search._pattern.PatternStudy`, study
 ``RUN/P003/roundN``) places the pattern between every other pattern's standing scheme, starts
-from its own, and tries the moves of :mod:`~qdq_optuna.search._moves` in expected-gain order,
-each on the best state so far. Its decision replaces the pattern's standing scheme (and, for a
+from its own, and our sampler proposes the visit's moves in expected-gain order, each on the
+best state so far (its move engine, ``samplers/qdq_mutation/_visit.py``, reads the visit's
+description that :mod:`~qdq_optuna.search._moves` writes); other samplers propose their own
+schemes with the same start and budget. Its decision replaces the pattern's standing scheme (and, for a
 chain move, the neighbours' it touched). A pattern whose surroundings carry the same Q/DQ as at
 its last visit is skipped. A lane ends when a round changes nothing, after ``1 +
 Config.refine_rounds`` rounds, or when the run's ``--timeout`` ends (its standing model is
@@ -15,6 +17,7 @@ always a finished, feasible state: every decision passed the guard).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from optuna.trial import TrialState
@@ -22,7 +25,7 @@ from optuna.trial import TrialState
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import PatternAttr, TrialAttr
-from qdq_optuna.search._moves import MoveQueue, MoveSpace, MoveStats
+from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason
 
@@ -127,21 +130,21 @@ class Descent:
         if self.cache is not None:
             seeds = self.cache.seeds_for(pp)
             cached = seeds[0] if seeds else None
-        moves = self.space.moves(pid, schemes, stats, cached)
-        if self.unfused is not None:
-            moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
-            if dropped:  # a visit skipped outright is in the report: only the log's detail
-                log.log(logging.INFO if moves else logging.DEBUG, "%s round %d: %d move(s) "
-                        "kept; %s", pid, rnd, len(moves),
-                        skip_reason(dropped).replace("all ", "dropped ", 1))
-            if dropped and not moves:  # nothing the runtime left can gain: nothing to measure
-                self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
-                s.progress.advance()
-                return False
-        queue = MoveQueue(pid, schemes, moves, stats, s.settings.space)
-        budget = min(s.config.schemes_per_region, max(len(moves) + 1, 2 * len(pp.ids)))
+        sites = self.unfused.point_sites(self.unfused.of(schemes)) if self.unfused else None
+        visit = self.space.visit(pid, schemes, stats, cached, sites,
+                                 self.unfused.resolvable() if self.unfused else None)
+        dropped = Counter(visit.dropped)
+        if dropped:  # a visit skipped outright is in the report: only the log's detail
+            log.log(logging.INFO if visit.moves else logging.DEBUG, "%s round %d: %d move(s) "
+                    "kept; %s", pid, rnd, len(visit.moves),
+                    skip_reason(dropped).replace("all ", "dropped ", 1))
+        if dropped and not visit.moves:  # nothing the runtime left can gain: nothing to measure
+            self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
+            s.progress.advance()
+            return False
+        budget = min(s.config.schemes_per_region, max(len(visit.moves) + 1, 2 * len(pp.ids)))
         study = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
-                             start=schemes[pid], budget=budget, queue=queue, context_key=key)
+                             start=schemes[pid], budget=budget, visit=visit, context_key=key)
         attrs = study.run()
         self._absorb(stats, study.study.get_trials(deepcopy=False))
         return changed(attrs)

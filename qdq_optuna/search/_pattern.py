@@ -5,12 +5,15 @@ every member region of the pattern, placed between the standing schemes of the o
 (its :data:`~qdq_optuna.placement.scheme.Around`), and is timed against the same *reference*: the
 standing model (everything that stands, this pattern's standing scheme included), so machine
 drift cancels in the ratio; the objective returns ``reference_ms * ratio``, a whole-model
-latency. Its first trial is the standing scheme itself (free: the reference). A visit's moves
-(:class:`~qdq_optuna.search._moves.MoveQueue`) are queued one at a time as trials finish; a
-chain move also sets points of neighbouring patterns (the trial's ``partner``). When the moves
-are done (our sampler: the visit ends; other samplers: they spend the rest of the budget), the
-best trial replaces the standing scheme if the commit rule
-(:class:`~qdq_optuna.measure.timing.CommitRule`) says so and the accuracy guard allows it.
+latency. Its first trial is the standing scheme itself (free: the reference). With our sampler
+a visit's trials are its moves: the sampler reads the visit's description
+(:class:`~qdq_optuna.search._moves.VisitMoves`) and proposes one move per trial in expected-gain
+order, each on the best scheme so far, and stops the study when none is left; a chain move also
+sets points of neighbouring patterns (the trial's ``partner``). Other samplers propose their
+own schemes from the same start, within the same budget. The visit is one ``optimize`` call
+(Optuna's heartbeats run inside it). Then the best trial replaces the standing scheme if the
+commit rule (:class:`~qdq_optuna.measure.timing.CommitRule`) says so and the accuracy guard
+allows it.
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ from qdq_optuna.record import (
 )
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
-from qdq_optuna.search._moves import MoveQueue
+from qdq_optuna.search._moves import VisitMoves
 from qdq_optuna.search._options import Settings
 from qdq_optuna.search._plans import PlanMeasurer, Reference
-from qdq_optuna.search._workers import Workers, lost_race
+from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
 from qdq_optuna.search.samplers import make_sampler
 
@@ -106,12 +109,12 @@ class PatternStudy:
     most (default ``Config.schemes_per_region``; never more than the distinct models the
     pattern's schemes build); ``rule``: when a candidate replaces the start (default: the
     run's); ``rnd``/``lane``: the visit's round and lane (0: an ask/tell study ``RUN/P003``);
-    ``queue``: the visit's moves."""
+    ``visit``: the descent's visit (our sampler proposes its moves)."""
 
     def __init__(self, search: Search, pp: PatternPoints, *, order: int, around: Around,
                  rnd: int = 0, lane: str = "", start: dict[str, int] | None = None,
                  seeds: Sequence[Seed] = (), budget: int | None = None,
-                 rule: CommitRule | None = None, queue: MoveQueue | None = None,
+                 rule: CommitRule | None = None, visit: VisitMoves | None = None,
                  context_key: str | None = None) -> None:
         self.s = search
         self.pp = pp
@@ -123,7 +126,7 @@ class PatternStudy:
         self.seeds = list(seeds)
         self.cap = budget or search.config.schemes_per_region
         self.rule = rule or search.rule
-        self.queue = queue
+        self.visit = visit
         self.context_key = context_key
         self.study: optuna.Study | None = None
         self.sampler = None
@@ -138,9 +141,15 @@ class PatternStudy:
                                                                  params))
 
     def _around(self, partner: dict | None) -> Around:
-        if not partner or self.queue is None:
+        if not partner or self.visit is None:
             return self.around
-        return self.s.record.around(self.pp, self.queue.schemes({}, partner))
+        return self.s.record.around(self.pp, self.visit.schemes({}, partner))
+
+    def _scheme_key(self, values: dict) -> str:
+        """The model a sampler's scheme builds (its ``P005:<point>`` values: a chain move's
+        other patterns' points)."""
+        own, partner = self.visit.own_and_partner(values) if self.visit else (values, None)
+        return self.plan(own, partner).key
 
     def plan_of(self, trial) -> QuantPlan:
         return self.plan(trial.params, trial.user_attrs.get(TrialAttr.PARTNER))
@@ -155,7 +164,7 @@ class PatternStudy:
         s = self.s
         self.sampler = make_sampler(
             s.sampler, seed=None if s.seed is None else s.seed + self.order, config=s.config,
-            scheme_key=lambda params: self.plan(params).key,
+            scheme_key=self._scheme_key,
             multi_objective=s.settings.multi_objective, refine=self.start is not None)
         self.study = s.record.create_study(self.pp, self.rnd, self.sampler,
                                            len(s.settings.objectives), self.lane)
@@ -186,8 +195,9 @@ class PatternStudy:
                  PatternAttr.BASELINE_MS: self.s.baseline_ms}
         if self.start is not None:
             attrs[PatternAttr.FROM] = self.s.settings.space.on(self.start)
-        if self.queue is not None:
-            attrs[PatternAttr.MOVES] = len(self.queue.moves)
+        if self.visit is not None:
+            attrs[PatternAttr.MOVES] = len(self.visit.moves)
+            attrs[PatternAttr.VISIT] = self.visit.attr
         return attrs
 
     def measure_reference(self) -> Reference:
@@ -207,8 +217,8 @@ class PatternStudy:
             s.record.reference_error(self.study, lambda: s.plans.error(s.exporter, plan))
         distinct = distinct_schemes(s.settings.space, self.pp, self.around,
                                     lambda uses: s.exporter.plan(uses).key)
-        if distinct is not None and self.queue is not None:  # chain moves build more models
-            distinct += sum(m.kind == "chain" for m in self.queue.moves)
+        if distinct is not None and self.visit is not None:  # chain moves build more models
+            distinct += sum(m.kind == "chain" for m in self.visit.moves)
         self.budget = self.cap if distinct is None else min(self.cap, distinct)
         return self.reference
 
@@ -217,7 +227,7 @@ class PatternStudy:
         """One trial: its scheme, the model it builds, its latency (and error)."""
         s = self.s
         s.workers.admit(self.study, trial, self.budget)
-        partner = trial.user_attrs.get(TrialAttr.PARTNER)
+        partner = self._move(trial)
         drawn = s.settings.space.draw(trial, self.pp, self._around(partner))
         plan = s.exporter.plan(drawn.uses)
         note_scheme(trial, drawn, plan)
@@ -280,38 +290,29 @@ class PatternStudy:
                 TrialAttr.QDQ_COUNT, 0))
 
     # -- the moves -----------------------------------------------------------------------
-    def feed(self) -> bool:
-        """Queue the visit's next move unless one is waiting; False when the moves are done
-        (nothing waiting, nothing left)."""
-        q = self.queue
-        if q is None:
-            return False
-        trials = self.study.get_trials(deepcopy=False)
-        if any(t.state == TrialState.WAITING for t in trials):
-            return True
-        taken = max((t.user_attrs.get(TrialAttr.MOVE_INDEX, -1) for t in trials), default=-1)
-        keys = {t.user_attrs.get(TrialAttr.PLAN_KEY) for t in trials
-                if t.state != TrialState.FAIL or not t.user_attrs.get(TrialAttr.TRANSIENT)}
-        keys.add(self.reference.plan.key)
-        best = self.best_trial()
-        state = q.schemes(self.s.settings.space.indices(best.params, self.pp.ids),
-                          best.user_attrs.get(TrialAttr.PARTNER)) if best else q.standing
-        outcomes = [(t.user_attrs[TrialAttr.MOVE_SIGNATURE], t.user_attrs.get(
-            TrialAttr.IMPROVED, False)) for t in trials if t.state == TrialState.COMPLETE
-            and TrialAttr.MOVE_SIGNATURE in t.user_attrs]
-        found = q.next(taken, state, keys, outcomes,
-                       lambda own, partner: self.plan(own, partner).key)
-        if found is None:
-            self.study.set_user_attr(PatternAttr.MOVES_SKIPPED, q.skipped)
-            return False
-        index, move, own, partner, key = found
-        attrs = {TrialAttr.MOVE: move.kind, TrialAttr.MOVE_INDEX: index,
-                 TrialAttr.MOVE_SIGNATURE: list(move.signature), TrialAttr.PLAN_KEY: key}
+    def _move(self, trial: optuna.Trial) -> dict | None:
+        """The trial's partner points: of the move our sampler proposes for it now (its kind,
+        place and signature become the trial's user attrs), else of its queued attrs. No move
+        left (another worker's trial may still change the best): wait for the others, then
+        give the trial up; the visit ends when none runs."""
+        if self.visit is None or not self.ours:
+            return trial.user_attrs.get(TrialAttr.PARTNER)
+        _ = trial.relative_params  # our sampler proposes the trial's scheme now
+        move = self.sampler.proposed_move(trial.number)
+        if move is None:  # a queued scheme: the start, or a redo
+            return trial.user_attrs.get(TrialAttr.PARTNER)
+        if move["kind"] is None:
+            trial.set_user_attr(TrialAttr.SKIPPED, "the visit's moves are done")
+            if not self.s.workers.wait_for_others(self.study, trial):
+                self.study.stop()
+            raise optuna.TrialPruned("the visit's moves are done")
+        partner = self.visit.partner(move["foreign"]) or None
+        trial.set_user_attr(TrialAttr.MOVE, move["kind"])
+        trial.set_user_attr(TrialAttr.MOVE_INDEX, move["index"])
+        trial.set_user_attr(TrialAttr.MOVE_SIGNATURE, move["signature"])
         if partner:
-            attrs[TrialAttr.PARTNER] = partner
-        self.study.enqueue_trial(self.s.settings.space.params(own, self.pp.ids),
-                                 user_attrs=attrs)
-        return True
+            trial.set_user_attr(TrialAttr.PARTNER, partner)
+        return partner
 
     # -- the run of the study ------------------------------------------------------------
     def run(self) -> dict:
@@ -340,67 +341,65 @@ class PatternStudy:
         return self.pp.pattern.id
 
     def optimize(self, bar=None) -> None:
-        """Run trials until the budget is spent (across workers), the moves are done (our
-        sampler) or the sampler's climb converged, too many trials failed, or the run is out
-        of time (:class:`OutOfTime`). ``bar``: the progress of this study."""
+        """Run trials until the budget is spent (across workers), our sampler ends the visit
+        (its moves are done) or its climb converged, too many trials failed, or the run is
+        out of time (:class:`OutOfTime`). ``bar``: the progress of this study."""
         s = self.s
-        while not self._done() and not self._moves_done():
+        while not self._done() and not self._visit_over():
             try:
                 self.study.optimize(
                     s.workers.interruptible(self.study, self.objective),
                     callbacks=self._callbacks(bar), timeout=s.remaining(),
                     catch=(BackendError, AccuracyError), gc_after_trial=False)
                 break
-            except ValueError as exc:  # another worker ran the trial we popped too: go on
-                if not lost_race(exc):
+            except ValueError:  # another worker ran the trial we popped too: go on
+                if not s.workers.lost():
                     raise
+        if not self._done():
+            self._visit_over()
         remaining = s.remaining()
         if remaining is not None and remaining <= 0 and not self._done():
             raise OutOfTime()
 
-    def _moves_done(self) -> bool:
-        """Feed the next move; True when our sampler's visit ends: its moves are done (they
-        are its climb). Other samplers go on with their own proposals."""
-        if self.queue is None or self.feed() or not self.ours:
+    def _visit_over(self) -> bool:
+        """Whether our sampler has no move left for the visit (it then stopped the study);
+        noted once (``converged_after``, the moves passed over as hopeless)."""
+        if self.visit is None or not self.ours:
             return False
-        if self.s.workers.worker:  # another worker's move may still improve the best
-            self.s.workers.wait_for_running(self.study)
-            if self.feed():  # a dead worker's trial came back queued, or a move after all
-                return False
-        self.study.set_user_attr(PatternAttr.CONVERGED_AFTER, len(self.study.trials))
+        if any(t.state in (TrialState.WAITING, TrialState.RUNNING)
+               for t in self.study.get_trials(deepcopy=False)):
+            return False
+        found = self.sampler.next_move(self.study)
+        if found is None or found.move is not None:
+            return False
+        if PatternAttr.CONVERGED_AFTER not in self.study.user_attrs:
+            self.study.set_user_attr(PatternAttr.MOVES_SKIPPED, found.skipped)
+            self.study.set_user_attr(PatternAttr.CONVERGED_AFTER, len(self.study.trials))
         return True
 
     def _callbacks(self, bar) -> list:
         budget = self.budget
+        patience = self.s.config.converged_patience
+        # workers keep exact budgets: one worker cannot know the others' trials are done
+        converges = (patience and not self.s.workers.worker and self.visit is None
+                     and hasattr(self.sampler, "converged"))
 
-        def stop_on_failures(study: optuna.Study, trial) -> None:
+        def after_trial(study: optuna.Study, trial) -> None:
             fails = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,
                                                                             TrialState.PRUNED))
                         if t.state == TrialState.FAIL or TrialAttr.KNOWN_FAILURE in t.user_attrs)
             if fails >= max(5, budget):
                 study.stop()
-
-        def progress(study: optuna.Study, trial) -> None:
             if trial.state == TrialState.COMPLETE and bar is not None:
                 best = self.best_trial() if not self.s.settings.multi_objective else None
                 bar.trial(best=f"{best.values[0]:.4f} ms" if best is not None else "")
-
-        def moves(study: optuna.Study, trial) -> None:
-            if self._complete() < budget and self._moves_done():
+            if trial.state == TrialState.COMPLETE and converges and \
+                    self.sampler.converged(study, patience):
+                study.set_user_attr(PatternAttr.CONVERGED_AFTER, trial.number + 1)
                 study.stop()
 
-        callbacks = [optuna.study.MaxTrialsCallback(budget, states=(TrialState.COMPLETE,)),
-                     stop_on_failures, progress, moves]
-        patience = self.s.config.converged_patience
-        if patience and not self.s.workers.worker and hasattr(self.sampler, "converged"):
-            # workers keep exact budgets: one worker cannot know the others' trials are done
-            def stop_when_converged(study: optuna.Study, trial) -> None:
-                if trial.state == TrialState.COMPLETE and self.sampler.converged(study, patience):
-                    study.set_user_attr(PatternAttr.CONVERGED_AFTER, trial.number + 1)
-                    study.stop()
-
-            callbacks.append(stop_when_converged)
-        return callbacks
+        return [optuna.study.MaxTrialsCallback(budget, states=(TrialState.COMPLETE,)),
+                after_trial]
 
     # -- the decision --------------------------------------------------------------------
     def commit(self, confirm: Callable[[QuantPlan], object] | None = None) -> dict:
@@ -463,9 +462,9 @@ class Judge:
     def partner_points(self, decision: Decision) -> dict | None:
         """A decision's partner schemes as the points that differ from standing."""
         partner = decision.partner
-        if not partner or self.ps.queue is None:
+        if not partner or self.ps.visit is None:
             return None
-        return self.ps.queue.split({**self.ps.queue.standing, **partner,
+        return self.ps.visit.split({**self.ps.visit.standing, **partner,
                                  self.ps.pp.pattern.id: decision.committed})[1]
 
     def single(self, keep: dict, reference_ms: float | None, confirm) -> Decision:
@@ -521,8 +520,8 @@ class Judge:
                                          f"not enough ({what})")
         chosen = s.settings.space.indices(best.params, self.ps.pp.ids)
         partner = best.user_attrs.get(TrialAttr.PARTNER)
-        if partner and self.ps.queue is not None:
-            schemes = self.ps.queue.schemes(chosen, partner)
+        if partner and self.ps.visit is not None:
+            schemes = self.ps.visit.schemes(chosen, partner)
             partner = {p: schemes[p] for p in partner}
         else:
             partner = None

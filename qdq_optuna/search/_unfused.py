@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.search._moves import Move, Point
@@ -146,6 +146,26 @@ class Unfused:
             else:
                 dropped[why] += 1
         return kept, dropped
+
+
+    # -- for our sampler's move engine (which prunes a visit's moves as prune() does) --------
+    def point_sites(self, what: WhatRan | None) -> Callable[[Point], dict[str, int]] | None:
+        """Per point: the tensors where removing its Q/DQ may still win, with their
+        activation elements (-1: a reformat there, or a size unknown: never too small to
+        measure); empty: the runtime fused it. None: no report (nothing is pruned)."""
+        if what is None:
+            return None
+
+        def sites(pt: Point) -> dict[str, int]:
+            return {t: -1 if t in what.reformats or self.numel.get(t) is None
+                    else self.numel[t] for t in self.site_tensors([pt], what)}
+        return sites
+
+    def resolvable(self) -> dict | None:
+        """What a removal must touch to be measured: ``min_share`` of ``total`` activation
+        elements (None: an exact backend measures any gain)."""
+        return {"min_share": MIN_RESOLVABLE_SHARE, "total": self.total} if self.measured \
+            else None
 
 
 def skip_reason(dropped: Counter) -> str:

@@ -133,12 +133,7 @@ def retry_stale_trial(study: optuna.Study, trial) -> None:
 class LostTrial(Exception):
     """Two workers popped the same queued trial (SQLite cannot lock the row); the one that did
     not claim it waits for the other to finish it and steps back (Optuna then cannot tell the
-    finished trial: :func:`lost_race` recognises that)."""
-
-
-def lost_race(exc: BaseException) -> bool:
-    """Optuna's refusal to tell a trial another worker already finished."""
-    return isinstance(exc, ValueError) and str(exc).startswith("Cannot tell a ")
+    finished trial: :meth:`Workers.lost` says that is why)."""
 
 
 class Workers:
@@ -149,6 +144,8 @@ class Workers:
         self.record = record
         self.worker = worker
         self.remaining = remaining
+        #: this process stepped back from a trial another worker took (see :meth:`lost`)
+        self._lost = False
         #: the study being optimized and this process's running trial in it (for Ctrl-C)
         self.study: optuna.Study | None = None
         self.live_trial: int | None = None
@@ -223,15 +220,26 @@ class Workers:
                 return
             time.sleep(SLOT_POLL_S)
 
-    def wait_for_running(self, study: optuna.Study) -> None:
-        """Wait until no other worker runs a trial of ``study`` (a dead worker's trial fails
-        once its heartbeat is stale), or the run is out of time."""
-        while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    def lost(self) -> bool:
+        """Whether the optimize call that just raised stepped back from a trial another worker
+        took (Optuna then refuses to tell the finished trial); the note is cleared."""
+        lost, self._lost = self._lost, False
+        return lost
+
+    def wait_for_others(self, study: optuna.Study, trial: optuna.Trial) -> bool:
+        """Wait until no other trial of ``study`` measures a scheme; whether one did. Trials
+        without a scheme yet (waiting for a budget slot, which this one holds) and trials that
+        wait too (marked ``skipped``) do not count: they would wait for each other."""
+        waited = False
+        while any(t.number != trial.number and t.params and TrialAttr.SKIPPED not in t.user_attrs
+                  for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+            waited = True
             remaining = self.remaining()
             if remaining is not None and remaining <= 0:
-                return
+                break
             optuna.storages.fail_stale_trials(study)
             time.sleep(SLOT_POLL_S)
+        return waited
 
     def twin(self, study: optuna.Study, trial: optuna.Trial, key: str) -> int | None:
         """Another finished, running or queued trial that builds the same model (two workers
@@ -257,6 +265,7 @@ class Workers:
             self.live_trial = trial_id(trial)
             if self.worker and not self.record.claim(Agreed.run(study.study_name, trial.number)):
                 self.wait_for(study, trial)  # another worker took the same queued trial
+                self._lost = True
                 raise LostTrial(f"trial {trial.number} runs in another worker")
             try:
                 return objective(trial)

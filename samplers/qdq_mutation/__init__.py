@@ -1,3 +1,4 @@
 from ._sampler import QDQMutationSampler
+from ._visit import VISIT_ATTR, Move, MoveStats, Visit
 
-__all__ = ["QDQMutationSampler"]
+__all__ = ["QDQMutationSampler", "VISIT_ATTR", "Move", "MoveStats", "Visit"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from collections.abc import Callable, Hashable, Sequence
@@ -14,6 +15,8 @@ from optuna.samplers import BaseSampler, RandomSampler
 from optuna.search_space import intersection_search_space
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
+
+from ._visit import VISIT_MOVE_KEY, Next, Visit
 
 POINTS_ATTR = "qdq_points"
 NUM_CHOICES_ATTR = "qdq_num_choices"
@@ -109,6 +112,11 @@ class QDQMutationSampler(BaseSampler):
     yields an already known model. Study metadata comes from study user attrs so that all
     workers sharing a storage behave alike. See README.md for the attributes it reads.
 
+    A study with the ``qdq_visit`` user attr is a visit of a descent: the sampler then
+    proposes the visit's moves (its move engine, ``_visit.py``) in expected-gain order, each on
+    the best scheme so far, and stops the study when none is left. ``scheme_key`` then also
+    receives the other patterns' points a chain move sets (their ``qdq_visit`` names).
+
     Args:
         seed: Base seed; per-trial generators are derived from it and the trial number.
         top_percent_to_mutate: Fraction of completed trials eligible as parents.
@@ -184,6 +192,11 @@ class QDQMutationSampler(BaseSampler):
         self._seed_full = seed_full_scheme
         self._scheme_key = scheme_key
         self._climb_parents = hill_climb_parents
+        #: per study: its visit (None: not a visit), the model identity of trials' schemes
+        self._visits: dict[int, Visit | None] = {}
+        self._keys: dict[tuple[int, int], Hashable] = {}
+        #: trial number -> the visit's move this sampler proposed for it (None: none left)
+        self._proposed: dict[int, dict[str, Any]] = {}
 
     @property
     def concat_group_probability(self) -> float:
@@ -255,6 +268,10 @@ class QDQMutationSampler(BaseSampler):
             fixed = trial.system_attrs.get("fixed_params") or {}
             if any(name in fixed for name in space.names):
                 params = self._seed_params(study, trial, space, meta, fixed)
+            elif set(space.names) <= set(trial.params):
+                params = {}  # a retried trial: its scheme is given
+            elif self._visit(study) is not None and meta.points is not None:
+                params = self._visit_params(study, trial, space, meta)
             else:
                 params = self._propose(study, trial, space, meta)
 
@@ -262,6 +279,93 @@ class QDQMutationSampler(BaseSampler):
             if name not in space.position:
                 params[name] = self.sample_independent(study, trial, name, dist)
         return params
+
+    # -- a visit of the descent (see _visit.py) ------------------------------------------------
+    def _visit(self, study: Study) -> Visit | None:
+        sid = study._study_id
+        if sid not in self._visits:
+            self._visits[sid] = Visit.of(study.user_attrs)
+        return self._visits[sid]
+
+    def next_move(self, study: Study, trials: list[FrozenTrial] | None = None) -> Next | None:
+        """The move a visit's next trial would measure (``Next.move`` None: the visit's moves
+        are done); None when the study is not a visit."""
+        visit = self._visit(study)
+        meta = _read_metadata(study)
+        if visit is None or meta.points is None:
+            return None
+        space = _Space({p: IntDistribution(0, meta.num_choices - 1) for p in meta.points}, None)
+        if trials is None:
+            trials = study.get_trials(deepcopy=False)
+        identity = self._identity_fn(space, meta)
+        sid = study._study_id
+
+        def key(t: FrozenTrial | None, own: dict[str, int], foreign: dict[str, int]) -> Hashable:
+            if t is not None and (sid, t.number) in self._keys:
+                return self._keys[sid, t.number]
+            values = space.values(space.scheme_of(own))
+            if self._scheme_key is not None:
+                k = self._scheme_key({**values, **foreign})
+            else:
+                k = (identity(values), frozenset(foreign.items()))
+            if t is not None:
+                self._keys[sid, t.number] = k
+            return k
+
+        return visit.next(trials, space.known_values, key)
+
+    def proposed_move(self, number: int) -> dict[str, Any] | None:
+        """The visit's move this sampler proposed for trial ``number`` (``kind``, ``index``,
+        ``signature``, ``foreign``; ``kind`` None: no move was left); None when the trial was
+        not proposed as a move (a queued scheme)."""
+        return self._proposed.get(number)
+
+    def _visit_params(
+        self, study: Study, trial: FrozenTrial, space: _Space, meta: _Metadata
+    ) -> dict[str, Any]:
+        visit = self._visit(study)
+        found = self.next_move(study)
+        if found is None or found.move is None:
+            record: dict[str, Any] = {"kind": None, "index": None, "signature": None,
+                                      "foreign": {}}
+            own = dict(visit.own_standing)
+        else:
+            record = {"kind": found.move.kind, "index": found.index,
+                      "signature": list(found.move.signature), "foreign": found.foreign}
+            own = found.own
+        study._storage.set_trial_system_attr(trial._trial_id, VISIT_MOVE_KEY, record)
+        self._proposed[trial.number] = record
+        values = space.values(space.scheme_of(own))
+        self._record(study, trial, "move", found.parent if found else None,
+                     [record["kind"]] if record["kind"] else [], values,
+                     duplicate=record["kind"] is None)
+        return dict(values)
+
+    def after_trial(
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        # A visit ends when its moves are done: the sampler stops the study (inside optimize;
+        # with ask/tell the caller asks next_move). Other workers' running trials may still
+        # improve the best, so it waits for them (a trial it proposes then finds no move).
+        if self._visit(study) is None:
+            return
+        finished = copy.copy(trial)
+        finished.state = state
+        finished.values = values
+        trials = [finished if t.number == trial.number else t
+                  for t in study.get_trials(deepcopy=False)]
+        if any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials):
+            return
+        found = self.next_move(study, trials)
+        if found is not None and found.move is None:
+            try:
+                study.stop()
+            except RuntimeError:  # not inside optimize (ask/tell): the caller decides
+                pass
 
     def sample_independent(
         self,
