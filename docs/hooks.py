@@ -3,7 +3,7 @@
 Two directives, each an HTML comment on lines of its own in a page's Markdown:
 
 ``<!-- cli-reference -->``
-    every command of ``qdq-optuna`` with its options, read from ``qdq_optuna.cli.main.build_parser``.
+    every command of ``qdq-optuna`` with its options, read from ``qdq_optuna.cli.commands.build_parser``.
 
 ``<!-- results ... -->``
     a YAML body naming a file under ``benchmarks/results/`` (``file:``) and, for JSON and CSV,
@@ -130,7 +130,7 @@ def _cell_of(row: dict, column: str, missing: dict) -> str:
 
 def cli_reference() -> str:
     """Each command's usage and its options, grouped as ``qdq-optuna COMMAND -h`` groups them."""
-    from qdq_optuna.cli.main import build_parser
+    from qdq_optuna.cli.commands import build_parser
 
     parser = build_parser()
     parts = [_command("qdq-optuna", parser)]

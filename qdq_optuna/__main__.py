@@ -1,5 +1,5 @@
 import sys
 
-from qdq_optuna.cli.main import main
+from qdq_optuna.cli.commands import main
 
 sys.exit(main())

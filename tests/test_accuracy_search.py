@@ -20,7 +20,7 @@ from test_final_placement import rewards_quantized_ops
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.cli.main import main
+from qdq_optuna.cli.commands import main
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure.accuracy import AccuracyEvaluator
 from qdq_optuna.model.calibration import random_calibration_data

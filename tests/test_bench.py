@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qdq_optuna.cli import bench
-from qdq_optuna.cli.main import main
+from qdq_optuna.cli.commands import main
 
 SMOKE = bench.find_recipe("smoke")  # the shipped recipe (a checkout's studies/ or the wheel's)
 

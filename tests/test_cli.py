@@ -221,7 +221,7 @@ def test_a_log_has_whole_lines_and_each_warning_once(quick_run):
 def test_a_repeated_warning_is_said_once(capsys):
     import logging
 
-    from qdq_optuna.cli.main import _setup_logging
+    from qdq_optuna.cli.commands import _setup_logging
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

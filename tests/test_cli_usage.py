@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from qdq_optuna import __version__
-from qdq_optuna.cli.main import DEFAULT_OUTPUT, build_parser, main
+from qdq_optuna.cli.commands import DEFAULT_OUTPUT, build_parser, main
 from qdq_optuna.examples import zoo
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def test_each_tune_option_is_defined_once_on_its_field():
     default the field's), and the parsed flags are TuneOptions' keyword arguments."""
     import dataclasses
 
-    from qdq_optuna.cli.main import tune_options
+    from qdq_optuna.cli.commands import tune_options
     from qdq_optuna.search import TuneOptions
 
     tune = _subparsers(build_parser())["tune"]

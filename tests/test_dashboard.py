@@ -406,7 +406,7 @@ def test_busy_port_and_port_zero(run, tmp_path):
 
 
 def test_cli_errors(tmp_path):
-    from qdq_optuna.cli.main import main
+    from qdq_optuna.cli.commands import main
 
     assert main(["dashboard", str(tmp_path)]) == 2  # no studies.db
     assert main(["dashboard", str(tmp_path / "missing")]) == 2

@@ -78,7 +78,7 @@ def test_every_results_directive_names_a_file_and_its_columns(hooks):
 
 
 def test_the_cli_reference_lists_every_tune_option(hooks):
-    from qdq_optuna.cli.main import build_parser
+    from qdq_optuna.cli.commands import build_parser
 
     text = hooks.cli_reference()
     tune = next(a for a in build_parser()._actions if a.dest == "command").choices["tune"]

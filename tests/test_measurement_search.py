@@ -32,7 +32,7 @@ from qdq_optuna import Config, PreparedModel, TuneOptions, tune
 from qdq_optuna.backends import IsolatedBackend
 from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.cli import main as cli
+from qdq_optuna.cli import commands as cli
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
 from qdq_optuna.placement.scheme import ChoiceSpace

@@ -10,7 +10,7 @@ import corpus
 import onnx
 import pytest
 
-from qdq_optuna.cli.main import main
+from qdq_optuna.cli.commands import main
 from qdq_optuna.examples import zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

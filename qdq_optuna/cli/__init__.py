@@ -1,5 +1,5 @@
 """The command line: ``qdq-optuna`` (a thin layer over the library)."""
 
-from qdq_optuna.cli.main import main
+from qdq_optuna.cli.commands import main
 
 __all__ = ["main"]

@@ -37,7 +37,7 @@ def option(default: Any = MISSING, *, help: str, group: str | None, flag: str | 
            type: str | None = None, metavar: str | None = None, nargs: str | None = None,
            default_factory: Any = MISSING) -> Any:
     """One tune option, defined once: the field of :class:`TuneOptions` and its command-line
-    flag (``group`` None: no flag), built by :func:`qdq_optuna.cli.main.add_options`. ``type``
+    flag (``group`` None: no flag), built by :func:`qdq_optuna.cli.commands.add_options`. ``type``
     names one of the CLI's checked number types (``positive_int``, ``positive_float``, ``int``).
     """
     meta = {"help": help, "group": group, "flag": flag, "short": short, "choices": choices,
