@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -499,23 +497,26 @@ def test_loads_path_without_external_data(tmp_path):
     assert CostModelBackend().load(str(path)).time(0, 1) == [_ms(residual_block())]
 
 
-def test_fast_on_small_and_large_models():
+def test_estimates_small_and_large_models():
+    """A 60-node and a 5000-node model are both priced (their speed is measured by
+    ``benchmarks/estimate_and_drawing_speed.py``, not here: a timed test fails on a busy
+    machine)."""
     small = resnet_variants()["conv_inputs_weights"]
     assert len(small.graph.node) > 60
-    estimate(small)
-    t0 = time.perf_counter()
-    estimate(small)
-    assert time.perf_counter() - t0 < 0.03
+    assert 0 < estimate(small) == estimate(small)
+    big = big_residual_chain(1250)
+    assert len(big.graph.node) == 5000
+    assert estimate(big) > 100 * estimate(small) / len(small.graph.node)
+
+
+def big_residual_chain(blocks: int) -> onnx.ModelProto:
+    """``blocks`` x (Conv, BatchNormalization, Relu, Add) on a 64x14x14 tensor."""
     b = Builder()
     t = b.input("x", [1, 64, 14, 14])
-    for i in range(1250):  # 5000 nodes: conv, bn, relu, add
+    for i in range(blocks):
         h = b.node("Relu", [b.bn(b.conv(t, 64, 64, 3, f"c{i}"), 64, f"bn{i}")], f"r{i}")
         t = b.node("Add", [h, t], f"a{i}")
-    big = b.model([t])
-    assert len(big.graph.node) == 5000
-    t0 = time.perf_counter()
-    estimate(big)
-    assert time.perf_counter() - t0 < 1.0
+    return b.model([t])
 
 
 # ------------------------------------------------------------------------------------------

@@ -301,28 +301,21 @@ def test_the_run_has_an_overview_and_small_bookkeeping(run):
         assert len(json.dumps(listed[name])) < 600, listed[name]
 
 
-def test_drawing_is_cheap(tmp_path):
-    """The pictures cost well under 0.3 s of CPU per pattern once matplotlib is loaded (CPU
-    time of this process: other processes on a shared machine do not count)."""
+def test_every_pattern_is_drawn(tmp_path):
+    """Each pattern's convergence picture and region SVG are written and well formed (their
+    CPU cost is measured by ``benchmarks/estimate_and_drawing_speed.py``)."""
     pm = PreparedModel.prepare(zoo.build("yolo", "small"))
-    convergence_png(tmp_path / "warm.png", [(0, 1.0)], reference_ms=1.0, title="warm-up")
-    worst = 0.0
     for pp in pm.tunable:
         rep = pp.pattern.representative
         trials = [(i, 10.0 - 0.01 * i) for i in range(30)]
-        best = float("inf")
-        for _ in range(2):  # the better of two, so a busy machine does not fail the test
-            t0 = time.process_time()
-            convergence_png(tmp_path / f"{pp.pattern.id}.png", trials, reference_ms=10.0,
-                            title=pp.pattern.id)
-            svg = region_svg(pm.graph, pm.tree[rep].all_nodes,
-                             {p: pp.resolved[p].get(rep, []) for p in pp.ids},
-                             chosen=set(pp.ids[:2]), committed=set(pp.ids[:1]),
-                             kinds={p.id: p.kind for p in pp.points}, title=pp.pattern.id)
-            best = min(best, time.process_time() - t0)
-        ET.fromstring(svg)
-        worst = max(worst, best)
-    assert worst < 0.3, f"drawing one pattern took {worst:.3f} s"
+        png = tmp_path / f"{pp.pattern.id}.png"
+        convergence_png(png, trials, reference_ms=10.0, title=pp.pattern.id)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        svg = region_svg(pm.graph, pm.tree[rep].all_nodes,
+                         {p: pp.resolved[p].get(rep, []) for p in pp.ids},
+                         chosen=set(pp.ids[:2]), committed=set(pp.ids[:1]),
+                         kinds={p.id: p.kind for p in pp.points}, title=pp.pattern.id)
+        assert ET.fromstring(svg).tag.endswith("svg")
 
 
 def test_a_broken_artifact_store_never_fails_the_run(tmp_path, caplog):
