@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -157,21 +158,48 @@ def cosine(fp32: Path, other: Path, held: dict, shapes: str | None) -> float:
     return round(worst, 5)
 
 
+def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -> dict:
+    """Per variant, OpenVINO's per-layer timing (PERF_COUNT, ``OpenVinoBackend.profile``): the
+    sum of each layer's minimum over ``runs`` inferences (a figure a shared machine disturbs
+    far less than wall-clock latency), Convolutions by kernel precision, Reorders and f32
+    Subgraphs (a Q/DQ computed in float on its own)."""
+    parsed = dict(p.split(":") for p in shapes.split(",")) if shapes else {}
+    backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
+                                            for k, v in parsed.items()})
+    out = {}
+    for name, path in paths.items():
+        rows = backend.profile(str(path), runs=runs)
+
+        def count(layer: str, suffix: str = "", rows=rows) -> int:
+            return sum(1 for r in rows if r["layer_type"] == layer
+                       and r["exec_type"].endswith(suffix))
+
+        out[name] = {"layer_sum_ms": round(sum(r["min_us"] for r in rows) / 1000.0, 3),
+                     "conv_int8": count("Convolution", "I8"),
+                     "conv_f32": count("Convolution", "f32"),
+                     "reorders": count("Reorder"), "subgraph_f32": count("Subgraph", "f32")}
+    return out
+
+
 def one(name: str, args) -> dict:
     work = Path(args.work) / name.replace("@", "_")
     work.mkdir(parents=True, exist_ok=True)
+    load = [round(x, 2) for x in os.getloadavg()]
     paths, info = variants(name, work, args)
+    info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
     timed = {k: (v, "f32") for k, v in paths.items()}
     if "bf16" in supported_hints():
         timed["fp32_bf16"] = (paths["fp32"], "bf16")
     mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
+    info["load_avg_1_5_15"]["after_timing"] = [round(x, 2) for x in os.getloadavg()]
     fp32 = mins["fp32"]
     row = {"model": name, **info,
            "ms": {k: round(statistics.median(v), 3) for k, v in mins.items()},
            "speedup_vs_fp32_f32": {k: ratio(v, fp32) for k, v in mins.items() if k != "fp32"},
            "cosine_vs_fp32": {k: cosine(paths["fp32"], p, held, info["input_shapes"])
                               for k, p in paths.items() if k != "fp32"}}
+    row["layer_profile"] = layer_profiles(paths, info["input_shapes"])
     if "tuned" in mins:
         row["tuned_vs_nncf"] = ratio(mins["tuned"], mins["nncf"])
     row["nncf_reexported_vs_nncf"] = ratio(mins["nncf_reexported"], mins["nncf"])
@@ -211,8 +239,6 @@ def _machine() -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = "unknown CPU"
-    import os
-
     return f"{cpu}, {os.cpu_count()} cores"
 
 

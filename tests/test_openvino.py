@@ -261,3 +261,17 @@ def test_swish_operands_are_not_sites_on_openvino() -> None:
     kinds = _kinds(OpenVinoBackend(), model)
     assert kinds[("Subgraph", "f32")] <= 1
     assert kinds[("Convolution", "u8")] == 57 and kinds[("Convolution", "f32")] == 0
+
+
+def test_profile_reads_per_layer_kernels_and_times() -> None:
+    """PERF_COUNT per runtime layer: the quantized model's Convolutions run int8 kernels, the
+    float model's f32 ones, each with a positive minimum time."""
+    backend = OpenVinoBackend()
+    _, quantized = _all_on("resnet")
+    for model, kernel in ((zoo.build("resnet", "small").SerializeToString(), "f32"),
+                          (quantized, "I8")):
+        rows = backend.profile(model, runs=3, warmup=1)
+        convs = [r for r in rows if r["layer_type"] == "Convolution"]
+        assert convs and all(r["min_us"] > 0 for r in rows)
+        assert all(r["exec_type"].endswith(kernel) for r in convs), \
+            sorted({r["exec_type"] for r in convs})

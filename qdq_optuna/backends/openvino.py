@@ -164,8 +164,9 @@ class OpenVinoBackend(Backend):
                 "PERFORMANCE_HINT": self.performance_hint,
                 "INFERENCE_PRECISION_HINT": self.precision}
 
-    def compile(self, model: ModelSource) -> Any:
-        """The model compiled with :meth:`config` (a BackendError when OpenVINO refuses it)."""
+    def compile(self, model: ModelSource, extra: Mapping[str, str] | None = None) -> Any:
+        """The model compiled with :meth:`config` and ``extra`` properties (a BackendError when
+        OpenVINO refuses it)."""
         try:
             if isinstance(model, bytes):
                 read = self.core.read_model(model, b"")  # ONNX bytes: no separate weights
@@ -173,7 +174,7 @@ class OpenVinoBackend(Backend):
                 read = self.core.read_model(os.fspath(model))
             if self.input_shapes:
                 read.reshape({k: list(v) for k, v in self.input_shapes.items()})
-            return self.core.compile_model(read, self.device, self.config())
+            return self.core.compile_model(read, self.device, {**self.config(), **(extra or {})})
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise BackendError(f"OpenVINO could not compile the model: {text}") from exc
@@ -200,6 +201,31 @@ class OpenVinoBackend(Backend):
             else:
                 feeds[name] = np.zeros(shape, dtype=dtype)
         return feeds
+
+    def profile(self, model: ModelSource, runs: int = 50, warmup: int = 5
+                ) -> list[dict[str, Any]]:
+        """Per runtime layer, OpenVINO's own timing (``PERF_COUNT``): name, ``layer_type``,
+        ``exec_type`` (the kernel, e.g. ``jit_avx2_I8``, ``brgconv_avx2_1x1_f32``) and
+        ``min_us``, the minimum over ``runs`` inferences (robust to a shared machine's
+        interruptions), in execution order. Executed layers only."""
+        compiled = self.compile(model, {"PERF_COUNT": "YES"})
+        request = compiled.create_infer_request()
+        for name, value in self._make_inputs(compiled).items():
+            request.set_tensor(name, _tensor(value))
+        best: dict[str, dict[str, Any]] = {}
+        for i in range(warmup + runs):
+            request.infer()
+            if i < warmup:
+                continue
+            for info in request.get_profiling_info():
+                if str(info.status).endswith("NOT_RUN"):
+                    continue
+                us = info.real_time.total_seconds() * 1e6
+                row = best.setdefault(info.node_name, {
+                    "name": info.node_name, "layer_type": info.node_type,
+                    "exec_type": info.exec_type, "min_us": us})
+                row["min_us"] = min(row["min_us"], us)
+        return list(best.values())
 
     def what_ran(self, model: bytes) -> WhatRan | None:
         """Which layers OpenVINO's CPU plugin ran in u8/i8, read from the compiled model's
