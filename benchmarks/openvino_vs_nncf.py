@@ -206,6 +206,47 @@ def one(name: str, args) -> dict:
     return row
 
 
+def _ci(r: dict | None) -> str:
+    if not r:
+        return "-"
+    lo, hi = r.get("ci95", [None, None])
+    return f"{r['ratio']:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None else "")
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: per model, speed vs FP32 (f32 hint) of NNCF, ONNX Runtime's recipe and tuned,
+    tuned vs NNCF (median per-round ratio, 95% interval), cosine vs FP32, tune wall time, layer
+    profile sums and the load average."""
+    lines = ["| model | NNCF vs FP32 | ORT recipe vs FP32 | tuned vs FP32 | **tuned vs NNCF** | "
+             "layer sum ms FP32 / NNCF / tuned | conv int8/f32 NNCF, tuned | cosine NNCF / "
+             "tuned | tune wall s | load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['model']} | {row['error'][:90]} |" + " |" * 8)
+                continue
+            sp, cos = row["speedup_vs_fp32_f32"], row["cosine_vs_fp32"]
+            prof = row.get("layer_profile") or {}
+
+            def lay(k: str, prof=prof) -> str:
+                return f"{prof[k]['layer_sum_ms']:.2f}" if k in prof else "-"
+
+            def conv(k: str, prof=prof) -> str:
+                return f"{prof[k]['conv_int8']}/{prof[k]['conv_f32']}" if k in prof else "-"
+
+            load = row.get("load_avg_1_5_15") or {}
+            loads = "-".join(f"{v[0]:.1f}" for v in load.values())
+            lines.append(
+                f"| {row['model']} | {_ci(sp.get('nncf'))} | {_ci(sp.get('ort_recipe'))} | "
+                f"{_ci(sp.get('tuned'))} | **{_ci(row.get('tuned_vs_nncf'))}** | "
+                f"{lay('fp32')} / {lay('nncf')} / {lay('tuned')} | "
+                f"{conv('nncf')}, {conv('tuned')} | {cos.get('nncf', '-')} / "
+                f"{cos.get('tuned', '-')} | {(row.get('tune') or {}).get('wall_s', '-')} | "
+                f"{loads or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["nudenet-320n", "yolo@small"])
@@ -218,13 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--table", nargs="+", metavar="RESULT.json",
+                    help="print the markdown table of earlier results and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(Path(p).read_text()) for p in args.table]), end="")
+        return 0
     import nncf
     import openvino
 
     rows = []
     for name in args.models:
-        rows.append(one(name, args))
+        try:
+            rows.append(one(name, args))
+        except starts.ToolError as exc:  # NNCF refused the model: no comparison to make
+            rows.append({"model": name, "error": str(exc)})
         print(json.dumps(rows[-1], indent=1), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(
