@@ -8,13 +8,17 @@ running both arms in one invocation, as this script does).
 
     python benchmarks/time_to_result.py costmodel --sizes medium full --work DIR
     python benchmarks/time_to_result.py onnxruntime --real nudenet-320n \\
-        --input-shapes images:1x3x320x320 --work DIR [--arms after]
+        --input-shapes images:1x3x320x320 --work DIR [--arms after] [--timeout S]
+
+``--timeout`` is ``tune``'s own: a run cut short still finishes (final A/B, report) and its
+row says ``complete: false``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 
 def run_arm(model, work: Path, arm: str, backend: str, **kwargs) -> dict:
     cfg = Config(prune_by_runtime=arm == "after")
+    load = os.getloadavg()[0]
     t0 = time.monotonic()
     res = qdq_optuna.tune(model, work / arm, backend=backend, seed=0, config=cfg,
                           progress=False, fresh=True, **kwargs)
@@ -36,7 +41,9 @@ def run_arm(model, work: Path, arm: str, backend: str, **kwargs) -> dict:
             "by_phase": r["measurements_by_phase"], "final_ms": r["final_latency_ms"],
             "speedup": r["speedup"], "elapsed_s": r.get("elapsed_s"),
             "skipped": r.get("descent_skipped", []), "what_ran_reads": r.get("what_ran_reads"),
-            "standalone": (r.get("what_ran") or {}).get("standalone")}
+            "standalone": (r.get("what_ran") or {}).get("standalone"),
+            "complete": r.get("complete", True), "measurer": r.get("measurer"),
+            "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
 def main() -> None:
@@ -49,6 +56,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["before", "after"])
     ap.add_argument("--work", required=True)
     ap.add_argument("--json")
+    ap.add_argument("--timeout", type=float, help="tune's timeout per arm, in seconds")
     a = ap.parse_args()
     work = Path(a.work)
     jobs = []
@@ -62,6 +70,8 @@ def main() -> None:
     for label, model in jobs:
         for arm in a.arms:
             extra = {"input_shapes": a.input_shapes} if a.input_shapes else {}
+            if a.timeout:
+                extra["timeout"] = a.timeout
             row = {"model": label, "backend": a.backend,
                    **run_arm(model, work / label.replace(" ", "_"), arm, a.backend, **extra)}
             rows.append(row)

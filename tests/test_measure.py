@@ -172,6 +172,34 @@ def test_noisy_rounds_are_remeasured_once():
     assert not m.screen(b"z" * 10).quiet and m.remeasured == 0
 
 
+
+def test_a_busy_round_is_not_repeated_once_the_interval_separates():
+    class Busy(NullProbe):
+        def stop(self, token):
+            self.last_other_cores = 1.0
+            return False
+
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0)
+    m = Measurer(FakeBackend(sigma=0.01), protocol)
+    m.probe = Busy()
+    c = m.compare(b"x" * 200, b"x" * 100, until="precision")
+    assert c.ci_low > 1.0 and c.rounds >= protocol.final_sessions
+    # rounds 1 and 2 are repeated (no interval yet after the first); none after it separated
+    assert c.candidate.remeasured == 2 and m.loads == 2 * (c.rounds + 2)
+    m = Measurer(FakeBackend(sigma=0.01), protocol)
+    m.probe = Busy()
+    c = m.compare(b"y" * 100, b"y" * 100)  # never separates, but the machine stays busy:
+    assert not c.significant and c.rounds > measure.BUSY_STREAK
+    assert c.candidate.remeasured == measure.BUSY_STREAK  # no repeat after the busy streak
+
+
+def test_a_busy_round_is_repeated_while_repeats_find_quiet_moments():
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0)
+    m = Measurer(FakeBackend(sigma=0.01), protocol)
+    m.probe = NullProbe([False, True] * 20)  # every first attempt busy, every repeat quiet
+    c = m.compare(b"y" * 100, b"y" * 100)
+    assert c.candidate.quiet and c.candidate.remeasured == c.rounds
+
 def test_bad_timings_are_backend_errors():
     class Liar(FakeBackend):
         def load(self, model):

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 from qdq_optuna import Config, PreparedModel, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
+from qdq_optuna.examples import zoo
 from qdq_optuna.placement.export import graph_output_names
 from qdq_optuna.record.storage import open_storage
 
@@ -501,3 +502,25 @@ def test_a_recipe_the_quantizer_refuses_is_skipped_as_a_start(residual, tmp_path
     said = [r.getMessage() for r in caplog.records if "starting without the recipe" in
             r.getMessage()]
     assert len(said) == 1 and "failed on this model" in said[0]
+
+
+def test_the_users_model_ships_when_every_tuned_model_is_slower(tmp_path):
+    """ONNX Runtime's preprocessing (BatchNormalization folded) made every model the search
+    can build slower than the user's file: optimized.onnx is the user's model (its nodes, its
+    BatchNormalization unfolded), and the report says what the tuned model measured."""
+    model = zoo.resnet_like(image=32, width=8, blocks=(1,), num_classes=10, fold_bn=False)
+    path = tmp_path / "bn.onnx"
+    onnx.save(model, str(path))
+    result = tune(str(path), tmp_path / "out", benchmark=fns.preprocessing_slows,
+                  runtime="onnxruntime", timing="fast", config=Config(schemes_per_region=3),
+                  progress=False)
+    report = result.report
+    kept = report["kept_your_model"]
+    assert kept["tuned_comparison"]["verdict"] == "slower"
+    assert kept["tuned_comparison"]["ratio"] > 1.5
+    shipped = onnx.load(str(result.optimized_model))
+    assert [n.op_type for n in shipped.graph.node] == [n.op_type for n in model.graph.node]
+    assert {i.name for i in shipped.graph.initializer} == {i.name for i in model.graph.initializer}
+    assert report["quantized_tensors"] == []
+    assert report["speedup"] == pytest.approx(1.0, abs=1e-6)
+    assert "is the user's model as given" in (tmp_path / "out" / "report.md").read_text()

@@ -70,9 +70,75 @@ def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
             if touches & what.standalone:
                 assert m in kept  # never skip a visit's move at a standalone Q/DQ
                 kept_any = True
-        dropped_any |= dropped > 0
+        dropped_any |= sum(dropped.values()) > 0
     assert kept_any and dropped_any
 
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(deterministic):
+    from qdq_optuna.search._unfused import MIN_RESOLVABLE_SHARE, TOO_SMALL, skip_reason
+
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
+    space = MoveSpace(pm)
+
+    class _Plans:  # a measured (or exact) backend, never asked to read a report here
+        measurer = type("M", (), {"backend": None})
+
+    class _S:
+        prepared = pm
+        plans = _Plans()
+
+    _S.plans.deterministic = deterministic
+    unfused = Unfused(_S(), space.uses_of)
+    single = {}  # tensor -> a point that quantizes only it
+    for pt, uses in space.uses_of.items():
+        tensors = {u[0] for u in uses}
+        if len(tensors) == 1:
+            single.setdefault(next(iter(tensors)), pt)
+    by_size = sorted(single, key=lambda t: unfused.numel[t])
+    small, big = by_size[0], by_size[-1]
+    assert unfused.share([small]) < MIN_RESOLVABLE_SHARE <= unfused.share([big])
+    what = WhatRan("test", standalone=frozenset({small, big}))
+    off = {t: space._move("single", (), [single[t]]) for t in (small, big)}
+    kept, dropped = unfused.prune(list(off.values()), what)
+    assert off[big] in kept  # enough work to show up: measured
+    if deterministic:  # an exact backend resolves any gain: nothing dropped for its size
+        assert off[small] in kept and not dropped
+    else:
+        assert off[small] not in kept and dropped == {TOO_SMALL: 1}
+        assert "too small to measure" in skip_reason(dropped)
+    # a reformat there, or a move that switches a point on, is always measured
+    reformat = WhatRan("test", standalone=frozenset({small}), reformats=frozenset({small}))
+    assert unfused.live(off[small], reformat)
+    assert unfused.live(space._move("single", [single[small]], ()), what)
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_round_that_changes_nothing_ends_with_one_final_line(caplog, skipped):
+    import logging
+
+    from qdq_optuna._progress import Progress
+    from qdq_optuna.search._descent import Descent
+    from qdq_optuna.search._unfused import FINAL_LINE
+
+    descent = object.__new__(Descent)  # the lane loop alone: visits are stubbed
+    descent.s = type("S", (), {"progress": Progress(False)})()
+    descent.rounds, descent.tunable, descent.skipped, descent.on_change = 3, ["a", "b"], [], None
+    visits = []
+
+    def visit(lane, order, rnd, pp, stats):
+        visits.append((rnd, pp))
+        if skipped and pp == "b":
+            descent.skipped.append((lane, rnd, pp, "nothing left"))
+        return False
+
+    descent.visit, descent._stats = visit, lambda lane: None
+    with caplog.at_level(logging.INFO, logger="qdq_optuna"):
+        descent.lane("", 0)
+    assert visits == [(1, "a"), (1, "b")]  # no second round
+    lines = [r.getMessage() for r in caplog.records if r.getMessage() == FINAL_LINE]
+    assert lines == ([FINAL_LINE] if skipped else [])
 
 def test_engine_inspector_json():
     pm, model = _all_on("resnet", "tensorrt")

@@ -53,6 +53,10 @@ __all__ = [
 #: A single screen resolves 14-24 % differences, so 1.3 only drops candidates far off; a
 #: screened-out trial can never be committed (a commit needs an interleaved confirmation).
 SCREEN_DISCARD_RATIO = 1.3
+#: an interleaved A/B stops re-measuring busy rounds after this many repeats in a row were busy
+#: too: the machine is loaded for good and a repeat only doubles the round's cost (a real
+#: YOLOv8n's A/B took 74 s instead of about 35 s at load average 5 on 2 cores)
+BUSY_STREAK = 2
 
 
 def far_off(candidate_ms: float, reference_ms: float) -> bool:
@@ -454,9 +458,11 @@ class Measurer:
         finally:
             runner.close()
 
-    def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners):
-        """Time each model once; re-measure the round once if the machine was busy."""
-        attempts = 2 if self.protocol.remeasure_noisy else 1
+    def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners,
+               repeat: bool = True):
+        """Time each model once; re-measure the round once if the machine was busy (and
+        ``repeat``: an A/B whose interval already separates does not repeat its rounds)."""
+        attempts = 2 if self.protocol.remeasure_noisy and repeat else 1
         best: tuple[float, list] | None = None
         for attempt in range(attempts):
             token = self.probe.start()
@@ -622,7 +628,7 @@ class Measurer:
         warm = self._warm_rounds()
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
-        quiet, remeasured, decided = True, 0, False
+        quiet, remeasured, decided, busy = True, 0, False, 0
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
@@ -630,16 +636,23 @@ class Measurer:
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
-                results, ok, again = self._round(order, p.warmup, p.runs, runners)
+                # a busy round is measured again only while the interval still includes 1 (once
+                # it separates, a repeat cannot change the verdict) and while repeats can find
+                # a quiet moment (not after BUSY_STREAK repeats in a row were busy too)
+                repeat = not (hi < 1.0 or lo > 1.0) and busy < BUSY_STREAK
+                results, ok, again = self._round(order, p.warmup, p.runs, runners,
+                                                 repeat=repeat)
+                busy = 0 if ok else busy + again
                 quiet &= ok
                 remeasured += again
                 s_ref, s_cand = (results[0], results[1]) if r % 2 == 0 else (results[1], results[0])
                 acc_ref.add(s_ref)
                 acc_cand.add(s_cand)
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
+                if len(ratios) >= 2:
+                    center, lo, hi = ratio_interval(ratios, level)
                 if len(ratios) < max(2, min_rounds):
                     continue
-                center, lo, hi = ratio_interval(ratios, level)
                 significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
                 if significant or (hi - lo) / (2 * center) < p.target:
                     decided = True

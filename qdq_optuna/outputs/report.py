@@ -328,7 +328,8 @@ def _what_ran_lines(r: dict) -> list[str]:
     if skipped:
         lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
                   + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
-                  + ("…" if len(skipped) > 40 else "") + f". Reason: {skipped[0]['reason']}."]
+                  + ("…" if len(skipped) > 40 else "") + ". Reason: "
+                  + "; ".join(sorted({s["reason"] for s in skipped})) + "."]
     if not r.get("complete", True):
         lines += ["", "**Partial result**: the run was cut short; `optimized.onnx` is the best "
                   "standing model found so far."]
@@ -364,6 +365,16 @@ def _how_to_run_lines(backend: dict) -> list[str]:
     return out
 
 
+def _kept_lines(kept: dict | None) -> list[str]:
+    """The tuned model measured slower than the baseline, which ships instead."""
+    if not kept:
+        return []
+    c = kept["tuned_comparison"]
+    return [f"**`optimized.onnx` is {kept['baseline_model']}**: the search's best model measured "
+            f"{_f(c['ratio'])}x its latency (interval {_f(c['ci_low'])}–{_f(c['ci_high'])}), "
+            "so no placement found beat it; the figures above re-measure the shipped file.", ""]
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -389,6 +400,7 @@ def render_markdown(r: dict) -> str:
         "builds saved by the cache." + _elapsed(r),
         *_statistics_lines(r.get("search_statistics")),
         "",
+        *_kept_lines(r.get("kept_your_model")),
         *_starts_lines(r),
     ]
     if r.get("accuracy"):

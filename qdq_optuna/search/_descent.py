@@ -24,7 +24,7 @@ from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record.attrs import PatternAttr, TrialAttr
 from qdq_optuna.search._moves import MoveQueue, MoveSpace, MoveStats
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
-from qdq_optuna.search._unfused import FINAL_LINE, Unfused
+from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason
 
 log = logging.getLogger("qdq_optuna")
 
@@ -76,9 +76,11 @@ class Descent:
                 if now and self.on_change is not None:
                     self.on_change(lane)
             log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
-            if len(self.skipped) - before == len(self.tunable):
-                log.info("%s", FINAL_LINE)
             if not changed:
+                # every pattern had nothing the runtime left unfused, or had it measured
+                # without a gain: one line says so (once per lane)
+                if len(self.skipped) > before:
+                    log.info("%s", FINAL_LINE)
                 break
 
     def _stats(self, lane: str) -> MoveStats:
@@ -128,10 +130,12 @@ class Descent:
         moves = self.space.moves(pid, schemes, stats, cached)
         if self.unfused is not None:
             moves, dropped = self.unfused.prune(moves, self.unfused.of(schemes))
-            if dropped and not moves:  # the runtime fused all of it: nothing to measure
-                self.skipped.append((lane, rnd, pid, f"all {dropped} move(s) only remove "
-                                     "Q/DQ the runtime fused, with no float or reformat next "
-                                     "to them"))
+            if dropped:  # a visit skipped outright is in the report: only the log's detail
+                log.log(logging.INFO if moves else logging.DEBUG, "%s round %d: %d move(s) "
+                        "kept; %s", pid, rnd, len(moves),
+                        skip_reason(dropped).replace("all ", "dropped ", 1))
+            if dropped and not moves:  # nothing the runtime left can gain: nothing to measure
+                self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
                 s.progress.advance()
                 return False
         queue = MoveQueue(pid, schemes, moves, stats, s.settings.space)

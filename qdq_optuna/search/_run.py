@@ -337,8 +337,14 @@ class Tuner:
         final_bytes = self._save_final(final_exporter, plan)
         base_bytes = self.baseline_source()[0]
         cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
+        kept = None
+        if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
+                and not self.settings.multi_objective:
+            kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
         accuracy = guard.report_keys(verdict, bound_given=self.o.max_output_error is not None,
                                      bf16=plans.scorer.bf16)
+        if kept is not None:
+            accuracy["kept_your_model"] = kept
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
             accuracy.update({"objectives": list(self.settings.objectives),
@@ -352,6 +358,24 @@ class Tuner:
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
             elapsed=dict(self.elapsed))
+
+    def _keep_users_model(self, cmp, final_exporter):
+        """The search's model measured slower than the baseline (the user's model, or its
+        high-precision conversion; a graph the preprocessing or the opset upgrade made slower
+        can do that): the baseline ships instead, re-measured the same way, and the report
+        says what the tuned model measured."""
+        source, _, what = self.baseline_source()
+        log.warning("the tuned model measured %.3fx the latency of %s (95%% interval %.3f-%.3f): "
+                    "optimized.onnx is that model instead", cmp.ratio, what, cmp.ci_low,
+                    cmp.ci_high)
+        atomic_write_bytes(self.out / "optimized.onnx", source)
+        kept = {"baseline_model": what, "tuned_comparison": cmp.to_dict()}
+        plans, guard = self.search_state.plans, self.search_state.guard
+        plan = final_exporter.plan(set())
+        cmp = plans.compare(source, source, "final", until="precision")
+        verdict = guard.ship(guard.exporter.plan(set()), self.prepared.high_precision.precision
+                             if self.prepared.high_precision else "fp32")
+        return kept, plan, source, cmp, verdict
 
     def close(self, outcome: SearchOutcome, report: dict) -> None:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
