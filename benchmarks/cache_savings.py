@@ -40,7 +40,7 @@ def count(out: Path) -> dict:
     import optuna
     from optuna.trial import TrialState
 
-    from qdq_optuna.record.storage import open_storage
+    from qdq_optuna.record import open_storage, trial_measurement
 
     storage = open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False)
     c = {"patterns": 0, "trials": 0, "measured": 0, "cache_hits": 0,
@@ -55,10 +55,10 @@ def count(out: Path) -> dict:
                 c["failed_or_pruned"] += 1
                 continue
             c["trials"] += 1
-            rec = t.user_attrs.get("measurement", {})
-            if rec.get("cached"):
+            m = trial_measurement(t)
+            if m is not None and m.cached:
                 c["cache_hits"] += 1
-                c["hits_on_reference" if rec.get("reference") else "hits_other"] += 1
+                c["hits_on_reference" if m.reference else "hits_other"] += 1
             else:
                 c["measured"] += 1
     return c

@@ -44,7 +44,7 @@ from qdq_optuna.search.samplers import make_sampler  # noqa: E402
 def pattern_attrs(pm, pp) -> dict:
     """The study user attributes the search sets for a pattern (its sampler reads them)."""
     from qdq_optuna.placement.scheme import ChoiceSpace
-    from qdq_optuna.record.attrs import pattern_attrs as stored
+    from qdq_optuna.record import pattern_attrs as stored
 
     return stored(pp, pm, ChoiceSpace((pm.quant_type,)))
 

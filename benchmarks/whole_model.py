@@ -39,7 +39,7 @@ from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.search._moves import chain_groups
+from qdq_optuna.search import chain_groups
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 Point = tuple[str, str]  # (pattern id, point id)

@@ -25,9 +25,9 @@ __all__ = [
 ]
 
 
-#: public name -> the private module that defines it
-_LAZY = {"tune": "_tune", "Tuner": "search._run", "TuneOptions": "search._options",
-         "TuneResult": "search._options", "Autotuner": "search.autotuner"}
+#: public name -> the module that exports it (the search's own: its package, see search/__init__.py)
+_LAZY = {"tune": "_tune", "Tuner": "search", "TuneOptions": "search", "TuneResult": "search",
+         "Autotuner": "search.autotuner"}
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ import yaml
 
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.record.attrs import run_attrs
+from qdq_optuna.record import run_attrs
 
 REPO = Path(__file__).resolve().parent.parent
 ERROR = "qdq-optuna: error:"

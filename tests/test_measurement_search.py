@@ -36,7 +36,7 @@ from qdq_optuna.cli import main as cli
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
 from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record.attrs import RunRecord
+from qdq_optuna.record import RunRecord
 from qdq_optuna.record.storage import open_storage
 from qdq_optuna.search._options import backend_for
 

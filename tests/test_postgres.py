@@ -20,7 +20,7 @@ from _runs import check_visit, is_visit
 from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
-from qdq_optuna.record.attrs import delete_run
+from qdq_optuna.record import delete_run
 from qdq_optuna.record.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.record.attrs import run_attrs
+from qdq_optuna.record import run_attrs
 from qdq_optuna.record.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent

@@ -463,16 +463,18 @@ def test_start_all_descends_once_from_every_distinct_feasible_start(residual, tm
 
 
 def test_a_start_that_is_the_same_model_adds_no_lane():
+    from dataclasses import replace
+
+    from qdq_optuna.record import StartOutcome
     from qdq_optuna.search._starts import MAIN_LANE, StartsPhase
 
     phase = StartsPhase.__new__(StartsPhase)
     phase.mode = "best"
-    rows = [{"name": "float", "plan_key": "f", "latency_ms": 10.0, "feasible": True},
-            {"name": "all", "plan_key": "a", "latency_ms": 5.0, "feasible": True},
-            {"name": "recipe:onnxruntime", "plan_key": "a", "latency_ms": 5.0,
-             "feasible": True}]
+    rows = [StartOutcome("float", plan_key="f", latency_ms=10.0, feasible=True),
+            StartOutcome("all", plan_key="a", latency_ms=5.0, feasible=True),
+            StartOutcome("recipe:onnxruntime", plan_key="a", latency_ms=5.0, feasible=True)]
     assert phase._lanes(rows, "all") == {MAIN_LANE: "all"}
-    rows[2]["plan_key"] = "r"
+    rows[2] = replace(rows[2], plan_key="r")
     assert phase._lanes(rows, "all") == {MAIN_LANE: "all", "recipe": "recipe:onnxruntime"}
     phase.mode = "all"
     assert phase._lanes(rows, "all") == {MAIN_LANE: "all", "recipe": "recipe:onnxruntime",

@@ -69,7 +69,7 @@ def test_unit_sizes_are_measured_from_the_first_line_to_the_last(tmp_path):
 @pytest.mark.parametrize("name", ["POINTS", "CONCAT_GROUPS", "FUSION_GROUPS", "POINT_USES",
                                   "POINT_TENSORS", "NUM_CHOICES"])
 def test_the_record_writes_the_keys_our_sampler_reads(name):
-    from qdq_optuna.record.attrs import PatternAttr, SystemAttr
+    from qdq_optuna.record import PatternAttr, SystemAttr
     from samplers.qdq_mutation import _sampler
 
     assert getattr(PatternAttr, name) == getattr(_sampler, f"{name}_ATTR")
@@ -163,3 +163,88 @@ def test_no_private_search_module_is_imported_outside_the_search():
              if m != "qdq_optuna.search" and not m.startswith("qdq_optuna.search.")
              for t in targets if t.startswith("qdq_optuna.search._")]
     assert found == []
+
+
+# -- Optuna's private attributes: one adapter ----------------------------------------------------
+#: the one module allowed to name them
+OPTUNA_ADAPTER = "qdq_optuna/record/_optuna.py"
+#: where the check looks (samplers/ is an OptunaHub package on its own: like Optuna's samplers,
+#: it writes a trial's system attrs through ``study._storage``, and cannot import ours)
+CHECKED = ("qdq_optuna", "benchmarks")
+
+
+def _optuna_private_names() -> set[str]:
+    """The private attributes and methods of Optuna's study, trial and storage classes (read
+    from Optuna's source, so a new Optuna brings its own), less those our own classes also
+    use on ``self`` (``_lock``: a name, not Optuna's)."""
+    import inspect
+
+    import optuna
+    from optuna.storages import BaseStorage, RDBStorage
+    from optuna.storages._cached_storage import _CachedStorage
+    from optuna.trial import FrozenTrial, Trial
+
+    names: set[str] = set()
+    for cls in (optuna.Study, Trial, FrozenTrial, BaseStorage, RDBStorage, _CachedStorage):
+        for klass in cls.__mro__:
+            if not klass.__module__.startswith("optuna"):
+                continue
+            names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+            names |= _self_privates(ast.parse(inspect.getsource(klass)))
+    ours: set[str] = set()
+    for root in CHECKED:
+        for path in (REPO / root).rglob("*.py"):
+            ours |= _self_privates(ast.parse(path.read_text(encoding="utf-8")))
+    return names - ours
+
+
+def _self_privates(tree: ast.AST) -> set[str]:
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self" and node.attr.startswith("_")
+            and not node.attr.startswith("__")}
+
+
+def _private_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """``x._storage``, ``trial._trial_id``, ``super()._get_stale_trial_ids``: an attribute
+    named like one of Optuna's private ones, on anything but ``self`` / ``cls``."""
+    return sorted((node.lineno, node.attr) for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in names
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+
+
+def test_optuna_private_attributes_only_in_the_adapter():
+    names = _optuna_private_names()
+    assert {"_storage", "_study_id", "_trial_id", "_get_stale_trial_ids"} <= names
+    found = []
+    for root in CHECKED:
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel == OPTUNA_ADAPTER:
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            found += [f"{rel}:{line} .{attr}" for line, attr in _private_uses(tree, names)]
+    assert found == [], f"Optuna private attributes outside {OPTUNA_ADAPTER}: {found}"
+    adapter = ast.parse((REPO / OPTUNA_ADAPTER).read_text(encoding="utf-8"))
+    assert _private_uses(adapter, names), "the adapter no longer uses any: update this check"
+
+
+def test_the_private_attribute_check_finds_one():
+    tree = ast.parse("def f(study, trial):\n    s = study._storage.get_trial(trial._trial_id)\n"
+                     "    self._lock = 1\n    return super()._get_stale_trial_ids(s)\n")
+    assert _private_uses(tree, {"_storage", "_trial_id", "_lock", "_get_stale_trial_ids"}) == [
+        (2, "_storage"), (2, "_trial_id"), (4, "_get_stale_trial_ids")]
+
+
+def test_the_stored_run_page_lists_every_key():
+    """docs/stored_run.md's key table names every stored key of the schema, and no other."""
+    from qdq_optuna.record import key_table
+
+    text = (REPO / "docs" / "stored_run.md").read_text(encoding="utf-8")
+    table = text.split("## Keys", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    listed = {(row.split("|")[1].strip().strip("`"), row.split("|")[2].strip().strip("`"))
+              for row in rows}
+    expected = {(cls, key) for cls, _, key in key_table()}
+    assert expected - listed == set(), "keys missing from docs/stored_run.md"
+    assert listed - expected == set(), "docs/stored_run.md lists keys the schema lacks"

@@ -30,7 +30,7 @@ from optuna.trial import TrialState
 from test_postgres import POSTGRES_URL, URL_ENV, run_studies
 from test_resume import REPO, cli_env
 
-from qdq_optuna.record.attrs import delete_run
+from qdq_optuna.record import delete_run
 from qdq_optuna.record.storage import AGREE_KEY, open_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

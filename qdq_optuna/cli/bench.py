@@ -338,13 +338,13 @@ def run_one(recipe: Recipe, spec: RunSpec, out: Path) -> dict:
 
 def run_history(run_dir: Path, run_id: str) -> dict:
     """The progress curve of a finished run (see the module docstring), from its studies.db."""
-    from qdq_optuna.record.attrs import progress_curve
+    from qdq_optuna.record import progress_curve
     from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 
     quiet_optuna(False)
     storage = open_storage(default_storage_url(run_dir), heartbeat=False)
     try:
-        return progress_curve(storage, run_id)  # see record/attrs.py
+        return progress_curve(storage, run_id)  # see record/run.py
     finally:
         storage.remove_session()
         storage.engine.dispose()

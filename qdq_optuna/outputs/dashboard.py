@@ -32,7 +32,8 @@ import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.errors import UserError
-from qdq_optuna.record.attrs import PatternAttr as A
+from qdq_optuna.record import PatternAttr as A
+from qdq_optuna.record import storage_of, study_id
 
 if TYPE_CHECKING:
     from qdq_optuna.placement.points import PatternPoints
@@ -177,7 +178,7 @@ class PatternPictures:
         run_id = study.user_attrs.get(A.RUN_ID)
         if run_id is not None:  # the run's note follows the run as it goes
             try:
-                save_run_note(study._storage, run_id)
+                save_run_note(storage_of(study), run_id)
             except Exception as exc:  # a note must never cost a run
                 log.warning("dashboard note of run %s not saved: %s", run_id, exc)
 
@@ -584,7 +585,7 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
                 _warn(study, path.name, exc)
                 continue
             made.append({"file": path.name, "artifact_id": artifact_id, "what": what,
-                         "url": f"/artifacts/{study._study_id}/{artifact_id}"})
+                         "url": f"/artifacts/{study_id(study)}/{artifact_id}"})
     if made:
         study.set_user_attr(ARTIFACTS_ATTR, made)
     log.debug("%s: artifacts in %.3f s", study.study_name, time.perf_counter() - started)
@@ -594,7 +595,7 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
 # -- the run's overview ------------------------------------------------------------------------
 def _study_rows(storage, run_id: str) -> list[dict]:
     """Per pattern study of the run, in search order: what the overview lists."""
-    from qdq_optuna.record.attrs import studies_in_order
+    from qdq_optuna.record import studies_in_order
 
     rows = []
     for study, attrs in studies_in_order(storage, run_id):
@@ -768,7 +769,7 @@ def save_run_note(storage, run_id: str) -> None:
         from optuna_dashboard import save_note
     except ImportError:
         return
-    from qdq_optuna.record.attrs import RunAttr, run_study_name
+    from qdq_optuna.record import RunAttr, run_study_name
 
     run_study = optuna.load_study(study_name=run_study_name(run_id), storage=storage)
     baseline = run_study.user_attrs.get(RunAttr.BASELINE_MS)
@@ -787,7 +788,7 @@ def save_run_overview(record, output_dir: str | Path, report: dict, phases: dict
 
 
 def _save_run_overview(record, out: Path, report: dict, phases: dict | None) -> None:
-    from qdq_optuna.record.attrs import OverviewAttr as O
+    from qdq_optuna.record import OverviewAttr as O
 
     view = record.overview_study()
     acc = report.get("accuracy") or {}
@@ -816,13 +817,13 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict) -> dict | 
 
     from optuna.artifacts import upload_artifact
 
-    from qdq_optuna.record.attrs import OverviewAttr, progress_curve, set_system_attr
+    from qdq_optuna.record import OverviewAttr, progress_curve, set_system_attr, study_system_attrs
 
     curve = progress_curve(record.storage, record.run_id)["curve"]
     lo, hi = report["speedup_ci"]
     final = (report["speedup"], lo, hi)
     digest = hashlib.sha256(json.dumps([curve, final]).encode()).hexdigest()[:16]
-    stored = view._storage.get_study_system_attrs(view._study_id).get(OverviewAttr.PICTURE)
+    stored = study_system_attrs(view).get(OverviewAttr.PICTURE)
     if stored and stored.get("digest") == digest:
         return stored
     with tempfile.TemporaryDirectory(prefix="qdq-artifacts-") as tmp:
@@ -837,7 +838,7 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict) -> dict | 
         artifact_id = upload_artifact(artifact_store=artifact_store(out), file_path=str(png),
                                       study_or_trial=view)
     picture = {"file": "run_convergence.png", "artifact_id": artifact_id, "digest": digest,
-               "url": f"/artifacts/{view._study_id}/{artifact_id}"}
+               "url": f"/artifacts/{study_id(view)}/{artifact_id}"}
     set_system_attr(view, OverviewAttr.PICTURE, picture)
     return picture
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from qdq_optuna.placement.scheme import combine
-from qdq_optuna.record.attrs import PatternAttr
+from qdq_optuna.record import PatternAttr
 from qdq_optuna.search.objectives import pareto_indices
 
 

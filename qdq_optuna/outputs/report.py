@@ -13,13 +13,13 @@ from optuna.trial import TrialState
 
 from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
-from qdq_optuna.record.attrs import PHASES, PatternAttr, RunAttr, TrialAttr
+from qdq_optuna.record import PHASES, PatternAttr, RunAttr, TrialAttr, trial_measurement
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
                  baseline_ms: float | None, partial: bool, lane: str = "") -> dict:
     """``report.json``'s content. ``header``: what was tuned, where, how (its keys come first);
-    ``record``: the run record (:class:`~qdq_optuna.record.attrs.RunRecord`); ``plans``: the
+    ``record``: the run record (:class:`~qdq_optuna.record.RunRecord`); ``plans``: the
     plan measurer (its counters); ``plan``/``comparison``: the saved model and its A/B against
     the baseline (the user's model); ``rows``: the patterns (:meth:`RunRecord.committed` of
     ``lane``, the lane whose standing model was saved)."""
@@ -93,18 +93,17 @@ def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
 def start_entries(record, baseline_ms: float | None) -> list[dict]:
     """The whole-model starts as the run decided them: latency, speedup over the baseline,
     output error, whether feasible, chosen, the lane that descended from it, notes."""
-    starts = record.starts() or {}
     out = []
-    for row in starts.get("starts", []):
-        entry = {k: row.get(k) for k in ("name", "latency_ms", "error", "feasible", "chosen",
-                                          "lane", "exact", "qdq", "notes")}
-        entry["points_on"] = sum(len(v) for v in (row.get("points_on") or {}).values())
-        if row.get("latency_ms") and baseline_ms:
-            entry["speedup"] = baseline_ms / row["latency_ms"]
-        if row.get("failure"):
-            entry["failure"] = row["failure"]
-        if row.get("ab_vs_float"):
-            entry["ab_vs_float"] = row["ab_vs_float"]
+    for row in record.start_outcomes():
+        entry = {k: getattr(row, k) for k in ("name", "latency_ms", "error", "feasible",
+                                               "chosen", "lane", "exact", "qdq", "notes")}
+        entry["points_on"] = sum(len(v) for v in (row.points_on or {}).values())
+        if row.latency_ms and baseline_ms:
+            entry["speedup"] = baseline_ms / row.latency_ms
+        if row.failure:
+            entry["failure"] = row.failure
+        if row.ab_vs_float:
+            entry["ab_vs_float"] = row.ab_vs_float
         out.append(entry)
     return out
 
@@ -202,16 +201,16 @@ def trial_statistics(trials) -> dict:
             out["pruned_known_failure"] += 1
         elif t.state == TrialState.COMPLETE:
             out["complete"] += 1
-            rec = attrs.get(TrialAttr.MEASUREMENT) or {}
-            if rec.get("cached"):
+            m = trial_measurement(t)
+            if m is not None and m.cached:
                 out["cache_hits"] += 1
                 continue
-            key = kinds.get(rec.get("kind", ""))
+            key = kinds.get(m.kind or "") if m is not None else None
             if key is None:
                 continue
             out["measured"] += 1
             out[key] += 1
-            out["ab_decided"] += key == "ab_compared" and bool(rec.get("decided"))
+            out["ab_decided"] += key == "ab_compared" and bool(m.decided)
     return out
 
 

@@ -3,7 +3,8 @@
 The storage is the truth of a run (``state.yaml`` is only a readable snapshot): every pattern
 study, each committed scheme and every measured model lives there, so a resumed process or
 another worker sees it all. What is stored where (study names, user attributes) is the run
-record's business (:mod:`qdq_optuna.record.attrs`); this module knows only Optuna.
+record's business (:mod:`qdq_optuna.record.schema`, :mod:`qdq_optuna.record.run`); this module
+knows only Optuna's public API (its private parts are :mod:`qdq_optuna.record._optuna`'s).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from qdq_optuna.errors import OptionError
+from qdq_optuna.record._optuna import RequeueingRDBStorage, StaleTrialCallback
 
 HEARTBEAT_INTERVAL_S = 15
 #: a trial (session builds + interleaved timing) can take minutes on a busy machine
@@ -34,8 +36,6 @@ AGREE_KEY = "qdq:agree"
 AGREE_VALUE = "qdq:value"
 #: this process, as the one that claims a key (see :func:`claim`)
 _PROCESS_TOKEN = uuid.uuid4().hex
-#: called with (study, trial) for a dead worker's trial, before and after Optuna fails it
-StaleTrialCallback = Callable[[optuna.Study, optuna.trial.FrozenTrial], None]
 #: tries to open a storage (concurrent first opens of a new database can collide)
 OPEN_ATTEMPTS = 3
 
@@ -80,7 +80,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
 
     A RUNNING trial whose worker has not beaten for ``grace`` seconds (see
     :func:`heartbeat_grace`) is failed by the next worker that looks, and ``on_stale`` queues it
-    again (the search's :func:`~qdq_optuna.search._workers.retry_stale_trial`; default:
+    again (the search's ``retry_stale_trial``; default:
     Optuna's :class:`~optuna.storages.RetryFailedTrialCallback`)."""
     if not url.startswith(("sqlite://", "postgresql", "mysql")):
         raise OptionError(
@@ -100,7 +100,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
 
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            return _RequeueingRDBStorage(_with_driver(url), engine_kwargs=engine_kwargs,
+            return RequeueingRDBStorage(_with_driver(url), engine_kwargs=engine_kwargs,
                                          on_stale=on_stale if heartbeat else None, **kwargs)
         except (IntegrityError, OperationalError) as exc:
             # workers starting together on a new database race to create its tables
@@ -181,30 +181,3 @@ def agree(run_study: optuna.Study, key: str, value: Any | Callable[[], Any]) -> 
 def claim(run_study: optuna.Study, key: str) -> bool:
     """True in exactly one process of all that claim ``key`` (the first to store its claim)."""
     return agree(run_study, key, _PROCESS_TOKEN) == _PROCESS_TOKEN
-
-
-class _RequeueingRDBStorage(RDBStorage):
-    """An RDB storage that queues a dead worker's trial again *before* Optuna fails it.
-
-    Optuna fails a stale trial, then calls the stale-trial callback: in between, the trial's
-    budget slot looks free and a waiting worker would take it with a scheme of its own, leaving
-    the retry queued for ever. Queued first, the slot is always held by the dead trial or by
-    its retry. (Optuna's callback runs ``on_stale`` again afterwards, as a fallback; it must
-    queue each dead trial at most once.)"""
-
-    def __init__(self, url: str, *, on_stale: StaleTrialCallback | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(url, **kwargs)
-        self._on_stale = on_stale
-
-    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        ids = super()._get_stale_trial_ids(study_id)
-        if ids and self._on_stale is not None:
-            study = optuna.load_study(study_name=self.get_study_name_from_id(study_id),
-                                      storage=self)
-            for trial_id in ids:
-                try:
-                    self._on_stale(study, self.get_trial(trial_id))
-                except Exception:  # Optuna's callback tries again once it has failed the trial
-                    logging.getLogger("qdq_optuna").debug("requeue failed", exc_info=True)
-        return ids

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
-from qdq_optuna.record.attrs import PatternAttr, TrialAttr
+from qdq_optuna.record import PatternAttr, TrialAttr
 from qdq_optuna.search._moves import MoveQueue, MoveSpace, MoveStats
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason

@@ -23,7 +23,7 @@ from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.rules import RULES
 from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record.attrs import FLOW, WHOLE_MODEL
+from qdq_optuna.record import FLOW, WHOLE_MODEL
 from qdq_optuna.search.objectives import (
     check_error_options,
     check_sampler,
@@ -235,7 +235,7 @@ class SearchOutcome:
     out: Path
     #: report.json's first fields: what was tuned, where, how
     header: dict
-    record: Any  # qdq_optuna.record.attrs.RunRecord
+    record: Any  # qdq_optuna.record.RunRecord
     plans: Any  # the plan measurer: every measurement, counted per phase
     prepared: PreparedModel
     backend: Backend

@@ -16,7 +16,7 @@ best trial replaces the standing scheme if the commit rule
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import optuna
 from optuna.trial import TrialState
@@ -29,8 +29,8 @@ from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
-from qdq_optuna.record.attrs import (
-    Agreed,
+from qdq_optuna.record import (
+    Decision,
     PatternAttr,
     RunRecord,
     TrialAttr,
@@ -422,36 +422,35 @@ class PatternStudy:
         return self.s.plans.compare(self.s.exporter.source(plan), self.reference.source,
                                     "confirmation")
 
-    def decide(self, reference_ms: float | None, confirm=None) -> dict:
+    def decide(self, reference_ms: float | None, confirm=None) -> Decision:
         """The decision for this pattern: its best trial if the commit rule confirms it beats
-        the reference and the guard allows it, else the starting scheme (an agreed decision,
-        see :class:`Agreed`)."""
+        the reference and the guard allows it, else the starting scheme (agreed by all
+        workers, see :meth:`~qdq_optuna.record.run.RunRecord.store_decision`)."""
         s = self.s
         space = s.settings.space
         keep = space.indices(self.start, self.pp.ids) if self.start else dict.fromkeys(self.pp.ids, 0)
-        stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
         if s.settings.multi_objective:
             complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best, why = choose_candidate(complete, multi_objective=True,
                                          constrained=s.settings.constrained,
                                          threshold=max(self.rule.threshold, EQUALLY_FAST))
-            decision = {**stay, Agreed.REASON: why if complete else "no trial finished"}
+            decision = Decision(keep, reason=why if complete else "no trial finished")
             if best is not None:
-                decision = {**Judge(self).judge(best, keep, reference_ms, confirm),
-                            PatternAttr.CANDIDATE: why}
+                decision = replace(Judge(self).judge(best, keep, reference_ms, confirm),
+                                   candidate=why)
         else:
             decision = Judge(self).single(keep, reference_ms, confirm)
-        plan = self.plan(decision[PatternAttr.COMMITTED], Judge(self).partner_points(decision))
+        plan = self.plan(decision.committed, Judge(self).partner_points(decision))
         err = None
         if s.guard is not None:  # the whole-model error now (calibrated scales)
             err = s.guard.error(plan)
         elif s.plans is not None and s.plans.scorer is not None:
             err = s.plans.error(s.exporter, plan)
         if err is not None:
-            decision[PatternAttr.COMMITTED_ERROR] = err["error"]
-            decision[PatternAttr.COMMITTED_OUTPUT_ERRORS] = err["output_errors"]
+            decision = replace(decision, committed_error=err["error"],
+                               committed_output_errors=err["output_errors"])
         if space.mixed:
-            decision[PatternAttr.COMMITTED_TYPES] = space.describe(decision[PatternAttr.COMMITTED])
+            decision = replace(decision, committed_types=space.describe(decision.committed))
         return decision
 
 class Judge:
@@ -461,23 +460,22 @@ class Judge:
     def __init__(self, study: PatternStudy) -> None:
         self.ps = study
 
-    def partner_points(self, decision: dict) -> dict | None:
+    def partner_points(self, decision: Decision) -> dict | None:
         """A decision's partner schemes as the points that differ from standing."""
-        partner = decision.get(PatternAttr.PARTNER)
+        partner = decision.partner
         if not partner or self.ps.queue is None:
             return None
         return self.ps.queue.split({**self.ps.queue.standing, **partner,
-                                 self.ps.pp.pattern.id: decision[PatternAttr.COMMITTED]})[1]
+                                 self.ps.pp.pattern.id: decision.committed})[1]
 
-    def single(self, keep: dict, reference_ms: float | None, confirm) -> dict:
+    def single(self, keep: dict, reference_ms: float | None, confirm) -> Decision:
         """The fastest trials in turn (at most three the guard refuses), judged against the
         reference."""
         s = self.ps.s
-        stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
         pool = sorted(self.ps._pool(), key=self.ps._rank)
         if not pool:
-            return {**stay, Agreed.REASON: "no trial met the error budget"
-                    if s.settings.constrained else "no trial finished"}
+            return Decision(keep, reason="no trial met the error budget"
+                            if s.settings.constrained else "no trial finished")
         refused = []
         for best in pool[:3]:
             plan = self.ps.plan_of(best)
@@ -490,14 +488,15 @@ class Judge:
                 continue
             decision = self.judge(best, keep, reference_ms, confirm)
             if refused:
-                decision[Agreed.REASON] += " (" + "; ".join(refused) + ")"
+                decision = replace(decision,
+                                   reason=f"{decision.reason} ({'; '.join(refused)})")
             return decision
         what = "; ".join(refused) if refused else (
             f"no trial beat the standing model ({reference_ms:.4f} ms)"
             if reference_ms is not None else "no trial beat the standing model")
-        return {**stay, Agreed.REASON: what}
+        return Decision(keep, reason=what)
 
-    def judge(self, best, keep: dict, reference_ms: float | None, confirm) -> dict:
+    def judge(self, best, keep: dict, reference_ms: float | None, confirm) -> Decision:
         """The decision about the best trial: committed when the rule confirms it."""
         s = self.ps.s
         rule = self.ps.rule
@@ -505,51 +504,51 @@ class Judge:
         reference = self.ps.reference.plan if self.ps.reference else self.ps.plan(self.ps.start or {})
         removes_only = quantized_uses(plan) < quantized_uses(reference)
         needed = rule.needed(removes_only=removes_only)
-        stay = {PatternAttr.COMMITTED: keep, PatternAttr.GAIN: 1.0}
         trial = f"trial #{best.number}" + (f" ({best.user_attrs[TrialAttr.MOVE]} move)"
                                            if best.user_attrs.get(TrialAttr.MOVE) else "")
         if plan.key == reference.key:
-            return {**stay, Agreed.REASON: "no trial beat the standing model: the best is the "
-                                           "standing scheme"}
+            return Decision(keep, reason="no trial beat the standing model: the best is the "
+                                         "standing scheme")
         if reference_ms is None:
-            return {**stay, Agreed.REASON: "the reference was not measured"}
+            return Decision(keep, reason="the reference was not measured")
         what = rule.requirement(removes_only, needed, confirm is None or s.plans.deterministic)
         if not rule.promising(best.values[0], reference_ms, needed, removes_only):
             short = "slower" if best.values[0] > reference_ms else (
                 f"{reference_ms / best.values[0]:.4f}x" if best.values[0] < reference_ms
                 else "as fast")
-            return {**stay, Agreed.REASON: f"best {trial} {best.values[0]:.4f} ms vs the "
-                                           f"standing model {reference_ms:.4f} ms: {short}, "
-                                           f"not enough ({what})"}
+            return Decision(keep, reason=f"best {trial} {best.values[0]:.4f} ms vs the "
+                                         f"standing model {reference_ms:.4f} ms: {short}, "
+                                         f"not enough ({what})")
         chosen = s.settings.space.indices(best.params, self.ps.pp.ids)
-        decided = {PatternAttr.COMMITTED: chosen, PatternAttr.CANDIDATE_TRIAL: best.number}
         partner = best.user_attrs.get(TrialAttr.PARTNER)
         if partner and self.ps.queue is not None:
             schemes = self.ps.queue.schemes(chosen, partner)
-            decided[PatternAttr.PARTNER] = {p: schemes[p] for p in partner}
+            partner = {p: schemes[p] for p in partner}
+        else:
+            partner = None
+        decided = Decision(chosen, candidate_trial=best.number, partner=partner)
         if confirm is None:  # ask/tell: the caller's figures are the evidence
-            return {**decided, PatternAttr.GAIN: reference_ms / best.values[0],
-                    Agreed.REASON: f"{trial} faster by the submitted latencies"}
+            return replace(decided, gain=reference_ms / best.values[0],
+                           reason=f"{trial} faster by the submitted latencies")
         if s.plans.deterministic:
             gain = reference_ms / best.values[0]
-            return {**decided, PatternAttr.GAIN: gain,
-                    Agreed.REASON: f"{trial} {best.values[0]:.4f} ms vs the standing model "
-                                   f"{reference_ms:.4f} ms: {gain:.4f}x (deterministic "
-                                   f"backend: {what})"}
+            return replace(decided, gain=gain,
+                           reason=f"{trial} {best.values[0]:.4f} ms vs the standing model "
+                                  f"{reference_ms:.4f} ms: {gain:.4f}x (deterministic "
+                                  f"backend: {what})")
         cmp = confirm(plan)
         speedup = 1.0 / cmp.ratio
         confirmed = rule.confirmed(cmp, needed, False, removes_only)
         measured = (f"{trial} re-measured against the standing model in {cmp.rounds} "
                     f"interleaved rounds: {speedup:.3f}x (95 % CI {1 / cmp.ci_high:.3f}-"
                     f"{1 / cmp.ci_low:.3f})")
-        return {
-            **(decided if confirmed else stay),
-            PatternAttr.GAIN: speedup if confirmed else 1.0,
-            PatternAttr.CANDIDATE_TRIAL: best.number,
-            PatternAttr.CONFIRMATION: {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
-                                       "rounds": cmp.rounds, "speedup": speedup},
-            Agreed.REASON: f"{measured}: committed ({what})" if confirmed else
-                           f"{measured}: standing scheme kept ({what}"
-                           + ("" if removes_only else ", confirmed by the interval") + ")",
-        }
+        return replace(
+            decided if confirmed else Decision(keep),
+            gain=speedup if confirmed else 1.0, candidate_trial=best.number,
+            confirmation={"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
+                          "rounds": cmp.rounds, "speedup": speedup},
+            reason=f"{measured}: committed ({what})" if confirmed else
+                   f"{measured}: standing scheme kept ({what}"
+                   + ("" if removes_only else ", confirmed by the interval") + ")",
+        )
 

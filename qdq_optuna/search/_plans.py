@@ -13,8 +13,8 @@ process, so a re-proposed failure is skipped rather than crashing the backend ag
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ from qdq_optuna.errors import UserError
 from qdq_optuna.measure.accuracy import ErrorScorer
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
 from qdq_optuna.placement.export import QuantPlan
-from qdq_optuna.record.attrs import PHASES, PlanMemo  # noqa: F401 (PHASES: re-exported)
+from qdq_optuna.record import PHASES, Measurement, PlanMemo  # noqa: F401 (PHASES: re-exported)
 
 log = logging.getLogger("qdq_optuna")
 
@@ -82,15 +82,15 @@ class PlanMeasurer:
                                 f"{model}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, dict]:
+    def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, Measurement]:
         """One model's own latency (not against a reference), once per run: the baseline and
         the starts. ``key``: the plan key (or another name) the memo keeps it under."""
         cached = self._cached_key(key)
         if cached is not None:
-            return cached["latency_ms"], cached
+            return cached.latency_ms, cached
         m = self.measurer.screen(source) if self.deterministic else self.measurer.measure(source)
         self._count(phase)
-        record = {"latency_ms": m.score_ms, "stats": m.to_dict(), "qdq": qdq}
+        record = Measurement(latency_ms=m.score_ms, stats=m.to_dict(), qdq=qdq)
         self.memo.put(key, record)
         return m.score_ms, record
 
@@ -101,7 +101,7 @@ class PlanMeasurer:
         if self.deterministic:
             cached = self._cached_key(key) if key is not None else None
             if cached is not None:
-                return [cached["latency_ms"], cached["latency_ms"]]
+                return [cached.latency_ms, cached.latency_ms]
             ref = self.measurer.screen(source)
             self._count("descent")
             return [ref.score_ms, ref.score_ms]
@@ -112,71 +112,54 @@ class PlanMeasurer:
 
     def known(self, reference: Reference) -> None:
         """A trial that builds the reference itself is not measured: its ratio is 1 exactly."""
-        self.memo.put(reference.plan.key, {
-            "kind": "reference", "latency_ms": reference.ms, "ratio": 1.0, "ci": [1.0, 1.0],
-            "rounds": 0, "decided": True, "screened_out": False, "sessions": 0,
-            "reference": True, "reference_ms": reference.ms})
+        self.memo.put(reference.plan.key, Measurement(
+            kind="reference", latency_ms=reference.ms, ratio=1.0, ci=[1.0, 1.0], rounds=0,
+            decided=True, sessions=0, reference=True, reference_ms=reference.ms))
 
     # -- candidates ----------------------------------------------------------------------
-    def _cached_key(self, key: str) -> dict | None:
+    def _cached_key(self, key: str, ref_ms: float | None = None) -> Measurement | None:
+        """The same model measured earlier in this run (any pattern or process); against
+        ``ref_ms``, see :meth:`~qdq_optuna.record.records.Measurement.as_cached`."""
         cached = self.memo.get(key)
         if cached is None:
             return None
         self.cache_hits += 1
-        return {**cached, "cached": True}
-
-    def _cached(self, plan: QuantPlan, ref_ms: float | None = None) -> dict | None:
-        """The record of the same model measured earlier in this run (any pattern or process)."""
-        cached = self.memo.get(plan.key)
-        if cached is None:
-            return None
-        self.cache_hits += 1
-        record = {**cached, "cached": True}
-        then = cached.get("reference_ms")
-        if ref_ms is not None and (then is None or not math.isclose(then, ref_ms)):
-            # measured on its own or against another reference: only the latency carries over
-            record.update(ratio=cached["latency_ms"] / ref_ms, ci=None, decided=False,
-                          reference_ms=ref_ms, measured_against_ms=then)
-        return record
+        return cached.as_cached(ref_ms)
 
     def latency(self, exporter, plan: QuantPlan, reference: Reference,
-                where: str) -> tuple[float, dict]:
-        """A candidate's latency: ``reference.ms`` times its ratio to the reference.
-
-        The record (the trial's ``measurement`` user attr) always has ``kind`` (``ab``:
-        interleaved A/B against the pattern's reference; ``screened_out``: dropped by the
-        screen, see :data:`~qdq_optuna.measure.timing.SCREEN_DISCARD_RATIO`; ``screen``: one session,
-        fast timing; ``deterministic``), ``latency_ms``, ``ratio``, ``ci`` (of the ratio;
-        ``None`` where there is none), ``rounds``, ``decided``, ``screened_out``, ``sessions``
-        (timed sessions of the candidate), ``reference_ms``; ``cached: true`` when the model was
-        measured before. ``where`` names the trial, should the model fail (BackendError)."""
-        cached = self._cached(plan, reference.ms)
+                where: str) -> tuple[float, Measurement]:
+        """A candidate's latency: ``reference.ms`` times its ratio to the reference, and its
+        :class:`~qdq_optuna.record.records.Measurement` (the trial's ``measurement`` user attr;
+        ``kind``: ``ab``, interleaved A/B against the pattern's reference; ``screened_out``,
+        dropped by the screen, see :data:`~qdq_optuna.measure.timing.SCREEN_DISCARD_RATIO`;
+        ``screen``, one session, fast timing; ``deterministic``; ``cached`` when the model was
+        measured before). ``where`` names the trial, should the model fail (BackendError)."""
+        cached = self._cached_key(plan.key, reference.ms)
         if cached is not None:
-            return cached["latency_ms"], cached
+            return cached.latency_ms, cached
         try:
-            record = self._time(exporter.source(plan), reference)
+            record = dataclasses.replace(self._time(exporter.source(plan), reference),
+                                         qdq=len(plan))
         except BackendError:
             self.failed[plan.key] = where
             raise
-        record["qdq"] = len(plan)
         self.memo.put(plan.key, record)
-        return record["latency_ms"], record
+        return record.latency_ms, record
 
-    def _time(self, data, ref: Reference) -> dict:
-        base = {"reference_ms": ref.ms, "screened_out": False, "ci": None, "decided": False}
+    def _time(self, data, ref: Reference) -> Measurement:
         if self.deterministic:
             m = self.measurer.screen(data)
             ratio = m.score_ms / ref.ms
             self._count("descent")
-            return {**base, "kind": "deterministic", "latency_ms": m.score_ms, "ratio": ratio,
-                    "ci": [ratio, ratio], "rounds": 1, "decided": True, "sessions": 1,
-                    "deterministic": True}
+            return Measurement(kind="deterministic", latency_ms=m.score_ms, ratio=ratio,
+                               ci=[ratio, ratio], rounds=1, decided=True, sessions=1,
+                               reference_ms=ref.ms, deterministic=True)
         if self.measurer.protocol.name == "fast" or ref.screen_ms is None:
             m = self.measurer.screen(data)
             self._count("descent")
-            return {**base, "kind": "screen", "latency_ms": m.score_ms,
-                    "ratio": m.score_ms / ref.ms, "rounds": 1, "sessions": m.sessions,
-                    "stats": m.to_dict()}
+            return Measurement(kind="screen", latency_ms=m.score_ms, ratio=m.score_ms / ref.ms,
+                               rounds=1, sessions=m.sessions, reference_ms=ref.ms,
+                               stats=m.to_dict())
         screen = self.measurer.screen(data)
         self._count("descent")
         if far_off(screen.score_ms, ref.screen_ms):
@@ -186,17 +169,19 @@ class PlanMeasurer:
             self._count("descent")
             if far_off(screen.score_ms, now.score_ms):
                 ratio = screen.score_ms / now.score_ms
-                return {**base, "kind": "screened_out", "screened_out": True,
-                        "latency_ms": ref.ms * ratio, "ratio": ratio, "rounds": 1,
-                        "sessions": screen.sessions, "screen_ms": screen.score_ms,
-                        "reference_screen_ms": now.score_ms,
-                        "screen_threshold": SCREEN_DISCARD_RATIO, "stats": screen.to_dict()}
+                return Measurement(kind="screened_out", screened_out=True,
+                                   latency_ms=ref.ms * ratio, ratio=ratio, rounds=1,
+                                   sessions=screen.sessions, reference_ms=ref.ms,
+                                   screen_ms=screen.score_ms, reference_screen_ms=now.score_ms,
+                                   screen_threshold=SCREEN_DISCARD_RATIO,
+                                   stats=screen.to_dict())
         cmp = self.measurer.compare(data, ref.source)
         self._count("descent")
-        return {**base, "kind": "ab", "latency_ms": ref.ms * cmp.ratio, "ratio": cmp.ratio,
-                "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds, "decided": cmp.decided,
-                "verdict": cmp.verdict, "sessions": screen.sessions + cmp.candidate.sessions,
-                "screen_ms": screen.score_ms}
+        return Measurement(kind="ab", latency_ms=ref.ms * cmp.ratio, ratio=cmp.ratio,
+                           ci=[cmp.ci_low, cmp.ci_high], rounds=cmp.rounds, decided=cmp.decided,
+                           verdict=cmp.verdict, reference_ms=ref.ms,
+                           sessions=screen.sessions + cmp.candidate.sessions,
+                           screen_ms=screen.score_ms)
 
     # -- whole-model comparisons ---------------------------------------------------------
     def compare(self, candidate, reference, phase: str, *, until: str = "verdict") -> Comparison:

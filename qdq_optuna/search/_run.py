@@ -43,7 +43,7 @@ from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
-from qdq_optuna.record.attrs import RunRecord, delete_run
+from qdq_optuna.record import RunRecord, delete_run, write_pattern_cache, write_state
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
@@ -177,7 +177,8 @@ class Tuner:
         self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        scorer, data_name = self._scorer(exporter)
+        scorer, data_name = error_scorer(self.prepared, self.o, self.settings.runtime, exporter,
+                                         self.validation, self.calibration)
         plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
@@ -380,8 +381,8 @@ class Tuner:
     def close(self, outcome: SearchOutcome, report: dict) -> None:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
         the finished mark that a rerun with the same settings returns."""
-        self.record.write_pattern_cache(
-            self.out / "pattern_cache.yaml",
+        write_pattern_cache(
+            self.record, self.out / "pattern_cache.yaml",
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=outcome.lane)
         self._write_state("timeout" if outcome.partial else "done")
@@ -421,15 +422,7 @@ class Tuner:
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
                 "sampler": self.o.sampler, "timing": self.o.timing,
-                "scales": self.settings.scales, "high_precision": self._high_precision()}
-
-    def _high_precision(self) -> dict:
-        """report.json's ``high_precision``: the float part's precision, whether the graph's
-        inputs and outputs kept their types, the opsets and the nodes kept FP32 (with why)."""
-        hp = self.prepared.high_precision
-        if hp is None:
-            return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
-        return hp.describe()
+                "scales": self.settings.scales, "high_precision": high_precision_summary(self.prepared)}
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
@@ -441,26 +434,11 @@ class Tuner:
                                                  self.calibration)
         return self._calibrated
 
-    def _scorer(self, exporter: QDQExporter) -> tuple[ErrorScorer, str]:
-        """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
-        which data they are measured on; bad validation data or a bad metric fails here,
-        before any measurement."""
-        shapes = InputShapes.parse(self.o.input_shapes).shapes
-        data, data_name = validation_data(self.prepared.graph.model, validation=self.validation,
-                                          calibration=self.calibration, input_shapes=shapes)
-        hp = self.prepared.high_precision  # errors are against FP32, whatever runs
-        reference = (hp.source.full_model().SerializeToString() if hp is not None
-                     else exporter.source(exporter.plan(set())))
-        return ErrorScorer(reference, data, metric=self.o.metric,
-                           error_measure=self.o.error_measure,
-                           optimize=self.settings.runtime == "onnxruntime",
-                           bf16=hp is not None and hp.precision == "bf16"), data_name
-
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
         plans = self.search_state.plans if self.search_state is not None else None
         order = (self.starts or {}).get("order")
-        self.record.write_state(self.out, status, {
+        write_state(self.record, self.out, status, {
             "storage": self.storage_url,
             "fingerprint": self.fingerprint_digest,
             "baseline_latency_ms": self.search_state.baseline_ms if self.search_state is not None else None,
@@ -499,6 +477,31 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibrat
         log.warning("the %s recipe could not be made for this model (%s: %s); starting "
                     "without it", runtime, type(exc).__name__, exc)
         return None
+
+
+def high_precision_summary(prepared: PreparedModel) -> dict:
+    """report.json's ``high_precision``: the float part's precision, whether the graph's
+    inputs and outputs kept their types, the opsets and the nodes kept FP32 (with why)."""
+    hp = prepared.high_precision
+    if hp is None:
+        return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
+    return hp.describe()
+
+
+def error_scorer(prepared: PreparedModel, options: TuneOptions, runtime: str,
+                 exporter: QDQExporter, validation, calibration) -> tuple[ErrorScorer, str]:
+    """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
+    which data they are measured on; bad validation data or a bad metric fails here, before
+    any measurement."""
+    shapes = InputShapes.parse(options.input_shapes).shapes
+    data, data_name = validation_data(prepared.graph.model, validation=validation,
+                                      calibration=calibration, input_shapes=shapes)
+    hp = prepared.high_precision  # errors are against FP32, whatever runs
+    reference = (hp.source.full_model().SerializeToString() if hp is not None
+                 else exporter.source(exporter.plan(set())))
+    return ErrorScorer(reference, data, metric=options.metric,
+                       error_measure=options.error_measure, optimize=runtime == "onnxruntime",
+                       bf16=hp is not None and hp.precision == "bf16"), data_name
 
 
 def save_standing(exporter: QDQExporter, uses, out: Path) -> None:

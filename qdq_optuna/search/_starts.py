@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import optuna
 from optuna.trial import TrialState
@@ -25,7 +26,7 @@ from optuna.trial import TrialState
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.starts import Start
-from qdq_optuna.record.attrs import RunRecord
+from qdq_optuna.record import RunRecord, StartAttr, StartOutcome
 
 log = logging.getLogger("qdq_optuna")
 
@@ -36,22 +37,6 @@ log = logging.getLogger("qdq_optuna")
 RECIPE_LANE_RATIO = 1.25
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
-
-
-class StartAttr:
-    """User attrs of a ``RUN/_starts`` trial."""
-
-    START = "start"
-    POINTS_ON = "points_on"
-    NOTES = "notes"
-    EXACT = "exact"
-    QDQ_COUNT = "qdq_count"
-    ERROR = "error"
-    FEASIBLE = "feasible"
-    CHOSEN = "chosen"
-    LANE = "lane"
-    FAILURE = "failure"
-    PLAN_KEY = "plan_key"
 
 
 class StartsPhase:
@@ -102,73 +87,70 @@ class StartsPhase:
                 bar.trial()
                 bar.finish(note=self._summary(row))
             rows.append(row)
-        lanes = self._lanes(rows, self._choose(rows))
+        chosen_start = self._choose(rows)
+        lanes = self._lanes(rows, chosen_start)
         chosen = lanes[MAIN_LANE]  # the start of the standing model
-        by_name = {r["name"]: r for r in rows}
-        for r in rows:
-            r["chosen"] = r["name"] == chosen
-            r["lane"] = next((lane for lane, name in lanes.items() if name == r["name"]), None)
+        rows = [replace(r, chosen=r.name == chosen,
+                        lane=next((lane for lane, name in lanes.items() if name == r.name), None))
+                for r in rows]
+        by_name = {r.name: r for r in rows}
         return {"chosen": chosen, "lane_starts": lanes, "order": list(lanes),
                 "measurements": self.s.plans.by_phase["starts"] - spent,
-                "lanes": {lane: by_name[name]["schemes"] for lane, name in lanes.items()},
-                "starts": [{k: v for k, v in r.items() if k != "schemes"} for r in rows]}
+                "lanes": {lane: by_name[name].schemes for lane, name in lanes.items()},
+                "starts": [r.to_attrs() for r in rows]}
 
-    def _summary(self, row: dict) -> str:
-        if row.get("failure"):
-            return f"failed: {row['failure']}"
+    def _summary(self, row: StartOutcome) -> str:
+        if row.failure:
+            return f"failed: {row.failure}"
         base = self.s.baseline_ms
-        speed = f", {base / row['latency_ms']:.3f}x the baseline" if base else ""
-        ok = "" if row["feasible"] else f", output error {row['error']:.3g} over the bound"
-        return f"{row['latency_ms']:.4f} ms{speed}{ok}"
+        speed = f", {base / row.latency_ms:.3f}x the baseline" if base else ""
+        ok = "" if row.feasible else f", output error {row.error:.3g} over the bound"
+        return f"{row.latency_ms:.4f} ms{speed}{ok}"
 
-    def _measure(self, start: Start) -> dict:
+    def _measure(self, start: Start) -> StartOutcome:
         s = self.s
         space = s.settings.space
         schemes = {pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
                                                 pp.ids) for pp in s.prepared.tunable}
         plan = s.exporter.plan(self.record.uses(schemes))
-        row = {"name": start.name, "schemes": schemes, "points_on": start.on(),
-               "notes": list(start.notes), "exact": start.exact, "qdq": len(plan),
-               "plan_key": plan.key, "latency_ms": None, "error": None, "feasible": False}
+        row = StartOutcome(name=start.name, schemes=schemes, points_on=start.on(),
+                           notes=list(start.notes), exact=start.exact, qdq=len(plan),
+                           plan_key=plan.key)
         try:
-            row["latency_ms"], _ = s.plans.measure(s.exporter.source(plan), plan.key, "starts",
-                                                   qdq=len(plan))
+            ms, _ = s.plans.measure(s.exporter.source(plan), plan.key, "starts", qdq=len(plan))
         except BackendError as exc:
-            row["failure"] = str(exc)[:500]
             log.warning("start %s: the backend failed on it (%s)", start.name, exc)
-            return row
-        if s.guard is not None:
-            row["error"] = s.guard.error(plan)["error"]
-            row["feasible"] = row["error"] <= s.guard.bound
-        else:
-            row["feasible"] = True
-        return row
+            return replace(row, failure=str(exc)[:500])
+        if s.guard is None:
+            return replace(row, latency_ms=ms, feasible=True)
+        error = s.guard.error(plan)["error"]
+        return replace(row, latency_ms=ms, error=error, feasible=error <= s.guard.bound)
 
-    def _choose(self, rows: list[dict]) -> str:
+    def _choose(self, rows: list[StartOutcome]) -> str:
         """The fastest feasible start, when it beats float as a commit must (the run's
         ``CommitRule``: on a measured backend an interleaved A/B against float confirms it);
-        else float (always feasible: its error is the high precision's only)."""
-        ok = sorted((r for r in rows if r["feasible"] and r["latency_ms"] is not None),
-                    key=lambda r: (r["latency_ms"], r["name"]))
-        flt = next((r for r in rows if r["name"] == "float"), None)
-        if not ok or flt is None or flt["latency_ms"] is None or ok[0] is flt:
+        else float (always feasible: its error is the high precision's only). A start that
+        had to beat float in an A/B keeps it (``ab_vs_float``; ``rows`` is updated)."""
+        ok = sorted((r for r in rows if r.usable), key=lambda r: (r.latency_ms, r.name))
+        flt = next((r for r in rows if r.name == "float"), None)
+        if not ok or flt is None or flt.latency_ms is None or ok[0] is flt:
             return "float"
         best, rule = ok[0], self.s.rule
         if self.s.plans.deterministic:
-            return best["name"] if rule.promising(best["latency_ms"], flt["latency_ms"],
-                                                  rule.threshold) else "float"
+            return best.name if rule.promising(best.latency_ms, flt.latency_ms,
+                                               rule.threshold) else "float"
         cmp = self.s.plans.compare(self._source(best), self._source(flt), "starts")
-        best["ab_vs_float"] = {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
-                               "rounds": cmp.rounds}
-        return best["name"] if rule.confirmed(cmp, rule.threshold, False) else "float"
+        rows[rows.index(best)] = replace(best, ab_vs_float={
+            "ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds})
+        return best.name if rule.confirmed(cmp, rule.threshold, False) else "float"
 
-    def _source(self, row: dict):
+    def _source(self, row: StartOutcome):
         s = self.s
-        return s.exporter.source(s.exporter.plan(self.record.uses(row["schemes"])))
+        return s.exporter.source(s.exporter.plan(self.record.uses(row.schemes)))
 
-    def _lanes(self, rows: list[dict], chosen: str) -> dict[str, str]:
+    def _lanes(self, rows: list[StartOutcome], chosen: str) -> dict[str, str]:
         """Lane name -> start name, in descent order (see ``Config.start``)."""
-        ok = {r["name"]: r for r in rows if r["feasible"] and r["latency_ms"] is not None}
+        ok = {r.name: r for r in rows if r.usable}
         recipe = next((n for n in ok if n.startswith("recipe")), None)
         if self.mode == "float":
             return {MAIN_LANE: "float"}
@@ -177,14 +159,14 @@ class StartsPhase:
         lanes = {MAIN_LANE: chosen}
         # a start that is the same model as one already descended from adds no lane (on
         # models where quantize_static quantizes every offered point, the recipe is "all")
-        models = {ok[chosen]["plan_key"]} if chosen in ok else set()
+        models = {ok[chosen].plan_key} if chosen in ok else set()
         if self.mode == "all":
-            for name in sorted(ok, key=lambda n: ok[n]["latency_ms"]):
-                if ok[name]["plan_key"] not in models:
+            for name in sorted(ok, key=lambda n: ok[n].latency_ms):
+                if ok[name].plan_key not in models:
                     lanes[_lane_name(name)] = name
-                    models.add(ok[name]["plan_key"])
-        elif recipe is not None and ok[recipe]["plan_key"] not in models and \
-                ok[recipe]["latency_ms"] <= RECIPE_LANE_RATIO * ok[chosen]["latency_ms"]:
+                    models.add(ok[name].plan_key)
+        elif recipe is not None and ok[recipe].plan_key not in models and \
+                ok[recipe].latency_ms <= RECIPE_LANE_RATIO * ok[chosen].latency_ms:
             lanes["recipe"] = recipe
         return lanes
 
@@ -193,21 +175,15 @@ class StartsPhase:
         """One trial per start in ``RUN/_starts`` (those not written yet)."""
         study = self.record.starts_study()
         written = {t.user_attrs.get(StartAttr.START) for t in study.get_trials(deepcopy=False)}
-        for row in decided["starts"]:
-            if row["name"] in written:
+        for row in map(StartOutcome.from_attrs, decided["starts"]):
+            if row.name in written:
                 continue
-            attrs = {StartAttr.START: row["name"], StartAttr.POINTS_ON: row["points_on"],
-                     StartAttr.NOTES: row["notes"], StartAttr.EXACT: row["exact"],
-                     StartAttr.QDQ_COUNT: row["qdq"], StartAttr.ERROR: row["error"],
-                     StartAttr.FEASIBLE: row["feasible"], StartAttr.CHOSEN: row["chosen"],
-                     StartAttr.LANE: row["lane"], StartAttr.PLAN_KEY: row["plan_key"]}
-            if row.get("failure"):
-                attrs[StartAttr.FAILURE] = row["failure"]
+            if row.failure:
                 study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL,
-                                                          user_attrs=attrs))
+                                                          user_attrs=row.trial_attrs()))
             else:
-                study.add_trial(optuna.trial.create_trial(value=row["latency_ms"],
-                                                          user_attrs=attrs))
+                study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
+                                                          user_attrs=row.trial_attrs()))
 
 
 def _lane_name(start: str) -> str:

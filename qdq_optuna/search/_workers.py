@@ -16,15 +16,19 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import TrialState
 
-from qdq_optuna.record.attrs import (
+from qdq_optuna.record import (
     Agreed,
     PatternAttr,
     RunRecord,
     SystemAttr,
     TrialAttr,
+    claim,
     run_study_of,
+    stored_trial,
+    trial_id,
+    trial_system_attrs,
 )
-from qdq_optuna.record.storage import claim
+from qdq_optuna.record import fail_trial as _fail
 
 #: seconds between looks while a worker waits for other workers' trials to free a slot
 SLOT_POLL_S = 0.25
@@ -77,13 +81,10 @@ def enqueue_redo(study: optuna.Study, params: dict, user_attrs: dict | None = No
     study.enqueue_trial(params, user_attrs=user_attrs)
 
 
-def fail_trial(study: optuna.Study, trial_id: int, why: str, *, transient: bool = True) -> bool:
+def fail_trial(study: optuna.Study, tid: int, why: str, *, transient: bool = True) -> bool:
     """Fail one RUNNING trial (ours, on Ctrl-C); True if it was still running."""
-    storage = study._storage
     try:
-        storage.set_trial_user_attr(trial_id, TrialAttr.FAILURE, why)
-        storage.set_trial_user_attr(trial_id, TrialAttr.TRANSIENT, transient)
-        return bool(storage.set_trial_state_values(trial_id, TrialState.FAIL))
+        return _fail(study, tid, {TrialAttr.FAILURE: why, TrialAttr.TRANSIENT: transient})
     except Exception:  # finished meanwhile, or the storage is gone: nothing to do
         return False
 
@@ -94,9 +95,7 @@ def fail_running_trials(study: optuna.Study, with_attrs: bool = False) -> list:
     redo = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         with contextlib.suppress(Exception):
-            study._storage.set_trial_user_attr(t._trial_id, TrialAttr.FAILURE,
-                                               "process died while running")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            _fail(study, t, {TrialAttr.FAILURE: "process died while running"})
             redo.append((dict(t.params), move_attrs(t.user_attrs)) if with_attrs
                         else dict(t.params))
     return redo
@@ -185,7 +184,7 @@ class Workers:
         None: a slot is free but queued trials need the last slots; a trial of the sampler's
         own gives its slot up, so that the next ``ask`` runs a queued one."""
         number = trial.number
-        rank = (not queued(study._storage.get_trial(trial._trial_id)), number)
+        rank = (not queued(stored_trial(study, trial)), number)
         while True:
             trials = study.get_trials(deepcopy=False, states=_LIVE)
             done = sum(1 for t in trials if t.state == TrialState.COMPLETE)
@@ -218,7 +217,7 @@ class Workers:
 
     def wait_for(self, study: optuna.Study, trial: optuna.Trial) -> None:
         """Wait until another worker finished ``trial`` (or its heartbeat went stale)."""
-        while study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+        while stored_trial(study, trial).state == TrialState.RUNNING:
             remaining = self.remaining()
             if remaining is not None and remaining <= 0:
                 return
@@ -242,7 +241,7 @@ class Workers:
         knowingly repeats (``qdq:duplicate``) are not twins."""
         if not self.worker:
             return None
-        if study._storage.get_trial_system_attrs(trial._trial_id).get(SystemAttr.DUPLICATE):
+        if trial_system_attrs(study, trial).get(SystemAttr.DUPLICATE):
             return None
         for t in study.get_trials(deepcopy=False, states=_LIVE):
             if t.number != trial.number and t.user_attrs.get(TrialAttr.PLAN_KEY) == key:
@@ -255,7 +254,7 @@ class Workers:
         self.study = study
 
         def run(trial: optuna.Trial):
-            self.live_trial = trial._trial_id
+            self.live_trial = trial_id(trial)
             if self.worker and not self.record.claim(Agreed.run(study.study_name, trial.number)):
                 self.wait_for(study, trial)  # another worker took the same queued trial
                 raise LostTrial(f"trial {trial.number} runs in another worker")
@@ -274,5 +273,5 @@ class Workers:
             return
         with contextlib.suppress(Exception):
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if not self.worker or t._trial_id == self.live_trial:
-                    fail_trial(self.study, t._trial_id, "interrupted (Ctrl-C)", transient=True)
+                if not self.worker or trial_id(t) == self.live_trial:
+                    fail_trial(self.study, trial_id(t), "interrupted (Ctrl-C)", transient=True)

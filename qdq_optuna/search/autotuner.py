@@ -32,7 +32,7 @@ from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace, combine
-from qdq_optuna.record.attrs import PatternAttr, RunRecord, TrialAttr
+from qdq_optuna.record import PatternAttr, RunRecord, TrialAttr
 from qdq_optuna.record.storage import quiet_optuna
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._options import Settings

@@ -1,32 +1,13 @@
-"""The stored run: study names, every user-attribute key, and reading a run back.
+"""A run in its storage: reading and writing the stored run.
 
-A run ``RUN`` is the Optuna studies named ``RUN/...`` in one storage:
-
-* ``RUN``: the run's overview for optuna-dashboard, made when the run finishes (so it is the
-  first card of the study list): a note with the run's figures, phases and studies, the
-  whole-run convergence picture, a few small user attrs (speedup, latencies, the guard's
-  status) and no trials (:func:`qdq_optuna.outputs.dashboard.save_run_overview`);
-* ``RUN/_run``: the run's bookkeeping, kept small and out of sight. Its user attrs are the
-  settings' digest, when it was made, the baseline (the user's model) and the lane that
-  ships; its system attrs hold the settings, the whole-model starts and the lanes chosen from
-  them, every measured model (``measured:<plan key>``) and scored error (``error:<plan
-  key>``) and whether the run finished. Its trials are the values workers agreed on
-  (:func:`~qdq_optuna.record.storage.agree`: the baseline, the starts, each study's reference, each
-  commit, the lane that ships), without values. Its note follows the run while it runs;
-* ``RUN/_starts``: one trial per whole-model start (float, every point, the runtime's recipe,
-  the user's seeds), its value the start's latency;
-* ``RUN/P003/round1``: pattern ``P003``'s visit in round 1 of the descent from the standing
-  model; ``RUN/P003/recipe/round1`` the same in the descent from another start (a *lane*).
-  A visit's user attrs describe the pattern and, once decided, hold its commit (``committed``
-  last: its presence means the whole decision is stored; ``partner``: other patterns' schemes a
-  chain move changed with it). The standing model of a lane is its start with every decided
-  visit replayed in order (:meth:`RunRecord.standing`);
-* ``RUN/P003`` (no round): a study of the ask/tell :class:`~qdq_optuna.Autotuner`, and of runs
-  made before the whole-model search (the pattern-by-pattern pass and ``RUN/P003/refineN``),
-  which this version does not resume (:meth:`RunRecord.check_layout`).
-
-:class:`RunRecord` is the one place that names these studies and reads and writes their
-attributes; the search, the report, the dashboard and ``qdq-optuna bench`` go through it.
+:class:`RunRecord` names a run's studies (:mod:`qdq_optuna.record.schema`) and reads and writes
+what they hold: the settings and their fingerprint, the baseline, the agreed starts and lanes,
+each visit's reference and decision (:class:`~qdq_optuna.record.records.Decision`), the
+measured models (:class:`~qdq_optuna.record.records.Measurement`, in :class:`PlanMemo`), and
+what stands: a lane's standing model, replayed from its start and its decided visits. The
+``note_*`` functions write a trial's attrs; :func:`progress_curve` reads a whole run back
+without the model. The search, the report, the dashboard and ``qdq-optuna bench`` go through
+this module; Optuna's private parts are :mod:`qdq_optuna.record._optuna`'s.
 """
 
 from __future__ import annotations
@@ -36,230 +17,29 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import optuna
-import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.errors import UserError
 from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import Around, ChoiceSpace, combine
-from qdq_optuna.placement.seeds import PatternCache
+from qdq_optuna.record import _optuna
+from qdq_optuna.record.records import Decision, Measurement, StartOutcome
+from qdq_optuna.record.schema import (
+    FLOW,
+    WHOLE_MODEL,
+    Agreed,
+    PatternAttr,
+    RunAttr,
+    TrialAttr,
+    overview_study_name,
+    pattern_study_name,
+    run_study_name,
+    starts_study_name,
+)
 from qdq_optuna.record.storage import agree, claim
-
-RUN_STUDY = "_run"
-STARTS_STUDY = "_starts"
-#: the old layout's refinement studies (``RUN/P003/refine1``)
-REFINE = "refine"
-ROUND = "round"
-#: the phases measurements are counted in (``PlanMeasurer.by_phase``, report.json's
-#: ``measurements_by_phase``): the baseline, the whole-model starts (each measured once, then
-#: an A/B of the fastest two on a measured backend), the descent (each visit's reference and
-#: its trials), commit confirmations, the choice between lanes, the final A/B and the Pareto
-#: front
-PHASES = ("baseline", "starts", "descent", "confirmation", "lanes", "final", "pareto")
-#: the settings key that marks a run of the whole-model search
-FLOW = "flow"
-WHOLE_MODEL = "whole-model"
-
-
-class RunAttr:
-    """Attrs of the run study: user attrs (small, shown by ``optuna studies`` and the
-    dashboard) and system attrs (the bookkeeping; earlier versions kept them in user attrs)."""
-
-    # user attrs
-    FINGERPRINT = "fingerprint"
-    CREATED = "created"
-    BASELINE_MS = "baseline_latency_ms"
-    # system attrs
-    SETTINGS = "settings"
-    BASELINE_MEASUREMENT = "baseline_measurement"
-    #: the run's last finish: ``fingerprint``, ``at``, ``speedup``, ``report_sha256``
-    FINISHED = "qdq:finished"
-    #: the agreed starts: chosen start, lanes, each lane's start schemes (``Agreed.STARTS``)
-    STARTS = "starts"
-    #: the measurements choosing the lane that ships took
-    WINNER_COST = "winner_measurements"
-    # user attrs
-    #: what the baseline is (the user's model as given, or converted to FP16/BF16)
-    BASELINE_MODEL = "baseline_model"
-    #: the lane whose standing model ships (``Agreed.WINNER``)
-    WINNER = "winner"
-    #: prefixes of the per-model records: plan key -> measurement / output errors
-    MEASURED = "measured:"
-    ERROR = "error:"
-
-
-class OverviewAttr:
-    """Attrs of the run's overview study: small user attrs (what ``optuna studies`` shows) and
-    its picture (a system attr)."""
-
-    RUN_ID = "run_id"
-    STATUS = "status"
-    BASELINE_MS = "baseline_latency_ms"
-    FINAL_MS = "final_latency_ms"
-    SPEEDUP = "speedup"
-    ACCURACY = "accuracy_status"
-    #: the whole-run picture uploaded to it: ``artifact_id``, ``digest``, ``url``
-    PICTURE = "qdq:run_picture"
-
-
-class PatternAttr:
-    """User attrs of a pattern study (the ``qdq_*`` ones are read by our sampler)."""
-
-    SIGNATURE = "signature"
-    PATTERN_ID = "pattern_id"
-    REGIONS = "regions"
-    REGION_NODES = "region_nodes"
-    OPS = "ops"
-    POINTS = "qdq_points"
-    POINT_KINDS = "qdq_point_kinds"
-    CONCAT_GROUPS = "qdq_concat_groups"
-    FUSION_GROUPS = "qdq_fusion_groups"
-    POINT_TENSORS = "qdq_point_tensors"
-    POINT_USES = "qdq_point_uses"
-    NUM_CHOICES = "qdq_num_choices"
-    CHOICE_NAMES = "qdq_choice_names"
-    RUN_ID = "run_id"
-    #: the order visits ran in (lane, round, pattern)
-    ORDER = "order"
-    #: the descent round of a visit (1, 2, ...; 0: an ask/tell study)
-    ROUND = "round"
-    #: the start a visit's lane descends from (``float``, ``recipe``, ...)
-    LANE = "lane"
-    CONTEXT_KEY = "context_key"
-    BASELINE_MS = "baseline_latency_ms"
-    #: a visit's starting scheme: the pattern's standing scheme (points on)
-    FROM = "from_scheme"
-    #: the moves a visit queued and those it left out (their kind failed in this run before)
-    MOVES = "moves"
-    MOVES_SKIPPED = "moves_skipped"
-    #: every attr above is stored (a killed process may have left only some)
-    COMPLETE = "attrs_complete"
-    REFERENCE_MS = "reference_ms"
-    REFERENCE_SCREEN_MS = "reference_screen_ms"
-    REFERENCE_COST = "reference_measurements"
-    REFERENCE_ERROR = "reference_error"
-    REFERENCE_OUTPUT_ERRORS = "reference_output_errors"
-    CONVERGED_AFTER = "converged_after"
-    # the decision (see :meth:`RunRecord.store_decision`)
-    COMMITTED = "committed"
-    GAIN = "gain"
-    COMMIT_REASON = "commit_reason"
-    CANDIDATE_TRIAL = "candidate_trial"
-    CANDIDATE = "candidate"
-    CONFIRMATION = "confirmation"
-    COMMITTED_ERROR = "committed_error"
-    COMMITTED_OUTPUT_ERRORS = "committed_output_errors"
-    COMMITTED_TYPES = "committed_types"
-    #: other patterns' whole schemes a committed chain move changed (pattern id -> indices)
-    PARTNER = "partner"
-    #: the dashboard's pictures of the study
-    ARTIFACTS = "artifacts"
-
-
-class TrialAttr:
-    """User attrs of a pattern study's trials."""
-
-    SCHEME = "scheme"
-    SCHEME_TYPES = "scheme_types"
-    PLAN_KEY = "plan_key"
-    QDQ_COUNT = "qdq_count"
-    TENSORS = "tensors"
-    #: what the trial cost: times the backend was asked to time a model (0 when cached)
-    MEASUREMENTS = "measurements"
-    MEASUREMENT = "measurement"
-    ERROR = "error"
-    OUTPUT_ERRORS = "output_errors"
-    FEASIBLE = "feasible"
-    FAILURE = "failure"
-    TRANSIENT = "transient"
-    KNOWN_FAILURE = "known_failure"
-    DUPLICATE_OF = "duplicate_of"
-    SKIPPED = "skipped"
-    SLOT = "slot"
-    RETRY_OF = "retry_of"
-    RETRY_REASON = "retry_reason"
-    #: a descent move: its kind (``cache``, ``fusion``, ``concat``, ``chain``, ``single``),
-    #: its place in the visit's move list, what it changes (``on:Conv>Concat`` strings: Q/DQ
-    #: added or removed between a producer op and a consumer op) and, for a chain, the other
-    #: patterns' points it sets (pattern id -> {point: choice})
-    MOVE = "move"
-    MOVE_INDEX = "move_index"
-    MOVE_SIGNATURE = "move_signature"
-    PARTNER = "partner"
-    #: the trial beat the visit's best so far (what the move-kind statistics count)
-    IMPROVED = "improved"
-
-
-class SystemAttr:
-    """System attrs the search reads: Optuna's own and our sampler's."""
-
-    FIXED_PARAMS = "fixed_params"  # Optuna: an enqueued trial's parameters
-    FAILED_TRIAL = "failed_trial"  # Optuna: the trial a retry repeats
-    RETRY_HISTORY = "retry_history"
-    DUPLICATE = "qdq:duplicate"  # our sampler repeats a scheme knowingly
-    PHASE = "qdq:phase"
-
-
-class Agreed:
-    """Keys of the values a run's workers agree on (:func:`~qdq_optuna.record.storage.agree`).
-
-    A commit's agreed value is a decision: a dict of :class:`PatternAttr` keys, except that its
-    reason is under :attr:`REASON` (stored on the study as ``commit_reason``)."""
-
-    FINGERPRINT = "fingerprint"
-    BASELINE = "baseline"
-    STARTS = "starts"
-    WINNER = "winner"
-    REASON = "reason"
-
-    @staticmethod
-    def reference(study_name: str) -> str:
-        return f"reference/{study_name}"
-
-    @staticmethod
-    def commit(study_name: str) -> str:
-        return f"commit/{study_name}"
-
-    @staticmethod
-    def run(study_name: str, number: int) -> str:
-        """Which worker measures a queued trial two workers popped at once."""
-        return f"run/{study_name}/{number}"
-
-    @staticmethod
-    def redo(study_name: str, number: int) -> str:
-        return f"redo/{study_name}/{number}"
-
-    @staticmethod
-    def retry(study_name: str, number: int) -> str:
-        return f"retry/{study_name}/{number}"
-
-
-# -- names -----------------------------------------------------------------------------------------
-def run_study_name(run_id: str) -> str:
-    return f"{run_id}/{RUN_STUDY}"
-
-
-def overview_study_name(run_id: str) -> str:
-    """The run's overview study (see the module docstring): the run's own name."""
-    return run_id
-
-
-def starts_study_name(run_id: str) -> str:
-    return f"{run_id}/{STARTS_STUDY}"
-
-
-def pattern_study_name(run_id: str, pattern_id: str, rnd: int = 0, lane: str = "") -> str:
-    """``RUN/P003/round1`` (a visit), ``RUN/P003/recipe/round1`` (a visit in the lane that
-    descends from the recipe), ``RUN/P003`` (round 0: an ask/tell study)."""
-    name = f"{run_id}/{pattern_id}"
-    if not rnd:
-        return name
-    return f"{name}/{lane}/{ROUND}{rnd}" if lane else f"{name}/{ROUND}{rnd}"
 
 
 def run_study_of(study: optuna.Study) -> optuna.Study:
@@ -267,7 +47,7 @@ def run_study_of(study: optuna.Study) -> optuna.Study:
     run_id = study.user_attrs.get(PatternAttr.RUN_ID)
     if run_id is None:  # a study made without its attrs: its name says where it belongs
         run_id = study.study_name.split("/")[0]
-    return optuna.load_study(study_name=run_study_name(run_id), storage=study._storage)
+    return _optuna.load_sibling(study, run_study_name(run_id))
 
 
 def delete_run(storage, run_id: str) -> int:
@@ -283,38 +63,41 @@ def delete_run(storage, run_id: str) -> int:
 # -- the run study's attrs ---------------------------------------------------------------------------
 def run_attrs(run_study: optuna.Study) -> dict:
     """The run study's user and system attrs in one view (a key is in one or the other)."""
-    storage, sid = run_study._storage, run_study._study_id
-    return {**storage.get_study_system_attrs(sid), **storage.get_study_user_attrs(sid)}
+    return _optuna.study_attrs(run_study)
 
 
 def set_system_attr(study: optuna.Study, key: str, value) -> None:
-    study._storage.set_study_system_attr(study._study_id, key, value)
+    """Store a study's system attr (the run study's bookkeeping, the overview's picture)."""
+    _optuna.set_study_system_attr(study, key, value)
 
 
 # -- per-model records -------------------------------------------------------------------------------
 class PlanMemo:
-    """Plan key -> a record of that model (its measurement, or its output errors), stored in
-    the run study's system attrs under ``prefix`` (shared by workers, kept across resumes; a
-    run stored by an earlier version has them in user attrs)."""
+    """Plan key -> a record of that model, stored in the run study's system attrs under
+    ``prefix`` (shared by workers, kept across resumes; a run stored by an earlier version has
+    them in user attrs): a :class:`~qdq_optuna.record.records.Measurement` (``kind``) under
+    ``measured:``, output errors (a dict) under ``error:``."""
 
-    def __init__(self, run_study: optuna.Study, prefix: str) -> None:
+    def __init__(self, run_study: optuna.Study, prefix: str, kind: type | None = None) -> None:
         self.study = run_study
         self.prefix = prefix
-        self._local: dict[str, dict] = {}
+        self.kind = kind
+        self._local: dict = {}
 
     def refresh(self) -> None:
         for k, v in run_attrs(self.study).items():
             if k.startswith(self.prefix):
-                self._local[k[len(self.prefix):]] = v
+                self._local[k[len(self.prefix):]] = self.kind.from_attrs(v) if self.kind else v
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: str):
         if key not in self._local:
             self.refresh()
         return self._local.get(key)
 
-    def put(self, key: str, record: dict) -> None:
+    def put(self, key: str, record) -> None:
         self._local[key] = record
-        set_system_attr(self.study, self.prefix + key, record)
+        set_system_attr(self.study, self.prefix + key,
+                        record.to_attrs() if self.kind else record)
 
     def __len__(self) -> int:
         return len(self._local)
@@ -337,9 +120,16 @@ def note_failure(trial: optuna.Trial, why: str, transient: bool, cost: int) -> N
     trial.set_user_attr(TrialAttr.MEASUREMENTS, cost)
 
 
-def note_measurement(trial: optuna.Trial, record: dict, cost: int) -> None:
+def note_measurement(trial: optuna.Trial, measurement: Measurement, cost: int) -> None:
+    """A trial's measurement, and what it cost (0: the model was measured before)."""
     trial.set_user_attr(TrialAttr.MEASUREMENTS, cost)
-    trial.set_user_attr(TrialAttr.MEASUREMENT, record)
+    trial.set_user_attr(TrialAttr.MEASUREMENT, measurement.to_attrs())
+
+
+def trial_measurement(trial: FrozenTrial) -> Measurement | None:
+    """A trial's measurement (None: it measured nothing)."""
+    attrs = trial.user_attrs.get(TrialAttr.MEASUREMENT)
+    return Measurement.from_attrs(attrs) if isinstance(attrs, dict) else None
 
 
 def note_error(trial: optuna.Trial, err: dict, excess: float | None) -> None:
@@ -377,6 +167,7 @@ def pattern_attrs(pp: PatternPoints, prepared, space: ChoiceSpace) -> dict:
     return attrs
 
 
+
 # -- the record ------------------------------------------------------------------------------------
 class RunRecord:
     """One run in one storage: its studies by name, what they hold, and what stands.
@@ -392,7 +183,7 @@ class RunRecord:
         self.space = space
         self.run_study = optuna.create_study(study_name=run_study_name(run_id), storage=storage,
                                              load_if_exists=True)
-        self.measured = PlanMemo(self.run_study, RunAttr.MEASURED)
+        self.measured = PlanMemo(self.run_study, RunAttr.MEASURED, Measurement)
         self.errors = PlanMemo(self.run_study, RunAttr.ERROR)
 
     # -- agreement -------------------------------------------------------------------------
@@ -435,10 +226,14 @@ class RunRecord:
                 f"(changed: {', '.join(changed) or 'unknown'}); rerun with the same settings to "
                 "resume, add --fresh to start over, or pick another --output")
 
-    def baseline(self, measure: Callable[[], tuple[float, dict]], model: str = "") -> float:
+    def baseline(self, measure: Callable[[], tuple[float, Measurement]], model: str = "") -> float:
         """The baseline's latency (the user's model), measured once for all workers."""
         if RunAttr.BASELINE_MS not in self.run_study.user_attrs:
-            base_ms, record = self.agree(Agreed.BASELINE, lambda: list(measure()))
+            def measured() -> list:
+                ms, measurement = measure()
+                return [ms, measurement.to_attrs()]
+
+            base_ms, record = self.agree(Agreed.BASELINE, measured)
             set_system_attr(self.run_study, RunAttr.BASELINE_MEASUREMENT, record)
             self.run_study.set_user_attr(RunAttr.BASELINE_MODEL, model)
             self.run_study.set_user_attr(RunAttr.BASELINE_MS, base_ms)
@@ -463,6 +258,10 @@ class RunRecord:
             set_system_attr(self.run_study, RunAttr.STARTS, self.agree(Agreed.STARTS, decide))
             attrs = run_attrs(self.run_study)
         return attrs[RunAttr.STARTS]
+
+    def start_outcomes(self) -> list[StartOutcome]:
+        """The measured whole-model starts, as agreed (empty: not decided)."""
+        return [StartOutcome.from_attrs(row) for row in (self.starts() or {}).get("starts", [])]
 
     def winner(self, decide: Callable[[], tuple[str, int]]) -> str:
         """The lane whose standing model ships, agreed once (``decide``: the lane and the
@@ -558,17 +357,22 @@ class RunRecord:
             study.set_user_attr(PatternAttr.REFERENCE_ERROR, err["error"])
             study.set_user_attr(PatternAttr.REFERENCE_OUTPUT_ERRORS, err["output_errors"])
 
-    def store_decision(self, study: optuna.Study, decide: Callable[[], dict]) -> bool:
+    def store_decision(self, study: optuna.Study, decide: Callable[[], Decision]) -> bool:
         """Store a pattern's decision; the first decision stored in the run wins, so every
         worker builds the next visits on the same commits. False when the study was decided
         already (by another worker)."""
         if PatternAttr.COMMITTED in study.user_attrs:
             return False
-        decision = self.agree(Agreed.commit(study.study_name), decide)
+        agreed = self.agree(Agreed.commit(study.study_name), lambda: decide().to_agreed())
         # "committed" last: its presence means the whole decision is stored
-        for k, v in sorted(decision.items(), key=lambda kv: kv[0] == PatternAttr.COMMITTED):
-            study.set_user_attr(k if k != Agreed.REASON else PatternAttr.COMMIT_REASON, v)
+        for k, v in Decision.from_attrs(agreed, agreed=True).to_attrs().items():
+            study.set_user_attr(k, v)
         return True
+
+    @staticmethod
+    def decision(attrs: dict) -> Decision | None:
+        """A visit's decision, from its study's user attrs (None: not decided yet)."""
+        return Decision.from_attrs(attrs)
 
     # -- what stands -----------------------------------------------------------------------
     def visits(self, lane: str | None = None) -> list[dict]:
@@ -592,10 +396,11 @@ class RunRecord:
         (a visit's commit, and the partner schemes of a committed chain move)."""
         schemes = self.lane_start(lane)
         for attrs in self.visits(lane) if visits is None else visits:
-            if PatternAttr.COMMITTED not in attrs:
+            decision = Decision.from_attrs(attrs)
+            if decision is None:
                 continue
-            schemes[attrs[PatternAttr.PATTERN_ID]] = dict(attrs[PatternAttr.COMMITTED])
-            for pid, scheme in (attrs.get(PatternAttr.PARTNER) or {}).items():
+            schemes[attrs[PatternAttr.PATTERN_ID]] = dict(decision.committed)
+            for pid, scheme in (decision.partner or {}).items():
                 schemes[pid] = dict(scheme)
         return schemes
 
@@ -644,17 +449,18 @@ class RunRecord:
 
     def visit_entry(self, attrs: dict) -> dict:
         """One visit, for the report (from its study's attrs)."""
+        decision = Decision.from_attrs(attrs) or Decision(committed={}, gain=float(
+            attrs.get(PatternAttr.GAIN, 1.0)), reason=attrs.get(PatternAttr.COMMIT_REASON))
         entry = {"pattern": attrs.get(PatternAttr.PATTERN_ID),
                  "round": attrs.get(PatternAttr.ROUND), "lane": attrs.get(PatternAttr.LANE, ""),
                  "status": "committed" if PatternAttr.COMMITTED in attrs else "running",
                  "from_scheme": attrs.get(PatternAttr.FROM, []),
-                 "committed_scheme": self.space.on(attrs.get(PatternAttr.COMMITTED, {})),
-                 "gain": float(attrs.get(PatternAttr.GAIN, 1.0)),
-                 "commit_reason": attrs.get(PatternAttr.COMMIT_REASON),
+                 "committed_scheme": self.space.on(decision.committed),
+                 "gain": decision.gain, "commit_reason": decision.reason,
                  "moves": attrs.get(PatternAttr.MOVES, 0),
                  "moves_skipped": attrs.get(PatternAttr.MOVES_SKIPPED, 0)}
-        if attrs.get(PatternAttr.PARTNER):
-            entry["partner"] = {p: self.space.on(s) for p, s in attrs[PatternAttr.PARTNER].items()}
+        if decision.partner:
+            entry["partner"] = {p: self.space.on(s) for p, s in decision.partner.items()}
         if PatternAttr.CONVERGED_AFTER in attrs:
             entry["converged_after"] = attrs[PatternAttr.CONVERGED_AFTER]
         return entry
@@ -678,55 +484,6 @@ class RunRecord:
         return self.trials(pp, int(attrs[PatternAttr.ROUND]), attrs.get(PatternAttr.LANE, "")) or []
 
     # -- snapshots -------------------------------------------------------------------------
-    def write_state(self, out: Path, status: str, run: dict, lane: str | None = None) -> None:
-        """``state.yaml``: a readable snapshot (``run``: storage, fingerprint, baseline and
-        counters of this process, in that order; ``lane``: the lane whose standing model the
-        patterns show, once the starts are decided)."""
-        patterns = []
-        rows = {}
-        visits = self.visits()
-        if lane is not None and self.starts() is not None:
-            rows = {r[PatternAttr.PATTERN_ID]: r for r in self.committed(lane)[1]}
-        for pp in self.tunable:
-            pid = pp.pattern.id
-            mine = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
-            row = {"id": pid, "signature": pp.pattern.signature,
-                   "regions": len(pp.pattern.regions), "points": len(pp.ids),
-                   "status": "pending", "visits": len(mine),
-                   "decided": sum(PatternAttr.COMMITTED in a for a in mine)}
-            if mine:
-                row["status"] = "committed" if row["visits"] == row["decided"] else "running"
-            r = rows.get(pid)
-            if r is not None:
-                row["standing"] = sorted(self.space.on(r[PatternAttr.COMMITTED]))
-                row["gain"] = round(float(r.get(PatternAttr.GAIN, 1.0)), 4)
-            patterns.append(row)
-        state = {"status": status, "run_id": self.run_id, **run, "patterns": patterns,
-                 "resume": "rerun the same command to continue"}
-        atomic_write_bytes(out / "state.yaml", yaml.safe_dump(state, sort_keys=False).encode())
-
-    def write_pattern_cache(self, path: Path, *, minimum_distance: int, max_entries: int,
-                            lane: str | None = None) -> None:
-        """Every measured scheme of every pattern with the whole model's latency it gave, the
-        standing scheme (``lane``'s) first, for ``--pattern-cache`` of a later run."""
-        cache = PatternCache()
-        standing = self.standing(lane) if lane is not None and self.starts() else {}
-        by_pattern: dict[str, list] = {}
-        for attrs in self.visits():
-            for t in self.visit_trials(attrs):
-                if t.state == TrialState.COMPLETE and t.values and not t.user_attrs.get(
-                        TrialAttr.PARTNER):
-                    by_pattern.setdefault(attrs[PatternAttr.PATTERN_ID], []).append(
-                        (self.space.on(t.params), t.values[0]))
-        for pp in self.tunable:
-            schemes = by_pattern.get(pp.pattern.id, [])
-            if pp.pattern.id in standing:  # first: below every measured latency
-                best = min((lat for _, lat in schemes), default=0.0)
-                schemes.append((self.space.on(standing[pp.pattern.id]), max(best - 1e-6, 0.0)))
-            if schemes:
-                cache.add(pp.pattern.signature, schemes, minimum_distance=minimum_distance,
-                          max_entries=max_entries)
-        cache.save(path)
 
 
 def studies_in_order(storage, run_id: str) -> list[tuple[optuna.Study, dict]]:
@@ -749,9 +506,9 @@ def progress_curve(storage, run_id: str) -> dict:
     x, best = 1, math.inf  # the baseline; the fastest whole model known so far
     curve = [(x, 1.0)]
     starts = run.get(RunAttr.STARTS) or {}
-    for row in starts.get("starts", []):  # each start measured once (their total below)
-        if row.get("feasible") and row.get("latency_ms"):
-            best = min(best, float(row["latency_ms"]))
+    for start in map(StartOutcome.from_attrs, starts.get("starts", [])):  # each measured once
+        if start.feasible and start.latency_ms:
+            best = min(best, float(start.latency_ms))
     x += int(starts.get("measurements", len(starts.get("starts", []))))
     curve.append((x, base / best if best < math.inf else 1.0))
     for study, attrs in studies_in_order(storage, run_id):
@@ -773,8 +530,8 @@ def _trial_cost(t) -> int:
     n = t.user_attrs.get(TrialAttr.MEASUREMENTS)
     if isinstance(n, int) and not isinstance(n, bool):
         return n
-    record = t.user_attrs.get(TrialAttr.MEASUREMENT)  # runs made before trials carried a count
-    return 0 if not isinstance(record, dict) or record.get("cached") else 1
+    m = trial_measurement(t)  # runs made before trials carried a count
+    return 0 if m is None or m.cached else 1
 
 
 def _compress(curve: list[tuple[int, float]]) -> list[list[float]]:
@@ -789,6 +546,3 @@ def _compress(curve: list[tuple[int, float]]) -> list[list[float]]:
             continue
         out.append([x, y])
     return out
-
-
-# -- aggregation ---------------------------------------------------------------------------------

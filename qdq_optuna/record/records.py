@@ -1,0 +1,229 @@
+"""The stored run's records, typed: what a measurement, a decision and a start hold.
+
+Each is a frozen dataclass with ``to_attrs()`` (the JSON-able dict stored in an Optuna
+attribute) and ``from_attrs()`` (read back, from this version or an earlier one: a key it does
+not know is kept in ``extra`` and written back unchanged, a key it lacks takes the default).
+The dicts are the stored format; their keys never change.
+
+* :class:`Measurement`: one model's latency: the trial attr ``measurement``, the run's memo
+  ``measured:<plan key>`` and the baseline's ``baseline_measurement``;
+* :class:`Decision`: a visit's decision: the agreed ``commit/<study>`` value and the pattern
+  study's ``committed``, ``gain``, ``commit_reason``, ... attrs;
+* :class:`StartOutcome`: one whole-model start as measured: a row of the run's ``starts`` and
+  a trial of ``RUN/_starts``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from qdq_optuna.record.schema import Agreed, PatternAttr, StartAttr
+
+#: ``Measurement.kind`` values: an interleaved A/B against the visit's reference, dropped by
+#: the screen, one session's fast timing, a deterministic backend, the reference itself (known
+#: without measuring); ``None``: a model timed on its own (the baseline, a start)
+KINDS = ("ab", "screened_out", "screen", "deterministic", "reference")
+
+
+def _known(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One model's latency, and how it was measured.
+
+    A model timed on its own (the baseline, a start) has ``latency_ms``, ``stats`` and ``qdq``.
+    A candidate timed against a visit's reference also has ``kind`` (see :data:`KINDS`),
+    ``ratio`` (to the reference), ``ci`` (of the ratio; ``None`` where there is none),
+    ``rounds``, ``decided``, ``screened_out``, ``sessions`` (timed sessions of the candidate)
+    and ``reference_ms``; some kinds say more (``verdict``, ``screen_ms``, ...). ``cached``:
+    the model was measured earlier in the run (``measured_against_ms``: the reference it was
+    measured against then, when that differs)."""
+
+    latency_ms: float
+    kind: str | None = None
+    ratio: float | None = None
+    ci: list[float] | None = None
+    rounds: int | None = None
+    decided: bool = False
+    screened_out: bool = False
+    sessions: int | None = None
+    reference_ms: float | None = None
+    qdq: int | None = None
+    stats: dict | None = None
+    verdict: str | None = None
+    screen_ms: float | None = None
+    reference_screen_ms: float | None = None
+    screen_threshold: float | None = None
+    deterministic: bool = False
+    reference: bool = False
+    measured_against_ms: float | None = None
+    cached: bool = False
+    #: keys this version does not know (a later version's), kept as they were
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def against_reference(self) -> bool:
+        """Timed against a visit's reference (it has a ratio), not on its own."""
+        return self.ratio is not None
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The stored dict: the fields that are set; a candidate's ``ci``, ``decided`` and
+        ``screened_out`` always (``ci: null``: no interval)."""
+        out: dict[str, Any] = {}
+        for name in _known(Measurement):
+            value = getattr(self, name)
+            if value is None or value is False:
+                if not (self.against_reference and name in ("ci", "decided", "screened_out")):
+                    continue
+            out[name] = list(value) if name == "ci" and value is not None else value
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> Measurement:
+        known = _known(cls)
+        return cls(**{k: v for k, v in attrs.items() if k in known},
+                   extra={k: v for k, v in attrs.items() if k not in known})
+
+    def as_cached(self, reference_ms: float | None = None) -> Measurement:
+        """The same model met again in the run: against ``reference_ms``, only its latency
+        carries over when it was measured on its own or against another reference."""
+        then = self.reference_ms
+        if reference_ms is None or (then is not None and math.isclose(then, reference_ms)):
+            return dataclasses.replace(self, cached=True)
+        return dataclasses.replace(self, cached=True, ratio=self.latency_ms / reference_ms,
+                                   ci=None, decided=False, reference_ms=reference_ms,
+                                   measured_against_ms=then)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A visit's decision: the scheme that stands for the pattern after it (``committed``:
+    point -> choice index; its starting scheme when nothing won) and why.
+
+    ``gain``: the speedup of the commit (1.0: nothing changed); ``candidate_trial``: the trial
+    judged; ``candidate``: how a two-objective run chose it; ``confirmation``: the interleaved
+    A/B that confirmed or refused it (``ratio``, ``ci``, ``rounds``, ``speedup``);
+    ``committed_error`` / ``committed_output_errors``: the whole model's output errors with
+    it; ``committed_types``: the quant type of each point (mixed precision); ``partner``:
+    other patterns' whole schemes a chain move changed with it (pattern id -> indices)."""
+
+    committed: dict[str, int]
+    gain: float = 1.0
+    reason: str | None = None
+    candidate_trial: int | None = None
+    candidate: str | None = None
+    confirmation: dict | None = None
+    committed_error: float | None = None
+    committed_output_errors: Any = None
+    committed_types: Any = None
+    partner: dict[str, dict[str, int]] | None = None
+    #: other keys of the agreed value (stored on the study as they are)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    #: field -> the pattern study's user attr it is stored under
+    _KEYS = {"committed": PatternAttr.COMMITTED, "gain": PatternAttr.GAIN,
+             "reason": PatternAttr.COMMIT_REASON,
+             "candidate_trial": PatternAttr.CANDIDATE_TRIAL,
+             "candidate": PatternAttr.CANDIDATE, "confirmation": PatternAttr.CONFIRMATION,
+             "committed_error": PatternAttr.COMMITTED_ERROR,
+             "committed_output_errors": PatternAttr.COMMITTED_OUTPUT_ERRORS,
+             "committed_types": PatternAttr.COMMITTED_TYPES, "partner": PatternAttr.PARTNER}
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The pattern study's user attrs, ``committed`` last (its presence means the whole
+        decision is stored)."""
+        out = {key: getattr(self, name) for name, key in self._KEYS.items()
+               if name != "committed" and getattr(self, name) is not None}
+        out.update(self.extra)
+        out[PatternAttr.COMMITTED] = self.committed
+        return out
+
+    def to_agreed(self) -> dict[str, Any]:
+        """The value workers agree on (``commit/<study>``): the attrs, the reason under
+        :attr:`Agreed.REASON`."""
+        out = self.to_attrs()
+        if PatternAttr.COMMIT_REASON in out:
+            out[Agreed.REASON] = out.pop(PatternAttr.COMMIT_REASON)
+        return out
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any], *, agreed: bool = False) -> Decision | None:
+        """A visit's decision from its study's user attrs (None: not decided), or, with
+        ``agreed``, from the value workers agreed on (its other keys kept in ``extra``)."""
+        if PatternAttr.COMMITTED not in attrs:
+            return None
+        values = {name: attrs[key] for name, key in cls._KEYS.items() if key in attrs}
+        if "reason" not in values and Agreed.REASON in attrs:
+            values["reason"] = attrs[Agreed.REASON]
+        values["committed"] = dict(values["committed"])
+        values["gain"] = float(values.get("gain", 1.0))
+        if agreed:
+            stored = set(cls._KEYS.values()) | {Agreed.REASON}
+            values["extra"] = {k: v for k, v in attrs.items() if k not in stored}
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class StartOutcome:
+    """One whole-model start as measured (a row of the run's ``starts``).
+
+    ``schemes``: pattern id -> scheme (indices; kept out of the stored row, the lanes hold
+    them); ``points_on``: its points, by name; ``latency_ms`` / ``error``: None when not
+    measured (``failure`` says why); ``chosen``: the standing model's start; ``lane``: the
+    lane that descends from it; ``ab_vs_float``: the A/B that let it beat float."""
+
+    name: str
+    schemes: dict[str, dict[str, int]] = field(default_factory=dict)
+    points_on: Any = None
+    notes: list[str] = field(default_factory=list)
+    exact: bool = False
+    qdq: int = 0
+    plan_key: str | None = None
+    latency_ms: float | None = None
+    error: float | None = None
+    feasible: bool = False
+    failure: str | None = None
+    chosen: bool = False
+    lane: str | None = None
+    ab_vs_float: dict | None = None
+
+    #: stored in every row (the rest only when set)
+    _ALWAYS = ("name", "points_on", "notes", "exact", "qdq", "plan_key", "latency_ms", "error",
+               "feasible")
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The stored row (without ``schemes``)."""
+        out = {name: getattr(self, name) for name in self._ALWAYS}
+        if self.failure:
+            out["failure"] = self.failure
+        if self.ab_vs_float is not None:
+            out["ab_vs_float"] = self.ab_vs_float
+        out["chosen"] = self.chosen
+        out["lane"] = self.lane
+        return out
+
+    @classmethod
+    def from_attrs(cls, row: dict[str, Any]) -> StartOutcome:
+        known = _known(cls)
+        return cls(**{k: v for k, v in row.items() if k in known})
+
+    @property
+    def usable(self) -> bool:
+        """Measured and within the accuracy bound: a start a lane may descend from."""
+        return self.feasible and self.latency_ms is not None
+
+    def trial_attrs(self) -> dict[str, Any]:
+        """The user attrs of its ``RUN/_starts`` trial."""
+        attrs = {StartAttr.START: self.name, StartAttr.POINTS_ON: self.points_on,
+                 StartAttr.NOTES: self.notes, StartAttr.EXACT: self.exact,
+                 StartAttr.QDQ_COUNT: self.qdq, StartAttr.ERROR: self.error,
+                 StartAttr.FEASIBLE: self.feasible, StartAttr.CHOSEN: self.chosen,
+                 StartAttr.LANE: self.lane, StartAttr.PLAN_KEY: self.plan_key}
+        if self.failure:
+            attrs[StartAttr.FAILURE] = self.failure
+        return attrs
