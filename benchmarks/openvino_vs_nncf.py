@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -157,25 +158,93 @@ def cosine(fp32: Path, other: Path, held: dict, shapes: str | None) -> float:
     return round(worst, 5)
 
 
+def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -> dict:
+    """Per variant, OpenVINO's per-layer timing (PERF_COUNT, ``OpenVinoBackend.profile``): the
+    sum of each layer's minimum over ``runs`` inferences (a figure a shared machine disturbs
+    far less than wall-clock latency), Convolutions by kernel precision, Reorders and f32
+    Subgraphs (a Q/DQ computed in float on its own)."""
+    parsed = dict(p.split(":") for p in shapes.split(",")) if shapes else {}
+    backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
+                                            for k, v in parsed.items()})
+    out = {}
+    for name, path in paths.items():
+        rows = backend.profile(str(path), runs=runs)
+
+        def count(layer: str, suffix: str = "", rows=rows) -> int:
+            return sum(1 for r in rows if r["layer_type"] == layer
+                       and r["exec_type"].endswith(suffix))
+
+        out[name] = {"layer_sum_ms": round(sum(r["min_us"] for r in rows) / 1000.0, 3),
+                     "conv_int8": count("Convolution", "I8"),
+                     "conv_f32": count("Convolution", "f32"),
+                     "reorders": count("Reorder"), "subgraph_f32": count("Subgraph", "f32")}
+    return out
+
+
 def one(name: str, args) -> dict:
     work = Path(args.work) / name.replace("@", "_")
     work.mkdir(parents=True, exist_ok=True)
+    load = [round(x, 2) for x in os.getloadavg()]
     paths, info = variants(name, work, args)
+    info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
     timed = {k: (v, "f32") for k, v in paths.items()}
     if "bf16" in supported_hints():
         timed["fp32_bf16"] = (paths["fp32"], "bf16")
     mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
+    info["load_avg_1_5_15"]["after_timing"] = [round(x, 2) for x in os.getloadavg()]
     fp32 = mins["fp32"]
     row = {"model": name, **info,
            "ms": {k: round(statistics.median(v), 3) for k, v in mins.items()},
            "speedup_vs_fp32_f32": {k: ratio(v, fp32) for k, v in mins.items() if k != "fp32"},
            "cosine_vs_fp32": {k: cosine(paths["fp32"], p, held, info["input_shapes"])
                               for k, p in paths.items() if k != "fp32"}}
+    row["layer_profile"] = layer_profiles(paths, info["input_shapes"])
     if "tuned" in mins:
         row["tuned_vs_nncf"] = ratio(mins["tuned"], mins["nncf"])
     row["nncf_reexported_vs_nncf"] = ratio(mins["nncf_reexported"], mins["nncf"])
     return row
+
+
+def _ci(r: dict | None) -> str:
+    if not r:
+        return "-"
+    lo, hi = r.get("ci95", [None, None])
+    return f"{r['ratio']:.3f}" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None else "")
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: per model, speed vs FP32 (f32 hint) of NNCF, ONNX Runtime's recipe and tuned,
+    tuned vs NNCF (median per-round ratio, 95% interval), cosine vs FP32, tune wall time, layer
+    profile sums and the load average."""
+    lines = ["| model | NNCF vs FP32 | ORT recipe vs FP32 | tuned vs FP32 | **tuned vs NNCF** | "
+             "layer sum ms FP32 / NNCF / tuned | conv int8/f32 NNCF, tuned | cosine NNCF / "
+             "tuned | tune wall s | load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['model']} | {row['error'][:90]} |" + " |" * 8)
+                continue
+            sp, cos = row["speedup_vs_fp32_f32"], row["cosine_vs_fp32"]
+            prof = row.get("layer_profile") or {}
+
+            def lay(k: str, prof=prof) -> str:
+                return f"{prof[k]['layer_sum_ms']:.2f}" if k in prof else "-"
+
+            def conv(k: str, prof=prof) -> str:
+                return f"{prof[k]['conv_int8']}/{prof[k]['conv_f32']}" if k in prof else "-"
+
+            load = row.get("load_avg_1_5_15") or {}
+            loads = "-".join(f"{v[0]:.1f}" for v in load.values())
+            lines.append(
+                f"| {row['model']} | {_ci(sp.get('nncf'))} | {_ci(sp.get('ort_recipe'))} | "
+                f"{_ci(sp.get('tuned'))} | **{_ci(row.get('tuned_vs_nncf'))}** | "
+                f"{lay('fp32')} / {lay('nncf')} / {lay('tuned')} | "
+                f"{conv('nncf')}, {conv('tuned')} | {cos.get('nncf', '-')} / "
+                f"{cos.get('tuned', '-')} | {(row.get('tune') or {}).get('wall_s', '-')} | "
+                f"{loads or '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,13 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--table", nargs="+", metavar="RESULT.json",
+                    help="print the markdown table of earlier results and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(Path(p).read_text()) for p in args.table]), end="")
+        return 0
     import nncf
     import openvino
 
     rows = []
     for name in args.models:
-        rows.append(one(name, args))
+        try:
+            rows.append(one(name, args))
+        except starts.ToolError as exc:  # NNCF refused the model: no comparison to make
+            rows.append({"model": name, "error": str(exc)})
         print(json.dumps(rows[-1], indent=1), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(
@@ -211,8 +288,6 @@ def _machine() -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = "unknown CPU"
-    import os
-
     return f"{cpu}, {os.cpu_count()} cores"
 
 

@@ -154,7 +154,10 @@ def test_tune_on_openvino_writes_the_hint(tmp_path: Path) -> None:
                   config=Config(schemes_per_region=2, refine_rounds=0), timing="fast")
     backend = result.report["backend"]
     assert backend["name"] == "openvino" and backend["inference_precision"] == "f32"
+    assert backend["inference_precision_why"].startswith("f32")
     assert result.report["runtime"] == "openvino"
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "- inference precision: `f32`" in md and "- run it: `openvino.Core()" in md
     assert np.isfinite(result.speedup)
 
 
@@ -182,3 +185,93 @@ def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
                    and n.output[0] in table and table[name] == table[n.output[0]])
 
     assert sharing(scales) > sharing(own), "the run's scales share no more than their own"
+
+
+def _concat_inputs_only(pm: PreparedModel) -> set:
+    """Every point on except the reads of Concat outputs: the Concats' inputs carry the Q/DQ
+    and the Convolution after a Concat reads it through the precision-preserving Concat (as
+    NNCF places them on YOLO's C2f blocks)."""
+    cat = {n.output[0] for n in pm.graph.nodes if n.op_type == "Concat"}
+    return {u for pp in pm.points for u in pp.uses(pp.ids) if u[0] not in cat}
+
+
+def test_openvino_rules_share_every_concat_scale_so_the_next_conv_runs_u8() -> None:
+    """LPT turns a Concat of u8 inputs with different scales into a per-channel dequantization
+    the next Convolution cannot fold: that Convolution runs f32. ONNX Runtime's ratio (share
+    only comparable ranges) leaves some on the zoo YOLO; the OpenVINO rules share always."""
+    from qdq_optuna.model import calibration
+    from qdq_optuna.placement.rules import OPENVINO_CPU
+
+    assert OPENVINO_CPU.concat_share_ratio == 0.0
+    assert rules_for("onnxruntime").concat_share_ratio == calibration.CONCAT_SHARE_RATIO
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="openvino")
+    data = calibration.random_calibration_data(pm.graph.model, None, samples=4, seed=0)
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)
+    own = calibration.activation_scales(stats, method=calibration.DEFAULT_METHOD,
+                                        quant_type="uint8")
+    uses = _concat_inputs_only(pm)
+    backend = OpenVinoBackend()
+    f32 = {}
+    for ratio in (calibration.CONCAT_SHARE_RATIO, OPENVINO_CPU.concat_share_ratio):
+        scales = calibration.share_concat_scales(pm.graph.nodes, own, "uint8", ratio=ratio)
+        exporter = pm.exporter(scales=scales, quant_type="uint8")
+        f32[ratio] = _kinds(backend, exporter.source(exporter.plan(uses)))[
+            ("Convolution", "f32")]
+    assert f32[calibration.CONCAT_SHARE_RATIO] > 0, "the case no longer arises on the zoo YOLO"
+    assert f32[OPENVINO_CPU.concat_share_ratio] == 0
+
+
+def test_the_float_part_runs_at_the_faster_supported_hint(monkeypatch, tmp_path) -> None:
+    """Without --high-precision the user's float model is timed at each hint the CPU offers
+    and the faster one is the run's (the baseline and every candidate compile with it)."""
+    from qdq_optuna.backends import openvino as ovb
+    from qdq_optuna.search._options import TuneOptions, backend_for
+
+    model = zoo.build("tiny_chain").SerializeToString()
+    assert ovb.choose_precision(model, "bf16") == ("bf16", "--high-precision bf16")
+    only = ovb.supported_hints()
+    if len(only) == 1:  # f32 only: nothing to time
+        assert ovb.choose_precision(model, None)[0] == only[0]
+    # two hints (OpenVINO compiles a hint the CPU lacks at f32): both timed, the faster kept
+    monkeypatch.setattr(ovb, "supported_hints", lambda core=None: ("f32", "bf16"))
+    hint, ms = ovb.fastest_precision(model, rounds=3, runs=3)
+    assert set(ms) == {"f32", "bf16"} and ms[hint] == min(ms.values())
+    chosen, why = ovb.choose_precision(model, None, rounds=3, runs=3)
+    assert chosen in ms and "faster" in why and "bf16" in why and "f32" in why
+    backend = backend_for(TuneOptions(model=model, output_dir=str(tmp_path), backend="openvino",
+                                      isolate=False))
+    info = backend.describe()
+    assert info["inference_precision"] in ("f32", "bf16")
+    assert "faster on the float model" in info["inference_precision_why"]
+    assert f"'INFERENCE_PRECISION_HINT': '{info['inference_precision']}'" in info["how_to_run"]
+
+
+def test_swish_operands_are_not_sites_on_openvino() -> None:
+    """x * Sigmoid(x) is fused into x's Convolution by OpenVINO: a Q/DQ on either operand only
+    adds a float Subgraph. The rules leave them out; every point on then runs no such layer
+    (the zoo YOLO: 50 f32 Subgraphs with them)."""
+    pm, model = _all_on("yolo")
+    g = pm.graph
+    muls = [i for i, n in enumerate(g.nodes) if n.op_type == "Mul"]
+    swish = [i for i in muls if any(g.producer_op(t) == "Sigmoid" for t in g.nodes[i].input)]
+    assert swish, "the zoo YOLO has no SiLU any more"
+    for i in swish:
+        for slot, tensor in enumerate(g.nodes[i].input):
+            assert not pm.rules.quantizable(g, (tensor, i, slot))
+    kinds = _kinds(OpenVinoBackend(), model)
+    assert kinds[("Subgraph", "f32")] <= 1
+    assert kinds[("Convolution", "u8")] == 57 and kinds[("Convolution", "f32")] == 0
+
+
+def test_profile_reads_per_layer_kernels_and_times() -> None:
+    """PERF_COUNT per runtime layer: the quantized model's Convolutions run int8 kernels, the
+    float model's f32 ones, each with a positive minimum time."""
+    backend = OpenVinoBackend()
+    _, quantized = _all_on("resnet")
+    for model, kernel in ((zoo.build("resnet", "small").SerializeToString(), "f32"),
+                          (quantized, "I8")):
+        rows = backend.profile(model, runs=3, warmup=1)
+        convs = [r for r in rows if r["layer_type"] == "Convolution"]
+        assert convs and all(r["min_us"] > 0 for r in rows)
+        assert all(r["exec_type"].endswith(kernel) for r in convs), \
+            sorted({r["exec_type"] for r in convs})

@@ -66,6 +66,46 @@ def supported_hints(core: Any = None) -> tuple[str, ...]:
     return tuple(h for h, cap in _CAPABILITY.items() if cap in caps)
 
 
+def fastest_precision(model: ModelSource, *, input_shapes: Mapping[str, Sequence[int]] | None
+                      = None, threads: int = 1, rounds: int = 5, runs: int = 10
+                      ) -> tuple[str, dict[str, float]]:
+    """The inference precision hint the user's float ``model`` runs fastest at on this CPU,
+    and each supported hint's milliseconds (median over ``rounds`` of the minimum of ``runs``
+    inferences, hints interleaved, a fresh compiled model each round). With one supported hint
+    (a CPU without AVX512-BF16/AMX-FP16: f32 only) nothing is timed and its time is absent."""
+    core = _openvino().Core()
+    hints = supported_hints(core)
+    if len(hints) == 1:
+        return hints[0], {}
+    backends = {h: OpenVinoBackend(threads=threads, precision=h, input_shapes=input_shapes)
+                for h in hints}
+    best: dict[str, list[float]] = {h: [] for h in hints}
+    for r in range(int(rounds)):
+        for i in range(len(hints)):
+            h = hints[(r + i) % len(hints)]
+            with backends[h].load(model) as runner:
+                best[h].append(min(runner.time(2, runs)))
+    ms = {h: round(float(np.median(v)), 4) for h, v in best.items()}
+    return min(ms, key=ms.__getitem__), ms
+
+
+def choose_precision(model: ModelSource, requested: str | None, **kwargs: Any
+                     ) -> tuple[str, str]:
+    """``(hint, why)`` for the float part: the requested one (``--high-precision``), else the
+    faster of the hints this CPU supports on the user's float ``model``
+    (:func:`fastest_precision`)."""
+    if requested is not None:
+        return precision_hint(requested), f"--high-precision {requested}"
+    try:
+        hint, ms = fastest_precision(model, **kwargs)
+    except BackendError as exc:  # e.g. a dynamic input without --input-shapes: f32 as before
+        return "f32", f"f32: the float model could not be timed at each hint ({exc})"
+    if not ms:
+        return hint, f"{hint}: the only inference precision this CPU offers OpenVINO"
+    times = ", ".join(f"{h} {v:.3f} ms" for h, v in sorted(ms.items(), key=lambda kv: kv[1]))
+    return hint, f"{hint}: the faster on the float model ({times})"
+
+
 class OpenVinoBackend(Backend):
     """Times ``InferRequest.infer`` on a model compiled for the CPU plugin."""
 
@@ -80,6 +120,7 @@ class OpenVinoBackend(Backend):
         seed: int = 0,
         device: str = "CPU",
         name: str | None = None,
+        precision_why: str | None = None,
     ) -> None:
         if int(threads) < 1:
             raise OptionError(f"--threads must be >= 1, got {threads}")
@@ -104,11 +145,14 @@ class OpenVinoBackend(Backend):
         self.input_data = {k: np.asarray(v) for k, v in (input_data or {}).items()}
         self.seed = int(seed)
         self.name = name or "openvino"
+        #: why the float part runs at this hint (``choose_precision``'s sentence)
+        self.precision_why = precision_why or "given"
 
     def describe(self) -> dict:
         return {"name": self.name, "openvino": self._ov.__version__, "device": self.device,
                 "threads": self.threads, "performance_hint": self.performance_hint,
                 "inference_precision": self.precision,
+                "inference_precision_why": self.precision_why,
                 "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
                 "input_data": sorted(self.input_data), "seed": self.seed,
                 "how_to_run": "openvino.Core().compile_model('optimized.onnx', 'CPU', "
@@ -120,8 +164,9 @@ class OpenVinoBackend(Backend):
                 "PERFORMANCE_HINT": self.performance_hint,
                 "INFERENCE_PRECISION_HINT": self.precision}
 
-    def compile(self, model: ModelSource) -> Any:
-        """The model compiled with :meth:`config` (a BackendError when OpenVINO refuses it)."""
+    def compile(self, model: ModelSource, extra: Mapping[str, str] | None = None) -> Any:
+        """The model compiled with :meth:`config` and ``extra`` properties (a BackendError when
+        OpenVINO refuses it)."""
         try:
             if isinstance(model, bytes):
                 read = self.core.read_model(model, b"")  # ONNX bytes: no separate weights
@@ -129,7 +174,7 @@ class OpenVinoBackend(Backend):
                 read = self.core.read_model(os.fspath(model))
             if self.input_shapes:
                 read.reshape({k: list(v) for k, v in self.input_shapes.items()})
-            return self.core.compile_model(read, self.device, self.config())
+            return self.core.compile_model(read, self.device, {**self.config(), **(extra or {})})
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise BackendError(f"OpenVINO could not compile the model: {text}") from exc
@@ -156,6 +201,31 @@ class OpenVinoBackend(Backend):
             else:
                 feeds[name] = np.zeros(shape, dtype=dtype)
         return feeds
+
+    def profile(self, model: ModelSource, runs: int = 50, warmup: int = 5
+                ) -> list[dict[str, Any]]:
+        """Per runtime layer, OpenVINO's own timing (``PERF_COUNT``): name, ``layer_type``,
+        ``exec_type`` (the kernel, e.g. ``jit_avx2_I8``, ``brgconv_avx2_1x1_f32``) and
+        ``min_us``, the minimum over ``runs`` inferences (robust to a shared machine's
+        interruptions), in execution order. Executed layers only."""
+        compiled = self.compile(model, {"PERF_COUNT": "YES"})
+        request = compiled.create_infer_request()
+        for name, value in self._make_inputs(compiled).items():
+            request.set_tensor(name, _tensor(value))
+        best: dict[str, dict[str, Any]] = {}
+        for i in range(warmup + runs):
+            request.infer()
+            if i < warmup:
+                continue
+            for info in request.get_profiling_info():
+                if str(info.status).endswith("NOT_RUN"):
+                    continue
+                us = info.real_time.total_seconds() * 1e6
+                row = best.setdefault(info.node_name, {
+                    "name": info.node_name, "layer_type": info.node_type,
+                    "exec_type": info.exec_type, "min_us": us})
+                row["min_us"] = min(row["min_us"], us)
+        return list(best.values())
 
     def what_ran(self, model: bytes) -> WhatRan | None:
         """Which layers OpenVINO's CPU plugin ran in u8/i8, read from the compiled model's

@@ -352,6 +352,18 @@ def _elapsed(r: dict) -> str:
             if at else "")
 
 
+def _how_to_run_lines(backend: dict) -> list[str]:
+    """The backend's one-line how-to-run (OpenVINO: the compile properties every measurement
+    used, the inference precision hint included) and why that hint."""
+    out = []
+    if backend.get("inference_precision"):
+        out.append(f"- inference precision: `{backend['inference_precision']}` "
+                   f"({backend.get('inference_precision_why') or 'given'})")
+    if backend.get("how_to_run"):
+        out.append(f"- run it: `{backend['how_to_run']}`")
+    return out
+
+
 def _kept_lines(kept: dict | None) -> list[str]:
     """The tuned model measured slower than the baseline, which ships instead."""
     if not kept:
@@ -371,6 +383,7 @@ def render_markdown(r: dict) -> str:
         f"- backend: `{r['backend'].get('name')}` (rules: {r['runtime']}), quant type `{r['quant_type']}`,"
         f" sampler `{r['sampler']}`, timing `{r['timing']}`, scales `{r['scales']}`",
         f"- high precision: {_precision_line(r.get('high_precision'))}",
+        *_how_to_run_lines(r.get("backend") or {}),
         f"- run: `{r['run_id']}` in `{r['storage']}`" + ("" if r["complete"] else " — **incomplete (timeout)**"),
         "",
         "| | latency (ms) |",

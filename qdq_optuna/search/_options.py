@@ -267,10 +267,22 @@ def backend_for(options: TuneOptions) -> Backend:
              "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
     kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
     if spec is not None and spec.runtime == "openvino":  # the float part: its precision hint
-        kwargs["precision"] = options.high_precision or "fp32"
+        kwargs["precision"], kwargs["precision_why"] = _openvino_precision(options, given)
     if ":" not in b:
         kwargs["isolate"] = bool(options.isolate)
     return make_backend(b, **kwargs)
+
+
+def _openvino_precision(options: TuneOptions, given: dict) -> tuple[str, str]:
+    """OpenVINO's inference precision hint: ``--high-precision``, else the faster hint the CPU
+    supports on the user's float model (the baseline runs at it, and so does every candidate)."""
+    from qdq_optuna.backends.openvino import choose_precision
+
+    model = options.model
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    return choose_precision(model, options.high_precision, threads=options.threads,
+                            input_shapes=given["input_shapes"])
 
 
 def backend_name(options: TuneOptions, backend: Backend) -> str:

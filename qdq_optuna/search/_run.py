@@ -570,10 +570,11 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
     # 8-bit Concat kernels copy inputs of the output's scale and requantize the others:
     # ONNX Runtime's QLinearConcat, and OpenVINO's Concatenation (NNCF unifies those scales;
     # without it our export of NNCF's placement ran 0.86x NNCF's file on a real YOLOv8n, with
-    # it 0.99x)
-    if prepared.rules.name in ("onnxruntime", "openvino") and hp is None:
+    # it 0.99x); how far each runtime shares is its rules' concat_share_ratio
+    ratio = prepared.rules.concat_share_ratio
+    if ratio is not None and hp is None:
         scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
-                                                 prepared.quant_type)
+                                                 prepared.quant_type, ratio=ratio)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
         typed = calibration.activation_scales(stats, method=options.calibration_method,
                                               quant_type=qtype)
