@@ -173,9 +173,11 @@ def test_no_private_search_module_is_imported_outside_the_search():
 # -- Optuna's private attributes: one adapter ----------------------------------------------------
 #: the one module allowed to name them
 OPTUNA_ADAPTER = "qdq_optuna/record/_optuna.py"
-#: where the check looks (samplers/ is an OptunaHub package on its own: like Optuna's samplers,
-#: it writes a trial's system attrs through ``study._storage``, and cannot import ours)
-CHECKED = ("qdq_optuna", "benchmarks")
+#: where the check looks
+CHECKED = ("qdq_optuna", "benchmarks", "samplers")
+#: samplers/ is an OptunaHub package on its own (it cannot import ours): like Optuna's samplers
+#: it writes a trial's system attrs through ``study._storage``, in this one function only
+SAMPLER_ADAPTER = ("samplers/qdq_mutation/_sampler.py", "set_system_attrs")
 
 
 def _optuna_private_names() -> set[str]:
@@ -228,6 +230,8 @@ def test_optuna_private_attributes_only_in_the_adapter():
             if rel == OPTUNA_ADAPTER:
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"))
+            if rel == SAMPLER_ADAPTER[0]:  # its one adapter function left out
+                tree.body = [n for n in tree.body if getattr(n, "name", None) != SAMPLER_ADAPTER[1]]
             found += [f"{rel}:{line} .{attr}" for line, attr in _private_uses(tree, names)]
     assert found == [], f"Optuna private attributes outside {OPTUNA_ADAPTER}: {found}"
     adapter = ast.parse((REPO / OPTUNA_ADAPTER).read_text(encoding="utf-8"))

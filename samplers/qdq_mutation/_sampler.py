@@ -102,6 +102,14 @@ class _Space:
         return tuple(scheme)
 
 
+def set_system_attrs(study: Study, trial: FrozenTrial, attrs: dict[str, Any]) -> None:
+    """Write a running trial's system attrs from the sampler, as Optuna's own samplers do: the
+    only place this package touches Optuna's storage internals (a sampler sees a
+    FrozenTrial, which has no public setter)."""
+    for key, value in attrs.items():
+        study._storage.set_trial_system_attr(trial._trial_id, key, value)
+
+
 class QDQMutationSampler(BaseSampler):
     """Top-k mutation sampler for Q/DQ placement with group moves and de-duplication.
 
@@ -282,7 +290,7 @@ class QDQMutationSampler(BaseSampler):
 
     # -- a visit of the descent (see _visit.py) ------------------------------------------------
     def _visit(self, study: Study) -> Visit | None:
-        sid = study._study_id
+        sid = study.study_name
         if sid not in self._visits:
             self._visits[sid] = Visit.of(study.user_attrs)
         return self._visits[sid]
@@ -298,7 +306,7 @@ class QDQMutationSampler(BaseSampler):
         if trials is None:
             trials = study.get_trials(deepcopy=False)
         identity = self._identity_fn(space, meta)
-        sid = study._study_id
+        sid = study.study_name
 
         def key(t: FrozenTrial | None, own: dict[str, int], foreign: dict[str, int]) -> Hashable:
             if t is not None and (sid, t.number) in self._keys:
@@ -333,7 +341,7 @@ class QDQMutationSampler(BaseSampler):
             record = {"kind": found.move.kind, "index": found.index,
                       "signature": list(found.move.signature), "foreign": found.foreign}
             own = found.own
-        study._storage.set_trial_system_attr(trial._trial_id, VISIT_MOVE_KEY, record)
+        set_system_attrs(study, trial, {VISIT_MOVE_KEY: record})
         self._proposed[trial.number] = record
         values = space.values(space.scheme_of(own))
         self._record(study, trial, "move", found.parent if found else None,
@@ -479,7 +487,7 @@ class QDQMutationSampler(BaseSampler):
         values = space.values(scheme)
         self._record(study, trial, origin, parent, moves, values, duplicate)
         if phase is not None:
-            study._storage.set_trial_system_attr(trial._trial_id, PHASE_KEY, phase)
+            set_system_attrs(study, trial, {PHASE_KEY: phase})
         return dict(values)
 
     @staticmethod
@@ -492,13 +500,10 @@ class QDQMutationSampler(BaseSampler):
         scheme: dict[str, Any],
         duplicate: bool,
     ) -> None:
-        storage = study._storage
-        storage.set_trial_system_attr(trial._trial_id, SCHEME_KEY, scheme)
-        storage.set_trial_system_attr(trial._trial_id, ORIGIN_KEY, origin)
-        storage.set_trial_system_attr(trial._trial_id, PARENT_KEY, parent)
-        storage.set_trial_system_attr(trial._trial_id, MOVES_KEY, moves)
+        attrs = {SCHEME_KEY: scheme, ORIGIN_KEY: origin, PARENT_KEY: parent, MOVES_KEY: moves}
         if duplicate:
-            storage.set_trial_system_attr(trial._trial_id, DUPLICATE_KEY, True)
+            attrs[DUPLICATE_KEY] = True
+        set_system_attrs(study, trial, attrs)
 
     def _mutate(
         self,

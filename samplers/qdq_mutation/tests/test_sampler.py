@@ -125,9 +125,8 @@ def test_search_space_from_user_attrs() -> None:
     points = _points(3)
     study = _qdq_study(QDQMutationSampler(seed=0), points, num_choices=3)
     trial = study.ask()
-    space = study.sampler.infer_relative_search_space(
-        study, study._storage.get_trial(trial._trial_id)
-    )
+    frozen = study.get_trials(deepcopy=False)[trial.number]
+    space = study.sampler.infer_relative_search_space(study, frozen)
     assert space == {p: optuna.distributions.IntDistribution(0, 2) for p in points}
 
 
