@@ -8,7 +8,6 @@ Why one module: the scripts repeated these (and drifted: two load gates, two rec
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -79,24 +78,16 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
     """``quantize_static`` as users run it: QDQ, per-channel, uint8 activations, int8 weights
     (7-bit on CPUs whose u8 x s8 kernels saturate, as ONNX Runtime's documentation advises).
 
-    Its per-weight notes and hints are silenced (the root logger is restored afterwards).
+    Its per-weight notes and hints are silenced (the package's ``quiet_tool``); a failure is
+    one ``ToolError`` line.
     """
     from onnxruntime.quantization import quantize_static
 
-    from qdq_optuna.placement.starts import (
-        ort_recipe_options,  # the package's recipe start's settings
-    )
+    # the package's recipe start's settings, quieted the same way
+    from qdq_optuna.placement.starts import ort_recipe_options, quiet_tool
 
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_static(str(src), str(dst), calibration_reader(data),
-                            **ort_recipe_options())
-    finally:
-        root.setLevel(level)
+    with quiet_tool("quantize_static"):
+        quantize_static(str(src), str(dst), calibration_reader(data), **ort_recipe_options())
 
 
 def pre_process(src: Path, dst: Path, symbolic: bool = True) -> None:

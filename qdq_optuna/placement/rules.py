@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from qdq_optuna.errors import OptionError
+from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
 
 ALL_SLOTS = -1
@@ -347,7 +348,7 @@ ONNXRUNTIME_CPU = RuntimeRules(
     output_quantized_ops=ORT_QUANTIZED_OPS,
     constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
     table_ops=frozenset({"Gather"}),
-    concat_share_ratio=0.5,  # calibration.CONCAT_SHARE_RATIO: QLinearConcat copies the bytes
+    concat_share_ratio=CONCAT_SHARE_RATIO,  # QLinearConcat copies the bytes
 )
 
 #: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an

@@ -356,7 +356,7 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
         def get_next(self):
             return next(self.it, None)
 
-    with _quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)"):
+    with quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)"):
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
                           save_as_external_data=big)
         quantize_static(str(pre), str(out), _Reader(), use_external_data_format=big,
@@ -378,7 +378,7 @@ def ort_recipe_options() -> dict:
 
 
 @contextlib.contextmanager
-def _quiet_tool(what: str) -> Iterator[None]:
+def quiet_tool(what: str) -> Iterator[None]:
     """A third-party quantizer run without its per-tensor notes, hints and progress bars; its
     failure is one :class:`ToolError` line naming it."""
     root = logging.getLogger()
@@ -430,7 +430,7 @@ def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
                                                    samples=samples, seed=0)
     count = len(next(iter(data.values())))
     feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
-    with _quiet_tool("NNCF's recipe (nncf.quantize)"):
+    with quiet_tool("NNCF's recipe (nncf.quantize)"):
         nncf.set_log_level(logging.ERROR)
         return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
 

@@ -33,6 +33,7 @@ import optuna
 
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import ERROR_MEASURES
+from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLER_TRAITS
 
 log = logging.getLogger("qdq_optuna")
 
@@ -74,8 +75,6 @@ def check_error_options(error_measure: str, max_output_error: float | None) -> N
 def check_sampler(sampler: str, *, multi_objective: bool, mixed: bool,
                   constrained: bool) -> None:
     """Clear errors for sampler/mode combinations that cannot work."""
-    from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLER_TRAITS
-
     traits = SAMPLER_TRAITS.get(sampler)
     if traits is None:
         return  # unknown names are refused where the sampler is made
