@@ -3,6 +3,8 @@ of them (a visit at a standalone Q/DQ is measured; the gain the descent finds st
 
 from __future__ import annotations
 
+from collections import Counter
+
 import onnx
 import pytest
 
@@ -115,28 +117,40 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
             single.setdefault(next(iter(tensors)), pt)
     by_size = sorted(single, key=lambda t: unfused.numel[t])
     small, big = by_size[0], by_size[-1]
-    assert unfused.share([small]) < MIN_RESOLVABLE_SHARE <= unfused.share([big])
+    total = unfused.total
+    assert unfused.numel[small] / total < MIN_RESOLVABLE_SHARE <= unfused.numel[big] / total
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+
+    def kept(tensor, what, on=False):
+        """Whether the engine's visit keeps the move that removes (or, ``on``, adds) only
+        ``tensor``'s Q/DQ, and the reasons it dropped moves for."""
+        pid, q = single[tensor]
+        visit = space.visit(pid, schemes, MoveStats(0), sites=unfused.point_sites(what),
+                            resolvable=unfused.resolvable())
+        if on:
+            schemes_off = {**schemes, pid: {**schemes[pid], q: 0}}
+            visit = space.visit(pid, schemes_off, MoveStats(0), sites=unfused.point_sites(what),
+                                resolvable=unfused.resolvable())
+            every = space.visit(pid, schemes_off, MoveStats(0)).moves
+            alone = [m for m in every if m.on == frozenset({q}) and not m.off]
+        else:
+            every = space.visit(pid, schemes, MoveStats(0)).moves
+            alone = [m for m in every if m.off == frozenset({q}) and not m.on]
+        assert alone
+        return alone[0] in visit.moves, visit.dropped
+
     what = WhatRan("test", standalone=frozenset({small, big}))
-    off = {t: _single(off=[single[t]]) for t in (small, big)}
-    kept, dropped = unfused.prune(list(off.values()), what)
-    assert off[big] in kept  # enough work to show up: measured
+    assert kept(big, what)[0]  # enough work to show up: measured
+    small_kept, dropped = kept(small, what)
     if deterministic:  # an exact backend resolves any gain: nothing dropped for its size
-        assert off[small] in kept and not dropped
+        assert small_kept and TOO_SMALL not in dropped
     else:
-        assert off[small] not in kept and dropped == {TOO_SMALL: 1}
-        assert "too small to measure" in skip_reason(dropped)
+        assert not small_kept and dropped.get(TOO_SMALL)
+        assert "too small to measure" in skip_reason(Counter(dropped))
     # a reformat there, or a move that switches a point on, is always measured
     reformat = WhatRan("test", standalone=frozenset({small}), reformats=frozenset({small}))
-    assert unfused.live(off[small], reformat)
-    assert unfused.live(_single(on=[single[small]]), what)
-    # the sampler's engine drops what Unfused drops
-    pid, q = single[small]
-    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
-    visit = space.visit(pid, schemes, MoveStats(0), sites=unfused.point_sites(what),
-                        resolvable=unfused.resolvable())
-    alone = [m for m in space.visit(pid, schemes, MoveStats(0)).moves
-             if m.off == frozenset({q}) and not m.on]
-    assert alone and (alone[0] in visit.moves) == deterministic
+    assert kept(small, reformat)[0]
+    assert kept(small, what, on=True)[0]
 
 
 @pytest.mark.parametrize("skipped", [True, False])

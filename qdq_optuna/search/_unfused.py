@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.search._moves import Move, Point
+from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
 
@@ -102,53 +102,7 @@ class Unfused:
                 why.extend(f"float {n}" for n in names if n in what.float_nodes)
         return {t: why for t, why in found.items() if why}
 
-    def sites(self, points: Iterable[Point], what: WhatRan) -> list[str]:
-        """Why a move over ``points`` can still win (empty: it cannot, by the report)."""
-        return [w for why in self.site_tensors(points, what).values() for w in why]
-
-    def share(self, tensors: Iterable[str]) -> float:
-        """The share of the model's activation elements in ``tensors`` (1.0 when a size is
-        unknown: never too small to measure)."""
-        sizes = [self.numel.get(t) for t in set(tensors)]
-        if not self.total or any(n is None for n in sizes):
-            return 1.0
-        return sum(sizes) / self.total
-
-    def why_not(self, move: Move, what: WhatRan | None) -> str | None:
-        """Why ``move`` cannot win by the report (None: it may; always, without one)."""
-        if what is None or move.on:
-            return None
-        found = self.site_tensors(move.off, what)
-        if not found:
-            return FUSED
-        if self.measured and not any(t in what.reformats for t in found) \
-                and self.share(found) < MIN_RESOLVABLE_SHARE:
-            return TOO_SMALL
-        return None
-
-    def live(self, move: Move, what: WhatRan | None) -> bool:
-        """Whether ``move`` may win by the report (always, without one)."""
-        return self.why_not(move, what) is None
-
-    def prune(self, moves: list[Move], what: WhatRan | None) -> tuple[list[Move], Counter]:
-        """The moves worth measuring, in the descent's own order; and how many were dropped,
-        by reason (:data:`FUSED`, :data:`TOO_SMALL`). (Putting the moves at a standalone Q/DQ
-        or a float island first was measured: the visit's first improvement then lands
-        elsewhere, 5 % slower on the zoo's ResNet.)"""
-        dropped: Counter = Counter()
-        if what is None:
-            return moves, dropped
-        kept = []
-        for m in moves:
-            why = self.why_not(m, what)
-            if why is None:
-                kept.append(m)
-            else:
-                dropped[why] += 1
-        return kept, dropped
-
-
-    # -- for our sampler's move engine (which prunes a visit's moves as prune() does) --------
+    # -- for our sampler's move engine, which drops a visit's moves by these -----------------
     def point_sites(self, what: WhatRan | None) -> Callable[[Point], dict[str, int]] | None:
         """Per point: the tensors where removing its Q/DQ may still win, with their
         activation elements (-1: a reformat there, or a size unknown: never too small to
