@@ -217,8 +217,6 @@ def test_defaults_follow_the_backend():
     assert resolve_high_precision(None, "tensorrt", "tensorrt") == "fp16"
     assert resolve_high_precision(None, "trtexec", "tensorrt") == "fp16"
     assert resolve_high_precision(None, "costmodel", "tensorrt") == "fp16"
-    # the cost model under ONNX Runtime's rules: FP32, which ONNX Runtime CPU fuses
-    assert resolve_high_precision(None, "costmodel", "onnxruntime") == "fp32"
     assert resolve_high_precision(None, "ort-cuda", "tensorrt") == "fp16"
     assert resolve_high_precision(None, "onnxruntime", "onnxruntime") == "fp32"
     assert resolve_high_precision(None, "pkg.mod:fn", "tensorrt") == "fp16"

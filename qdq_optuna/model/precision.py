@@ -107,7 +107,8 @@ def check_precision(name: str, option: str = "--high-precision") -> str:
 #: the precision a backend's users deploy when they do not say: TensorRT and CUDA users deploy
 #: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower)
 DEFAULT_FOR_BACKEND: Mapping[str, str] = {
-    "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16", "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
+    "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16", "costmodel": "fp16",
+    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
 }
 #: (backend, precision) pairs that cannot run, with why
 _ORT_CPU_BF16 = "ONNX Runtime's CPU provider has no bfloat16 kernels for Conv, MatMul or most ops"
@@ -135,8 +136,6 @@ def resolve_high_precision(requested: str | None, backend: str, runtime: str) ->
         return requested
     if backend in DEFAULT_FOR_BACKEND:
         return DEFAULT_FOR_BACKEND[backend]
-    # the cost model and callables follow the rules they place by: an ONNX Runtime CPU model
-    # stays FP32 (its Q/DQ fusions refuse FP16 scales: a real YOLOv8n's QLinearConcat did)
     return "fp16" if runtime == "tensorrt" else "fp32"
 
 
