@@ -2,8 +2,8 @@
 (``Config.prune_by_runtime``), side by side per model: measurements, wall time, final latency,
 visits skipped and why.
 
-Cost model (deterministic, cheap): every zoo model at the given sizes. ONNX Runtime CPU: a real
-model from ``benchmarks/real_models.py`` (run under the bench lock; interleave A/B yourself by
+Cost model (deterministic, cheap): every zoo model at the given sizes. ONNX Runtime or
+OpenVINO CPU: a real model from ``benchmarks/real_models.py`` (run under the bench lock; interleave A/B yourself by
 running both arms in one invocation, as this script does).
 
     python benchmarks/time_to_result.py costmodel --sizes medium full --work DIR
@@ -48,7 +48,7 @@ def run_arm(model, work: Path, arm: str, backend: str, **kwargs) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("backend", choices=("costmodel", "onnxruntime"))
+    ap.add_argument("backend", choices=("costmodel", "onnxruntime", "openvino"))
     ap.add_argument("--sizes", nargs="+", default=["medium", "full"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--real", nargs="*", default=[])

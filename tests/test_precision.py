@@ -365,16 +365,20 @@ def _session(path, **config) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def test_report_says_what_onnx_runtime_cpu_does_with_the_fp16_model(tmp_path):
-    """TensorRT rules, FP16 default: the guard scores the Q/DQ as written; the report also
-    says what a default ONNX Runtime CPU session does with the file (here: refuses it, its
-    QLinearConcat fusion takes no FP16 scales), and how to check it the guard's way."""
+@pytest.mark.parametrize("runtime", ["tensorrt", "onnxruntime"])
+def test_report_says_what_onnx_runtime_cpu_does_with_the_fp16_model(tmp_path, runtime):
+    """An FP16 float part, under TensorRT's rules and under ONNX Runtime's (whose guard would
+    otherwise score ONNX Runtime's fused kernels, which refuse the FP16 QLinearConcat: an
+    internal error before): the guard scores the Q/DQ as written; the report also says what a
+    default ONNX Runtime CPU session does with the file (here: refuses it, its QLinearConcat
+    fusion takes no FP16 scales), and how to check it the guard's way."""
     from qdq_optuna import Config, tune
     from qdq_optuna.examples import zoo
 
     model = zoo.build("tiny_concat")
-    result = tune(model, tmp_path / "out", backend="costmodel", runtime="tensorrt",
-                  config=Config.preset("quick"), progress=False)
+    result = tune(model, tmp_path / "out", backend="costmodel", runtime=runtime,
+                  high_precision="fp16", config=Config.preset("quick"), progress=False)
+    assert result.report["high_precision"]["precision"] == "fp16"
     acc = result.report["accuracy"]
     assert "graph optimizations off" in acc["scored_as"]
     check = acc["onnxruntime_cpu_default"]

@@ -152,7 +152,7 @@ def scored_as(bf16: bool, fused: bool) -> str:
                 "integer kernels an ONNX Runtime deployment runs)")
     return ("the saved model in ONNX Runtime CPU with graph optimizations off: each Q/DQ "
             "computed as written, which is what TensorRT's kernels compute up to their "
-            "rounding")
+            "rounding (ONNX Runtime's own fusions refuse FP16 Q/DQ graphs)")
 
 
 def check_default_session(accuracy: dict, scorer, saved) -> None:

@@ -499,8 +499,12 @@ def error_scorer(prepared: PreparedModel, options: TuneOptions, runtime: str,
     hp = prepared.high_precision  # errors are against FP32, whatever runs
     reference = (hp.source.full_model().SerializeToString() if hp is not None
                  else exporter.source(exporter.plan(set())))
+    # ONNX Runtime's fused integer kernels are what its rules stand for, but only with an FP32
+    # float part: its CPU fusions refuse valid FP16 Q/DQ graphs (QLinearConcat takes FP32
+    # scales only), so an FP16 model under its rules is scored as written
+    fused = runtime == "onnxruntime" and (hp is None or hp.precision == "fp32")
     return ErrorScorer(reference, data, metric=options.metric,
-                       error_measure=options.error_measure, optimize=runtime == "onnxruntime",
+                       error_measure=options.error_measure, optimize=fused,
                        bf16=hp is not None and hp.precision == "bf16"), data_name
 
 
