@@ -482,6 +482,35 @@ def test_start_all_descends_once_from_every_distinct_feasible_start(residual, tm
         starts[lane["start"]]["latency_ms"] for lane in lanes.values()) + 1e-12
 
 
+def test_a_later_lane_takes_only_clear_losses_as_its_prior():
+    """An earlier lane's failure counts in a later lane's prior only when the move lost at
+    least ``PRIOR_CLEAR_LOSS`` against the visit's best (a near miss does not); gains count."""
+    from qdq_optuna.record import TrialAttr
+    from qdq_optuna.search._descent import PRIOR_CLEAR_LOSS, Descent
+    from qdq_optuna.search._moves import MoveStats
+
+    def trial(number: int, ms: float, sig: str | None = None, improved: bool = False):
+        attrs = {} if sig is None else {TrialAttr.MOVE_SIGNATURE: [sig],
+                                        TrialAttr.IMPROVED: improved}
+        t = optuna.trial.create_trial(value=ms, user_attrs=attrs)
+        t.number = number
+        return t
+
+    near = 1.0 + PRIOR_CLEAR_LOSS / 2
+    clear = 1.0 + 2 * PRIOR_CLEAR_LOSS
+    # the reference (1.0), a near miss, a gain to 0.9, a clear loss against 0.9, a near miss
+    trials = [trial(0, 1.0), trial(1, near, "on:Mul>Split"), trial(2, 0.9, "off:Concat>Conv",
+                                                                     True),
+              trial(3, 0.9 * clear, "on:Sigmoid>Mul"), trial(4, 0.9 * near, "on:Sigmoid>Mul")]
+    prior = MoveStats(0)
+    Descent._absorb(prior, reversed(trials), clear=PRIOR_CLEAR_LOSS)
+    assert prior.to_attr() == {"off:Concat>Conv": [1, 1], "on:Sigmoid>Mul": [1, 0]}
+    own = MoveStats(0)  # in its own lane every outcome counts
+    Descent._absorb(own, trials)
+    assert own.to_attr() == {"off:Concat>Conv": [1, 1], "on:Mul>Split": [1, 0],
+                             "on:Sigmoid>Mul": [2, 0]}
+
+
 def test_a_start_that_is_the_same_model_adds_no_lane():
     from dataclasses import replace
 

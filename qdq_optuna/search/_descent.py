@@ -11,14 +11,17 @@ schemes with the same start and budget. Its decision replaces the pattern's stan
 chain move, the neighbours' it touched). A pattern whose surroundings carry the same Q/DQ as at
 its last visit is skipped. A lane ends when a round changes nothing, after ``1 +
 Config.refine_rounds`` rounds, or when the run's ``--timeout`` ends (its standing model is
-always a finished, feasible state: every decision passed the guard).
+always a finished, feasible state: every decision passed the guard). Each lane learns which move
+signatures pay on its own; a later lane starts from the earlier lanes' clear losses as a prior
+(a signature that only lost there is given up one failure sooner: ``PRIOR_CLEAR_LOSS``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 from optuna.trial import TrialState
 
@@ -30,6 +33,13 @@ from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason
 
 log = logging.getLogger("qdq_optuna")
+
+#: an earlier lane's failure counts in a later lane's prior only when the move lost at least
+#: this share against the visit's best: a near miss there is weak evidence from another start
+#: (on the YOLO-like zoo model ``on:Mul>Split`` lost 0.94-0.97 % three times from float, then
+#: paid three times from the recipe; the ~12 signatures that lost 1.3-13 % from float never
+#: paid from the recipe either)
+PRIOR_CLEAR_LOSS = 0.01
 
 
 class Descent:
@@ -68,7 +78,7 @@ class Descent:
     # -- a lane ----------------------------------------------------------------------------
     def lane(self, lane: str, lane_no: int) -> None:
         """Rounds of visits until one changes nothing (or ``rounds`` rounds)."""
-        stats = self._stats(lane)
+        stats = self._stats(lane, self.lanes[:lane_no])
         label = f"{lane} round" if lane else "round"
         for rnd in range(1, self.rounds + 1):
             self.s.progress.stage(f"{label} {rnd}", len(self.tunable))
@@ -86,21 +96,41 @@ class Descent:
                     log.info("%s", FINAL_LINE)
                 break
 
-    def _stats(self, lane: str) -> MoveStats:
-        """What the lane's decided visits learnt about move kinds (read back from their
-        trials, so a resumed process orders and skips moves as the first one did)."""
-        stats = MoveStats(self.s.config.skip_failed_moves)
-        for attrs in self.s.record.visits(lane):
-            if PatternAttr.COMMITTED in attrs:
-                self._absorb(stats, self.s.record.visit_trials(attrs))
+    def _stats(self, lane: str, earlier: Sequence[str] = ()) -> MoveStats:
+        """What the lane's decided visits learnt about move kinds, with what the ``earlier``
+        lanes learnt as a prior (a signature that clearly lost there and never paid is given
+        up sooner here: :meth:`MoveStats.need`). Read back from the trials, so a resumed
+        process orders and skips moves as the first one did (earlier lanes are decided
+        before a later one starts)."""
+        prior = MoveStats(0)
+        for other in earlier:
+            for trials in self._decided(other):
+                self._absorb(prior, trials, clear=PRIOR_CLEAR_LOSS)
+        stats = MoveStats(self.s.config.skip_failed_moves, prior.to_attr())
+        for trials in self._decided(lane):
+            self._absorb(stats, trials)
         return stats
 
+    def _decided(self, lane: str) -> Iterator[list]:
+        """The trials of each of the lane's decided visits, in the order they ran."""
+        for attrs in self.s.record.visits(lane):
+            if PatternAttr.COMMITTED in attrs:
+                yield self.s.record.visit_trials(attrs)
+
     @staticmethod
-    def _absorb(stats: MoveStats, trials) -> None:
+    def _absorb(stats: MoveStats, trials, clear: float | None = None) -> None:
+        """Count the moves' outcomes; with ``clear``, a failure only when the trial was
+        slower than the visit's best before it by that share or more."""
+        best = math.inf
         for t in sorted(trials, key=lambda t: t.number):
-            if t.state == TrialState.COMPLETE and TrialAttr.MOVE_SIGNATURE in t.user_attrs:
-                stats.tell(t.user_attrs[TrialAttr.MOVE_SIGNATURE],
-                           bool(t.user_attrs.get(TrialAttr.IMPROVED)))
+            if t.state != TrialState.COMPLETE or not t.values:
+                continue
+            value = t.values[0]
+            if TrialAttr.MOVE_SIGNATURE in t.user_attrs:
+                improved = bool(t.user_attrs.get(TrialAttr.IMPROVED))
+                if clear is None or improved or value >= best * (1 + clear):
+                    stats.tell(t.user_attrs[TrialAttr.MOVE_SIGNATURE], improved)
+            best = min(best, value)
 
     # -- a visit ---------------------------------------------------------------------------
     def visit(self, lane: str, order: int, rnd: int, pp: PatternPoints,

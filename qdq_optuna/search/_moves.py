@@ -5,10 +5,11 @@ sampler; the search only describes a visit in the study attr the sampler reads
 (:data:`~qdq_optuna.samplers.qdq_mutation.VISIT_ATTR`): the pattern's standing scheme, the
 points of other patterns a chain reaches and their standing choice, each point's
 producer/consumer ops (a move's signature), the chains, the pattern cache's scheme, what the
-lane's earlier visits taught (:class:`MoveStats`) and, from the runtime's report, where removing
-a point's Q/DQ may still win (moves that only remove Q/DQ the runtime fused, or too little to
-measure, are not proposed: ``_unfused.py``). A foreign point is named ``P005:<point>``; a
-trial that sets foreign points carries them as its ``partner``.
+lane's earlier visits taught (:class:`MoveStats`; earlier lanes' clear losses as ``prior``)
+and, from the runtime's report, where removing a point's Q/DQ may still win (moves that only
+remove Q/DQ the runtime fused, or too little to measure, are not proposed: ``_unfused.py``).
+A foreign point is named ``P005:<point>``; a trial that sets foreign points carries them as
+its ``partner``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class MoveSpace:
                 name(pt): sites(pt) for pt in sorted(mine) + foreign},
             **(dict(resolvable) if resolvable else {}),
         }
+        if stats.prior:  # a later lane: what earlier lanes taught
+            attr["prior"] = stats.prior_attr()
         return VisitMoves(pid, schemes, attr, Visit(attr, pp.ids, pp.fusion_groups,
                                                     pp.concat_groups))
 

@@ -13,6 +13,8 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
 * ``cache``: a scheme a pattern cache knows for the pattern, or None;
 * ``taught``: ``{signature: [tried, paid]}``, what earlier visits' moves taught;
 * ``give_up_after``: a signature tried that often without paying is not tried again (0: never);
+* ``prior``: ``{signature: [tried, paid]}`` from earlier descents (lanes) from other starts:
+  one that never paid there is given up sooner (:meth:`MoveStats.need`); optional;
 * ``sites``: per point, the tensors where removing its Q/DQ may still win by the runtime's
   report, with their activation elements (-1: never too small); empty: the runtime fused it.
   A move that only switches off points with no site is not proposed (``fused``), nor, with
@@ -65,6 +67,14 @@ INT8_READERS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Concat", "
 #: ops that run in float whatever their input: Q/DQ in front of them only costs
 FLOAT_ONLY = frozenset({"Softmax", "LayerNormalization", "Erf", "Div", "Sqrt", "Pow",
                         "ReduceMean", "Exp", "Sigmoid"})
+#: a signature that failed in earlier lanes (``prior``; qdq_optuna's search counts only clear
+#: losses there) and never paid there is given up one failure sooner per this many failures
+#: there: on the YOLO-like zoo model about 25 signatures failed 3 times from float and 3 more
+#: from the recipe (77 of the recipe lane's 92 measurements); giving them up after 1 recipe
+#: failure lost gains (``on:Add>Concat|on:Split>Concat`` paid at its second)
+PRIOR_FAILURES_PER_TRY = 3
+#: ... but never before it failed this often in the lane itself
+MIN_OWN_FAILURES = 2
 
 
 def op_prior(on_ops: Iterable[str], off_ops: Iterable[str]) -> float:
@@ -99,12 +109,15 @@ class Move:
 
 
 class MoveStats:
-    """How often each move signature improved the standing model (one descent lane)."""
+    """How often each move signature improved the standing model (one descent lane), and what
+    earlier lanes learnt (``prior``: ``{signature: [tried, paid]}``, see :meth:`need`)."""
 
-    def __init__(self, give_up_after: int) -> None:
+    def __init__(self, give_up_after: int,
+                 prior: Mapping[str, Sequence[int]] | None = None) -> None:
         self.give_up_after = give_up_after
         self.tried: Counter[str] = Counter()
         self.paid: Counter[str] = Counter()
+        self.prior = {k: (int(t), int(p)) for k, (t, p) in (prior or {}).items()}
 
     def tell(self, signature: Iterable[str], improved: bool) -> None:
         key = _key(signature)
@@ -117,24 +130,39 @@ class MoveStats:
 
     def plus(self, outcomes: Iterable[tuple[Iterable[str], bool]]) -> MoveStats:
         """A copy with more outcomes counted."""
-        out = MoveStats(self.give_up_after)
+        out = MoveStats(self.give_up_after, self.prior)
         out.tried, out.paid = Counter(self.tried), Counter(self.paid)
         for signature, improved in outcomes:
             out.tell(signature, improved)
         return out
 
+    def need(self, key: str) -> int:
+        """Failures in this lane that give a signature up: ``give_up_after``, less one per
+        ``PRIOR_FAILURES_PER_TRY`` failures in earlier lanes where it never paid (evidence
+        from another start counts for less: a move's worth depends on its neighbours'
+        Q/DQ), but at least ``MIN_OWN_FAILURES`` (the lane's own start gets its say)."""
+        tried, paid = self.prior.get(key, (0, 0))
+        if paid or not tried:
+            return self.give_up_after
+        return max(MIN_OWN_FAILURES, self.give_up_after - tried // PRIOR_FAILURES_PER_TRY)
+
     def hopeless(self, signature: Iterable[str]) -> bool:
         key = _key(signature)
         return bool(self.give_up_after) and not self.paid[key] and \
-            self.tried[key] >= self.give_up_after
+            self.tried[key] >= self.need(key)
 
     def to_attr(self) -> dict[str, list[int]]:
         """``{signature: [tried, paid]}`` (the ``taught`` of a visit attr)."""
         return {k: [n, self.paid[k]] for k, n in sorted(self.tried.items()) if n}
 
+    def prior_attr(self) -> dict[str, list[int]]:
+        """``prior`` as a visit attr (``{signature: [tried, paid]}``)."""
+        return {k: list(v) for k, v in sorted(self.prior.items())}
+
     @classmethod
-    def from_attr(cls, taught: Mapping[str, Sequence[int]], give_up_after: int) -> MoveStats:
-        out = cls(give_up_after)
+    def from_attr(cls, taught: Mapping[str, Sequence[int]], give_up_after: int,
+                  prior: Mapping[str, Sequence[int]] | None = None) -> MoveStats:
+        out = cls(give_up_after, prior)
         for key, (tried, paid) in taught.items():
             out.tried[key], out.paid[key] = int(tried), int(paid)
         return out
@@ -171,7 +199,7 @@ class Visit:
         self.chains = [frozenset(c) for c in attr.get("chains") or []]
         self.cache = attr.get("cache")
         self.stats = MoveStats.from_attr(attr.get("taught") or {},
-                                         int(attr.get("give_up_after", 0)))
+                                         int(attr.get("give_up_after", 0)), attr.get("prior"))
         sites = attr.get("sites")
         self.sites = None if sites is None else {str(p): dict(t) for p, t in sites.items()}
         self.min_share = attr.get("min_share")

@@ -7,7 +7,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from .. import VISIT_ATTR, QDQMutationSampler, Visit
+from .. import VISIT_ATTR, MoveStats, QDQMutationSampler, Visit
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -105,6 +105,26 @@ def test_a_signature_that_never_paid_is_given_up() -> None:
     study = _study(attr)
     study.optimize(_latency, n_trials=50)
     assert all(t.params["c"] == 1 for t in study.get_trials(deepcopy=False))
+
+
+def test_what_earlier_lanes_taught_gives_a_signature_up_sooner() -> None:
+    """A signature that failed 3 times in an earlier lane (``prior``) and never paid there is
+    given up after 2 failures in this lane, not 3; one that paid there keeps the full 3."""
+    plain, _ = Visit(_visit_attr(), POINTS, [["a", "b"]]).moves()
+    key = "|".join(next(m for m in plain if m.off == frozenset({"c"})).signature)
+
+    def tried_c(**over: Any) -> bool:
+        attr = _visit_attr(taught={key: [2, 0]}, give_up_after=3, **over)
+        study = _study(attr)
+        study.optimize(_latency, n_trials=50)
+        return any(t.params["c"] == 0 for t in study.get_trials(deepcopy=False))
+
+    assert tried_c()  # 2 failures of 3: tried once more
+    assert not tried_c(prior={key: [3, 0]})  # 3 failures elsewhere: one fewer needed here
+    assert tried_c(prior={key: [3, 1]})  # it paid elsewhere: no sooner
+    assert tried_c(prior={key: [2, 0]})  # under 3 failures elsewhere: no sooner
+    stats = MoveStats(3, {key: [9, 0]})
+    assert stats.need(key) == 2, "never before 2 failures in the lane itself"
 
 
 def test_ask_and_tell_drive_a_visit_too() -> None:
