@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 from optuna.trial import TrialState
 
@@ -78,7 +78,7 @@ class Descent:
     # -- a lane ----------------------------------------------------------------------------
     def lane(self, lane: str, lane_no: int) -> None:
         """Rounds of visits until one changes nothing (or ``rounds`` rounds)."""
-        stats = self._stats(lane, self.lanes[:lane_no])
+        stats = self._stats(lane)
         label = f"{lane} round" if lane else "round"
         for rnd in range(1, self.rounds + 1):
             self.s.progress.stage(f"{label} {rnd}", len(self.tunable))
@@ -96,14 +96,14 @@ class Descent:
                     log.info("%s", FINAL_LINE)
                 break
 
-    def _stats(self, lane: str, earlier: Sequence[str] = ()) -> MoveStats:
-        """What the lane's decided visits learnt about move kinds, with what the ``earlier``
-        lanes learnt as a prior (a signature that clearly lost there and never paid is given
-        up sooner here: :meth:`MoveStats.need`). Read back from the trials, so a resumed
-        process orders and skips moves as the first one did (earlier lanes are decided
-        before a later one starts)."""
+    def _stats(self, lane: str) -> MoveStats:
+        """What the lane's decided visits learnt about move kinds, with what the earlier lanes
+        (in descent order) learnt as a prior (a signature that clearly lost there and never
+        paid is given up sooner here: :meth:`MoveStats.need`). Read back from the trials, so
+        a resumed process orders and skips moves as the first one did (earlier lanes are
+        decided before a later one starts)."""
         prior = MoveStats(0)
-        for other in earlier:
+        for other in self.lanes[:self.lanes.index(lane)]:
             for trials in self._decided(other):
                 self._absorb(prior, trials, clear=PRIOR_CLEAR_LOSS)
         stats = MoveStats(self.s.config.skip_failed_moves, prior.to_attr())
