@@ -313,10 +313,12 @@ def read_what_ran(runtime_model: Any, model: bytes) -> WhatRan:
     QuantizeLinear folded into a layer that runs u8/i8 (a Convolution writing u8) is fused;
     one that runs in a float layer of its own (a ``Subgraph`` or FakeQuantize computing the
     rounding in f32) is standalone; Reorder/Convert layers are reformats of the tensor their
-    source layer writes; compute nodes in f32 layers, when integer layers ran too, are float."""
+    source layer writes; compute nodes in f32 layers, when integer layers ran too, are float;
+    the model's nodes an u8/i8 layer executes ran integer."""
     names = _OnnxNames(model)
     layers = list(runtime_model.get_ordered_ops())
     fused, standalone, floats, reformats = set(), set(), set(), set()
+    integer, not_integer = set(), set()  # the model's nodes, by the layers that ran them
     integer_seen = False
     for op in layers:
         info = _info(op)
@@ -331,12 +333,15 @@ def read_what_ran(runtime_model: Any, model: bytes) -> WhatRan:
         elif _integer(info):
             integer_seen = True
             fused.update(names.quantized(originals))
+            integer.update(n for n in originals if n in names.compute)
         else:
             standalone.update(names.quantized(originals))
+            not_integer.update(n for n in originals if n in names.compute)
             if layer in _COMPUTE:
                 floats.update(n for n in originals if n in names.compute)
     return WhatRan(how="OpenVINO CPU runtime graph (get_runtime_model: layerType, "
                        "runtimePrecision, originalLayersNames)",
                    fused=frozenset(fused - standalone), standalone=frozenset(standalone),
                    float_nodes=frozenset(floats) if integer_seen else frozenset(),
+                   integer_nodes=frozenset(integer - not_integer),
                    reformats=frozenset(reformats))

@@ -7,6 +7,14 @@ not measured. A move is kept when one of its tensors has a standalone Q or DQ or
 when a node reading or writing one of its tensors ran in float next to integer neighbours, or
 when it switches a point on (the report says nothing about a pair that is not there yet).
 
+On a measured backend whose report names the nodes it ran inside integer layers (OpenVINO's
+runtime graph), a move that switches points on is dropped too when every node reading or
+writing their tensors already ran integer, with no reformat or standalone Q/DQ there: the new
+pair can change no layer's precision, only add a requantization (*settled* points). From
+NNCF's placement on a real YOLOv8n every backbone layer runs u8, so of its moves only those at
+the detection head's float Concats and Softmax, and at the image input, are measured; each
+other one cost a 12-round A/B of about a minute that could not separate (intervals +-15 %).
+
 On a measured backend (not a deterministic one) a move that only switches points off is also
 dropped when the work it can save is too small to measure: removing a Q/DQ pair saves at most
 the standalone Q and DQ ops on its tensor (an element-wise pass each), so a move whose
@@ -43,6 +51,7 @@ MIN_RESOLVABLE_SHARE = 0.01
 #: why a move was dropped (the skip reasons of a visit)
 FUSED = "fused"
 TOO_SMALL = "too small"
+INTEGER = "integer"
 
 
 class Unfused:
@@ -115,6 +124,27 @@ class Unfused:
                     else self.numel[t] for t in self.site_tensors([pt], what)}
         return sites
 
+    def settled(self, what: WhatRan | None) -> Callable[[Point], bool] | None:
+        """Per point: whether a Q/DQ pair there can change no layer's precision, by the report:
+        every node reading or writing its tensors ran inside an integer layer, and no reformat
+        or standalone Q/DQ is at them (a graph input never is: the runtime converts it). None
+        when the report cannot tell (no ``integer_nodes``) or the backend is exact (it prices
+        any change)."""
+        if what is None or what.integer_nodes is None or not self.measured:
+            return None
+        g, integer = self.s.prepared.graph, what.integer_nodes
+
+        def settled(pt: Point) -> bool:
+            for tensor, node, _ in self.uses_of[pt]:
+                if tensor in what.reformats or tensor in what.standalone \
+                        or tensor not in g.producer:
+                    return False
+                if g.nodes[node].name not in integer or \
+                        g.nodes[g.producer[tensor][0]].name not in integer:
+                    return False
+            return True
+        return settled
+
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
         elements (None: an exact backend measures any gain)."""
@@ -132,6 +162,9 @@ def skip_reason(dropped: Counter) -> str:
         parts.append(f"{dropped[TOO_SMALL]} only remove standalone Q/DQ on under "
                      f"{MIN_RESOLVABLE_SHARE:.0%} of the model's activations: a gain "
                      "too small to measure")
+    if dropped[INTEGER]:
+        parts.append(f"{dropped[INTEGER]} only add Q/DQ where every neighbouring layer "
+                     "already ran integer (no layer's precision would change)")
     return f"all {sum(dropped.values())} move(s): " + "; ".join(parts)
 
 

@@ -18,6 +18,9 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
   A move that only switches off points with no site is not proposed (``fused``), nor, with
   ``min_share`` and ``total``, one whose sites hold less than ``min_share`` of the ``total``
   activation elements (``too small`` to measure). None: no report.
+* ``settled``: points where a Q/DQ pair can change no layer's precision by the report (every
+  neighbour already ran integer); a move that only switches such points on (and fused ones
+  off) is not proposed (``integer``). None: the report cannot tell.
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
@@ -174,6 +177,8 @@ class Visit:
                                          int(attr.get("give_up_after", 0)))
         sites = attr.get("sites")
         self.sites = None if sites is None else {str(p): dict(t) for p, t in sites.items()}
+        settled = attr.get("settled")
+        self.settled = None if settled is None else frozenset(map(str, settled))
         self.min_share = attr.get("min_share")
         self.total = attr.get("total") or 0
         self.fusion = [frozenset(g) for g in fusion_groups]
@@ -243,13 +248,15 @@ class Visit:
 
     def why_not(self, move: Move) -> str | None:
         """Why the runtime's report says ``move`` cannot win (None: it may)."""
-        if self.sites is None or move.on:
+        if self.sites is None:
+            return None
+        if move.on and (self.settled is None or not move.on <= self.settled):
             return None
         found: dict[str, int] = {}
         for p in move.off:
             found.update(self.sites.get(p, {}))
         if not found:
-            return "fused"
+            return "integer" if move.on else "fused"
         if self.min_share is not None and self.total and all(n >= 0 for n in found.values()) \
                 and sum(found.values()) / self.total < self.min_share:
             return "too small"
@@ -257,7 +264,7 @@ class Visit:
 
     def moves(self) -> tuple[list[Move], dict[str, int]]:
         """The visit's moves in order, and how many the runtime's report dropped, by reason
-        (``fused``, ``too small``)."""
+        (``fused``, ``too small``, ``integer``)."""
         if self._moves is None:
             kept, dropped = [], Counter()
             for m in self.all_moves():
