@@ -134,7 +134,8 @@ class Descent:
         visit = self.space.visit(pid, schemes, stats, cached,
                                  self.unfused.point_sites(what) if self.unfused else None,
                                  self.unfused.resolvable() if self.unfused else None,
-                                 self.unfused.settled(what) if self.unfused else None)
+                                 self.unfused.settled(what) if self.unfused else None,
+                                 self.unfused.added(what) if self.unfused else None)
         dropped = Counter(visit.dropped)
         if dropped:  # a visit skipped outright is in the report: only the log's detail
             log.log(logging.INFO if visit.moves else logging.DEBUG, "%s round %d: %d move(s) "

@@ -14,10 +14,13 @@ pair can change no layer's precision, only add a requantization (*settled* point
 NNCF's placement on a real YOLOv8n every backbone layer runs u8, so of its moves only those at
 the detection head's float Concats and Softmax, and at the image input, are measured; each
 other one cost a 12-round A/B of about a minute that could not separate (intervals +-15 %).
+The size rule below covers additions too: a pair added where no multiply-add op may change
+precision saves at most an element-wise pass over its tensors and the outputs of the nodes
+reading them.
 
-On a measured backend (not a deterministic one) a move that only switches points off is also
-dropped when the work it can save is too small to measure: removing a Q/DQ pair saves at most
-the standalone Q and DQ ops on its tensor (an element-wise pass each), so a move whose
+On a measured backend (not a deterministic one) a move is also dropped when the work it can
+save is too small to measure (additions: :meth:`Unfused.added`). Removing a Q/DQ pair saves
+at most the standalone Q and DQ ops on its tensor (an element-wise pass each), so a move whose
 standalone Q/DQ and float-island tensors hold less than :data:`MIN_RESOLVABLE_SHARE` of the
 model's activation elements cannot show a gain an interleaved A/B resolves (a move at a
 reformat, or on a tensor of unknown size, is always kept). On a real YOLOv8n (ONNX Runtime CPU)
@@ -52,6 +55,9 @@ MIN_RESOLVABLE_SHARE = 0.01
 FUSED = "fused"
 TOO_SMALL = "too small"
 INTEGER = "integer"
+#: ops whose work grows faster than their tensors' elements (multiply-adds per element): a pair
+#: added next to one that may change precision is never too small to measure
+HEAVY_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
 
 
 class Unfused:
@@ -144,6 +150,30 @@ class Unfused:
                     return False
             return True
         return settled
+
+    def added(self, what: WhatRan | None) -> Callable[[Point], int] | None:
+        """Per point: the activation elements a Q/DQ pair added there can save work on (its
+        tensors and the outputs of the nodes reading them), -1 when unbounded: a size is
+        unknown, or a node next to it does multiply-adds (:data:`HEAVY_OPS`) and is not known
+        to have run integer already. None on an exact backend, or without a report."""
+        if what is None or not self.measured:
+            return None
+        g, integer = self.s.prepared.graph, what.integer_nodes or frozenset()
+
+        def elements(pt: Point) -> int:
+            tensors, nodes = set(), set()
+            for tensor, node, _ in self.uses_of[pt]:
+                tensors.add(tensor)
+                nodes.add(node)
+                if tensor in g.producer:
+                    nodes.add(g.producer[tensor][0])
+            if any(g.nodes[n].op_type in HEAVY_OPS and g.nodes[n].name not in integer
+                   for n in nodes):
+                return -1
+            written = {t for _, n, _ in self.uses_of[pt] for t in g.nodes[n].output if t}
+            sizes = [self.numel.get(t) for t in tensors | written]
+            return -1 if any(n is None for n in sizes) else sum(sizes)
+        return elements
 
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
