@@ -189,7 +189,7 @@ def skip_reason(dropped: Counter) -> str:
         parts.append(f"{dropped[FUSED]} only remove Q/DQ the runtime fused, with no float or "
                      "reformat next to them")
     if dropped[TOO_SMALL]:
-        parts.append(f"{dropped[TOO_SMALL]} only remove standalone Q/DQ on under "
+        parts.append(f"{dropped[TOO_SMALL]} only change element-wise work on under "
                      f"{MIN_RESOLVABLE_SHARE:.0%} of the model's activations: a gain "
                      "too small to measure")
     if dropped[INTEGER]:
