@@ -329,3 +329,23 @@ def test_a_pair_added_where_every_neighbour_ran_integer_is_not_measured() -> Non
     # an exact backend prices any change: nothing is settled there
     _Plans.deterministic = True
     assert Unfused(_S(), space.uses_of).settled(what) is None
+
+
+def test_a_model_compiled_again_comes_from_the_backends_own_cache(tmp_path) -> None:
+    """Each round compiles afresh; OpenVINO's model cache (a folder of the backend's own,
+    removed with it) turns a repeated compile into an import of the same kernels."""
+    import gc
+
+    _, model = _all_on("yolo")
+    backend = OpenVinoBackend()
+    folder = backend.cache_dir
+    with backend.load(model) as first:
+        a = min(first.time(2, 5))
+    assert len(list(folder.glob("*.blob"))) == 1
+    with backend.load(model) as again:  # a new compiled model, from the blob
+        b = min(again.time(2, 5))
+    assert len(list(folder.glob("*.blob"))) == 1 and a > 0 and b > 0
+    assert _kinds(backend, model) == _kinds(OpenVinoBackend(), model)
+    del backend, first, again
+    gc.collect()
+    assert not folder.exists()
