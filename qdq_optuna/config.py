@@ -35,7 +35,8 @@ class Config:
     converged_patience: int = 1
     #: where the search starts: ``best`` (the fastest whole-model start: float, every point,
     #: the runtime's recipe, the user's seeds; and a second descent from the recipe when it is
-    #: close), ``float``, ``recipe``, or ``all`` (a descent from every start)
+    #: close; on a measured backend the recipe stands unless an A/B shows the fastest start
+    #: beats it), ``float``, ``recipe``, or ``all`` (a descent from every start)
     start: str = "best"
     #: rounds of the descent after the first (a round visits every pattern whose surroundings
     #: changed); the descent stops earlier when a round changes nothing. 0: one pass

@@ -275,3 +275,77 @@ def test_profile_reads_per_layer_kernels_and_times() -> None:
         assert convs and all(r["min_us"] > 0 for r in rows)
         assert all(r["exec_type"].endswith(kernel) for r in convs), \
             sorted({r["exec_type"] for r in convs})
+
+
+def test_a_pair_added_where_every_neighbour_ran_integer_is_not_measured() -> None:
+    """OpenVINO's runtime graph names the nodes it ran in u8/i8 layers: on a measured backend a
+    move that only adds Q/DQ where every neighbour already ran integer is dropped
+    (``integer``), and one next to a layer that ran float is measured."""
+    from collections import Counter
+
+    from qdq_optuna.search._moves import MoveSpace, MoveStats
+    from qdq_optuna.search._unfused import INTEGER, Unfused, skip_reason
+
+    pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="openvino")
+    space = MoveSpace(pm)
+    # every point on but one per pattern: that one's move adds a pair into integer layers
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+    exporter = pm.exporter()
+    what = OpenVinoBackend().what_ran(exporter.to_bytes(exporter.plan(
+        {u for pp in pm.points for u in pp.uses(pp.ids)})))
+    assert what.integer_nodes and not what.integer_nodes & what.float_nodes
+
+    class _Plans:  # a measured backend whose report was read above
+        deterministic = False
+        measurer = type("M", (), {"backend": None})
+
+    class _S:
+        prepared = pm
+        plans = _Plans()
+
+    unfused = Unfused(_S(), space.uses_of)
+    settled = unfused.settled(what)
+    g = pm.graph
+    seen = Counter()
+    for pp in pm.tunable:
+        pid = pp.pattern.id
+        for q in pp.ids:
+            off = {**schemes, pid: {**schemes[pid], q: 0}}
+            visit = space.visit(pid, off, MoveStats(0), sites=unfused.point_sites(what),
+                                resolvable=unfused.resolvable(), settled=settled)
+            every = space.visit(pid, off, MoveStats(0)).moves
+            add = next(m for m in every if m.on == frozenset({q}) and not m.off)
+            uses = space.uses_of[(pid, q)]
+            around = {g.nodes[n].name for _, n, _ in uses} | {
+                g.nodes[g.producer[t][0]].name for t, _, _ in uses if t in g.producer}
+            inside = all(t in g.producer for t, _, _ in uses) and around <= what.integer_nodes \
+                and not {t for t, _, _ in uses} & (what.reformats | what.standalone)
+            assert (add in visit.moves) == (not inside), (pid, q, around)
+            seen[inside] += 1
+            if inside:
+                assert visit.dropped.get(INTEGER)
+    assert seen[True] and seen[False]  # both kinds occur on the zoo YOLO
+    assert "already ran integer" in skip_reason(Counter({INTEGER: 2}))
+    # an exact backend prices any change: nothing is settled there
+    _Plans.deterministic = True
+    assert Unfused(_S(), space.uses_of).settled(what) is None
+
+
+def test_a_model_compiled_again_comes_from_the_backends_own_cache(tmp_path) -> None:
+    """Each round compiles afresh; OpenVINO's model cache (a folder of the backend's own,
+    removed with it) turns a repeated compile into an import of the same kernels."""
+    import gc
+
+    _, model = _all_on("yolo")
+    backend = OpenVinoBackend()
+    folder = backend.cache_dir
+    with backend.load(model) as first:
+        a = min(first.time(2, 5))
+    assert len(list(folder.glob("*.blob"))) == 1
+    with backend.load(model) as again:  # a new compiled model, from the blob
+        b = min(again.time(2, 5))
+    assert len(list(folder.glob("*.blob"))) == 1 and a > 0 and b > 0
+    assert _kinds(backend, model) == _kinds(OpenVinoBackend(), model)
+    del backend, first, again
+    gc.collect()
+    assert not folder.exists()

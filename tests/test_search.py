@@ -575,3 +575,32 @@ def test_the_users_model_ships_when_every_tuned_model_is_slower(tmp_path):
     assert report["quantized_tensors"] == []
     assert report["speedup"] == pytest.approx(1.0, abs=1e-6)
     assert "is the user's model as given" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("all_on_ms, chosen", [(5.0, "recipe:onnxruntime"), (3.0, "all")])
+def test_on_a_measured_backend_the_recipe_stands_unless_an_ab_beats_it(tmp_path, all_on_ms,
+                                                                       chosen):
+    """One measurement per start cannot rank two close starts on a measured backend, so the
+    runtime's recipe (the model the tuned one must match) stays the standing model unless an
+    interleaved A/B confirms the fastest start beats it; a recipe beaten so gets no lane."""
+    model = zoo.build("resnet", "small")
+    counts = {}
+
+    def latency(m: onnx.ModelProto) -> float:
+        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
+        if q == 0:
+            return 10.0
+        counts.setdefault("all", q)  # the first Q/DQ model measured is the all-on start
+        return all_on_ms if q == counts["all"] else 5.0
+
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    recipe = starts["recipe:onnxruntime"]
+    assert recipe["qdq"] != starts["all"]["qdq"], "the recipe is every point: nothing to rank"
+    assert [n for n, s in starts.items() if s["chosen"]] == [chosen]
+    assert recipe["ab_vs_best"]["best"] == "all"
+    assert recipe["ab_vs_best"]["beaten"] == (chosen == "all")
+    # the recipe descends only as the standing model: beaten, it gets no lane
+    assert list(result.report["descent"]["lanes"]) == ["main"]

@@ -98,7 +98,12 @@ def test_a_move_at_a_standalone_qdq_is_kept_and_a_fused_one_dropped():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(deterministic):
-    from qdq_optuna.search._unfused import MIN_RESOLVABLE_SHARE, TOO_SMALL, skip_reason
+    from qdq_optuna.search._unfused import (
+        HEAVY_OPS,
+        MIN_RESOLVABLE_SHARE,
+        TOO_SMALL,
+        skip_reason,
+    )
 
     pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
     space = MoveSpace(pm)
@@ -132,7 +137,7 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
         if on:
             schemes_off = {**schemes, pid: {**schemes[pid], q: 0}}
             visit = space.visit(pid, schemes_off, MoveStats(0), sites=unfused.point_sites(what),
-                                resolvable=unfused.resolvable())
+                                resolvable=unfused.resolvable(), added=unfused.added(what))
             every = space.visit(pid, schemes_off, MoveStats(0)).moves
             alone = [m for m in every if m.on == frozenset({q}) and not m.off]
         else:
@@ -149,10 +154,28 @@ def test_a_removal_too_small_to_measure_is_dropped_on_a_measured_backend(determi
     else:
         assert not small_kept and dropped.get(TOO_SMALL)
         assert "too small to measure" in skip_reason(Counter(dropped))
-    # a reformat there, or a move that switches a point on, is always measured
+    # a reformat there is always measured
     reformat = WhatRan("test", standalone=frozenset({small}), reformats=frozenset({small}))
     assert kept(small, reformat)[0]
-    assert kept(small, what, on=True)[0]
+    # an addition: dropped on a measured backend only when it can save work on under the
+    # share, with no multiply-add op next to it that may change precision
+    added = unfused.added(what)
+    assert (added is None) == deterministic
+    g = pm.graph
+    outcomes = set()
+    for tensor in by_size:
+        pt = single[tensor]
+        near = {n for t, n, _ in space.uses_of[pt]} | {g.producer[t][0] for t, _, _ in
+                                                       space.uses_of[pt] if t in g.producer}
+        heavy = any(g.nodes[n].op_type in HEAVY_OPS for n in near)
+        small_add = not deterministic and not heavy and 0 <= added(pt) < \
+            MIN_RESOLVABLE_SHARE * total
+        assert kept(tensor, what, on=True)[0] == (not small_add), tensor
+        if heavy and not deterministic:  # no report names the Conv integer: unbounded
+            assert added(pt) == -1
+        outcomes.add((heavy, small_add))
+    # both kinds occur (measured backend): a small element-wise addition, one next to a Conv
+    assert deterministic or {(False, True), (True, False)} <= outcomes
 
 
 @pytest.mark.parametrize("skipped", [True, False])

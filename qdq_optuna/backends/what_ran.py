@@ -20,12 +20,19 @@ class WhatRan:
     float_nodes: frozenset[str] = frozenset()
     #: tensors at which the runtime inserted a precision or layout reformat (reorder)
     reformats: frozenset[str] = frozenset()
+    #: names of the model's nodes the runtime ran inside an integer layer (None: the reader
+    #: cannot tell): a Q/DQ pair added where every neighbour already ran integer changes no
+    #: layer's precision
+    integer_nodes: frozenset[str] | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready, sorted (the report and the log)."""
-        return {"how": self.how, "fused": sorted(self.fused),
-                "standalone": sorted(self.standalone), "float_nodes": sorted(self.float_nodes),
-                "reformats": sorted(self.reformats)}
+        out = {"how": self.how, "fused": sorted(self.fused),
+               "standalone": sorted(self.standalone), "float_nodes": sorted(self.float_nodes),
+               "reformats": sorted(self.reformats)}
+        if self.integer_nodes is not None:
+            out["integer_nodes"] = sorted(self.integer_nodes)
+        return out
 
 
 def quantized_tensors(model) -> dict[str, str]:

@@ -104,6 +104,8 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
             entry["failure"] = row.failure
         if row.ab_vs_float:
             entry["ab_vs_float"] = row.ab_vs_float
+        if row.ab_vs_best:
+            entry["ab_vs_best"] = row.ab_vs_best
         out.append(entry)
     return out
 

@@ -175,7 +175,9 @@ class StartOutcome:
     ``schemes``: pattern id -> scheme (indices; kept out of the stored row, the lanes hold
     them); ``points_on``: its points, by name; ``latency_ms`` / ``error``: None when not
     measured (``failure`` says why); ``chosen``: the standing model's start; ``lane``: the
-    lane that descends from it; ``ab_vs_float``: the A/B that let it beat float."""
+    lane that descends from it; ``ab_vs_float``: the A/B that let it beat float;
+    ``ab_vs_best``: the recipe's A/B against the fastest start on a measured backend (the
+    recipe stands unless it is ``beaten``)."""
 
     name: str
     schemes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -191,6 +193,7 @@ class StartOutcome:
     chosen: bool = False
     lane: str | None = None
     ab_vs_float: dict | None = None
+    ab_vs_best: dict | None = None
 
     #: stored in every row (the rest only when set)
     _ALWAYS = ("name", "points_on", "notes", "exact", "qdq", "plan_key", "latency_ms", "error",
@@ -203,6 +206,8 @@ class StartOutcome:
             out["failure"] = self.failure
         if self.ab_vs_float is not None:
             out["ab_vs_float"] = self.ab_vs_float
+        if self.ab_vs_best is not None:
+            out["ab_vs_best"] = self.ab_vs_best
         out["chosen"] = self.chosen
         out["lane"] = self.lane
         return out

@@ -48,11 +48,16 @@ class MoveSpace:
     def visit(self, pid: str, schemes: Schemes, stats: MoveStats,
               cached: Mapping[str, int] | None = None,
               sites: Callable[[Point], dict[str, int]] | None = None,
-              resolvable: Mapping | None = None) -> VisitMoves:
+              resolvable: Mapping | None = None,
+              settled: Callable[[Point], bool] | None = None,
+              added: Callable[[Point], int] | None = None) -> VisitMoves:
         """The visit of pattern ``pid`` from the standing ``schemes``. ``sites(point)``: by
         the runtime's report, the tensors where removing the point's Q/DQ may still win, with
         their activation elements (None: no report); ``resolvable``: ``min_share`` of
-        ``total`` elements a removal must touch to be measured (None: any)."""
+        ``total`` elements a removal must touch to be measured (None: any); ``settled(point)``:
+        a Q/DQ pair there can change no layer's precision (None: the report cannot tell);
+        ``added(point)``: the activation elements a pair added there can save work on (-1:
+        unbounded; None: additions are never too small)."""
         pp = self.by_id[pid]
         mine = {(pid, q) for q in pp.ids}
         chains = [c for c in self.chains if c & mine]
@@ -68,6 +73,10 @@ class MoveSpace:
             "give_up_after": stats.give_up_after,
             "sites": None if sites is None else {
                 name(pt): sites(pt) for pt in sorted(mine) + foreign},
+            "settled": None if settled is None or sites is None else sorted(
+                name(pt) for pt in sorted(mine) + foreign if settled(pt)),
+            "added": None if added is None or sites is None else {
+                name(pt): added(pt) for pt in sorted(mine) + foreign},
             **(dict(resolvable) if resolvable else {}),
         }
         if stats.prior:  # a later lane: what earlier lanes taught

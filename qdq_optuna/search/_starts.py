@@ -8,7 +8,8 @@ the insertion points (the descent moves points), measured once (the plan memo), 
 the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
 never chosen. The fastest feasible start becomes the standing model when it beats float as a
 commit must (the run's commit rule; on a measured backend an interleaved A/B against float
-confirms it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+confirms it; there the runtime's recipe stands unless an A/B shows the fastest start beats
+it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
@@ -140,9 +141,28 @@ class StartsPhase:
             return best.name if rule.promising(best.latency_ms, flt.latency_ms,
                                                rule.threshold) else "float"
         cmp = self.s.plans.compare(self._source(best), self._source(flt), "starts")
-        rows[rows.index(best)] = replace(best, ab_vs_float={
-            "ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds})
-        return best.name if rule.confirmed(cmp, rule.threshold, False) else "float"
+        rows[rows.index(best)] = replace(best, ab_vs_float=_ab(cmp))
+        if not rule.confirmed(cmp, rule.threshold, False):
+            return "float"
+        return self._recipe_unless_beaten(rows, best)
+
+    def _recipe_unless_beaten(self, rows: list[StartOutcome], best: StartOutcome) -> str:
+        """On a measured backend one measurement per start cannot tell apart two starts a few
+        percent apart (an OpenVINO YOLO chose every-point-on over NNCF's placement, which was
+        faster, on a busy machine). The runtime's recipe is the model the tuned one must at
+        least match, and a descent from it can only keep or beat it, so it stands unless an
+        interleaved A/B confirms the fastest start beats it (``ab_vs_best`` on its row; a
+        recipe confirmed slower gets no lane of its own either)."""
+        i = next((i for i, r in enumerate(rows) if r.usable and r.name.startswith("recipe")),
+                 None)
+        if i is None or rows[i] is best or rows[i].plan_key == best.plan_key:
+            return best.name
+        rule = self.s.rule
+        cmp = self.s.plans.compare(self._source(best), self._source(rows[i]), "starts")
+        beaten = rule.confirmed(cmp, rule.threshold, False)
+        rows[i] = replace(rows[i], ab_vs_best={**_ab(cmp), "best": best.name,
+                                                "beaten": beaten})
+        return best.name if beaten else rows[i].name
 
     def _source(self, row: StartOutcome):
         s = self.s
@@ -166,7 +186,8 @@ class StartsPhase:
                     lanes[_lane_name(name)] = name
                     models.add(ok[name].plan_key)
         elif recipe is not None and ok[recipe].plan_key not in models and \
-                ok[recipe].latency_ms <= RECIPE_LANE_RATIO * ok[chosen].latency_ms:
+                ok[recipe].latency_ms <= RECIPE_LANE_RATIO * ok[chosen].latency_ms and \
+                not (ok[recipe].ab_vs_best or {}).get("beaten"):
             lanes["recipe"] = recipe
         return lanes
 
@@ -184,6 +205,11 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
+
+
+def _ab(cmp) -> dict:
+    """An A/B of two starts as stored on a start's row."""
+    return {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high], "rounds": cmp.rounds}
 
 
 def _lane_name(start: str) -> str:

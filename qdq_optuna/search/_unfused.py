@@ -7,9 +7,20 @@ not measured. A move is kept when one of its tensors has a standalone Q or DQ or
 when a node reading or writing one of its tensors ran in float next to integer neighbours, or
 when it switches a point on (the report says nothing about a pair that is not there yet).
 
-On a measured backend (not a deterministic one) a move that only switches points off is also
-dropped when the work it can save is too small to measure: removing a Q/DQ pair saves at most
-the standalone Q and DQ ops on its tensor (an element-wise pass each), so a move whose
+On a measured backend whose report names the nodes it ran inside integer layers (OpenVINO's
+runtime graph), a move that switches points on is dropped too when every node reading or
+writing their tensors already ran integer, with no reformat or standalone Q/DQ there: the new
+pair can change no layer's precision, only add a requantization (*settled* points). From
+NNCF's placement on a real YOLOv8n every backbone layer runs u8, so of its moves only those at
+the detection head's float Concats and Softmax, and at the image input, are measured; each
+other one cost a 12-round A/B of about a minute that could not separate (intervals +-15 %).
+The size rule below covers additions too: a pair added where no multiply-add op may change
+precision saves at most an element-wise pass over its tensors and the outputs of the nodes
+reading them.
+
+On a measured backend (not a deterministic one) a move is also dropped when the work it can
+save is too small to measure (additions: :meth:`Unfused.added`). Removing a Q/DQ pair saves
+at most the standalone Q and DQ ops on its tensor (an element-wise pass each), so a move whose
 standalone Q/DQ and float-island tensors hold less than :data:`MIN_RESOLVABLE_SHARE` of the
 model's activation elements cannot show a gain an interleaved A/B resolves (a move at a
 reformat, or on a tensor of unknown size, is always kept). On a real YOLOv8n (ONNX Runtime CPU)
@@ -43,6 +54,10 @@ MIN_RESOLVABLE_SHARE = 0.01
 #: why a move was dropped (the skip reasons of a visit)
 FUSED = "fused"
 TOO_SMALL = "too small"
+INTEGER = "integer"
+#: ops whose work grows faster than their tensors' elements (multiply-adds per element): a pair
+#: added next to one that may change precision is never too small to measure
+HEAVY_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"})
 
 
 class Unfused:
@@ -115,6 +130,51 @@ class Unfused:
                     else self.numel[t] for t in self.site_tensors([pt], what)}
         return sites
 
+    def settled(self, what: WhatRan | None) -> Callable[[Point], bool] | None:
+        """Per point: whether a Q/DQ pair there can change no layer's precision, by the report:
+        every node reading or writing its tensors ran inside an integer layer, and no reformat
+        or standalone Q/DQ is at them (a graph input never is: the runtime converts it). None
+        when the report cannot tell (no ``integer_nodes``) or the backend is exact (it prices
+        any change)."""
+        if what is None or what.integer_nodes is None or not self.measured:
+            return None
+        g, integer = self.s.prepared.graph, what.integer_nodes
+
+        def settled(pt: Point) -> bool:
+            for tensor, node, _ in self.uses_of[pt]:
+                if tensor in what.reformats or tensor in what.standalone \
+                        or tensor not in g.producer:
+                    return False
+                if g.nodes[node].name not in integer or \
+                        g.nodes[g.producer[tensor][0]].name not in integer:
+                    return False
+            return True
+        return settled
+
+    def added(self, what: WhatRan | None) -> Callable[[Point], int] | None:
+        """Per point: the activation elements a Q/DQ pair added there can save work on (its
+        tensors and the outputs of the nodes reading them), -1 when unbounded: a size is
+        unknown, or a node next to it does multiply-adds (:data:`HEAVY_OPS`) and is not known
+        to have run integer already. None on an exact backend, or without a report."""
+        if what is None or not self.measured:
+            return None
+        g, integer = self.s.prepared.graph, what.integer_nodes or frozenset()
+
+        def elements(pt: Point) -> int:
+            tensors, nodes = set(), set()
+            for tensor, node, _ in self.uses_of[pt]:
+                tensors.add(tensor)
+                nodes.add(node)
+                if tensor in g.producer:
+                    nodes.add(g.producer[tensor][0])
+            if any(g.nodes[n].op_type in HEAVY_OPS and g.nodes[n].name not in integer
+                   for n in nodes):
+                return -1
+            written = {t for _, n, _ in self.uses_of[pt] for t in g.nodes[n].output if t}
+            sizes = [self.numel.get(t) for t in tensors | written]
+            return -1 if any(n is None for n in sizes) else sum(sizes)
+        return elements
+
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
         elements (None: an exact backend measures any gain)."""
@@ -129,9 +189,12 @@ def skip_reason(dropped: Counter) -> str:
         parts.append(f"{dropped[FUSED]} only remove Q/DQ the runtime fused, with no float or "
                      "reformat next to them")
     if dropped[TOO_SMALL]:
-        parts.append(f"{dropped[TOO_SMALL]} only remove standalone Q/DQ on under "
+        parts.append(f"{dropped[TOO_SMALL]} only change element-wise work on under "
                      f"{MIN_RESOLVABLE_SHARE:.0%} of the model's activations: a gain "
                      "too small to measure")
+    if dropped[INTEGER]:
+        parts.append(f"{dropped[INTEGER]} only add Q/DQ where every neighbouring layer "
+                     "already ran integer (no layer's precision would change)")
     return f"all {sum(dropped.values())} move(s): " + "; ".join(parts)
 
 

@@ -20,6 +20,12 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
   A move that only switches off points with no site is not proposed (``fused``), nor, with
   ``min_share`` and ``total``, one whose sites hold less than ``min_share`` of the ``total``
   activation elements (``too small`` to measure). None: no report.
+* ``settled``: points where a Q/DQ pair can change no layer's precision by the report (every
+  neighbour already ran integer); a move that only switches such points on (and fused ones
+  off) is not proposed (``integer``). None: the report cannot tell.
+* ``added``: per point, the activation elements a pair added there can save work on (-1:
+  unbounded, e.g. a convolution next to it may change precision); with ``min_share``, a move
+  whose additions hold less is ``too small`` too. None: additions are never dropped for size.
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
@@ -202,6 +208,10 @@ class Visit:
                                          int(attr.get("give_up_after", 0)), attr.get("prior"))
         sites = attr.get("sites")
         self.sites = None if sites is None else {str(p): dict(t) for p, t in sites.items()}
+        settled = attr.get("settled")
+        self.settled = None if settled is None else frozenset(map(str, settled))
+        added = attr.get("added")
+        self.added = None if added is None else {str(p): int(n) for p, n in added.items()}
         self.min_share = attr.get("min_share")
         self.total = attr.get("total") or 0
         self.fusion = [frozenset(g) for g in fusion_groups]
@@ -270,22 +280,44 @@ class Visit:
         return [m for _, m in moves]
 
     def why_not(self, move: Move) -> str | None:
-        """Why the runtime's report says ``move`` cannot win (None: it may)."""
-        if self.sites is None or move.on:
+        """Why the runtime's report says ``move`` cannot win (None: it may): both what it
+        switches on and what it switches off must be unable to."""
+        if self.sites is None:
             return None
-        found: dict[str, int] = {}
-        for p in move.off:
-            found.update(self.sites.get(p, {}))
-        if not found:
-            return "fused"
-        if self.min_share is not None and self.total and all(n >= 0 for n in found.values()) \
-                and sum(found.values()) / self.total < self.min_share:
+        on = self._why_not_on(move.on) if move.on else None
+        if move.on and on is None:
+            return None
+        off = self._why_not_off(move.off) if move.off else None
+        if move.off and off is None:
+            return None
+        return on or off
+
+    def _small(self, elements: Iterable[int]) -> bool:
+        """Work under ``min_share`` of the ``total`` activation elements (-1: unbounded)."""
+        elements = list(elements)
+        return self.min_share is not None and bool(self.total) and \
+            all(n >= 0 for n in elements) and sum(elements) / self.total < self.min_share
+
+    def _why_not_on(self, on: frozenset[str]) -> str | None:
+        settled = self.settled or frozenset()
+        if on <= settled:
+            return "integer"
+        if self.added is not None and self._small(
+                0 if p in settled else self.added.get(p, -1) for p in on):
             return "too small"
         return None
 
+    def _why_not_off(self, off: frozenset[str]) -> str | None:
+        found: dict[str, int] = {}
+        for p in off:
+            found.update(self.sites.get(p, {}))
+        if not found:
+            return "fused"
+        return "too small" if self._small(found.values()) else None
+
     def moves(self) -> tuple[list[Move], dict[str, int]]:
         """The visit's moves in order, and how many the runtime's report dropped, by reason
-        (``fused``, ``too small``)."""
+        (``fused``, ``too small``, ``integer``)."""
         if self._moves is None:
             kept, dropped = [], Counter()
             for m in self.all_moves():
