@@ -604,3 +604,56 @@ def test_on_a_measured_backend_the_recipe_stands_unless_an_ab_beats_it(tmp_path,
     assert recipe["ab_vs_best"]["beaten"] == (chosen == "all")
     # the recipe descends only as the standing model: beaten, it gets no lane
     assert list(result.report["descent"]["lanes"]) == ["main"]
+
+
+def test_on_a_measured_backend_the_recipe_gets_its_ab_when_float_measured_fastest(tmp_path):
+    """Float measured fastest once does not end the starts on a measured backend: the
+    runtime's recipe still gets its A/B against float, and stands when it beats it."""
+    from collections import Counter
+
+    model = zoo.build("resnet", "small")
+    order: list[int] = []  # Q counts in the order first seen: the all-on start, the recipe
+    calls: Counter = Counter()
+
+    def latency(m: onnx.ModelProto) -> float:
+        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
+        if q == 0:
+            return 10.0
+        if q not in order:
+            order.append(q)
+        calls[q] += 1
+        if len(order) > 1 and q == order[1]:  # the recipe: slow while its start is measured
+            return 11.0 if calls[q] <= 5 else 8.0
+        return 12.0
+
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    recipe = starts["recipe:onnxruntime"]
+    assert recipe["latency_ms"] > starts["float"]["latency_ms"]  # float measured fastest
+    assert recipe["chosen"] and recipe["ab_vs_float"]["ratio"] < 1
+
+
+def test_on_a_measured_backend_the_recipe_lane_ships_unless_another_lane_beats_it(tmp_path):
+    """Float chosen (the recipe only ties it), both lanes reach models equally fast: the
+    recipe's lane ships, since the other lane's quantized model did not beat it in an A/B."""
+    model = zoo.build("resnet", "small")
+    known: list[int] = []
+
+    def latency(m: onnx.ModelProto) -> float:
+        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
+        if q and q not in known:
+            known.append(q)  # the all-on start, then the recipe
+        if q == 0 or (len(known) > 1 and q == known[1]):
+            return 10.0  # float, and the recipe tying it
+        return 12.0 if q == known[0] else 9.0  # all on; every other placement gains
+
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    report = result.report
+    assert [s["name"] for s in report["starts"] if s["chosen"]] == ["float"]
+    lanes = report["descent"]["lanes"]
+    assert set(lanes) == {"main", "recipe"} and lanes["main"]["changed"]
+    assert report["descent"]["shipped"] == "recipe"

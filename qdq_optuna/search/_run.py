@@ -60,7 +60,7 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._starts import StartsPhase
+from qdq_optuna.search._starts import RECIPE_LANE, StartsPhase
 from qdq_optuna.search._workers import Workers, retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
@@ -297,12 +297,16 @@ class Tuner:
     def _fastest_lane(self, lanes: list[str]) -> str:
         """The first lane's standing model ships unless another lane's beats it as a commit
         must (the run's commit rule: measured once on a deterministic backend, an interleaved
-        A/B on a measured one)."""
+        A/B on a measured one). On a measured backend the recipe's lane stands first unless
+        the first lane's model is still float (a quantized model must beat float; among
+        quantized ones the runtime's recipe, the model to match, stands unless beaten)."""
         s, rule = self.search_state, self.search_state.rule
         sources = {}
         for lane in lanes:
             plan = s.exporter.plan(self.record.uses(self.record.standing(lane)))
             sources[lane] = (plan, s.exporter.source(plan))
+        if not s.plans.deterministic and RECIPE_LANE in lanes and len(sources[lanes[0]][0]):
+            lanes = [RECIPE_LANE] + [lane for lane in lanes if lane != RECIPE_LANE]
         best = lanes[0]
         for lane in lanes[1:]:
             (plan, src), (best_plan, best_src) = sources[lane], sources[best]

@@ -38,6 +38,8 @@ log = logging.getLogger("qdq_optuna")
 RECIPE_LANE_RATIO = 1.25
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
+#: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
+RECIPE_LANE = "recipe"
 
 
 class StartsPhase:
@@ -131,12 +133,20 @@ class StartsPhase:
         """The fastest feasible start, when it beats float as a commit must (the run's
         ``CommitRule``: on a measured backend an interleaved A/B against float confirms it);
         else float (always feasible: its error is the high precision's only). A start that
-        had to beat float in an A/B keeps it (``ab_vs_float``; ``rows`` is updated)."""
+        had to beat float in an A/B keeps it (``ab_vs_float``; ``rows`` is updated). On a
+        measured backend float measured fastest once still lets the runtime's recipe try its
+        A/B against float (one measurement cannot rank close starts)."""
         ok = sorted((r for r in rows if r.usable), key=lambda r: (r.latency_ms, r.name))
         flt = next((r for r in rows if r.name == "float"), None)
-        if not ok or flt is None or flt.latency_ms is None or ok[0] is flt:
+        if not ok or flt is None or flt.latency_ms is None:
             return "float"
         best, rule = ok[0], self.s.rule
+        if best is flt:
+            best = None if self.s.plans.deterministic else next(
+                (r for r in ok if r.name.startswith("recipe") and r.plan_key != flt.plan_key),
+                None)
+            if best is None:
+                return "float"
         if self.s.plans.deterministic:
             return best.name if rule.promising(best.latency_ms, flt.latency_ms,
                                                rule.threshold) else "float"
@@ -188,7 +198,7 @@ class StartsPhase:
         elif recipe is not None and ok[recipe].plan_key not in models and \
                 ok[recipe].latency_ms <= RECIPE_LANE_RATIO * ok[chosen].latency_ms and \
                 not (ok[recipe].ab_vs_best or {}).get("beaten"):
-            lanes["recipe"] = recipe
+            lanes[RECIPE_LANE] = recipe
         return lanes
 
     # -- the study -------------------------------------------------------------------------
