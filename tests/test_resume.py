@@ -153,7 +153,7 @@ def signal_in_a_trial(argv: list[str], out: Path, hold: Path,
     """Run ``argv`` (a tune with the ``sleepy`` latency function), send ``sig`` while a trial
     is held in its measurement; (exit code, stderr, that trial's study name and number)."""
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.2",
+                            text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.4",
                                                    QDQ_TEST_HOLD_FILE=str(hold)))
     try:
         study_name, number = _freeze_in_a_trial(proc, out / "studies.db", hold,
