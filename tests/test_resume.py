@@ -127,7 +127,7 @@ def _db_trials(db: Path) -> list[tuple[str, int, str]]:
 
 def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
                        deadline: float) -> tuple[str, int]:
-    """Wait until some trials finished and one is running, then hold that one in its
+    """Wait until a trial finished and another is running, then hold that one in its
     measurement (the latency function does not return while ``hold`` exists)."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -136,7 +136,7 @@ def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
         rows = _db_trials(db)
         done = sum(1 for _, _, s in rows if s == "COMPLETE")
         running = [(n, k) for n, k, s in rows if s == "RUNNING" and not n.endswith("/_run")]
-        if done >= 3 and running:
+        if done >= 1 and running:
             hold.touch()
             time.sleep(0.8)
             still = {(n, k) for n, k, s in _db_trials(db) if s == "RUNNING"}
