@@ -160,12 +160,8 @@ class Descent:
         if self.cache is not None:
             seeds = self.cache.seeds_for(pp)
             cached = seeds[0] if seeds else None
-        what = self.unfused.of(schemes) if self.unfused else None
         visit = self.space.visit(pid, schemes, stats, cached,
-                                 self.unfused.point_sites(what) if self.unfused else None,
-                                 self.unfused.resolvable() if self.unfused else None,
-                                 self.unfused.settled(what) if self.unfused else None,
-                                 self.unfused.added(what) if self.unfused else None)
+                                 **(self.unfused.pruning(schemes) if self.unfused else {}))
         dropped = Counter(visit.dropped)
         if dropped:  # a visit skipped outright is in the report: only the log's detail
             log.log(logging.INFO if visit.moves else logging.DEBUG, "%s round %d: %d move(s) "

@@ -142,11 +142,10 @@ class StartsPhase:
             return "float"
         best, rule = ok[0], self.s.rule
         if best is flt:
-            best = None if self.s.plans.deterministic else next(
-                (r for r in ok if r.name.startswith("recipe") and r.plan_key != flt.plan_key),
-                None)
-            if best is None:
+            recipe = _recipe(ok)
+            if self.s.plans.deterministic or recipe is None or recipe.plan_key == flt.plan_key:
                 return "float"
+            best = recipe
         if self.s.plans.deterministic:
             return best.name if rule.promising(best.latency_ms, flt.latency_ms,
                                                rule.threshold) else "float"
@@ -163,16 +162,15 @@ class StartsPhase:
         least match, and a descent from it can only keep or beat it, so it stands unless an
         interleaved A/B confirms the fastest start beats it (``ab_vs_best`` on its row; a
         recipe confirmed slower gets no lane of its own either)."""
-        i = next((i for i, r in enumerate(rows) if r.usable and r.name.startswith("recipe")),
-                 None)
-        if i is None or rows[i] is best or rows[i].plan_key == best.plan_key:
+        recipe = _recipe(rows)
+        if recipe is None or recipe.plan_key == best.plan_key:  # the recipe is the best
             return best.name
         rule = self.s.rule
-        cmp = self.s.plans.compare(self._source(best), self._source(rows[i]), "starts")
+        cmp = self.s.plans.compare(self._source(best), self._source(recipe), "starts")
         beaten = rule.confirmed(cmp, rule.threshold, False)
-        rows[i] = replace(rows[i], ab_vs_best={**_ab(cmp), "best": best.name,
-                                                "beaten": beaten})
-        return best.name if beaten else rows[i].name
+        rows[rows.index(recipe)] = replace(recipe, ab_vs_best={
+            **_ab(cmp), "best": best.name, "beaten": beaten})
+        return best.name if beaten else recipe.name
 
     def _source(self, row: StartOutcome):
         s = self.s
@@ -181,7 +179,8 @@ class StartsPhase:
     def _lanes(self, rows: list[StartOutcome], chosen: str) -> dict[str, str]:
         """Lane name -> start name, in descent order (see ``Config.start``)."""
         ok = {r.name: r for r in rows if r.usable}
-        recipe = next((n for n in ok if n.startswith("recipe")), None)
+        recipe_row = _recipe(rows)
+        recipe = recipe_row.name if recipe_row is not None else None
         if self.mode == "float":
             return {MAIN_LANE: "float"}
         if self.mode == "recipe":
@@ -215,6 +214,11 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
+
+
+def _recipe(rows: list[StartOutcome]) -> StartOutcome | None:
+    """The runtime's recipe among ``rows``, when it is usable."""
+    return next((r for r in rows if r.usable and r.name.startswith("recipe")), None)
 
 
 def _ab(cmp) -> dict:

@@ -141,14 +141,10 @@ class Unfused:
         g, integer = self.s.prepared.graph, what.integer_nodes
 
         def settled(pt: Point) -> bool:
-            for tensor, node, _ in self.uses_of[pt]:
-                if tensor in what.reformats or tensor in what.standalone \
-                        or tensor not in g.producer:
-                    return False
-                if g.nodes[node].name not in integer or \
-                        g.nodes[g.producer[tensor][0]].name not in integer:
-                    return False
-            return True
+            tensors, nodes = self._around(pt)
+            return all(t in g.producer for t in tensors) \
+                and not tensors & (what.reformats | what.standalone) \
+                and all(g.nodes[n].name in integer for n in nodes)
         return settled
 
     def added(self, what: WhatRan | None) -> Callable[[Point], int] | None:
@@ -161,12 +157,7 @@ class Unfused:
         g, integer = self.s.prepared.graph, what.integer_nodes or frozenset()
 
         def elements(pt: Point) -> int:
-            tensors, nodes = set(), set()
-            for tensor, node, _ in self.uses_of[pt]:
-                tensors.add(tensor)
-                nodes.add(node)
-                if tensor in g.producer:
-                    nodes.add(g.producer[tensor][0])
+            tensors, nodes = self._around(pt)
             if any(g.nodes[n].op_type in HEAVY_OPS and g.nodes[n].name not in integer
                    for n in nodes):
                 return -1
@@ -174,6 +165,21 @@ class Unfused:
             sizes = [self.numel.get(t) for t in tensors | written]
             return -1 if any(n is None for n in sizes) else sum(sizes)
         return elements
+
+    def _around(self, pt: Point) -> tuple[set[str], set[int]]:
+        """A point's tensors, and the nodes reading or writing them (by index)."""
+        g = self.s.prepared.graph
+        tensors = {tensor for tensor, _, _ in self.uses_of[pt]}
+        nodes = {node for _, node, _ in self.uses_of[pt]}
+        nodes |= {g.producer[t][0] for t in tensors if t in g.producer}
+        return tensors, nodes
+
+    def pruning(self, schemes: dict[str, dict[str, int]]) -> dict:
+        """The standing model's report as the keyword arguments of
+        :meth:`~qdq_optuna.search._moves.MoveSpace.visit` (read once per standing model)."""
+        what = self.of(schemes)
+        return {"sites": self.point_sites(what), "resolvable": self.resolvable(),
+                "settled": self.settled(what), "added": self.added(what)}
 
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
