@@ -146,6 +146,39 @@ def test_compare_same_model_on_fake_timings_is_not_significant():
     assert undecided < 20
 
 
+def test_compare_gives_up_on_a_candidate_that_is_not_faster_at_half_its_rounds():
+    # noisy fake timings (the spread of a loaded 2-core machine): a move with no effect used
+    # to run every round undecided; now it stops at half of them, while a candidate that
+    # really is 6 % faster is found as often as before
+    def runs(give_up_at, size, seeds=range(30)):
+        out = []
+        for seed in seeds:
+            protocol = TimingProtocol.robust().with_(give_up_at=give_up_at)
+            m = Measurer(FakeBackend(sigma=0.06, seed=seed), protocol)
+            m.probe = NullProbe()
+            out.append(m.compare(b"z" * size, b"z" * 100))
+        return out
+
+    never, halfway = runs(None, 100), runs(0.5, 100)
+    assert not any(c.gave_up for c in never)
+    gave_up = [c for c in halfway if c.gave_up]
+    assert len(gave_up) >= 5
+    for c in gave_up:
+        assert 6 <= c.rounds < 12 and c.ratio >= 1.0 and not c.decided
+        assert c.verdict == "not faster" and c.to_dict()["gave_up"]
+    assert sum(c.rounds for c in halfway) < 0.85 * sum(c.rounds for c in never)
+    assert not any(c.verdict == "faster" for c in halfway + never)
+
+    found = [sum(c.verdict == "faster" for c in runs(g, 94)) for g in (None, 0.5)]
+    assert found[0] >= 10 and found[1] >= found[0] - 2, found
+    # a figure to report never gives up
+    m = Measurer(FakeBackend(sigma=0.06, seed=3), TimingProtocol.robust())
+    m.probe = NullProbe()
+    assert not m.compare(b"z" * 103, b"z" * 100, until="precision").gave_up
+    with pytest.raises(OptionError, match="give_up_at"):
+        TimingProtocol(give_up_at=0)
+
+
 def test_non_fresh_backend_keeps_one_runner_per_model():
     backend = FakeBackend(fresh=False)
     m = Measurer(backend, TimingProtocol.robust())

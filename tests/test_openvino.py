@@ -349,3 +349,42 @@ def test_a_model_compiled_again_comes_from_the_backends_own_cache(tmp_path) -> N
     del backend, first, again
     gc.collect()
     assert not folder.exists()
+
+
+def test_a_bias_reshaped_from_a_constant_is_no_site_and_every_point_on_compiles() -> None:
+    # paddle2onnx adds a Conv's bias through Reshape(bias, [1, C, 1, 1]) -> Add (ppocr-cls): a
+    # Q/DQ on that constant's reshape made OpenVINO's low-precision AddTransformation throw
+    # ("index '0' out of range") when the every-point-on start compiled. Computed from
+    # constants alone, the reshape is a constant (folded on load), not an activation.
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(size=(8, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.normal(size=(8,)).astype(np.float32), "b")
+    shape = numpy_helper.from_array(np.array([1, 8, 1, 1], dtype=np.int64), "shape")
+    w2 = numpy_helper.from_array(rng.normal(size=(2, 8, 1, 1)).astype(np.float32), "w2")
+    b2 = numpy_helper.from_array(rng.normal(size=(2,)).astype(np.float32), "b2")
+    shape2 = numpy_helper.from_array(np.array([1, 2, 1, 1], dtype=np.int64), "shape2")
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["b", "shape"], ["b4"]),
+        helper.make_node("Add", ["c", "b4"], ["cb"]),
+        helper.make_node("Relu", ["cb"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+        helper.make_node("Conv", ["p", "w2"], ["c2"]),
+        helper.make_node("Reshape", ["b2", "shape2"], ["b24"]),
+        helper.make_node("Add", ["c2", "b24"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "paddle_bias", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1, 1])],
+        initializer=[w, b, shape, w2, b2, shape2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    pm = PreparedModel.prepare(model, runtime="openvino")
+    sites = {u[0] for pp in pm.points for u in pp.uses(pp.ids)}
+    assert not sites & {"b4", "b24"} and {"x", "p"} <= sites
+    assert "Reshape" not in {n.op_type for n in pm.graph.nodes}
+    exporter = pm.exporter()
+    every = exporter.source(exporter.plan({u for pp in pm.points for u in pp.uses(pp.ids)}))
+    OpenVinoBackend().compile(every)  # raised BackendError before

@@ -60,6 +60,15 @@ def _openvino() -> Any:
     return ov
 
 
+def _message(exc: BaseException, limit: int = 400) -> str:
+    """OpenVINO's error on one line: its text starts with one "Exception from FILE:LINE:" line
+    per layer it passed through; what went wrong is in the lines after them."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    said = [ln for ln in lines if not ln.startswith("Exception from ")]
+    text = " ".join(said or lines) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def precision_hint(name: str) -> str:
     """OpenVINO's INFERENCE_PRECISION_HINT for ``--high-precision NAME`` (fp32/bf16/fp16)."""
     try:
@@ -190,8 +199,7 @@ class OpenVinoBackend(Backend):
                 read.reshape({k: list(v) for k, v in self.input_shapes.items()})
             return self.core.compile_model(read, self.device, {**self.config(), **(extra or {})})
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
-            text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise BackendError(f"OpenVINO could not compile the model: {text}") from exc
+            raise BackendError(f"OpenVINO could not compile the model: {_message(exc)}") from exc
 
     def _trim_cache(self) -> None:
         blobs = sorted(self.cache_dir.glob("*.blob"), key=lambda f: f.stat().st_mtime)

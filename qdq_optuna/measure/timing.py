@@ -108,12 +108,14 @@ class Comparison:
     reference: Measurement
     rounds: int
     #: True when the stopping rule fired (interval excludes 1 or is narrow enough);
-    #: False when ``max_rounds`` ran out first
+    #: False when ``max_rounds`` ran out first or the comparison gave up
     decided: bool
     #: per-round paired ratios
     ratios: list[float] = field(default_factory=list)
     #: nominal level of the interval (simultaneous over the looks taken)
     confidence: float = 0.95
+    #: stopped early because the candidate was not faster at all (TimingProtocol.give_up_at)
+    gave_up: bool = False
 
     @property
     def significant(self) -> bool:
@@ -126,6 +128,8 @@ class Comparison:
             return "faster"
         if self.ci_low > 1.0:
             return "slower"
+        if self.gave_up:
+            return "not faster"
         return "same" if self.decided else "undecided"
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,6 +139,7 @@ class Comparison:
             "ci_high": _r(self.ci_high),
             "rounds": self.rounds,
             "decided": self.decided,
+            "gave_up": self.gave_up,
             "verdict": self.verdict,
             "confidence": self.confidence,
             "ratios": [_r(x) for x in self.ratios],
@@ -160,6 +165,10 @@ class TimingProtocol:
     max_rounds: int = 12
     #: stop comparing once the interval's relative half-width is below this
     target: float = 0.015
+    #: ranking (``until="verdict"``): after this fraction of ``max_rounds``, stop when the
+    #: candidate is not faster at all (paired ratio >= 1); it would almost never end faster,
+    #: and a move with no effect no longer costs every round (None: never give up)
+    give_up_at: float | None = 0.5
     confidence: float = 0.95
     #: rounds thrown away once per process before the first figure
     process_warmup_rounds: int = 2
@@ -183,6 +192,8 @@ class TimingProtocol:
             raise OptionError("timing protocol: confidence must be in (0.5, 1)")
         if self.target <= 0:
             raise OptionError("timing protocol: target must be > 0")
+        if self.give_up_at is not None and not 0 < self.give_up_at <= 1:
+            raise OptionError("timing protocol: give_up_at must be in (0, 1] or None")
 
     @classmethod
     def fast(cls) -> TimingProtocol:
@@ -608,8 +619,9 @@ class Measurer:
         """Interleaved A/B rounds until the ratio is known well enough (or rounds run out).
 
         ``until="verdict"`` (ranking candidates) stops as soon as the interval excludes 1 or is
-        narrower than ``protocol.target``; ``until="precision"`` (a figure to report) runs at
-        least ``final_sessions`` rounds and stops only once the interval is that narrow.
+        narrower than ``protocol.target``, or gives up once ``protocol.give_up_at`` of the
+        rounds show the candidate not faster at all; ``until="precision"`` (a figure to report)
+        runs at least ``final_sessions`` rounds and stops only once the interval is that narrow.
         """
         if until not in ("verdict", "precision"):
             raise ValueError(f"until must be 'verdict' or 'precision', got {until!r}")
@@ -625,10 +637,12 @@ class Measurer:
             return Comparison(ratio, ratio, ratio, mc, mr, 1, True, [ratio], p.confidence)
         looks = p.max_rounds - min_rounds + 1
         level = per_look_confidence(p.confidence, looks)
+        give_up = (max(min_rounds, math.ceil(p.give_up_at * p.max_rounds))
+                   if until == "verdict" and p.give_up_at is not None else None)
         warm = self._warm_rounds()
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
-        quiet, remeasured, decided, busy = True, 0, False, 0
+        quiet, remeasured, decided, gave_up, busy = True, 0, False, False, 0
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
@@ -657,6 +671,9 @@ class Measurer:
                 if significant or (hi - lo) / (2 * center) < p.target:
                     decided = True
                     break
+                if give_up is not None and len(ratios) >= give_up and center >= 1.0:
+                    gave_up = True
+                    break
         finally:
             self._close_all(runners)
         if len(ratios) < 2:
@@ -673,6 +690,7 @@ class Measurer:
             decided=decided,
             ratios=ratios,
             confidence=p.confidence,
+            gave_up=gave_up,
         )
 
     def counters(self) -> dict[str, int]:

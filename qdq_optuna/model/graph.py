@@ -797,14 +797,56 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
             folded[name] = tensor
         return tensor
 
+    def float_constant(name: str, depth: int = 0) -> bool:
+        """``name`` is computed through foldable ops from constants, a float one among them
+        (checked before folding anything: a chain that stops at an activation folds nothing)."""
+        if name in values:
+            return values[name].data_type in _FLOAT_TENSOR_TYPES
+        idx = producer.get(name)
+        if idx is None or depth > 8 or name in outputs:
+            return False
+        node = graph.node[idx]
+        if node.op_type not in FOLDABLE_OPS or node.domain not in ("", "ai.onnx") \
+                or len(node.output) != 1:
+            return False
+        if node.op_type == "Constant":
+            return bool(node.attribute) and node.attribute[0].name == "value" \
+                and node.attribute[0].t.data_type in _FLOAT_TENSOR_TYPES
+        leaves = [i for i in node.input if i]
+        if not all(i in values or _is_constant_node(producer, graph, i)
+                   or float_constant(i, depth + 1) for i in leaves):
+            return False
+        return any(float_constant(i, depth + 1) for i in leaves)
+
     for node in graph.node:
         for slot in WEIGHT_SLOTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
             if slot < len(node.input) and node.input[slot]:
                 fold(node.input[slot])
+    # any other float tensor computed from constants alone (paddle2onnx's Reshape of a bias
+    # before its Add): every runtime folds it when it compiles the model, so it is a constant,
+    # not an activation to quantize (a Q/DQ on one made OpenVINO's low-precision Add
+    # transformation throw on ppocr-cls)
+    for node in list(graph.node):
+        for name in node.input:
+            idx = producer.get(name)
+            if name and idx is not None and name not in folded \
+                    and graph.node[idx].op_type != "Constant" and float_constant(name):
+                fold(name)
     if not folded:
         return []
     graph.initializer.extend(folded.values())
     return _drop_unused(model, set(folded))
+
+
+def add_shapes_by_running(model: onnx.ModelProto) -> bool:
+    """In place: value_info for the tensors whose static shape onnx's inference leaves open
+    (:func:`shapes_by_running`), so that a consumer relying on static inference alone (the cost
+    model) can read the user's model as given. False when nothing was added."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        return _set_value_info(model, shapes_by_running(Graph.from_model(inferred)))
+    except Exception:  # noqa: BLE001 - a model ONNX Runtime cannot run: the caller reports it
+        return False
 
 
 def shapes_by_running(graph: Graph, runs: int = 3) -> list[onnx.ValueInfoProto]:
@@ -872,6 +914,15 @@ def _static(vi: onnx.ValueInfoProto) -> bool:
     tt = vi.type.tensor_type
     return vi.type.HasField("tensor_type") and tt.HasField("shape") and \
         all(isinstance(dim_of(d), int) for d in tt.shape.dim)
+
+
+_FLOAT_TENSOR_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE,
+                                  TensorProto.BFLOAT16})
+
+
+def _is_constant_node(producer: Mapping[str, int], graph: onnx.GraphProto, name: str) -> bool:
+    idx = producer.get(name)
+    return idx is not None and graph.node[idx].op_type == "Constant"
 
 
 def _evaluate(node: onnx.NodeProto, inputs: list[TensorProto]) -> TensorProto | None:

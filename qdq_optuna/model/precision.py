@@ -105,9 +105,10 @@ def check_precision(name: str, option: str = "--high-precision") -> str:
 
 
 #: the precision a backend's users deploy when they do not say: TensorRT and CUDA users deploy
-#: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower)
+#: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower). The cost
+#: model and a callable backend are not here: they follow the runtime whose rules place Q/DQ
 DEFAULT_FOR_BACKEND: Mapping[str, str] = {
-    "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16", "costmodel": "fp16",
+    "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16",
     "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
 }
 #: (backend, precision) pairs that cannot run, with why
@@ -122,7 +123,9 @@ UNSUPPORTED: Mapping[tuple[str, str], str] = {
 
 def resolve_high_precision(requested: str | None, backend: str, runtime: str) -> str:
     """``--high-precision`` for a run: the requested one (checked against the backend) or the
-    backend's default; a callable backend follows its runtime's rules (TensorRT: fp16)."""
+    backend's default; the cost model and a callable backend follow the runtime whose rules
+    they place by (TensorRT: fp16; ONNX Runtime: fp32, the FP16 Q/DQ model its CPU fusions
+    refuse would ship otherwise)."""
     if runtime == "openvino":  # a compile hint there (the backend's), never a conversion
         if requested is not None:
             check_precision(requested)

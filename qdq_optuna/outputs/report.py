@@ -189,6 +189,7 @@ def trial_statistics(trials) -> dict:
     ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved)."""
     out = {"trials": 0, "complete": 0, "failed": 0, "failed_transient": 0,
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
+           "ab_gave_up": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
            "screen_discard_ratio": SCREEN_DISCARD_RATIO}
     kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
@@ -213,6 +214,7 @@ def trial_statistics(trials) -> dict:
             out["measured"] += 1
             out[key] += 1
             out["ab_decided"] += key == "ab_compared" and bool(m.decided)
+            out["ab_gave_up"] += key == "ab_compared" and m.verdict == "not faster"
     return out
 
 
@@ -229,7 +231,8 @@ def _statistics_lines(st: dict | None) -> list[str]:
         failed = (f" {st['failed']} trials failed ({st['failed_transient']} of them a worker "
                   "crash or timeout).")
     return ["", f"Trials: {st['complete']} finished: {st['ab_compared']} A/B-compared against "
-            f"their pattern's reference ({st['ab_decided']} decided), {st['screened_out']} screened "
+            f"their pattern's reference ({st['ab_decided']} decided, {st.get('ab_gave_up', 0)} given "
+            f"up at half their rounds as not faster), {st['screened_out']} screened "
             f"out (screen over {st['screen_discard_ratio']}x the reference; their value is the "
             f"screen estimate), {st['screen_only']} screen-only, {st['deterministic']} "
             f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"]

@@ -598,7 +598,7 @@ def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | N
                ) -> onnx.ModelProto:
     """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
     the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
-    from qdq_optuna.model.graph import apply_input_shapes
+    from qdq_optuna.model.graph import add_shapes_by_running, apply_input_shapes
 
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
@@ -611,4 +611,7 @@ def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | N
                 d.ClearField("dim_value")
     apply_input_shapes(proto, InputShapes.parse(input_shapes), "<model>")
     del proto.graph.value_info[:]  # inferred again by the runtime, from the fixed inputs
+    # ... except where static inference cannot (a Reshape to a computed shape, as paddle2onnx
+    # writes): the cost model reads shapes from the file alone
+    add_shapes_by_running(proto)
     return proto
