@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import real_models  # noqa: E402
 
+from qdq_optuna.backends.base import BackendError  # noqa: E402
 from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
 from qdq_optuna.placement import starts  # noqa: E402
 from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
@@ -60,7 +61,11 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     out["nncf"] = work / "nncf.onnx"
     rw = work / "ort"
     rw.mkdir(exist_ok=True)
-    out["ort_recipe"] = starts.ort_recipe_model(str(model), rw, data=cal, input_shapes=shapes)
+    try:
+        out["ort_recipe"] = starts.ort_recipe_model(str(model), rw, data=cal,
+                                                    input_shapes=shapes)
+    except starts.ToolError as exc:  # a column less, the comparison with NNCF still stands
+        info["ort_recipe_error"] = str(exc)
     pm = PreparedModel.prepare(str(model), runtime="openvino", input_shapes=shapes)
     start = starts.nncf_recipe_start(pm, str(model), data=cal, input_shapes=shapes)
     qtype = starts.nncf_activation_type(nncf_model)
@@ -114,7 +119,7 @@ def as_uint8(qdq_model: onnx.ModelProto) -> dict[str, tuple[float, int]]:
 def interleaved(models: dict[str, tuple[Path, str]], shapes: str | None, rounds: int,
                 runs: int, drop: int) -> dict[str, list[float]]:
     """Per-round minimum ms of every (file, hint), fresh compiled model each round."""
-    parsed = dict(p.split(":") for p in shapes.split(",")) if shapes else {}
+    parsed = dict(p.rsplit(":", 1) for p in shapes.split(",")) if shapes else {}
     input_shapes = {k: [int(d) for d in v.split("x")] for k, v in parsed.items()}
     backends = {h: OpenVinoBackend(precision=h, input_shapes=input_shapes)
                 for h in {h for _, h in models.values()}}
@@ -163,7 +168,7 @@ def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -
     sum of each layer's minimum over ``runs`` inferences (a figure a shared machine disturbs
     far less than wall-clock latency), Convolutions by kernel precision, Reorders and f32
     Subgraphs (a Q/DQ computed in float on its own)."""
-    parsed = dict(p.split(":") for p in shapes.split(",")) if shapes else {}
+    parsed = dict(p.rsplit(":", 1) for p in shapes.split(",")) if shapes else {}
     backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
                                             for k, v in parsed.items()})
     out = {}
@@ -181,6 +186,26 @@ def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -
     return out
 
 
+def compilable(paths: dict[str, Path], info: dict) -> dict[str, Path]:
+    """The variants OpenVINO compiles; each other one is left out with its error in
+    ``info["not_compiled"]`` (oww-embedding: ONNX Runtime's recipe puts a per-channel
+    DequantizeLinear OpenVINO's shape check rejects)."""
+    parsed = dict(p.rsplit(":", 1) for p in info["input_shapes"].split(",")) \
+        if info.get("input_shapes") else {}
+    backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
+                                            for k, v in parsed.items()})
+    kept = {}
+    for name, path in paths.items():
+        try:
+            backend.compile(str(path))
+            kept[name] = path
+        except BackendError as exc:
+            if name == "fp32":
+                raise
+            info.setdefault("not_compiled", {})[name] = str(exc)
+    return kept
+
+
 def one(name: str, args) -> dict:
     work = Path(args.work) / name.replace("@", "_")
     work.mkdir(parents=True, exist_ok=True)
@@ -188,6 +213,7 @@ def one(name: str, args) -> dict:
     paths, info = variants(name, work, args)
     info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
+    paths = compilable(paths, info)
     timed = {k: (v, "f32") for k, v in paths.items()}
     if "bf16" in supported_hints():
         timed["fp32_bf16"] = (paths["fp32"], "bf16")
@@ -200,9 +226,10 @@ def one(name: str, args) -> dict:
            "cosine_vs_fp32": {k: cosine(paths["fp32"], p, held, info["input_shapes"])
                               for k, p in paths.items() if k != "fp32"}}
     row["layer_profile"] = layer_profiles(paths, info["input_shapes"])
-    if "tuned" in mins:
-        row["tuned_vs_nncf"] = ratio(mins["tuned"], mins["nncf"])
-    row["nncf_reexported_vs_nncf"] = ratio(mins["nncf_reexported"], mins["nncf"])
+    if "nncf" in mins:
+        for variant in ("tuned", "nncf_reexported"):
+            if variant in mins:
+                row[f"{variant}_vs_nncf"] = ratio(mins[variant], mins["nncf"])
     return row
 
 

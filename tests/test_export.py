@@ -739,3 +739,30 @@ def test_weights_take_seven_bits_where_onnx_runtime_kernels_saturate(monkeypatch
         assert weights
         largest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
         assert largest == (63 if saturates and runtime == "onnxruntime" else 127), runtime
+
+
+@pytest.mark.parametrize("saturates", [True, False])
+def test_openvino_rules_give_the_first_layer_seven_bit_weights_where_kernels_saturate(
+        monkeypatch, saturates):
+    """OpenVINO's CPU kernels saturate the same way; the raw input a first layer reads spans
+    the whole u8 range, so that layer's weights take 7 bits there (NNCF's default overflow
+    fix) and every other layer keeps 8."""
+    import qdq_optuna.placement.export as export
+    from qdq_optuna import PreparedModel
+
+    monkeypatch.setattr(export, "cpu_saturates_u8s8", lambda: saturates)
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="openvino")
+    exporter = pm.exporter()
+    model = exporter.to_model(exporter.plan({u for pp in pm.tunable for u in pp.uses(pp.ids)}))
+    inits = {t.name: t for t in model.graph.initializer}
+    first = model.graph.node[[n.op_type for n in model.graph.node].index("Conv")]
+    largest = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits \
+                and inits[node.input[0]].data_type == TensorProto.INT8:
+            reader = next(n for n in model.graph.node if node.output[0] in n.input)
+            w = numpy_helper.to_array(inits[node.input[0]]).astype(np.int32)
+            largest[reader.name] = int(np.abs(w).max())
+    assert len(largest) > 3 and first.name in largest
+    assert largest.pop(first.name) == (63 if saturates else 127)
+    assert set(largest.values()) == {127}

@@ -224,6 +224,7 @@ class AccuracyEvaluator:
         error_measure: str = "relative_l2",
         threads: int = 1,
         optimize: bool = True,
+        runner: Callable[[Any, Mapping[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
     ) -> None:
         if error_measure not in ERROR_MEASURES:
             raise OptionError(
@@ -237,6 +238,9 @@ class AccuracyEvaluator:
         self.error_measure = error_measure
         self.threads = threads
         self.optimize = optimize
+        #: runs the candidates instead of ONNX Runtime (``runner(model, data)`` -> outputs:
+        #: OpenVINO on OpenVINO runs); the FP32 reference always comes from ONNX Runtime
+        self.runner = runner
         try:
             self.reference = run_model(
                 reference_model, self.data, batch_size=batch_size, threads=threads,
@@ -250,14 +254,18 @@ class AccuracyEvaluator:
     def evaluate(self, candidate_model: bytes | onnx.ModelProto | str) -> tuple[float, dict]:
         """``(error, details)``; details hold per-output errors and their worst values."""
         try:
-            outputs = run_model(
-                candidate_model, self.data, batch_size=self.batch_size, threads=self.threads,
-                optimize=self.optimize,
-            )
+            if self.runner is not None:
+                outputs = self.runner(candidate_model, self.data)
+            else:
+                outputs = run_model(
+                    candidate_model, self.data, batch_size=self.batch_size,
+                    threads=self.threads, optimize=self.optimize,
+                )
         except UserError:
             raise
-        except Exception as exc:  # ORT raises its own exception types
-            raise AccuracyError(f"candidate model failed in ONNX Runtime: {one_line(exc)}") from exc
+        except Exception as exc:  # ORT (or the runner) raises its own exception types
+            where = "the runtime" if self.runner is not None else "ONNX Runtime"
+            raise AccuracyError(f"candidate model failed in {where}: {one_line(exc)}") from exc
         missing = [name for name in self.reference if name not in outputs]
         if missing:
             raise AccuracyError(f"candidate model lacks outputs {missing}")
@@ -333,9 +341,11 @@ class ErrorScorer:
     """
 
     def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
-                 error_measure: str, optimize: bool, bf16: bool = False) -> None:
+                 error_measure: str, optimize: bool, bf16: bool = False,
+                 runner: Callable | None = None) -> None:
         self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
-                                           error_measure=error_measure, optimize=optimize)
+                                           error_measure=error_measure, optimize=optimize,
+                                           runner=runner)
         self.evaluations = 0
         #: candidates are BF16 models: scored as :func:`~qdq_optuna.model.precision.
         #: bf16_computed_in_fp32` (ONNX Runtime's CPU provider has no BF16 kernels)
@@ -358,7 +368,7 @@ class ErrorScorer:
         sees, when the guard measured something else (the Q/DQ as written, for TensorRT): the
         worst output's error there, or ONNX Runtime's refusal in one line. None when the guard
         already measured that way, or when the model is BF16 (no BF16 kernels on the CPU)."""
-        if self.evaluator.optimize or self.bf16:
+        if self.evaluator.optimize or self.bf16 or self.evaluator.runner is not None:
             return None
         fused = copy.copy(self.evaluator)  # the same reference outputs and data
         fused.optimize = True

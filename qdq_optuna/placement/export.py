@@ -175,8 +175,9 @@ class _QDQPieces:
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self._store_obj: _ExternalStore | None = None
         self.rules = rules
-        #: int8 weights take 7 bits (see :func:`~qdq_optuna.model.calibration.cpu_saturates_u8s8`)
-        self.reduce_range = rules.name == "onnxruntime" and cpu_saturates_u8s8()
+        #: which int8 weights take 7 bits on this CPU (``RuntimeRules.seven_bit_weights``;
+        #: see :func:`~qdq_optuna.model.calibration.cpu_saturates_u8s8`)
+        self.seven_bit = rules.seven_bit_weights if cpu_saturates_u8s8() else ""
         self.quant_type = check_quant_type(quant_type)
         self.scales = dict(scales or {})
         if not (default_scale > 0 and np.isfinite(default_scale)):
@@ -279,28 +280,52 @@ class _QDQPieces:
             self._act_cache[key] = (dq_out, inits, nodes)
         return self._act_cache[key]
 
-    def _weight_qmax(self, qtype: str) -> float | None:
-        """7-bit int8 weights under ONNX Runtime's rules on a CPU whose u8 x s8 kernels
-        saturate (ONNX Runtime's ``reduce_range``); the type's range everywhere else."""
-        if qtype == "int8" and self.reduce_range:
+    def _weight_qmax(self, qtype: str, node: int) -> float | None:
+        """7-bit int8 weights where the rules ask for them on a CPU whose u8 x s8 kernels
+        saturate (all of them: ONNX Runtime's ``reduce_range``; the first layers: OpenVINO);
+        the type's range everywhere else."""
+        if qtype != "int8" or not self.seven_bit:
+            return None
+        if self.seven_bit == "all" or node in self._first_layers:
             return REDUCED_WEIGHT_QMAX
         return None
+
+    @functools.cached_property
+    def _first_layers(self) -> frozenset[int]:
+        """The weighted ops that read a graph input through unweighted ops only."""
+        graph = self.graph
+        found: set[int] = set()
+        seen: set[str] = set()
+        todo = list(graph.graph_inputs)
+        while todo:
+            tensor = todo.pop()
+            if tensor in seen:
+                continue
+            seen.add(tensor)
+            for node, slot in graph.consumers.get(tensor, []):
+                op = graph.nodes[node].op_type
+                if op in WEIGHTED_OPS and slot in WEIGHTED_OPS[op].activation_slots:
+                    found.add(node)
+                    continue
+                todo.extend(o for o in graph.nodes[node].output if o)
+        return frozenset(found)
 
     def _weight(self, node: int, slot: int, qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
         graph = self.graph
         name = graph.nodes[node].input[slot]
         spec = WEIGHTED_OPS[graph.nodes[node].op_type]
         axis = None if graph.nodes[node].op_type in self.rules.per_tensor_weight_ops else spec.axis(graph, node)
-        key = (name, axis, qtype)
+        qmax = self._weight_qmax(qtype, node)
+        key = (name, axis, qtype, qmax)
         if key not in self._weight_cache and self.external \
                 and graph.initializer(name).data_location == TensorProto.EXTERNAL:
-            self._weight_cache[key] = self._external_weight(name, axis, qtype)
+            self._weight_cache[key] = self._external_weight(name, axis, qtype, qmax)
         if key not in self._weight_cache:
             w = self._fp32_weight(name)
             elem = graph.elem_types.get(name, TensorProto.FLOAT)
             # scales in the weight's own type (the DQ's output type is its scale's), and the
             # integers from the FP32 values and those scales, so DQ gives back w within a step
-            scales_lp = scales_as(weight_scales(w, axis, qtype, self._weight_qmax(qtype)), elem)
+            scales_lp = scales_as(weight_scales(w, axis, qtype, qmax), elem)
             scales = scales_lp.astype(np.float32)
             shape = [1] * w.ndim
             if axis is not None and w.ndim:
@@ -381,12 +406,12 @@ class _QDQPieces:
                                              keep=2 if self.to_files else None)
         return self._store_obj
 
-    def _external_weight(self, name: str, axis: int | None,
-                         qtype: str) -> tuple[str, bytes, bytes, np.ndarray]:
+    def _external_weight(self, name: str, axis: int | None, qtype: str,
+                         qmax: float | None) -> tuple[str, bytes, bytes, np.ndarray]:
         """A weight that stays on disk: scales and quantized values computed in chunks of a
         memory map, the quantized values appended once to the work folder's weight file."""
         w = self.graph.array(name)
-        scales = chunked_weight_scales(w, axis, qtype, self._weight_qmax(qtype))
+        scales = chunked_weight_scales(w, axis, qtype, qmax)
         q_name = self._unique(f"{name}_quantized")
         s_name = self._unique(f"{name}_scale")
         z_name = self._unique(f"{name}_zero_point")

@@ -233,6 +233,11 @@ class RuntimeRules:
     quantizable_ops: frozenset[str] | None = None
     #: extra per-use filters (name kept for reports)
     use_filters: tuple[Callable[[Graph, Use], str | None], ...] = ()
+    #: the int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
+    #: and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``): "all"
+    #: (ONNX Runtime's ``reduce_range``), "first" (the weighted ops reading the model's input:
+    #: NNCF's default overflow fix for OpenVINO), "" none (a GPU's kernels do not saturate)
+    seven_bit_weights: str = ""
     #: merge-stage promotions: (graph, tensor, uncovered consumers) -> cover them too
     promotions: tuple[Callable[[Graph, str, list[tuple[int, int]]], bool], ...] = ()
     #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized
@@ -349,6 +354,7 @@ ONNXRUNTIME_CPU = RuntimeRules(
     constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
     table_ops=frozenset({"Gather"}),
     concat_share_ratio=CONCAT_SHARE_RATIO,  # QLinearConcat copies the bytes
+    seven_bit_weights="all",
 )
 
 #: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an
@@ -400,6 +406,11 @@ OPENVINO_CPU = RuntimeRules(
     # (model.4, Split outputs next to residual Adds) kept two scales: Convolution u8 63 + f32
     # 1, Reorder f32 6; shared: u8 64, Reorder f32 3, as NNCF's file
     concat_share_ratio=0.0,
+    # the image (or other raw input) a first layer reads spans the whole u8 range: there the
+    # 16-bit pair sums overflow. mtcnn-rnet on an AVX2 CPU, same model in OpenVINO: worst
+    # output cosine vs FP32 0.65 with 8-bit first-layer weights, 0.997 with 7 bits (ONNX
+    # Runtime without fusions, which does not saturate, read 0.997 for both)
+    seven_bit_weights="first",
     use_filters=(_swish_operand,),
 )
 

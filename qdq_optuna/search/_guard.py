@@ -94,7 +94,8 @@ class Guard:
                 **self.describe(),
                 "bound_from": "--max-output-error" if bound_given else "default",
                 "data_kind": data_kind(self.data),
-                "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize),
+                "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize,
+                                       self.plans.scorer.evaluator.runner is not None),
                 "status": verdict.status,
                 "shipped": verdict.shipped,
                 "error": errors["error"],
@@ -142,8 +143,11 @@ class Verdict:
     tuned_tensors: list[str]
 
 
-def scored_as(bf16: bool, fused: bool) -> str:
+def scored_as(bf16: bool, fused: bool, openvino: bool = False) -> str:
     """How the guard ran the saved model, in the report's words."""
+    if openvino:
+        return ("the saved model in OpenVINO's CPU plugin, compiled as the timings compile it "
+                "(what an OpenVINO deployment computes)")
     if bf16:
         return ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has no BF16 "
                 "kernels)")

@@ -178,7 +178,7 @@ class Tuner:
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
         scorer, data_name = error_scorer(self.prepared, self.o, self.settings.runtime, exporter,
-                                         self.validation, self.calibration)
+                                         self.validation, self.calibration, self.backend)
         plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
@@ -493,10 +493,13 @@ def high_precision_summary(prepared: PreparedModel) -> dict:
 
 
 def error_scorer(prepared: PreparedModel, options: TuneOptions, runtime: str,
-                 exporter: QDQExporter, validation, calibration) -> tuple[ErrorScorer, str]:
+                 exporter: QDQExporter, validation, calibration,
+                 backend=None) -> tuple[ErrorScorer, str]:
     """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
     which data they are measured on; bad validation data or a bad metric fails here, before
-    any measurement."""
+    any measurement. Under OpenVINO's rules the candidates run in OpenVINO itself, at the
+    measuring backend's inference precision: its CPU kernels can differ from the ONNX
+    semantics (16-bit sums that saturate on CPUs without VNNI)."""
     shapes = InputShapes.parse(options.input_shapes).shapes
     data, data_name = validation_data(prepared.graph.model, validation=validation,
                                       calibration=calibration, input_shapes=shapes)
@@ -507,9 +510,28 @@ def error_scorer(prepared: PreparedModel, options: TuneOptions, runtime: str,
     # float part: its CPU fusions refuse valid FP16 Q/DQ graphs (QLinearConcat takes FP32
     # scales only), so an FP16 model under its rules is scored as written
     fused = runtime == "onnxruntime" and (hp is None or hp.precision == "fp32")
+    runner = _openvino_runner(shapes, backend) if runtime == "openvino" else None
     return ErrorScorer(reference, data, metric=options.metric,
                        error_measure=options.error_measure, optimize=fused,
-                       bf16=hp is not None and hp.precision == "bf16"), data_name
+                       bf16=hp is not None and hp.precision == "bf16", runner=runner), data_name
+
+
+def _openvino_runner(shapes, backend):
+    """``OpenVinoBackend.outputs`` at the measuring backend's inference precision (f32 when
+    another backend measures), or None where OpenVINO cannot run here: the guard then scores
+    the Q/DQ as written in ONNX Runtime, with a warning."""
+    from qdq_optuna.backends.base import BackendUnavailable
+
+    hint = (backend.describe().get("inference_precision") if backend is not None else None) \
+        or "f32"
+    try:
+        from qdq_optuna.backends.openvino import OpenVinoBackend
+
+        return OpenVinoBackend(precision=hint, input_shapes=shapes).outputs
+    except (ImportError, BackendUnavailable) as exc:
+        log.warning("the accuracy guard scores the Q/DQ as written in ONNX Runtime: OpenVINO "
+                    "cannot run here (%s)", exc)
+        return None
 
 
 def save_standing(exporter: QDQExporter, uses, out: Path) -> None:
