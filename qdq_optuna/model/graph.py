@@ -778,15 +778,22 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
     outputs = {o.name for o in graph.output}
     folded: dict[str, TensorProto] = {}
 
-    def fold(name: str, depth: int = 0) -> TensorProto | None:
-        if name in values or name in folded:
-            return values.get(name) or folded[name]
+    def foldable(name: str, depth: int) -> onnx.NodeProto | None:
+        """The node computing ``name`` when it is one that folds (not too deep a chain)."""
         idx = producer.get(name)
         if idx is None or depth > 8 or name in outputs:
             return None
         node = graph.node[idx]
         if node.op_type not in FOLDABLE_OPS or node.domain not in ("", "ai.onnx") \
                 or len(node.output) != 1:
+            return None
+        return node
+
+    def fold(name: str, depth: int = 0) -> TensorProto | None:
+        if name in values or name in folded:
+            return values.get(name) or folded[name]
+        node = foldable(name, depth)
+        if node is None:
             return None
         inputs = [fold(i, depth + 1) if i else None for i in node.input]
         if any(i and t is None for i, t in zip(node.input, inputs)):
@@ -797,26 +804,24 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
             folded[name] = tensor
         return tensor
 
-    def float_constant(name: str, depth: int = 0) -> bool:
-        """``name`` is computed through foldable ops from constants, a float one among them
-        (checked before folding anything: a chain that stops at an activation folds nothing)."""
+    def constant_types(name: str, depth: int = 0) -> set[int] | None:
+        """The data types of the constants ``name`` is computed from through foldable ops;
+        None when an activation is among its inputs (checked before folding anything)."""
         if name in values:
-            return values[name].data_type in _FLOAT_TENSOR_TYPES
-        idx = producer.get(name)
-        if idx is None or depth > 8 or name in outputs:
-            return False
-        node = graph.node[idx]
-        if node.op_type not in FOLDABLE_OPS or node.domain not in ("", "ai.onnx") \
-                or len(node.output) != 1:
-            return False
-        if node.op_type == "Constant":
-            return bool(node.attribute) and node.attribute[0].name == "value" \
-                and node.attribute[0].t.data_type in _FLOAT_TENSOR_TYPES
-        leaves = [i for i in node.input if i]
-        if not all(i in values or _is_constant_node(producer, graph, i)
-                   or float_constant(i, depth + 1) for i in leaves):
-            return False
-        return any(float_constant(i, depth + 1) for i in leaves)
+            return {values[name].data_type}
+        node = foldable(name, depth)
+        if node is None:
+            return None
+        if node.op_type == "Constant":  # value_ints, value_float, ...: not a float tensor
+            attr = node.attribute[0] if node.attribute else None
+            return {attr.t.data_type} if attr is not None and attr.name == "value" else set()
+        types: set[int] = set()
+        for i in filter(None, node.input):
+            found = constant_types(i, depth + 1)
+            if found is None:
+                return None
+            types |= found
+        return types
 
     for node in graph.node:
         for slot in WEIGHT_SLOTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
@@ -826,11 +831,12 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
     # before its Add): every runtime folds it when it compiles the model, so it is a constant,
     # not an activation to quantize (a Q/DQ on one made OpenVINO's low-precision Add
     # transformation throw on ppocr-cls)
-    for node in list(graph.node):
+    for node in graph.node:
         for name in node.input:
             idx = producer.get(name)
-            if name and idx is not None and name not in folded \
-                    and graph.node[idx].op_type != "Constant" and float_constant(name):
+            if idx is None or name in folded or graph.node[idx].op_type == "Constant":
+                continue  # an activation's input, done, or a Constant node's (a constant)
+            if (constant_types(name) or set()) & _FLOAT_TENSOR_TYPES:
                 fold(name)
     if not folded:
         return []
@@ -918,11 +924,6 @@ def _static(vi: onnx.ValueInfoProto) -> bool:
 
 _FLOAT_TENSOR_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE,
                                   TensorProto.BFLOAT16})
-
-
-def _is_constant_node(producer: Mapping[str, int], graph: onnx.GraphProto, name: str) -> bool:
-    idx = producer.get(name)
-    return idx is not None and graph.node[idx].op_type == "Constant"
 
 
 def _evaluate(node: onnx.NodeProto, inputs: list[TensorProto]) -> TensorProto | None:
