@@ -39,6 +39,7 @@ import real_models  # noqa: E402
 
 from qdq_optuna.backends.base import BackendError  # noqa: E402
 from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
+from qdq_optuna.model.graph import InputShapes  # noqa: E402
 from qdq_optuna.placement import starts  # noqa: E402
 from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
 
@@ -119,8 +120,7 @@ def as_uint8(qdq_model: onnx.ModelProto) -> dict[str, tuple[float, int]]:
 def interleaved(models: dict[str, tuple[Path, str]], shapes: str | None, rounds: int,
                 runs: int, drop: int) -> dict[str, list[float]]:
     """Per-round minimum ms of every (file, hint), fresh compiled model each round."""
-    parsed = dict(p.rsplit(":", 1) for p in shapes.split(",")) if shapes else {}
-    input_shapes = {k: [int(d) for d in v.split("x")] for k, v in parsed.items()}
+    input_shapes = InputShapes.parse(shapes).shapes
     backends = {h: OpenVinoBackend(precision=h, input_shapes=input_shapes)
                 for h in {h for _, h in models.values()}}
     names = list(models)
@@ -147,17 +147,14 @@ def ratio(a: list[float], b: list[float]) -> dict:
 
 
 def cosine(fp32: Path, other: Path, held: dict, shapes: str | None) -> float:
-    """Worst output cosine similarity of ``other`` vs ``fp32`` (OpenVINO, f32 hint)."""
-    backend = OpenVinoBackend()
-    outs = []
-    for path in (fp32, other):
-        compiled = backend.compile(str(path))
-        count = len(next(iter(held.values())))
-        results = [compiled({k: v[i:i + 1] for k, v in held.items()}) for i in range(count)]
-        outs.append([[np.asarray(res[o]).ravel() for o in compiled.outputs] for res in results])
+    """Worst output cosine similarity of ``other`` vs ``fp32`` (OpenVINO, f32 hint), per
+    held-out sample."""
+    backend = OpenVinoBackend(input_shapes=InputShapes.parse(shapes).shapes)
+    ref, out = backend.outputs(str(fp32), held), backend.outputs(str(other), held)
     worst = 1.0
-    for a_sample, b_sample in zip(*outs):
-        for a, b in zip(a_sample, b_sample):
+    for name, a_all in ref.items():
+        for a, b in zip(a_all, out[name]):
+            a, b = np.ravel(a), np.ravel(b)
             den = float(np.linalg.norm(a) * np.linalg.norm(b)) or 1.0
             worst = min(worst, float(np.dot(a, b)) / den)
     return round(worst, 5)
@@ -168,9 +165,7 @@ def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -
     sum of each layer's minimum over ``runs`` inferences (a figure a shared machine disturbs
     far less than wall-clock latency), Convolutions by kernel precision, Reorders and f32
     Subgraphs (a Q/DQ computed in float on its own)."""
-    parsed = dict(p.rsplit(":", 1) for p in shapes.split(",")) if shapes else {}
-    backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
-                                            for k, v in parsed.items()})
+    backend = OpenVinoBackend(input_shapes=InputShapes.parse(shapes).shapes)
     out = {}
     for name, path in paths.items():
         rows = backend.profile(str(path), runs=runs)
@@ -190,10 +185,7 @@ def compilable(paths: dict[str, Path], info: dict) -> dict[str, Path]:
     """The variants OpenVINO compiles; each other one is left out with its error in
     ``info["not_compiled"]`` (oww-embedding: ONNX Runtime's recipe puts a per-channel
     DequantizeLinear OpenVINO's shape check rejects)."""
-    parsed = dict(p.rsplit(":", 1) for p in info["input_shapes"].split(",")) \
-        if info.get("input_shapes") else {}
-    backend = OpenVinoBackend(input_shapes={k: [int(d) for d in v.split("x")]
-                                            for k, v in parsed.items()})
+    backend = OpenVinoBackend(input_shapes=InputShapes.parse(info.get("input_shapes")).shapes)
     kept = {}
     for name, path in paths.items():
         try:
