@@ -635,6 +635,24 @@ def test_on_a_measured_backend_the_recipe_gets_its_ab_when_float_measured_fastes
     assert recipe["chosen"] and recipe["ab_vs_float"]["ratio"] < 1
 
 
+def _by_start(recipe_ms: float, moved: float = 12.0):
+    """Latency by Q count (the starts are told apart by it, in the order first seen: the
+    all-on start, then the recipe): float 10 ms, all-on 12 ms, the recipe ``recipe_ms``,
+    any other placement ``moved``."""
+    order: list[int] = []
+
+    def latency(m: onnx.ModelProto) -> float:
+        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
+        if q and q not in order:
+            order.append(q)
+        if q == 0:
+            return 10.0
+        if q == order[0]:
+            return 12.0
+        return recipe_ms if q == order[1] else moved
+    return latency
+
+
 @pytest.mark.parametrize("recipe_ms", [10.0, 9.9])
 def test_on_a_measured_backend_float_must_beat_the_recipe_to_replace_it(tmp_path, recipe_ms):
     """The runtime's recipe is what its users deploy without us: when float measured fastest
@@ -642,17 +660,7 @@ def test_on_a_measured_backend_float_must_beat_the_recipe_to_replace_it(tmp_path
     float faster; a tie keeps the recipe (mtcnn-rnet on OpenVINO shipped float 7 % slower
     than NNCF's placement when the recipe had to prove itself instead)."""
     model = zoo.build("resnet", "small")
-    order: list[int] = []
-
-    def latency(m: onnx.ModelProto) -> float:
-        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
-        if q and q not in order:
-            order.append(q)  # the all-on start, then the recipe
-        if q == 0:
-            return 10.0
-        return recipe_ms if len(order) > 1 and q == order[1] else 12.0
-
-    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(_by_start(recipe_ms)),
                   runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
                   progress=False)
     starts = {s["name"]: s for s in result.report["starts"]}
@@ -665,19 +673,8 @@ def test_on_a_measured_backend_the_recipe_lane_ships_unless_another_lane_beats_i
     """Float chosen (it beats the recipe by 5 %), both lanes reach models equally fast: the
     recipe's lane ships, since the other lane's quantized model did not beat it in an A/B."""
     model = zoo.build("resnet", "small")
-    known: list[int] = []
-
-    def latency(m: onnx.ModelProto) -> float:
-        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
-        if q and q not in known:
-            known.append(q)  # the all-on start, then the recipe
-        if q == 0:
-            return 10.0
-        if len(known) > 1 and q == known[1]:
-            return 10.5  # the recipe, float beats it
-        return 12.0 if q == known[0] else 9.0  # all on; every other placement gains
-
-    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+    # float 10 ms beats the recipe's 10.5; every placement a move reaches gains (9 ms)
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(_by_start(10.5, moved=9.0)),
                   runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
                   progress=False)
     report = result.report
