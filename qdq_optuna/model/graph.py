@@ -771,7 +771,9 @@ FOLDABLE_OPS = frozenset({"Constant", "Identity", "Cast", "Transpose", "Reshape"
 def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
     """Weights that reach a weight/bias slot through Constant nodes (paddle2onnx keeps every
     weight there) or foldable ops become initializers, in place on our copy, so every runtime's
-    rules see them as weights. Returns the indices of the nodes removed."""
+    rules see them as weights; so does any other float tensor computed through foldable ops
+    from constants alone (a bias reshaped before its Add), which no rule may quantize as an
+    activation. Returns the indices of the nodes removed."""
     graph = model.graph
     producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
     values = {t.name: t for t in graph.initializer}
