@@ -25,3 +25,16 @@ class ToolError(UserError):
     """A third-party tool (ONNX Runtime's quantizer, Model Optimizer) failed on the model: one
     line when the user asked for that tool's output; a search that only wanted it as one
     start among several goes on without it."""
+
+
+def interrupted_by(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, a Ctrl-C: a KeyboardInterrupt that
+    lands inside a library's own clean-up (Optuna's tell, for one) can come out as another
+    error, and the run must still end as interrupted, not as an internal error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -12,7 +12,8 @@ They are importable by module path, so the CLI can load them with
 * :func:`every_qdq_faster`: each activation Q/DQ pair saves time; quantizing all is optimal.
 * :func:`sleepy`: :func:`rewards_groups` after a sleep of ``QDQ_TEST_SLEEP_S`` seconds
   (default 0.2), to make a run slow enough to kill it part way. While the file named by
-  ``QDQ_TEST_HOLD_FILE`` exists it does not return, so a test can freeze a run mid-trial.
+  ``QDQ_TEST_HOLD_FILE`` exists, a trial's measurement does not return (and
+  ``<hold file>.held`` says so), so a test can freeze a run mid-trial.
 """
 
 from __future__ import annotations
@@ -88,27 +89,30 @@ def every_qdq_faster(model) -> float:
 
 def sleepy(model) -> float:
     time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.2")))
-    hold = os.environ.get("QDQ_TEST_HOLD_FILE")
-    while hold and os.path.exists(hold):
-        time.sleep(0.02)
+    _hold_in_a_trial()
     return rewards_groups(model)
 
 
-def sleepy_costmodel(model) -> float:
-    """The ``costmodel`` backend's latency of ``model`` after a sleep of ``QDQ_TEST_SLEEP_S``
-    seconds (default 0.25): deterministic figures at a pace several workers can share. While
-    ``QDQ_TEST_HOLD_FILE`` exists, a measurement made for a trial (not for a reference or a
-    commit) does not return and ``<hold file>.held`` holds its pid, so a test knows the process
-    is frozen inside a trial."""
-    from qdq_optuna.backends.costmodel import CostModelBackend
-
-    time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.25")))
+def _hold_in_a_trial() -> None:
+    """While ``QDQ_TEST_HOLD_FILE`` exists, a measurement made for a trial (not for a reference
+    or a commit) does not return, and ``<hold file>.held`` holds its pid: a test then knows
+    the process is frozen inside a trial's objective."""
     hold = os.environ.get("QDQ_TEST_HOLD_FILE")
     if hold and os.path.exists(hold) and _in_trial():
         with open(hold + ".held", "w") as fh:
             fh.write(str(os.getpid()))
         while os.path.exists(hold):
             time.sleep(0.02)
+
+
+def sleepy_costmodel(model) -> float:
+    """The ``costmodel`` backend's latency of ``model`` after a sleep of ``QDQ_TEST_SLEEP_S``
+    seconds (default 0.25): deterministic figures at a pace several workers can share; held
+    like :func:`sleepy`."""
+    from qdq_optuna.backends.costmodel import CostModelBackend
+
+    time.sleep(float(os.environ.get("QDQ_TEST_SLEEP_S", "0.25")))
+    _hold_in_a_trial()
     return CostModelBackend().estimate(model).total_ms
 
 

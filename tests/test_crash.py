@@ -141,3 +141,36 @@ def test_ctrl_c_fails_the_running_trial_and_rerun_completes(residual, tmp_path):
     assert redo and redo[0].state == TrialState.COMPLETE, "the interrupted trial was not redone"
     assert_finished_exactly(out, "interrupted", residual, BUDGET)
     assert stray_files(out) == []
+
+
+def test_ctrl_c_inside_optunas_tell_still_ends_as_interrupted(residual, tmp_path, monkeypatch):  # noqa: F811
+    """A Ctrl-C can land after the objective returned, inside Optuna's tell, where Optuna's own
+    clean-up turns it into an UnboundLocalError: the run still ends as interrupted (exit 130,
+    the one resume line, no trial left RUNNING), and the rerun completes."""
+    from optuna.study import _optimize
+
+    from qdq_optuna.cli.commands import main
+
+    real_tell = _optimize._tell_with_warning
+    calls = []
+
+    def tell_then_ctrl_c(*args, **kwargs):
+        calls.append(kwargs["trial"].number)
+        if len(calls) == 3:  # the third trial: its figure is in, the tell is under way
+            raise KeyboardInterrupt
+        return real_tell(*args, **kwargs)
+
+    monkeypatch.setattr(_optimize, "_tell_with_warning", tell_then_ctrl_c)
+    out = tmp_path / "told"
+    argv = ["tune", "--model", str(residual), "--output", str(out),
+            "--backend", "_latency_fns:rewards_groups", "--runtime", "onnxruntime",
+            "--timing", "fast", "--schemes-per-region", str(BUDGET), "-q"]
+    assert main(argv) == 130
+    assert len(calls) == 3
+    for study in pattern_studies(out, "told").values():
+        assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    assert yaml.safe_load((out / "state.yaml").read_text())["status"] == "interrupted"
+
+    monkeypatch.setattr(_optimize, "_tell_with_warning", real_tell)
+    assert main(argv) == 0
+    assert_finished_exactly(out, "told", residual, BUDGET)

@@ -127,25 +127,31 @@ def _db_trials(db: Path) -> list[tuple[str, int, str]]:
 
 def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
                        deadline: float) -> tuple[str, int]:
-    """Wait until a trial finished and another is running, then hold that one in its
-    measurement (the latency function does not return while ``hold`` exists)."""
-    while time.monotonic() < deadline:
+    """Once a trial finished, hold the next trial in its measurement (the latency function
+    does not return while ``hold`` exists, and says so with ``<hold>.held``); that trial's
+    study name and number."""
+    held = Path(str(hold) + ".held")
+
+    def ended() -> None:
         if proc.poll() is not None:
             out, err = proc.communicate()
-            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be killed: {err}")
-        rows = _db_trials(db)
-        done = sum(1 for _, _, s in rows if s == "COMPLETE")
-        running = [(n, k) for n, k, s in rows if s == "RUNNING" and not n.endswith("/_run")]
-        if done >= 1 and running:
+            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be held: {err}")
+
+    while time.monotonic() < deadline:
+        ended()
+        if any(s == "COMPLETE" for _, _, s in _db_trials(db)):
             hold.touch()
-            time.sleep(0.8)
-            still = {(n, k) for n, k, s in _db_trials(db) if s == "RUNNING"}
-            held = [r for r in running if r in still]
-            if held:
-                return held[0]
-            hold.unlink()  # the trial finished just before the hold: try the next one
+            while not held.exists() and time.monotonic() < deadline:
+                ended()
+                time.sleep(0.05)
+            rows: list = []
+            while not rows:  # an empty read is a locked database
+                rows = _db_trials(db)
+            running = [(n, k) for n, k, s in rows if s == "RUNNING" and not n.endswith("/_run")]
+            assert len(running) == 1, running  # one process: the trial the objective holds
+            return running[0]
         time.sleep(0.05)
-    pytest.fail("no running trial to kill")
+    pytest.fail("no running trial to hold")
 
 
 def signal_in_a_trial(argv: list[str], out: Path, hold: Path,
@@ -165,6 +171,7 @@ def signal_in_a_trial(argv: list[str], out: Path, hold: Path,
             proc.kill()
             proc.communicate()
         hold.unlink(missing_ok=True)
+        Path(str(hold) + ".held").unlink(missing_ok=True)
     return proc.returncode, err, study_name, number
 
 

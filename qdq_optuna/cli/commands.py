@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qdq_optuna import __version__
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
-from qdq_optuna.errors import OptionError, UserError
+from qdq_optuna.errors import OptionError, UserError, interrupted_by
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -410,6 +410,12 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
                                              Path(filename).name, lineno)
 
 
+def _interrupted() -> int:
+    print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
+          "Rerun the same command to resume.", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     verbose = 0
@@ -444,10 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head
         return 0
     except KeyboardInterrupt:
-        print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
-              "Rerun the same command to resume.", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted()
     except Exception as exc:  # an internal error: one line, traceback with -v
+        if interrupted_by(exc):  # Ctrl-C landed in a library's clean-up
+            return _interrupted()
         if verbose:
             raise
         first = str(exc).strip().splitlines()

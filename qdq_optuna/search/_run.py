@@ -32,7 +32,7 @@ import onnx
 
 from qdq_optuna._files import atomic_write_bytes, remove_stale_temps
 from qdq_optuna._progress import Progress
-from qdq_optuna.errors import ToolError, UserError
+from qdq_optuna.errors import ToolError, UserError, interrupted_by
 from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, describe_model, input_data
@@ -128,6 +128,11 @@ class Tuner:
         except KeyboardInterrupt:
             self._interrupted()
             raise
+        except Exception as exc:
+            if not interrupted_by(exc):
+                raise
+            self._interrupted()
+            raise KeyboardInterrupt from exc
         finally:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
                 self.backend.close()
