@@ -219,3 +219,20 @@ def test_the_final_check_alone_bisects_and_keeps_the_rest():
     worst = guard.final(plan)
     assert worst.status == "float model past bound" and worst.plan.tensors == []
     assert worst.shipped == "model without Q/DQ"
+
+
+def test_a_fast_start_past_the_bound_comes_back_without_what_broke_it(heavy_run):
+    """Every pair on breaks the bound; its tail-carrying tensors are named by bisection and the
+    same start without them is measured as a start of its own, within the bound and faster
+    than float (every pair saves time here), so the search stands on it."""
+    model, result, _ = heavy_run
+    starts = {s["name"]: s for s in result.report["starts"]}
+    repaired = starts["all-in-bound"]
+    assert repaired["feasible"] and repaired["error"] <= DEFAULT_MAX_OUTPUT_ERROR
+    assert 0 < repaired["qdq"] < starts["all"]["qdq"]
+    assert repaired["latency_ms"] < starts["float"]["latency_ms"]
+    named = [note.rsplit(": ", 1)[1].split(", ") for note in repaired["notes"]
+             if "broke the accuracy bound" in note]
+    assert named and set(named[0]) <= TAILED, repaired["notes"]
+    chosen = next(s for s in starts.values() if s["chosen"])
+    assert chosen["feasible"] and chosen["latency_ms"] <= repaired["latency_ms"]

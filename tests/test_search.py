@@ -237,7 +237,7 @@ def test_rewarded_groups_are_committed_and_speed_up(e2e):
 
 def test_nothing_committed_when_every_qdq_is_slower(residual, tmp_path):
     result = tune(residual, tmp_path / "slow", benchmark=fns.every_qdq_slower,
-                  runtime="onnxruntime", timing="fast",
+                  runtime="onnxruntime", timing="fast", preprocess="none",
                   config=Config(schemes_per_region=4), progress=False)
     report = result.report
     assert [s["name"] for s in report["starts"] if s["chosen"]] == ["float"]
@@ -247,6 +247,10 @@ def test_nothing_committed_when_every_qdq_is_slower(residual, tmp_path):
     assert qdq_nodes(optimized) == []
     assert report["quantized_tensors"] == []
     assert report["speedup"] == pytest.approx(1.0, abs=1e-6)
+    # the file that ships is the baseline's: measured once for its figure, not A/B'd with itself
+    assert report["final_comparison"]["same_model"] and report["final_comparison"]["rounds"] == 0
+    assert report["final_latency_ms"] == report["baseline_latency_ms"]
+    assert "is the baseline itself" in (tmp_path / "slow" / "report.md").read_text()
 
 
 def test_threshold_above_any_gain_changes_nothing(residual, tmp_path):

@@ -116,6 +116,9 @@ class Comparison:
     confidence: float = 0.95
     #: stopped early because the candidate was not faster at all (TimingProtocol.give_up_at)
     gave_up: bool = False
+    #: candidate and reference are the same file: nothing was compared, the model was
+    #: measured once (:meth:`Measurer.same_model`)
+    same_model: bool = False
 
     @property
     def significant(self) -> bool:
@@ -128,6 +131,8 @@ class Comparison:
             return "faster"
         if self.ci_low > 1.0:
             return "slower"
+        if self.same_model:
+            return "same model"
         if self.gave_up:
             return "not faster"
         return "same" if self.decided else "undecided"
@@ -140,6 +145,7 @@ class Comparison:
             "rounds": self.rounds,
             "decided": self.decided,
             "gave_up": self.gave_up,
+            "same_model": self.same_model,
             "verdict": self.verdict,
             "confidence": self.confidence,
             "ratios": [_r(x) for x in self.ratios],
@@ -576,6 +582,15 @@ class Measurer:
         acc.add(samples)
         self.remeasured += again
         return acc.measurement(quiet, time.perf_counter() - t0, again)
+
+    def same_model(self, model: Any) -> Comparison:
+        """A model against itself, as a :class:`Comparison` (ratio 1 by definition): no A/B
+        rounds, the model measured once (``protocol.final_sessions`` fresh sessions) for its
+        figure. A run that ships its baseline spent 157 s comparing dnsmos (450 ms an
+        inference) with itself."""
+        m = self.interleaved([model])[0]
+        return Comparison(1.0, 1.0, 1.0, m, m, 0, True, [], self.protocol.confidence,
+                          same_model=True)
 
     def measure(self, model: Any) -> Measurement:
         """``protocol.sessions`` fresh sessions of one model."""

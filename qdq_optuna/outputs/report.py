@@ -379,6 +379,17 @@ def _kept_lines(kept: dict | None) -> list[str]:
             "so no placement found beat it; the figures above re-measure the shipped file.", ""]
 
 
+def _speedup_line(r: dict, lo, hi) -> str:
+    final = r.get("final_comparison") or {}
+    if final.get("same_model"):
+        return (f"**Speedup {_f(r['speedup'])}x**: `optimized.onnx` is the baseline itself, "
+                f"measured once more ({final['candidate']['sessions']} fresh sessions); "
+                "there is nothing to compare.")
+    return (f"**Speedup {_f(r['speedup'])}x** ({int(r['speedup_confidence'] * 100)} % interval "
+            f"{_f(lo)}–{_f(hi)}, interleaved re-measurement of the saved model against the "
+            "baseline).")
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -396,8 +407,7 @@ def render_markdown(r: dict) -> str:
         f"| baseline ({r.get('baseline_model') or 'no Q/DQ'}) | {_f(r['baseline_latency_ms'])} |",
         f"| tuned (`optimized.onnx`) | {_f(r['final_latency_ms'])} |",
         "",
-        f"**Speedup {_f(r['speedup'])}x** ({int(r['speedup_confidence'] * 100)} % interval "
-        f"{_f(lo)}–{_f(hi)}, interleaved re-measurement of the saved model against the baseline).",
+        _speedup_line(r, lo, hi),
         "",
         f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
         f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "

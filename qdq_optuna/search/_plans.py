@@ -190,6 +190,12 @@ class PlanMeasurer:
         self._count(phase)
         return cmp
 
+    def same_model(self, source, phase: str) -> Comparison:
+        """The figure of a model compared with itself (:meth:`Measurer.same_model`)."""
+        cmp = self.measurer.same_model(source)
+        self._count(phase)
+        return cmp
+
     # -- errors --------------------------------------------------------------------------
     def error(self, exporter, plan: QuantPlan) -> dict:
         """Output errors of ``plan`` vs FP32 on the validation data (accuracy modes), scored

@@ -345,8 +345,11 @@ class Tuner:
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
-        base_bytes = self.baseline_source()[0]
-        cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
+        base_bytes, base_key, _ = self.baseline_source()
+        if plan.key == base_key:  # nothing quantized on the graph the baseline is
+            cmp = plans.same_model(final_bytes, "final")
+        else:
+            cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
@@ -382,7 +385,7 @@ class Tuner:
         kept = {"baseline_model": what, "tuned_comparison": cmp.to_dict()}
         plans, guard = self.search_state.plans, self.search_state.guard
         plan = final_exporter.plan(set())
-        cmp = plans.compare(source, source, "final", until="precision")
+        cmp = plans.same_model(source, "final")
         verdict = guard.ship(guard.exporter.plan(set()), self.prepared.high_precision.precision
                              if self.prepared.high_precision else "fp32")
         return kept, plan, source, cmp, verdict

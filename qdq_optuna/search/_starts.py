@@ -6,7 +6,8 @@ with the user's calibration data, read back; TensorRT rules: Model Optimizer's d
 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
 the insertion points (the descent moves points), measured once (the plan memo), and checked by
 the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
-never chosen. The fastest feasible start becomes the standing model when it beats float as a
+never chosen; when it measured faster than float, it comes back without the Q/DQ that broke
+the bound (named by bisection), as one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when it beats float as a
 commit must (the run's commit rule; on a measured backend an interleaved A/B against float
 confirms it; there the runtime's recipe stands unless an A/B shows the fastest start beats
 it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
@@ -26,7 +27,9 @@ import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
+from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.placement import starts as whole
+from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import RunRecord, StartAttr, StartOutcome
 
@@ -37,6 +40,11 @@ log = logging.getLogger("qdq_optuna")
 #: model, FP16) yet the better basin (benchmarks/whole_model.py); on the transformer it is 50 %
 #: slower and its descent never catches up
 RECIPE_LANE_RATIO = 1.25
+#: a repaired start's name is its start's with this suffix (``recipe:openvino-in-bound``): the
+#: start without the Q/DQ that broke the accuracy bound (:meth:`StartsPhase._repairs`)
+REPAIRED = "-in-bound"
+#: error evaluations a repair may spend naming the tensors that break the bound
+REPAIR_EVALUATIONS = 40
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -84,13 +92,11 @@ class StartsPhase:
         spent = self.s.plans.by_phase["starts"]
         cands = self.candidates()
         progress.stage("starts", len(cands))
-        rows = []
-        for start in cands:
-            with progress.pattern(f"start {start.name}", 1) as bar:
-                row = self._measure(start)
-                bar.trial()
-                bar.finish(note=self._summary(row))
-            rows.append(row)
+        rows = [self._measured(start) for start in cands]
+        repairs = self._repairs(cands, rows)
+        if repairs:
+            progress.stage("starts", len(cands) + len(repairs), done=len(rows))
+            rows += [self._measured(start) for start in repairs]
         chosen_start = self._choose(rows)
         lanes = self._lanes(rows, chosen_start)
         chosen = lanes[MAIN_LANE]  # the start of the standing model
@@ -102,6 +108,50 @@ class StartsPhase:
                 "measurements": self.s.plans.by_phase["starts"] - spent,
                 "lanes": {lane: by_name[name].schemes for lane, name in lanes.items()},
                 "starts": [r.to_attrs() for r in rows]}
+
+    def _measured(self, start: Start) -> StartOutcome:
+        with self.s.progress.pattern(f"start {start.name}", 1) as bar:
+            row = self._measure(start)
+            bar.trial()
+            bar.finish(note=self._summary(row))
+        return row
+
+    def _repairs(self, cands: list[Start], rows: list[StartOutcome]) -> list[Start]:
+        """Each quantized start that measured faster than float but broke the accuracy bound,
+        without the Q/DQ that broke it: NNCF's placement of magika (a byte-level classifier)
+        runs 2.1x faster than float on OpenVINO and puts out nothing like FP32 (cosine 1e-5);
+        a few tensors cause that, and the rest of the placement is worth starting from. The
+        tensors are named by bisection (:func:`~qdq_optuna.measure.bisect.bisect_plan`) and
+        dropped from the start's placement (wherever a pattern's scheme puts them, so in
+        every region of it); a repaired start is measured and checked like any other."""
+        s = self.s
+        flt = next((r for r in rows if r.name == "float"), None)
+        if s.guard is None or flt is None or flt.latency_ms is None:
+            return []
+        out, seen = [], {r.plan_key for r in rows}
+        for start, row in zip(cands, rows):
+            if row.feasible or row.latency_ms is None or row.latency_ms >= flt.latency_ms:
+                continue
+            plan = s.exporter.plan(self.record.uses(row.schemes))
+            found = bisect_plan(s.exporter, plan, lambda p: s.guard.error(p)["error"],
+                                s.guard.bound, max_evaluations=REPAIR_EVALUATIONS)
+            if not found.within or not found.kept.activations:
+                log.info("start %s: no part of it keeps the accuracy bound", start.name)
+                continue
+            gone = set(found.responsible)
+            shown = ", ".join(found.responsible[:6]) + (
+                f" (+{len(gone) - 6})" if len(gone) > 6 else "")
+            repaired = whole.start_from_uses(
+                s.prepared, f"{start.name}{REPAIRED}",
+                [u for u in plan_uses(plan) if u[0] not in gone],
+                notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke "
+                       f"the accuracy bound (found by bisection in {found.evaluations} "
+                       f"error evaluations): {shown}"])
+            key = s.exporter.plan(self.record.uses(repaired.schemes)).key
+            if key not in seen and any(repaired.on().values()):
+                seen.add(key)
+                out.append(repaired)
+        return out
 
     def _summary(self, row: StartOutcome) -> str:
         if row.failure:
