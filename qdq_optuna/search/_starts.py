@@ -126,7 +126,7 @@ class StartsPhase:
         every region of it); a repaired start is measured and checked like any other."""
         s = self.s
         flt = next((r for r in rows if r.name == "float"), None)
-        if s.guard is None or flt is None or flt.latency_ms is None:
+        if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
             return []
         out, seen = [], {r.plan_key for r in rows}
         for start, row in zip(cands, rows):
