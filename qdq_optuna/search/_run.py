@@ -346,10 +346,8 @@ class Tuner:
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
         base_bytes, base_key, _ = self.baseline_source()
-        if plan.key == base_key:  # nothing quantized on the graph the baseline is
-            cmp = plans.same_model(final_bytes, "final")
-        else:
-            cmp = plans.compare(final_bytes, base_bytes, "final", until="precision")
+        cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
+               else plans.compare(final_bytes, base_bytes, "final", until="precision"))
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
