@@ -69,8 +69,7 @@ class Guard:
             return verdict
         where = data_phrase(self.data)
         if verdict.status == FALLBACK:
-            culprits = ", ".join(verdict.responsible[:6]) + (
-                f" (+{len(verdict.responsible) - 6})" if len(verdict.responsible) > 6 else "")
+            culprits = listed(verdict.responsible)
             log.warning(
                 "accuracy guard: the tuned model's output error %.4g (%s, worst output, on %s) "
                 "is past the bound %g; Q/DQ on %s caused it: optimized.onnx is the %s instead "
@@ -141,6 +140,12 @@ class Verdict:
     evaluations: int
     #: activation tensors the tuned plan quantizes
     tuned_tensors: list[str]
+
+
+def listed(names: list[str], limit: int = 6) -> str:
+    """``names`` for a log line or a note: the first ``limit``, then how many more."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" (+{more})" if more > 0 else "")
 
 
 def scored_as(bf16: bool, fused: bool, openvino: bool = False) -> str:

@@ -7,10 +7,10 @@ placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is 
 the insertion points (the descent moves points), measured once (the plan memo), and checked by
 the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
 never chosen; when it measured faster than float, it comes back without the Q/DQ that broke
-the bound (named by bisection), as one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when it beats float as a
-commit must (the run's commit rule; on a measured backend an interleaved A/B against float
-confirms it; there the runtime's recipe stands unless an A/B shows the fastest start beats
-it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+the bound (named by bisection), as one more start (``NAME-in-bound``). The fastest feasible
+start becomes the standing model when it beats float as a commit must (the run's commit rule;
+on a measured backend an interleaved A/B against float confirms it; there the runtime's
+recipe stands unless an A/B shows the fastest start beats it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
@@ -32,6 +32,7 @@ from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import RunRecord, StartAttr, StartOutcome
+from qdq_optuna.search._guard import listed
 
 log = logging.getLogger("qdq_optuna")
 
@@ -144,14 +145,12 @@ class StartsPhase:
                 log.info("start %s: no part of it keeps the accuracy bound", start.name)
                 continue
             gone = set(found.responsible)
-            shown = ", ".join(found.responsible[:6]) + (
-                f" (+{len(gone) - 6})" if len(gone) > 6 else "")
             repaired = whole.start_from_uses(
                 s.prepared, f"{start.name}{REPAIRED}",
                 [u for u in plan_uses(plan) if u[0] not in gone],
                 notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke "
                        f"the accuracy bound (found by bisection in {found.evaluations} "
-                       f"error evaluations): {shown}"])
+                       f"error evaluations): {listed(found.responsible)}"])
             key = s.exporter.plan(self.record.uses(repaired.schemes)).key
             if key not in seen and any(repaired.on().values()):
                 seen.add(key)
