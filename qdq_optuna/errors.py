@@ -32,9 +32,13 @@ def interrupted_by(exc: BaseException) -> bool:
     lands inside a library's own clean-up (Optuna's tell, for one) can come out as another
     error, and the run must still end as interrupted, not as an internal error."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    chain: list[BaseException | None] = [exc]
+    while chain:
+        exc = chain.pop()
+        if exc is None or id(exc) in seen:
+            continue
         if isinstance(exc, KeyboardInterrupt):
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        chain += [exc.__cause__, exc.__context__]
     return False

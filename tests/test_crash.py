@@ -174,3 +174,24 @@ def test_ctrl_c_inside_optunas_tell_still_ends_as_interrupted(residual, tmp_path
     monkeypatch.setattr(_optimize, "_tell_with_warning", real_tell)
     assert main(argv) == 0
     assert_finished_exactly(out, "told", residual, BUDGET)
+
+
+def test_an_error_raised_while_a_ctrl_c_was_handled_counts_as_the_ctrl_c():
+    from qdq_optuna.errors import interrupted_by
+
+    def clean_up_fails(explicit_cause: bool):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            try:
+                raise ValueError("the library's clean-up")
+            except ValueError as inner:
+                if explicit_cause:  # `raise ... from inner`: the Ctrl-C is only a context
+                    raise RuntimeError("wrapped") from inner
+                raise
+
+    for explicit in (False, True):
+        with pytest.raises(Exception) as info:
+            clean_up_fails(explicit)
+        assert interrupted_by(info.value)
+    assert not interrupted_by(RuntimeError("plain"))
