@@ -10,7 +10,8 @@ never chosen; when it measured faster than float, it comes back without the Q/DQ
 the bound (named by bisection), as one more start (``NAME-in-bound``). The fastest feasible
 start becomes the standing model when it beats float as a commit must (the run's commit rule;
 on a measured backend an interleaved A/B against float confirms it; there the runtime's
-recipe stands unless an A/B shows the fastest start beats it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+recipe stands unless an A/B shows the fastest start beats it). Which starts the descent runs
+from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
@@ -138,7 +139,7 @@ class StartsPhase:
             remaining = s.remaining()
             if remaining is not None and remaining <= 0:
                 break
-            plan = s.exporter.plan(self.record.uses(row.schemes))
+            plan = self._plan(row.schemes)
             found = bisect_plan(s.exporter, plan, lambda p: s.guard.error(p)["error"],
                                 s.guard.bound, max_evaluations=REPAIR_EVALUATIONS)
             if not found.within or not found.kept.activations:
@@ -151,8 +152,8 @@ class StartsPhase:
                 notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke "
                        f"the accuracy bound (found by bisection in {found.evaluations} "
                        f"error evaluations): {listed(found.responsible)}"])
-            key = s.exporter.plan(self.record.uses(repaired.schemes)).key
-            if key not in seen and any(repaired.on().values()):
+            key = self._plan(self._schemes(repaired)).key
+            if key not in seen:  # float's key is among them: nothing left on
                 seen.add(key)
                 done = len(rows) + len(out)
                 s.progress.stage("starts", done + 1, done=done)
@@ -170,12 +171,20 @@ class StartsPhase:
         ok = "" if row.feasible else f", output error {row.error:.3g} over the bound"
         return f"{row.latency_ms:.4f} ms{speed}{ok}"
 
+    def _schemes(self, start: Start) -> dict[str, dict[str, int]]:
+        """The start's schemes in the search space's terms (what a row stores)."""
+        space = self.s.settings.space
+        return {pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
+                                             pp.ids) for pp in self.s.prepared.tunable}
+
+    def _plan(self, schemes: dict[str, dict[str, int]]):
+        """The whole model of a row's schemes."""
+        return self.s.exporter.plan(self.record.uses(schemes))
+
     def _measure(self, start: Start) -> StartOutcome:
         s = self.s
-        space = s.settings.space
-        schemes = {pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
-                                                pp.ids) for pp in s.prepared.tunable}
-        plan = s.exporter.plan(self.record.uses(schemes))
+        schemes = self._schemes(start)
+        plan = self._plan(schemes)
         row = StartOutcome(name=start.name, schemes=schemes, points_on=start.on(),
                            notes=list(start.notes), exact=start.exact, qdq=len(plan),
                            plan_key=plan.key)
@@ -249,8 +258,7 @@ class StartsPhase:
         return best.name if beaten else recipe.name
 
     def _source(self, row: StartOutcome):
-        s = self.s
-        return s.exporter.source(s.exporter.plan(self.record.uses(row.schemes)))
+        return self.s.exporter.source(self._plan(row.schemes))
 
     def _lanes(self, rows: list[StartOutcome], chosen: str) -> dict[str, str]:
         """Lane name -> start name, in descent order (see ``Config.start``)."""
