@@ -40,6 +40,7 @@ from qdq_optuna.measure.accuracy import AccuracyEvaluator  # noqa: E402
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function  # noqa: E402
 from qdq_optuna.model import calibration  # noqa: E402
 from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes import profile_for  # noqa: E402
 
 METHODS = calibration.METHODS
 ZOO = real_models.ZOO
@@ -54,7 +55,7 @@ def measure(name: str, runtime: str, args) -> dict:
     pm = PreparedModel.prepare(model, runtime=runtime, quant_type=qtype, input_shapes=shapes)
     uses = set().union(*(pp.uses(pp.ids) for pp in pm.tunable)) if pm.tunable else set()
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    optimize = runtime == "onnxruntime"
+    optimize = profile_for(runtime).scores_fused(None)  # ONNX Runtime's fused kernels
     float_bytes = pm.exporter().to_bytes(pm.exporter().plan(set()))
     evaluator = AccuracyEvaluator(float_bytes, held, optimize=optimize)
     row = {"model": name, "runtime": runtime, "quant_type": qtype, "data": data_kind,

@@ -119,7 +119,7 @@ def check(label: str, graph, low: float, high: float, precisions, reference: boo
         runtimes = (["onnxruntime"] if precision == "fp16" else []) + \
             (["reference"] if reference or precision == "bf16" else [])
         for runtime in runtimes:
-            got = (run_ort if runtime == "onnxruntime" else run_reference)(hp.model, feeds)
+            got = {"onnxruntime": run_ort, "reference": run_reference}[runtime](hp.model, feeds)
             rel, absolute = errors(want, got)
             rows.append({"model": label, "precision": precision, "runtime": runtime,
                          "opset": f"{hp.opsets[0]}->{hp.opsets[1]}", "nodes": len(model.graph.node),

@@ -41,6 +41,7 @@ import real_models  # noqa: E402
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
 from qdq_optuna.model.graph import used_domains  # noqa: E402
+from qdq_optuna.runtimes import profile_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {  # name -> (backend, rules, further tune arguments)
@@ -106,7 +107,8 @@ def tune_row(path: Path, shapes: str | None, cal: Path, held: dict, run: str, ou
                claimed_relative_l2=acc.get("error"),
                ort_default=None if default is None else
                (f"{default['error']:.3f}" if default["loads"] else "refused"))
-    row.update(check_model(out / "optimized.onnx", path, held, optimize=runtime == "onnxruntime",
+    fused = profile_for(runtime).scores_fused(None)  # ONNX Runtime's fused kernels
+    row.update(check_model(out / "optimized.onnx", path, held, optimize=fused,
                            bf16=row["precision"] == "bf16"))
     return row
 

@@ -13,10 +13,10 @@ import pytest
 from qdq_optuna.backends import make_backend, runtime_for_backend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
-from qdq_optuna.model.precision import resolve_high_precision
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.rules import rules_for
+from qdq_optuna.runtimes import profile_for
 
 ov = pytest.importorskip("openvino")
 
@@ -55,7 +55,7 @@ def test_backend_options_are_checked() -> None:
     with pytest.raises(OptionError, match="--high-precision"):
         OpenVinoBackend(precision="int4")
     # OpenVINO's float precision is a compile hint: the graph itself stays FP32
-    assert resolve_high_precision("bf16", "openvino", "openvino") == "fp32"
+    assert profile_for("openvino").high_precision("bf16", "openvino") == "fp32"
 
 
 def test_isolated_backend_measures_in_a_worker() -> None:

@@ -19,8 +19,8 @@ from qdq_optuna.model.precision import (
     KEEP_FP32,
     convert_precision,
     float_types,
-    resolve_high_precision,
 )
+from qdq_optuna.runtimes import profile_for
 
 #: relative L2 error of FP16 / BF16 outputs against FP32 that the zoo models stay within
 #: (FP16 keeps 11 significant bits, BF16 8; errors accumulate over ~20 layers)
@@ -202,10 +202,10 @@ def test_bad_combinations_name_the_option(zoo_model):
         convert_precision(zoo_model("resnet"), "bf16", upgrade_opset=False)
     with pytest.raises(OptionError, match=r"^--high-precision bf16 cannot run on --backend "
                                           r"onnxruntime"):
-        resolve_high_precision("bf16", "onnxruntime", "onnxruntime")
+        profile_for("onnxruntime").high_precision("bf16", "onnxruntime")
     with pytest.raises(OptionError, match=r"^--high-precision fp16 cannot run on --backend "
                                           r"onnxruntime"):
-        resolve_high_precision("fp16", "onnxruntime", "onnxruntime")
+        profile_for("onnxruntime").high_precision("fp16", "onnxruntime")
     for err in (OptionError,):
         try:
             convert_precision(zoo_model("resnet"), "bf16", upgrade_opset=False)
@@ -214,17 +214,17 @@ def test_bad_combinations_name_the_option(zoo_model):
 
 
 def test_defaults_follow_the_backend():
-    assert resolve_high_precision(None, "tensorrt", "tensorrt") == "fp16"
-    assert resolve_high_precision(None, "trtexec", "tensorrt") == "fp16"
-    assert resolve_high_precision(None, "costmodel", "tensorrt") == "fp16"
+    assert profile_for("tensorrt").high_precision(None, "tensorrt") == "fp16"
+    assert profile_for("tensorrt").high_precision(None, "trtexec") == "fp16"
+    assert profile_for("tensorrt").high_precision(None, "costmodel") == "fp16"
     # placed by ONNX Runtime's rules, the model ships to ONNX Runtime CPU: FP32 (its Q/DQ
     # fusions refuse FP16 scales; with FP16 the real YOLOv8n shipped a model it cannot load)
-    assert resolve_high_precision(None, "costmodel", "onnxruntime") == "fp32"
-    assert resolve_high_precision(None, "ort-cuda", "tensorrt") == "fp16"
-    assert resolve_high_precision(None, "onnxruntime", "onnxruntime") == "fp32"
-    assert resolve_high_precision(None, "pkg.mod:fn", "tensorrt") == "fp16"
-    assert resolve_high_precision(None, "pkg.mod:fn", "onnxruntime") == "fp32"
-    assert resolve_high_precision("bf16", "tensorrt", "tensorrt") == "bf16"
+    assert profile_for("onnxruntime").high_precision(None, "costmodel") == "fp32"
+    assert profile_for("tensorrt").high_precision(None, "ort-cuda") == "fp16"
+    assert profile_for("onnxruntime").high_precision(None, "onnxruntime") == "fp32"
+    assert profile_for("tensorrt").high_precision(None, "pkg.mod:fn") == "fp16"
+    assert profile_for("onnxruntime").high_precision(None, "pkg.mod:fn") == "fp32"
+    assert profile_for("tensorrt").high_precision("bf16", "tensorrt") == "bf16"
     assert convert_precision(decomposed_layer_norm(), "fp32") is None
 
 

@@ -257,3 +257,54 @@ def test_the_stored_run_page_lists_every_key():
     expected = {(cls, key) for cls, _, key in key_table()}
     assert expected - listed == set(), "keys missing from docs/stored_run.md"
     assert listed - expected == set(), "docs/stored_run.md lists keys the schema lacks"
+
+
+# -- one profile per runtime ---------------------------------------------------------------------
+def _named_strings(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(set(), *(_named_strings(e) for e in node.elts))
+    return set()
+
+
+def _comparisons_of(tree: ast.AST, names: set[str]) -> list[str]:
+    """``x == "name"``, ``x != "name"``, ``x in ("name", ...)`` with one of ``names``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+                isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            if set().union(*(_named_strings(x) for x in (node.left, *node.comparators))) & names:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _runtime_comparisons(root: Path, allowed: str = "qdq_optuna/runtimes/") -> list[str]:
+    from qdq_optuna.runtimes import RUNTIME_NAMES
+
+    found = []
+    for folder in CHECKED:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if not rel.startswith(allowed):
+                found += [f"{rel}:{hit}" for hit in _comparisons_of(
+                    ast.parse(path.read_text(encoding="utf-8")), set(RUNTIME_NAMES))]
+    return found
+
+
+def test_no_runtime_name_is_compared_outside_the_profiles():
+    """What differs between runtimes is asked of the run's profile (``qdq_optuna/runtimes/``),
+    never decided by comparing a runtime's name."""
+    assert _runtime_comparisons(REPO) == []
+
+
+def test_the_runtime_check_finds_a_comparison(tmp_path):
+    (tmp_path / "qdq_optuna" / "runtimes").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "samplers").mkdir()
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        'a = runtime == "onnxruntime"\nb = rules.name in ("tensorrt", "x")\nc = x == "fp32"\n')
+    (tmp_path / "qdq_optuna" / "runtimes" / "ok.py").write_text('a = name == "openvino"\n')
+    assert _runtime_comparisons(tmp_path) == [
+        "qdq_optuna/m.py:1: runtime == 'onnxruntime'",
+        "qdq_optuna/m.py:2: rules.name in ('tensorrt', 'x')"]

@@ -288,12 +288,13 @@ def _print_result(result) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from qdq_optuna.config import Config
     from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes import profile_for
 
     cfg = Config(
         maximum_sequence_region_size=args.maximum_sequence_region_size or 10,
         minimum_topdown_search_size=args.minimum_topdown_search_size or 10,
     )
-    pm = PreparedModel.prepare(args.model, runtime=args.runtime, quant_type=args.quant_type,
+    pm = PreparedModel.prepare(args.model, runtime=profile_for(args.runtime).rules, quant_type=args.quant_type,
                                input_shapes=args.input_shapes, config=cfg, preprocess=args.preprocess,
                                high_precision=args.high_precision or "fp32",
                                keep_io_types=args.keep_io_types, upgrade_opset=args.opset_upgrade,

@@ -121,15 +121,11 @@ UNSUPPORTED: Mapping[tuple[str, str], str] = {
 }
 
 
-def resolve_high_precision(requested: str | None, backend: str, runtime: str) -> str:
+def resolve_high_precision(requested: str | None, backend: str, default: str) -> str:
     """``--high-precision`` for a run: the requested one (checked against the backend) or the
-    backend's default; the cost model and a callable backend follow the runtime whose rules
-    they place by (TensorRT: fp16; ONNX Runtime: fp32, the FP16 Q/DQ model its CPU fusions
-    refuse would ship otherwise)."""
-    if runtime == "openvino":  # a compile hint there (the backend's), never a conversion
-        if requested is not None:
-            check_precision(requested)
-        return "fp32"
+    backend's default, else ``default``, the runtime's (its profile's): the cost model and a
+    callable backend follow the runtime whose rules they place by (TensorRT: fp16; ONNX
+    Runtime: fp32, the FP16 Q/DQ model its CPU fusions refuse would ship otherwise)."""
     if requested is not None:
         check_precision(requested)
         why = UNSUPPORTED.get((backend, requested))
@@ -139,7 +135,7 @@ def resolve_high_precision(requested: str | None, backend: str, runtime: str) ->
         return requested
     if backend in DEFAULT_FOR_BACKEND:
         return DEFAULT_FOR_BACKEND[backend]
-    return "fp16" if runtime == "tensorrt" else "fp32"
+    return default
 
 
 @dataclass

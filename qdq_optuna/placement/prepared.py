@@ -81,7 +81,7 @@ class PreparedModel:
         cls,
         model: str | os.PathLike | onnx.ModelProto,
         *,
-        runtime: str = "onnxruntime",
+        runtime: str | RuntimeRules = "onnxruntime",
         quant_type: str | None = None,
         input_shapes: InputShapes | str | None = None,
         config: Config | None = None,
@@ -98,7 +98,7 @@ class PreparedModel:
         types need is refused (one line) instead of upgraded with onnx's version converter."""
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
-        rules = rules_for(runtime)
+        rules = runtime if isinstance(runtime, RuntimeRules) else rules_for(runtime)
         mixed = quant_type == "mixed"  # every point chooses none or one of the rules' types
         qtype = check_quant_type(rules.default_quant_type if mixed else
                                  quant_type or cfg.default_quant_type or rules.default_quant_type)
@@ -293,7 +293,7 @@ class PreparedModel:
 def _preprocessed(graph: Graph, rules: RuntimeRules, preprocess: str) -> tuple[Graph, str]:
     """The graph the rules see (ONNX Runtime's basic fusions for its own rules, by default)
     and the preprocessing actually applied."""
-    mode = ("ort-basic" if rules.name == "onnxruntime" else "none") if preprocess == "auto" else preprocess
+    mode = rules.preprocess if preprocess == "auto" else preprocess
     if mode == "ort-basic" and graph.external_dir is not None:
         log.warning("the model's weights stay on disk (external data over %d bytes): "
                     "tuning it without ONNX Runtime preprocessing (--preprocess none)",

@@ -269,6 +269,9 @@ class RuntimeRules:
     #: same-scale chain ties to them) when the narrowest keeps this share of the joined range
     #: (``calibration.share_concat_scales``); None: no sharing
     concat_share_ratio: float | None = None
+    #: what ``--preprocess auto`` applies before the rules see the graph (``ort-basic``: ONNX
+    #: Runtime's basic fusions, which its own runtime applies before its Q/DQ fusions)
+    preprocess: str = "none"
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
         """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
@@ -341,6 +344,7 @@ ORT_QUANTIZED_OPS = frozenset(
 
 ONNXRUNTIME_CPU = RuntimeRules(
     name="onnxruntime",
+    preprocess="ort-basic",
     default_quant_type="uint8",
     quant_types=("uint8", "int8"),
     quantizable_ops=ORT_QUANTIZED_OPS,

@@ -11,7 +11,7 @@ from typing import Any
 
 import onnx
 
-from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend, runtime_for_backend
+from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
@@ -21,9 +21,9 @@ from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.placement.rules import RULES
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL
+from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
 from qdq_optuna.search.objectives import (
     check_error_options,
     check_sampler,
@@ -72,7 +72,7 @@ class TuneOptions:
     backend: str | Backend | Callable = option(
         "onnxruntime", group="measurement", short="-b", help=BACKEND_HELP)
     runtime: str | None = option(
-        None, group="model", choices=tuple(RULES),
+        None, group="model", choices=RUNTIME_NAMES,
         help="whose fusion rules place the Q/DQ (default: follows --backend; a --backend "
              "package.module:function must name it)")
     quant_type: str | None = option(
@@ -266,23 +266,12 @@ def backend_for(options: TuneOptions) -> Backend:
     given = {"threads": options.threads,
              "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
     kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
-    if spec is not None and spec.runtime == "openvino":  # the float part: its precision hint
-        kwargs["precision"], kwargs["precision_why"] = _openvino_precision(options, given)
+    if spec is not None:  # the runtime's own options (OpenVINO: its precision hint)
+        kwargs.update(profile_for(spec.runtime).backend_options(
+            options.model, options.high_precision, options.threads, given["input_shapes"]))
     if ":" not in b:
         kwargs["isolate"] = bool(options.isolate)
     return make_backend(b, **kwargs)
-
-
-def _openvino_precision(options: TuneOptions, given: dict) -> tuple[str, str]:
-    """OpenVINO's inference precision hint: ``--high-precision``, else the faster hint the CPU
-    supports on the user's float model (the baseline runs at it, and so does every candidate)."""
-    from qdq_optuna.backends.openvino import choose_precision
-
-    model = options.model
-    if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    return choose_precision(model, options.high_precision, threads=options.threads,
-                            input_shapes=given["input_shapes"])
 
 
 def backend_name(options: TuneOptions, backend: Backend) -> str:
@@ -332,15 +321,19 @@ class Settings:
         object.__setattr__(self, "multi_objective", len(self.objectives) > 1)
 
     @staticmethod
-    def runtime_of(options: TuneOptions, backend: Backend) -> str:
-        return options.runtime or runtime_for_backend(backend_name(options, backend))
+    def profile_of(options: TuneOptions, backend: Backend) -> Runtime:
+        """The run's runtime profile, chosen once: ``--runtime``, else the backend's."""
+        if options.runtime is not None:
+            return profile_for(options.runtime)
+        return profile_for_backend(backend_name(options, backend))
 
     @classmethod
     def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
-        runtime = cls.runtime_of(options, backend)
+        profile = cls.profile_of(options, backend)
+        runtime = profile.name
         scales = options.scales
         if scales == "auto":
-            scales = "calibrated" if runtime in ("onnxruntime", "openvino") else "default"
+            scales = profile.default_scales
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
         constrained = options.max_output_error is not None

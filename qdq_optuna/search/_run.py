@@ -37,7 +37,6 @@ from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, describe_model, input_data
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.model.precision import resolve_high_precision
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
@@ -45,6 +44,7 @@ from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run, write_pattern_cache, write_state
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
+from qdq_optuna.runtimes import Runtime
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import Guard, check_default_session
@@ -75,12 +75,13 @@ class Tuner:
         self.out = Path(options.output_dir)
         self.backend = backend_for(options)
         check_runtime_named(options, self.backend)
-        runtime = Settings.runtime_of(options, self.backend)
+        #: the runtime's profile, chosen once (rules, defaults, recipe, how the guard runs)
+        self.profile = Settings.profile_of(options, self.backend)
         self.prepared = PreparedModel.prepare(
-            options.model, runtime=runtime, quant_type=options.quant_type,
+            options.model, runtime=self.profile.rules, quant_type=options.quant_type,
             input_shapes=options.input_shapes, config=self.cfg, preprocess=options.preprocess,
-            high_precision=resolve_high_precision(
-                options.high_precision, backend_name(options, self.backend), runtime),
+            high_precision=self.profile.high_precision(
+                options.high_precision, backend_name(options, self.backend)),
             keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
             op_types=options.op_types, upgrade_opset=options.opset_upgrade,
         )
@@ -182,7 +183,7 @@ class Tuner:
         self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
         self._load_seeds()
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        scorer, data_name = error_scorer(self.prepared, self.o, self.settings.runtime, exporter,
+        scorer, data_name = error_scorer(self.prepared, self.o, self.profile, exporter,
                                          self.validation, self.calibration, self.backend)
         plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
         calibrated = (exporter if self.settings.scales == "calibrated"
@@ -249,7 +250,7 @@ class Tuner:
 
     def _recipe_start(self):
         """The runtime's classic recipe as a start (None when it cannot be made)."""
-        return recipe_start(self.prepared, self.o, self.settings.runtime, self.calibration)
+        return recipe_start(self.prepared, self.o, self.profile, self.calibration)
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -467,17 +468,11 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibration):
+def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration):
     """The runtime's classic recipe as a start (None when it cannot be made)."""
-    from qdq_optuna.placement import starts
-
     try:
-        recipe = {"onnxruntime": starts.ort_recipe_start,
-                  "openvino": starts.nncf_recipe_start}.get(runtime)
-        if recipe is None:
-            return starts.tensorrt_recipe_start(pm)
-        return recipe(pm, options.model, input_shapes=options.input_shapes,
-                      data=calibration[0] if calibration else None)
+        return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
+                                    data=calibration[0] if calibration else None)
     except ToolError as exc:  # the quantizer refused this model: no recipe start
         log.warning("%s; starting without the recipe", exc)
         return None
@@ -485,7 +480,7 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibrat
         raise
     except Exception as exc:  # the quantizer failed on this model: no recipe start
         log.warning("the %s recipe could not be made for this model (%s: %s); starting "
-                    "without it", runtime, type(exc).__name__, exc)
+                    "without it", profile.name, type(exc).__name__, exc)
         return None
 
 
@@ -498,46 +493,23 @@ def high_precision_summary(prepared: PreparedModel) -> dict:
     return hp.describe()
 
 
-def error_scorer(prepared: PreparedModel, options: TuneOptions, runtime: str,
+def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime,
                  exporter: QDQExporter, validation, calibration,
                  backend=None) -> tuple[ErrorScorer, str]:
     """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
     which data they are measured on; bad validation data or a bad metric fails here, before
-    any measurement. Under OpenVINO's rules the candidates run in OpenVINO itself, at the
-    measuring backend's inference precision: its CPU kernels can differ from the ONNX
-    semantics (16-bit sums that saturate on CPUs without VNNI)."""
+    any measurement. The runtime's profile says how a candidate runs: through ONNX Runtime's
+    fused kernels, as written, or in the runtime itself (OpenVINO)."""
     shapes = InputShapes.parse(options.input_shapes).shapes
     data, data_name = validation_data(prepared.graph.model, validation=validation,
                                       calibration=calibration, input_shapes=shapes)
     hp = prepared.high_precision  # errors are against FP32, whatever runs
     reference = (hp.source.full_model().SerializeToString() if hp is not None
                  else exporter.source(exporter.plan(set())))
-    # ONNX Runtime's fused integer kernels are what its rules stand for, but only with an FP32
-    # float part: its CPU fusions refuse valid FP16 Q/DQ graphs (QLinearConcat takes FP32
-    # scales only), so an FP16 model under its rules is scored as written
-    fused = runtime == "onnxruntime" and (hp is None or hp.precision == "fp32")
-    runner = _openvino_runner(shapes, backend) if runtime == "openvino" else None
     return ErrorScorer(reference, data, metric=options.metric,
-                       error_measure=options.error_measure, optimize=fused,
-                       bf16=hp is not None and hp.precision == "bf16", runner=runner), data_name
-
-
-def _openvino_runner(shapes, backend):
-    """``OpenVinoBackend.outputs`` at the measuring backend's inference precision (f32 when
-    another backend measures), or None where OpenVINO cannot run here: the guard then scores
-    the Q/DQ as written in ONNX Runtime, with a warning."""
-    from qdq_optuna.backends.base import BackendUnavailable
-
-    hint = (backend.describe().get("inference_precision") if backend is not None else None) \
-        or "f32"
-    try:
-        from qdq_optuna.backends.openvino import OpenVinoBackend
-
-        return OpenVinoBackend(precision=hint, input_shapes=shapes).outputs
-    except (ImportError, BackendUnavailable) as exc:
-        log.warning("the accuracy guard scores the Q/DQ as written in ONNX Runtime: OpenVINO "
-                    "cannot run here (%s)", exc)
-        return None
+                       error_measure=options.error_measure, optimize=profile.scores_fused(hp),
+                       bf16=hp is not None and hp.precision == "bf16",
+                       runner=profile.error_runner(shapes, backend)), data_name
 
 
 def save_standing(exporter: QDQExporter, uses, out: Path) -> None:

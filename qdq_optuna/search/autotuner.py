@@ -34,6 +34,7 @@ from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace, combine
 from qdq_optuna.record import PatternAttr, RunRecord, TrialAttr
 from qdq_optuna.record.storage import quiet_optuna
+from qdq_optuna.runtimes import profile_for
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._options import Settings
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
@@ -56,8 +57,8 @@ class Autotuner:
         self.config = config or Config()
         quiet_optuna(self.config.verbose)
         self.prepared = PreparedModel.prepare(
-            model, runtime=runtime, quant_type=quant_type, input_shapes=input_shapes,
-            config=self.config,
+            model, runtime=profile_for(runtime).rules, quant_type=quant_type,
+            input_shapes=input_shapes, config=self.config,
         )
         self.exporter = self.prepared.exporter(config=self.config)
         self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()

@@ -1,0 +1,64 @@
+"""Runtime: everything one target runtime decides, in one object chosen once per run.
+
+A run asks its profile (never the runtime's name) for the rules that place Q/DQ, the defaults
+(float-part precision, scales inside trials), the recipe start, how the accuracy guard runs a
+candidate, what the runtime ran and, where measured, its integer-vs-float kernel timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.placement.rules import RuntimeRules
+
+
+class Runtime:
+    """One runtime's profile; a subclass per runtime (``runtimes/<name>.py``, ``PROFILE``)."""
+
+    #: the runtime's name (``--runtime``; a backend's ``BackendSpec.runtime``)
+    name: str = ""
+    #: where Q/DQ may go, fusion groups, quant types (``rules.default_quant_type``)
+    rules: RuntimeRules
+    #: the float part's precision when neither ``--high-precision`` nor the backend says
+    default_precision: str = "fp32"
+    #: ``--scales auto``: calibrated scales inside trials, or placeholders (``default``)
+    default_scales: str = "calibrated"
+
+    def high_precision(self, requested: str | None, backend: str) -> str:
+        """The float part's precision for ``--high-precision`` on ``backend`` (checked)."""
+        return resolve_high_precision(requested, backend, self.default_precision)
+
+    def backend_options(self, model: Any, requested_precision: str | None,
+                        threads: int | None, input_shapes: dict | None) -> dict:
+        """Extra keyword arguments for this runtime's own backends (none by default)."""
+        return {}
+
+    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None):
+        """The runtime's classic quantization recipe as a whole-model start."""
+        raise NotImplementedError
+
+    def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
+        """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels
+        (``ErrorScorer(optimize=...)``) rather than the Q/DQ as written."""
+        return False
+
+    def error_runner(self, input_shapes: dict | None,
+                     backend: Backend | None) -> Callable | None:
+        """What runs a candidate for the accuracy guard, when not ONNX Runtime (None)."""
+        return None
+
+    def what_ran(self, backend: Backend, model: bytes) -> WhatRan | None:
+        """What the runtime fused, ran standalone, kept float, reformatted for ``model``."""
+        return backend.what_ran(model)
+
+    def kernel_timing(self, backend: Backend) -> Any | None:
+        """Measured integer-vs-float kernel timing on this machine (the place for it; None:
+        not measured, the rules' static fusion tables decide alone)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<runtime {self.name}>"
