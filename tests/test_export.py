@@ -439,6 +439,16 @@ def test_weight_scales():
     assert float(weight_scales(np.zeros((4, 4), np.float32), 0, "int8").min()) > 0
 
 
+def test_a_quant_type_member_is_its_plain_name():
+    """Members compare, hash and print as the plain names that runs store."""
+    from qdq_optuna.model.calibration import QuantType
+
+    assert QuantType.FP8 == "fp8" and "fp8" in {QuantType.FP8} and QuantType.INT8 in {"int8"}
+    assert f"{QuantType.UINT8}" == "uint8" and QuantType.parse("int8") is QuantType.INT8
+    with pytest.raises(OptionError, match=r"^--quant-type: unknown 'int4' \(choose from"):
+        QuantType.parse("int4")
+
+
 def test_options_are_checked(analyzed):
     a = analyzed("tiny_chain", TENSORRT)
     assert check_quant_type("fp8") == "fp8"

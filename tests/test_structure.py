@@ -308,3 +308,31 @@ def test_the_runtime_check_finds_a_comparison(tmp_path):
     assert _runtime_comparisons(tmp_path) == [
         "qdq_optuna/m.py:1: runtime == 'onnxruntime'",
         "qdq_optuna/m.py:2: rules.name in ('tensorrt', 'x')"]
+
+
+# -- quant types: one QuantType, compared as members ---------------------------------------------
+def _quant_type_comparisons(root: Path) -> list[str]:
+    from qdq_optuna.model.calibration import QUANT_TYPES
+
+    found = []
+    for folder in CHECKED:
+        for path in sorted((root / folder).rglob("*.py")):
+            found += [f"{path.relative_to(root).as_posix()}:{hit}" for hit in _comparisons_of(
+                ast.parse(path.read_text(encoding="utf-8")), set(QUANT_TYPES))]
+    return found
+
+
+def test_no_quant_type_is_compared_as_a_string():
+    """A quant type is asked as a ``QuantType`` member (``qtype == QuantType.FP8``); the
+    names are checked in one place, ``QuantType.parse``."""
+    assert _quant_type_comparisons(REPO) == []
+
+
+def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
+    for folder in CHECKED:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        'a = qtype == "fp8"\nb = q in ("uint8", "int8")\nc = q == QuantType.FP8\n')
+    assert _quant_type_comparisons(tmp_path) == [
+        "qdq_optuna/m.py:1: qtype == 'fp8'", "qdq_optuna/m.py:2: q in ('uint8', 'int8')"]
+

@@ -22,6 +22,7 @@ import platform
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,36 @@ QUANT_TYPE_TABLE = {
     "fp8": (onnx.TensorProto.FLOAT8E4M3FN, 448.0),
 }
 QUANT_TYPES = tuple(QUANT_TYPE_TABLE)
+
+
+class QuantType(str, Enum):
+    """A quant type: checked in one place (:meth:`parse`), compared as a member, never as a
+    string (a member equals its name, so the plain names stored in runs and files still
+    compare equal)."""
+
+    INT8 = "int8"
+    UINT8 = "uint8"
+    FP8 = "fp8"
+
+    def __hash__(self) -> int:  # as its name's: found in sets and dicts of plain names
+        return str.__hash__(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, name: str, option: str = "--quant-type") -> QuantType:
+        """The quant type called ``name``, or one line naming the option and the choices."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise OptionError(f"{option}: unknown {name!r} "
+                              f"(choose from {', '.join(QUANT_TYPES)})") from None
+
+
 #: quant type -> the ONNX element type of its zero point and QuantizeLinear output
 QUANT_ONNX_TYPES = {name: row[0] for name, row in QUANT_TYPE_TABLE.items()}
 METHODS = ("minmax", "percentile", "entropy", "mse")
@@ -628,10 +659,7 @@ def load_statistics(
 
 
 def _check_quant_type(quant_type: str) -> None:
-    if quant_type not in QMAX:
-        raise OptionError(
-            f"--quant-type: unknown quant type {quant_type!r} (choose {', '.join(QUANT_TYPES)})"
-        )
+    QuantType.parse(quant_type)
 
 
 def activation_params(
@@ -661,7 +689,7 @@ def activation_params(
     elif method == "percentile":
         threshold = _percentile_threshold(stats, percentile)
     elif method == "entropy":
-        nq = 256 if quant_type == "uint8" and stats.min >= 0 else 128
+        nq = 256 if quant_type == QuantType.UINT8 and stats.min >= 0 else 128
         threshold = _entropy_threshold(stats.hist, stats.bin_width, nq)
     else:
         threshold = _mse_threshold(stats, quant_type)
@@ -772,7 +800,7 @@ def share_concat_scales(nodes: Sequence, scales: Mapping, quant_type: str,
 def _param_range(params: tuple[float, int], quant_type: str) -> tuple[float, float]:
     """The real range a ``(scale, zero_point)`` pair represents."""
     scale, zero_point = params
-    if quant_type == "uint8":
+    if quant_type == QuantType.UINT8:
         return -zero_point * scale, (255 - zero_point) * scale
     return -QMAX[quant_type] * scale, QMAX[quant_type] * scale
 
@@ -780,7 +808,7 @@ def _param_range(params: tuple[float, int], quant_type: str) -> tuple[float, flo
 def _range_params(lo: float, hi: float, quant_type: str) -> tuple[float, int]:
     """``(scale, zero_point)`` of a real range (uint8: asymmetric, the range always holds 0;
     the signed types: symmetric)."""
-    if quant_type == "uint8":
+    if quant_type == QuantType.UINT8:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
         scale = _floor_scale((hi - lo) / 255.0)
         return scale, int(np.clip(round(-lo / scale), 0, 255))
@@ -788,7 +816,7 @@ def _range_params(lo: float, hi: float, quant_type: str) -> tuple[float, int]:
 
 
 def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple[float, int]:
-    if quant_type == "uint8":  # the observed range, clipped at the threshold
+    if quant_type == QuantType.UINT8:  # the observed range, clipped at the threshold
         return _range_params(max(stats.min, -threshold), min(stats.max, threshold), quant_type)
     return _range_params(-threshold, threshold, quant_type)
 
@@ -869,13 +897,13 @@ def _mse_threshold(stats: TensorStatistics, quant_type: str) -> float:
         inside = np.maximum(top - lo, 0.0)
         # clipped part of each bin: integral of (x - t)^2 over [max(lo, t), hi]
         clipped = (np.maximum(hi - t, 0.0) ** 3 - np.maximum(lo - t, 0.0) ** 3) / 3.0
-        if quant_type == "fp8":
+        if quant_type == QuantType.FP8:
             scale = t / 448.0
             y = np.maximum((lo + inside / 2.0) / scale, 2.0**-9)
             ulp = 2.0 ** (np.clip(np.floor(np.log2(y)), -6, 8) - 3) * scale
             rounding = inside * ulp**2 / 12.0
         else:
-            if quant_type == "int8":
+            if quant_type == QuantType.INT8:
                 scale = t / 127.0
             else:
                 scale = (np.minimum(pos, t) + np.minimum(neg, t)) / 255.0

@@ -40,8 +40,8 @@ from qdq_optuna.errors import OptionError
 from qdq_optuna.model.calibration import (
     MIN_SCALE,
     QMAX,
-    QUANT_TYPES,
     REDUCED_WEIGHT_QMAX,
+    QuantType,
     cpu_saturates_u8s8,
 )
 from qdq_optuna.model.graph import (
@@ -66,15 +66,14 @@ _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
 
 
 def check_quant_type(name: str) -> str:
-    if name not in QUANT_TYPES:
-        raise OptionError(f"--quant-type: unknown {name!r} (choose from {', '.join(QUANT_TYPES)})")
-    return name
+    """``name`` when it is a quant type (:meth:`QuantType.parse`), as the plain name runs store."""
+    return QuantType.parse(name).value
 
 
 def required_opset(graph: Graph, quant_types: Iterable[str]) -> int:
     """Per-channel weights need opset 13; FP8 and FP16/BF16 scales need 19."""
     need = 13
-    if "fp8" in set(quant_types):
+    if QuantType.FP8 in set(quant_types):
         need = 19
     if any(
         graph.elem_types.get(t) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -184,8 +183,8 @@ class _QDQPieces:
             raise OptionError(f"default_q_scale must be a positive number, got {default_scale}")
         self.default_scale = float(default_scale)
         if default_zero_point is not None:
-            low, high = (0, 255) if self.quant_type == "uint8" else (-128, 127)
-            if self.quant_type == "fp8" and default_zero_point != 0:
+            low, high = (0, 255) if self.quant_type == QuantType.UINT8 else (-128, 127)
+            if self.quant_type == QuantType.FP8 and default_zero_point != 0:
                 raise OptionError("default_q_zero_point must be 0 for fp8")
             if not low <= int(default_zero_point) <= high:
                 raise OptionError(
@@ -222,9 +221,9 @@ class _QDQPieces:
         if found is not None:
             scale, zp = found
             return max(float(scale), MIN_SCALE), int(zp)
-        if self.default_zero_point is not None and qtype != "fp8":
+        if self.default_zero_point is not None and qtype != QuantType.FP8:
             return self.default_scale, int(self.default_zero_point)
-        if qtype == "uint8":
+        if qtype == QuantType.UINT8:
             # a non-negative tensor gets zero point 0, as calibration would give it; ONNX
             # Runtime then drops the Relu between a quantized Conv and its Q
             return self.default_scale, 0 if self._non_negative(tensor) else 128
@@ -253,10 +252,10 @@ class _QDQPieces:
         return wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
     def _zero_point(self, name: str, zp: int, qtype: str, shape: tuple = ()) -> bytes:
-        if qtype == "fp8":
+        if qtype == QuantType.FP8:
             t = helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(shape), [0.0] * int(np.prod(shape or (1,))))
         else:
-            dtype = np.uint8 if qtype == "uint8" else np.int8
+            dtype = np.uint8 if qtype == QuantType.UINT8 else np.int8
             t = numpy_helper.from_array(np.full(shape, zp, dtype=dtype), name)
         return wire_field(GRAPH_INITIALIZER, t.SerializeToString())
 
@@ -284,7 +283,7 @@ class _QDQPieces:
         """7-bit int8 weights where the rules ask for them on a CPU whose u8 x s8 kernels
         saturate (all of them: ONNX Runtime's ``reduce_range``; the first layers: OpenVINO);
         the type's range everywhere else."""
-        if qtype != "int8" or not self.seven_bit:
+        if qtype != QuantType.INT8 or not self.seven_bit:
             return None
         if self.seven_bit == "all" or node in self._first_layers:
             return REDUCED_WEIGHT_QMAX
@@ -337,7 +336,7 @@ class _QDQPieces:
             z_name = self._unique(f"{base}_zero_point")
             dq_out = self._unique(f"{base}_dequantized")
             zshape = tuple(scales.shape)
-            if qtype == "fp8":
+            if qtype == QuantType.FP8:
                 import ml_dtypes
 
                 qw = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn)
@@ -347,7 +346,7 @@ class _QDQPieces:
                 qt = numpy_helper.from_array(np.clip(np.rint(scaled), -127, 127).astype(np.int8), q_name)
             st = numpy_helper.from_array(scales_lp, s_name)
             inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
-                     + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", zshape))
+                     + self._zero_point(z_name, 0, "fp8" if qtype == QuantType.FP8 else "int8", zshape))
             attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
             dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                   name=self._unique(f"{base}_DequantizeLinear"), **attrs)
@@ -371,7 +370,7 @@ class _QDQPieces:
         if n.op_type not in self.rules.quantize_bias_ops or len(n.input) < 3 or not n.input[2]:
             return None
         bias = n.input[2]
-        if bias not in graph.initializers or act_qtype == "fp8" \
+        if bias not in graph.initializers or act_qtype == QuantType.FP8 \
                 or graph.elem_types.get(bias) != TensorProto.FLOAT:
             return None
         a_scale, _ = self.activation_params(act, act_qtype)
@@ -419,12 +418,12 @@ class _QDQPieces:
         offset, length = self._store().append(_quantized_chunks(w, scales, axis, qtype))
         qt = TensorProto()
         qt.name = q_name
-        qt.data_type = TensorProto.FLOAT8E4M3FN if qtype == "fp8" else TensorProto.INT8
+        qt.data_type = TensorProto.FLOAT8E4M3FN if qtype == QuantType.FP8 else TensorProto.INT8
         qt.dims.extend(w.shape)
         _set_external(qt, _ExternalStore.WEIGHTS, offset, length)
         st = numpy_helper.from_array(scales.astype(np.float32), s_name)
         inits = (wire_field(GRAPH_INITIALIZER, qt.SerializeToString()) + wire_field(GRAPH_INITIALIZER, st.SerializeToString())
-                 + self._zero_point(z_name, 0, "fp8" if qtype == "fp8" else "int8", tuple(scales.shape)))
+                 + self._zero_point(z_name, 0, "fp8" if qtype == QuantType.FP8 else "int8", tuple(scales.shape)))
         attrs = {"axis": axis} if axis is not None and scales.ndim == 1 else {}
         dq = helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                               name=self._unique(f"{name}_DequantizeLinear"), **attrs)
@@ -531,7 +530,7 @@ class QDQExporter(_QDQPieces):
             if len(inputs) > spec.weight_slot and graph.is_constant(inputs[spec.weight_slot]) \
                     and inputs[spec.weight_slot] in graph.initializers \
                     and graph.is_float(inputs[spec.weight_slot]):
-                wq = "fp8" if use_q == "fp8" else "int8"
+                wq = "fp8" if use_q == QuantType.FP8 else "int8"
                 weights.append(((n, spec.weight_slot), wq))
         return activations, weights
 
@@ -725,7 +724,7 @@ def constant_operands(graph: Graph, rules: RuntimeRules,
             continue
         acts = [s for s, t in enumerate(node.input) if graph.is_activation(t)]
         qtype = covered.get((n, acts[0])) if acts else None
-        if qtype not in ("uint8", "int8") or any(covered.get((n, s)) != qtype for s in acts):
+        if qtype not in (QuantType.UINT8, QuantType.INT8) or any(covered.get((n, s)) != qtype for s in acts):
             continue
         for s, t in enumerate(node.input):
             if t in graph.initializers and graph.elem_types.get(t) == TensorProto.FLOAT:
@@ -788,7 +787,7 @@ def _tables(graph: Graph, rules: RuntimeRules,
     out: dict[tuple[int, int], str] = {}
     for t, found in pairs.items():
         producer = graph.producer.get(t)
-        if producer is None or len(found) != 1 or found[0][1] not in ("uint8", "int8"):
+        if producer is None or len(found) != 1 or found[0][1] not in (QuantType.UINT8, QuantType.INT8):
             continue
         node = graph.nodes[producer[0]]
         table = node.input[0] if node.input else ""
@@ -827,7 +826,7 @@ def _constant_operand(exporter: QDQExporter, name: str, qtype: str,
     cache = exporter._weight_cache
     if key not in cache:
         w = exporter._fp32_weight(name)
-        onnx_type = TensorProto.UINT8 if qtype == "uint8" else TensorProto.INT8
+        onnx_type = TensorProto.UINT8 if qtype == QuantType.UINT8 else TensorProto.INT8
         if params is None:
             zero_point, scale = compute_data_quant_params(w.reshape(-1), onnx_type, False)
         else:
@@ -1038,7 +1037,7 @@ def chunked_weight_scales(w: np.ndarray, axis: int | None, qtype: str,
                           qmax: float | None = None) -> np.ndarray:
     """:func:`weight_scales` of a (memory-mapped) weight, read slice by slice: the same
     values, without holding the weight, its absolute values and its quotient at once."""
-    qmax = qmax or QMAX["fp8" if qtype == "fp8" else "int8"]
+    qmax = qmax or QMAX["fp8" if qtype == QuantType.FP8 else "int8"]
     if axis is None or w.ndim == 0:
         amax = 0.0
         for _, c in _row_chunks(w):
@@ -1070,7 +1069,7 @@ def _quantized_chunks(w: np.ndarray, scales: np.ndarray, axis: int | None,
             scaled = c / s
         else:
             scaled = c / scales
-        if qtype == "fp8":
+        if qtype == QuantType.FP8:
             import ml_dtypes
 
             yield np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).tobytes()
@@ -1104,7 +1103,7 @@ def weight_scales(w: np.ndarray, axis: int | None, qtype: str,
                   qmax: float | None = None) -> np.ndarray:
     """Symmetric max-abs scales, per channel along ``axis`` (or one per tensor); ``qmax``: the
     largest integer the weight may take (default the type's: 127 for int8)."""
-    qmax = qmax or QMAX["fp8" if qtype == "fp8" else "int8"]
+    qmax = qmax or QMAX["fp8" if qtype == QuantType.FP8 else "int8"]
     if axis is None or w.ndim == 0:
         return np.array(max(float(np.abs(w).max(initial=0.0)) / qmax, MIN_SCALE), dtype=np.float32)
     reduce = tuple(i for i in range(w.ndim) if i != axis)
