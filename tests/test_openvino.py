@@ -199,13 +199,14 @@ def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
     """OpenVINO's u8 Concatenation requantizes inputs whose scale differs from the output's
     (NNCF unifies them): the run's calibrated scales share them, as under ONNX Runtime's
     rules."""
+    from qdq_optuna.run_folder import RunFolder
     from qdq_optuna.search._options import TuneOptions
     from qdq_optuna.search._run import calibrated_scales
 
     model = zoo.build("tiny_concat")
     pm = PreparedModel.prepare(model, runtime="openvino")
     scales = calibrated_scales(pm, TuneOptions(model=model, output_dir=str(tmp_path)),
-                               tmp_path, None)
+                               RunFolder(tmp_path), None)
     from qdq_optuna.model import calibration
 
     data = calibration.random_calibration_data(pm.graph.model, None, samples=4, seed=0)

@@ -298,6 +298,19 @@ def test_no_runtime_name_is_compared_outside_the_profiles():
     assert _runtime_comparisons(REPO) == []
 
 
+def test_every_runtime_of_the_backend_table_has_its_profile():
+    """``profile_for`` finds each runtime a backend names in ``runtimes/NAME.py``, whose rules
+    are that runtime's; an unknown name is one line naming ``--runtime``."""
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for
+
+    for name in RUNTIME_NAMES:
+        profile = profile_for(name)
+        assert isinstance(profile, Runtime) and profile.name == profile.rules.name == name
+    with pytest.raises(OptionError, match=r"^--runtime: unknown runtime 'tpu'"):
+        profile_for("tpu")
+
+
 def test_the_runtime_check_finds_a_comparison(tmp_path):
     (tmp_path / "qdq_optuna" / "runtimes").mkdir(parents=True)
     (tmp_path / "benchmarks").mkdir()
@@ -336,3 +349,90 @@ def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
     assert _quant_type_comparisons(tmp_path) == [
         "qdq_optuna/m.py:1: qtype == 'fp8'", "qdq_optuna/m.py:2: q in ('uint8', 'int8')"]
 
+
+# -- the run folder: one owner of a run's file names and writes -----------------------------------
+#: calls that write a file
+WRITES = {"atomic_write_bytes", "atomic_write_json", "write_bytes", "write_text", "save_model",
+          "safe_dump", "dump"}
+
+
+def _run_files_under(folder: Path) -> list[str]:
+    """Output file names spelled, and files written, by the modules under ``folder``."""
+    from qdq_optuna.run_folder import OUTPUT_NAMES
+
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in OUTPUT_NAMES:
+                found.append((path.name, node.lineno, repr(node.value)))
+            elif isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                if name in WRITES or name == "open" and len(node.args) > 1:
+                    found.append((path.name, node.lineno, f"{ast.unparse(node.func)}()"))
+    return [f"{name}:{line}: {what}" for name, line, what in sorted(found)]
+
+
+def test_the_search_names_and_writes_no_run_file():
+    """``search/`` decides and records; ``run_folder.py`` owns the names and the writes."""
+    assert _run_files_under(REPO / "qdq_optuna" / "search") == []
+
+
+def test_the_run_file_check_finds_a_name_and_a_write(tmp_path):
+    (tmp_path / "m.py").write_text('p = out / "state.yaml"\natomic_write_bytes(p, b"")\n'
+                                   'open(p, "w")\nopen(p)\nRunFolder(out).save_standing(e, u)\n')
+    assert _run_files_under(tmp_path) == ["m.py:1: 'state.yaml'",
+                                          "m.py:2: atomic_write_bytes()", "m.py:3: open()"]
+
+
+# -- typed boundaries ------------------------------------------------------------------------------
+def _any_fields(source: str, cls: str) -> list[str]:
+    """The fields of class ``cls`` whose annotation names ``Any``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return [ast.unparse(s.target) for s in node.body if isinstance(s, ast.AnnAssign)
+                    and any(isinstance(n, ast.Name) and n.id == "Any"
+                            for n in ast.walk(s.annotation))]
+    raise AssertionError(f"no class {cls}")
+
+
+def test_the_search_outcome_has_no_any_field():
+    """What the search concluded crosses to the outputs with its types."""
+    source = (REPO / "qdq_optuna" / "search" / "_options.py").read_text(encoding="utf-8")
+    assert _any_fields(source, "SearchOutcome") == []
+
+
+def test_the_any_check_finds_an_any_field():
+    assert _any_fields("class S:\n    a: int\n    b: Any\n    c: dict[str, Any] | None\n",
+                       "S") == ["b", "c"]
+
+
+def _dict_returns(source: str, cls: str) -> set[str]:
+    """Public methods of ``cls`` whose return annotation names a bare ``dict``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and not f.name.startswith("_") and f.returns:
+                    subscripted = {id(s.value) for s in ast.walk(f.returns)
+                                   if isinstance(s, ast.Subscript)}
+                    if any(isinstance(n, ast.Name) and n.id == "dict" and id(n) not in subscripted
+                           for n in ast.walk(f.returns)):
+                        found.add(f.name)
+    return found
+
+
+#: RunRecord methods that still return bare dicts (the stored rows as Optuna keeps them); the
+#: list may only shrink: a new method returns a typed record (record/records.py)
+RUN_RECORD_DICTS = {"settings", "starts", "visits", "committed", "visit_entry"}
+
+
+def test_no_new_run_record_method_returns_a_bare_dict():
+    source = (REPO / "qdq_optuna" / "record" / "run.py").read_text(encoding="utf-8")
+    assert _dict_returns(source, "RunRecord") <= RUN_RECORD_DICTS
+
+
+def test_the_dict_check_finds_a_bare_dict_return():
+    source = ("class R:\n    def a(self) -> dict: ...\n    def b(self) -> dict | None: ...\n"
+              "    def c(self) -> dict[str, int]: ...\n    def d(self) -> list[dict]: ...\n"
+              "    def _e(self) -> dict: ...\n    def f(self) -> Rec: ...\n")
+    assert _dict_returns(source, "R") == {"a", "b", "d"}

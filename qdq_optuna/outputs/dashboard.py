@@ -34,6 +34,7 @@ from optuna.trial import TrialState
 from qdq_optuna.errors import UserError
 from qdq_optuna.record import PatternAttr as A
 from qdq_optuna.record import storage_of, study_id
+from qdq_optuna.run_folder import STUDIES_DB
 
 if TYPE_CHECKING:
     from qdq_optuna.placement.points import PatternPoints
@@ -877,7 +878,7 @@ def serve(output_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8080,
     if not out.is_dir():
         raise UserError(f"{out}: no such output folder")
     if storage is None:
-        db = out / "studies.db"
+        db = out / STUDIES_DB
         if not db.is_file():
             raise UserError(f"{out}: no studies.db here (pass --storage URL for another storage)")
         storage = default_storage_url(out)

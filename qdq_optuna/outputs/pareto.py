@@ -20,6 +20,7 @@ from pathlib import Path
 
 from qdq_optuna.placement.scheme import combine
 from qdq_optuna.record import PatternAttr
+from qdq_optuna.run_folder import PARETO
 from qdq_optuna.search.objectives import pareto_indices
 
 
@@ -94,7 +95,7 @@ def model_front(record, plans, exporter, rows: list[dict], fp32: bytes, final_cm
         })
 
     front = set(pareto_indices([(p["latency_ms"], p["error"]) for p in points]))
-    folder = Path(out) / "pareto"
+    folder = Path(out) / PARETO
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.onnx"):  # a rerun replaces the previous front
         with contextlib.suppress(OSError):

@@ -8,12 +8,16 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optuna.trial import TrialState
 
-from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
 from qdq_optuna.record import PHASES, PatternAttr, RunAttr, TrialAttr, trial_measurement
+from qdq_optuna.run_folder import RunFolder
+
+if TYPE_CHECKING:  # an annotation: the search reads it (its runtime profile), the report formats
+    from qdq_optuna.backends.what_ran import WhatRan
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
@@ -56,7 +60,7 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
     }
 
 
-def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
+def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None) -> dict:
     """``what_ran``: for the shipped model, per pattern, which Q/DQ the runtime fused, which
     stayed standalone, where float ran next to integer and where it reformatted (read from the
     runtime itself: the thing a TensorRT user opens an engine explorer for); and
@@ -67,10 +71,8 @@ def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
                                   for lane, rnd, pid, why in descent.skipped]
         if descent.unfused is not None:
             out["what_ran_reads"] = descent.unfused.reads
-    try:
-        what = backend.what_ran(model) if isinstance(model, bytes) else None
-    except Exception as exc:  # the report still ships without it
-        out["what_ran"] = {"how": None, "error": str(exc)}
+    if error is not None:  # the search could not read it: the report still ships
+        out["what_ran"] = {"how": None, "error": error}
         return out
     if what is None:
         return out
@@ -219,8 +221,8 @@ def trial_statistics(trials) -> dict:
 
 
 def write_reports(out: Path, report: dict) -> None:
-    atomic_write_bytes(out / "report.json", json.dumps(report, indent=2, default=str).encode())
-    atomic_write_bytes(out / "report.md", render_markdown(report).encode())
+    RunFolder(out).write_reports(json.dumps(report, indent=2, default=str).encode(),
+                                 render_markdown(report))
 
 
 def _statistics_lines(st: dict | None) -> list[str]:

@@ -24,7 +24,7 @@ from qdq_optuna.record._optuna import (
     trial_system_attrs,
 )
 from qdq_optuna.record.files import write_pattern_cache, write_state
-from qdq_optuna.record.records import KINDS, Decision, Measurement, StartOutcome
+from qdq_optuna.record.records import KINDS, Decision, FinishedRun, Measurement, StartOutcome
 from qdq_optuna.record.run import (
     PlanMemo,
     RunRecord,
@@ -70,7 +70,7 @@ from qdq_optuna.record.storage import (
 
 __all__ = [
     "FLOW", "KEY_CLASSES", "KINDS", "PHASES", "WHOLE_MODEL", "Agreed", "Decision",
-    "Measurement", "OverviewAttr", "PatternAttr", "PlanMemo", "RunAttr", "RunRecord",
+    "FinishedRun", "Measurement", "OverviewAttr", "PatternAttr", "PlanMemo", "RunAttr", "RunRecord",
     "StartAttr", "StartOutcome", "SystemAttr", "TrialAttr", "agree", "agreed", "claim",
     "default_storage_url", "delete_run", "key_table", "note_error", "note_failure",
     "note_measurement", "note_scheme", "open_storage", "overview_study_name",

@@ -12,11 +12,11 @@ from pathlib import Path
 import yaml
 from optuna.trial import TrialState
 
-from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record.records import Decision
 from qdq_optuna.record.run import RunRecord
 from qdq_optuna.record.schema import PatternAttr, TrialAttr
+from qdq_optuna.run_folder import RunFolder
 
 
 def write_state(record: RunRecord, out: Path, status: str, run: dict,
@@ -45,7 +45,7 @@ def write_state(record: RunRecord, out: Path, status: str, run: dict,
         patterns.append(row)
     state = {"status": status, "run_id": record.run_id, **run, "patterns": patterns,
              "resume": "rerun the same command to continue"}
-    atomic_write_bytes(out / "state.yaml", yaml.safe_dump(state, sort_keys=False).encode())
+    RunFolder(out).write_state(yaml.safe_dump(state, sort_keys=False))
 
 
 def write_pattern_cache(record: RunRecord, path: Path, *, minimum_distance: int,

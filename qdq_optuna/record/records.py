@@ -232,3 +232,23 @@ class StartOutcome:
         if self.failure:
             attrs[StartAttr.FAILURE] = self.failure
         return attrs
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """How a run last finished (``RunAttr.FINISHED``): its settings' digest, when, its speedup
+    and its report's digest; a rerun with the same settings returns that report."""
+
+    fingerprint: str | None = None
+    at: str | None = None
+    speedup: float | None = None
+    report_sha256: str | None = None
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "at": self.at, "speedup": self.speedup,
+                "report_sha256": self.report_sha256}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> FinishedRun:
+        return cls(**{k: attrs.get(k) for k in ("fingerprint", "at", "speedup",
+                                                 "report_sha256")})

@@ -26,7 +26,7 @@ from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import Around, ChoiceSpace, combine
 from qdq_optuna.record import _optuna
-from qdq_optuna.record.records import Decision, Measurement, StartOutcome
+from qdq_optuna.record.records import Decision, FinishedRun, Measurement, StartOutcome
 from qdq_optuna.record.schema import (
     FLOW,
     WHOLE_MODEL,
@@ -296,14 +296,14 @@ class RunRecord:
         """The run finished with these settings and this report (a rerun prints it and exits,
         see :meth:`finished`)."""
         text = json.dumps(report, indent=2, default=str).encode()
-        set_system_attr(self.run_study, RunAttr.FINISHED, {
-            "fingerprint": digest, "at": report.get("finished"),
-            "speedup": report.get("speedup"),
-            "report_sha256": hashlib.sha256(text).hexdigest()})
+        set_system_attr(self.run_study, RunAttr.FINISHED, FinishedRun(
+            digest, report.get("finished"), report.get("speedup"),
+            hashlib.sha256(text).hexdigest()).to_attrs())
 
-    def finished(self) -> dict | None:
+    def finished(self) -> FinishedRun | None:
         """How the run last finished (None: it has not)."""
-        return run_attrs(self.run_study).get(RunAttr.FINISHED)
+        attrs = run_attrs(self.run_study).get(RunAttr.FINISHED)
+        return FinishedRun.from_attrs(attrs) if attrs is not None else None
 
     def overview_study(self) -> optuna.Study:
         """The run's overview study (made when first asked for: when the run finishes)."""

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna.errors import OptionError
 from qdq_optuna.record._optuna import RequeueingRDBStorage, StaleTrialCallback
+from qdq_optuna.run_folder import STUDIES_DB
 
 HEARTBEAT_INTERVAL_S = 15
 #: a trial (session builds + interleaved timing) can take minutes on a busy machine
@@ -41,7 +42,7 @@ OPEN_ATTEMPTS = 3
 
 
 def default_storage_url(output_dir: Path) -> str:
-    return f"sqlite:///{(Path(output_dir) / 'studies.db').resolve()}"
+    return f"sqlite:///{(Path(output_dir) / STUDIES_DB).resolve()}"
 
 
 def _with_driver(url: str) -> str:

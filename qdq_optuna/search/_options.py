@@ -7,13 +7,14 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
 from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import ERROR_MEASURES
@@ -22,7 +23,8 @@ from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record import FLOW, WHOLE_MODEL
+from qdq_optuna.record import FLOW, WHOLE_MODEL, RunRecord
+from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
 from qdq_optuna.search.objectives import (
     check_error_options,
@@ -30,6 +32,12 @@ from qdq_optuna.search.objectives import (
     parse_objectives,
 )
 from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+
+if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
+    from qdq_optuna.measure.timing import Comparison
+    from qdq_optuna.placement.export import ExportedModel, QDQExporter, QuantPlan
+    from qdq_optuna.search._descent import Descent
+    from qdq_optuna.search._plans import PlanMeasurer
 
 
 def option(default: Any = MISSING, *, help: str, group: str | None, flag: str | None = None,
@@ -223,7 +231,7 @@ class TuneResult:
 
     @property
     def optimized_model(self) -> Path:
-        return self.output_dir / "optimized.onnx"
+        return self.output_dir / OPTIMIZED
 
 
 @dataclass
@@ -235,24 +243,34 @@ class SearchOutcome:
     out: Path
     #: report.json's first fields: what was tuned, where, how
     header: dict
-    record: Any  # qdq_optuna.record.RunRecord
-    plans: Any  # the plan measurer: every measurement, counted per phase
+    record: RunRecord
+    #: every measurement, counted per phase
+    plans: PlanMeasurer
     prepared: PreparedModel
     backend: Backend
-    descent: Any  # the descent (None when the run stopped before it)
+    #: the descent (None when the run stopped before it)
+    descent: Descent | None
     lane: str
     rows: list[dict]
-    plan: Any  # the shipped QuantPlan
-    exporter: Any  # the exporter with the final scales
+    #: the shipped model's Q/DQ
+    plan: QuantPlan
+    #: the exporter with the final scales
+    exporter: QDQExporter
     final_bytes: bytes | None
-    baseline_bytes: Any
-    comparison: Any  # the final A/B (shipped model vs baseline)
+    #: what every speedup is against (a model written piece by piece: its files)
+    baseline_bytes: bytes | ExportedModel
+    #: the final A/B (shipped model vs baseline)
+    comparison: Comparison
     baseline_ms: float
     #: report.json's ``accuracy`` and ``final_output_error(s)`` (and the accuracy modes' keys)
     accuracy: dict
     partial: bool
     multi_objective: bool
     elapsed: dict[str, float]
+    #: what the runtime ran for the shipped model (its profile's reader; None: no report)
+    what_ran: WhatRan | None = None
+    #: why it could not be read (the report ships without it)
+    what_ran_error: str | None = None
 
 
 def backend_for(options: TuneOptions) -> Backend:

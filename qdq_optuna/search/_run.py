@@ -30,7 +30,7 @@ from pathlib import Path
 
 import onnx
 
-from qdq_optuna._files import atomic_write_bytes, remove_stale_temps
+from qdq_optuna._files import remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
 from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
@@ -44,10 +44,12 @@ from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run, write_pattern_cache, write_state
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
+from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import Guard, check_default_session
+from qdq_optuna.search._lanes import final_lane
 from qdq_optuna.search._options import (
     SearchOutcome,
     Settings,
@@ -60,7 +62,7 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._starts import RECIPE_LANE, StartsPhase
+from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers, retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
@@ -73,6 +75,8 @@ class Tuner:
         self.o = options
         self.cfg = options.config
         self.out = Path(options.output_dir)
+        #: every file the run leaves there (the search names none)
+        self.folder = RunFolder(self.out)
         self.backend = backend_for(options)
         check_runtime_named(options, self.backend)
         #: the runtime's profile, chosen once (rules, defaults, recipe, how the guard runs)
@@ -285,50 +289,6 @@ class Tuner:
                 seeds.append(Seed(space.seed(compute)))
         return seeds
 
-    def _final_lane(self, partial: bool) -> str:
-        """The lane whose standing model ships: the only one, else the fastest (agreed once
-        every lane finished; a run cut short picks among the standing models it has)."""
-        lanes = (self.starts or self.record.starts() or {}).get("order") or [""]
-        if len(lanes) == 1:
-            return lanes[0]
-        if partial:
-            return self._fastest_lane(lanes)
-
-        def pick() -> tuple[str, int]:
-            before = self.search_state.plans.measurements
-            return self._fastest_lane(lanes), self.search_state.plans.measurements - before
-
-        return self.record.winner(pick)
-
-    def _fastest_lane(self, lanes: list[str]) -> str:
-        """The first lane's standing model ships unless another lane's beats it as a commit
-        must (the run's commit rule: measured once on a deterministic backend, an interleaved
-        A/B on a measured one). On a measured backend the recipe's lane stands first unless
-        the first lane's model is still float (a quantized model must beat float; among
-        quantized ones the runtime's recipe, the model to match, stands unless beaten)."""
-        s, rule = self.search_state, self.search_state.rule
-        sources = {}
-        for lane in lanes:
-            plan = s.exporter.plan(self.record.uses(self.record.standing(lane)))
-            sources[lane] = (plan, s.exporter.source(plan))
-        if not s.plans.deterministic and RECIPE_LANE in lanes and len(sources[lanes[0]][0]):
-            lanes = [RECIPE_LANE] + [lane for lane in lanes if lane != RECIPE_LANE]
-        best = lanes[0]
-        for lane in lanes[1:]:
-            (plan, src), (best_plan, best_src) = sources[lane], sources[best]
-            if plan.key == best_plan.key:
-                continue
-            if s.plans.deterministic:
-                ms = s.plans.measure(src, plan.key, "lanes", qdq=len(plan))[0]
-                best_ms = s.plans.measure(best_src, best_plan.key, "lanes", qdq=len(best_plan))[0]
-                better = rule.promising(ms, best_ms, rule.threshold)
-            else:
-                better = rule.confirmed(s.plans.compare(src, best_src, "lanes"), rule.threshold,
-                                        False)
-            if better:
-                best = lane
-        return best
-
     def _mark(self, phase: str) -> None:
         self.elapsed[phase] = round(time.monotonic() - self.started, 1)
 
@@ -337,7 +297,7 @@ class Tuner:
         """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
         A/B against the baseline (the multi-objective front is measured by the outputs)."""
         plans = self.search_state.plans
-        lane = self._final_lane(partial)
+        lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         guard = self.search_state.guard
@@ -369,7 +329,7 @@ class Tuner:
             rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
-            elapsed=dict(self.elapsed))
+            elapsed=dict(self.elapsed), **read_what_ran(self.profile, self.backend, final_bytes))
 
     def _keep_users_model(self, cmp, final_exporter):
         """The search's model measured slower than the baseline (the user's model, or its
@@ -380,7 +340,7 @@ class Tuner:
         log.warning("the tuned model measured %.3fx the latency of %s (95%% interval %.3f-%.3f): "
                     "optimized.onnx is that model instead", cmp.ratio, what, cmp.ci_low,
                     cmp.ci_high)
-        atomic_write_bytes(self.out / "optimized.onnx", source)
+        self.folder.write_optimized(source)
         kept = {"baseline_model": what, "tuned_comparison": cmp.to_dict()}
         plans, guard = self.search_state.plans, self.search_state.guard
         plan = final_exporter.plan(set())
@@ -393,7 +353,7 @@ class Tuner:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
         the finished mark that a rerun with the same settings returns."""
         write_pattern_cache(
-            self.record, self.out / "pattern_cache.yaml",
+            self.record, self.folder.pattern_cache,
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=outcome.lane)
         self._write_state("timeout" if outcome.partial else "done")
@@ -404,28 +364,26 @@ class Tuner:
         """The report of this run when it finished with these settings and this output
         folder holds that report and its model (a worker's own folder may not: it finishes)."""
         done = self.record.finished()
-        path = self.out / "report.json"
-        if done is None or done.get("fingerprint") != self.fingerprint_digest \
-                or not path.is_file() or not (self.out / "optimized.onnx").is_file():
+        if done is None or done.fingerprint != self.fingerprint_digest:
             return None
-        text = path.read_bytes()
-        if hashlib.sha256(text).hexdigest() != done.get("report_sha256"):
+        text = self.folder.finished_report(done.report_sha256)
+        if text is None:
             return None
         log.info("run %r finished on %s (speedup %.3fx): its report stands; --remeasure "
                  "measures the final model again, --fresh starts over", self.run_id,
-                 done.get("at"), done.get("speedup") or float("nan"))
+                 done.at, done.speedup or float("nan"))
         return json.loads(text)
 
     def _write_standing(self, lane: str) -> None:
-        """The anytime result (:func:`save_standing`), for the first lane (the fastest start)."""
+        """The anytime result (:meth:`RunFolder.save_standing`), for the first lane (the fastest start)."""
         if self.starts is not None and lane == self.starts["order"][0] \
                 and not self.settings.multi_objective:
-            save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
-                          self.record.uses(self.record.standing(lane)), self.out)
+            self.folder.save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
+                                      self.record.uses(self.record.standing(lane)))
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""
-        return save_model(exporter, plan, self.out / "optimized.onnx")
+        return self.folder.save_optimized(exporter, plan)
 
     def _header(self) -> dict:
         """The report's first fields: what was tuned, where, how."""
@@ -441,7 +399,7 @@ class Tuner:
         if purpose == "trials" and self.settings.scales == "default":
             return None
         if self._calibrated is None:
-            self._calibrated = calibrated_scales(self.prepared, self.o, self.out,
+            self._calibrated = calibrated_scales(self.prepared, self.o, self.folder,
                                                  self.calibration)
         return self._calibrated
 
@@ -484,6 +442,16 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, cali
         return None
 
 
+def read_what_ran(profile: Runtime, backend, model) -> dict:
+    """What the runtime ran for the shipped model, read by its profile (``what_ran``), or
+    why it could not be (``what_ran_error``: the report still ships without it)."""
+    try:
+        return {"what_ran": profile.what_ran(backend, model) if isinstance(model, bytes)
+                else None}
+    except Exception as exc:  # the report still ships without it
+        return {"what_ran_error": str(exc)}
+
+
 def high_precision_summary(prepared: PreparedModel) -> dict:
     """report.json's ``high_precision``: the float part's precision, whether the graph's
     inputs and outputs kept their types, the opsets and the nodes kept FP32 (with why)."""
@@ -512,26 +480,6 @@ def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime
                        runner=profile.error_runner(shapes, backend)), data_name
 
 
-def save_standing(exporter: QDQExporter, uses, out: Path) -> None:
-    """The anytime result: ``optimized.onnx`` of a standing model (every decision in it passed
-    the guard), written atomically after the starts and on each change, so a run stopped at
-    any point leaves the best model so far (``state.yaml`` says the run is not done; the
-    report of a run cut short says ``partial``)."""
-    plan = exporter.plan(uses)
-    save_model(exporter, plan, out / "optimized.onnx")
-    log.debug("optimized.onnx: the standing model so far (%d Q/DQ)", len(plan))
-
-
-def save_model(exporter: QDQExporter, plan, path: Path) -> bytes:
-    """Write the model of ``plan`` atomically; returns what the final comparison times."""
-    if exporter.external or exporter.to_files:  # written piece by piece
-        return exporter.save(plan, path)
-    optimized = exporter.to_model(plan)
-    onnx.checker.check_model(optimized)
-    atomic_write_bytes(path, optimized.SerializeToString())
-    return optimized.SerializeToString()
-
-
 def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:
     """``(arrays, id)`` of calibration or validation data given as a path or from Python (read
     once: a CalibrationDataReader can be drained only once)."""
@@ -545,7 +493,7 @@ def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | N
     return arrays, data_id(given, arrays)
 
 
-def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
+def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: RunFolder,
                       data: tuple[dict, str] | None) -> dict:
     """Activation scales from one calibration pass on the FP32 model (statistics cached in
     ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
@@ -567,7 +515,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, out: Path,
         data_name = "random:4:0"
     fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_name,
                                     tensors], default=str).encode()).hexdigest()[:16]
-    stats_path = out / "calibration_stats.json"
+    stats_path = folder.calibration_stats
     stats = calibration.load_statistics(stats_path, fingerprint=fp)
     if stats is None:
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,

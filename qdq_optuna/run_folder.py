@@ -1,0 +1,105 @@
+"""The output folder of a run: every file name in it, and its writes (atomic, ``_files.py``).
+
+The search decides and records; what it leaves on disk is written here, by the
+:class:`RunFolder` that :mod:`qdq_optuna._tune` hands it, so the names of a run's files are
+spelled in this one module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import onnx
+
+from qdq_optuna._files import atomic_write_bytes
+
+log = logging.getLogger("qdq_optuna")
+
+#: the shipped model (the standing model while the run goes on)
+OPTIMIZED = "optimized.onnx"
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+#: a readable snapshot of the stored run
+STATE = "state.yaml"
+#: every measured scheme per pattern, for ``--pattern-cache`` of a later run
+PATTERN_CACHE = "pattern_cache.yaml"
+#: activation statistics, reused while the model, data and preprocessing are the same
+CALIBRATION_STATS = "calibration_stats.json"
+#: the default storage
+STUDIES_DB = "studies.db"
+#: the two-objective run's front, one model per point
+PARETO = "pareto"
+#: every name above
+OUTPUT_NAMES = (OPTIMIZED, REPORT_JSON, REPORT_MD, STATE, PATTERN_CACHE, CALIBRATION_STATS,
+                STUDIES_DB, PARETO)
+
+
+class RunFolder:
+    """One run's output folder: where each file goes, and the writes of the model files."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def optimized(self) -> Path:
+        return self.path / OPTIMIZED
+
+    @property
+    def report_json(self) -> Path:
+        return self.path / REPORT_JSON
+
+    @property
+    def state(self) -> Path:
+        return self.path / STATE
+
+    @property
+    def pattern_cache(self) -> Path:
+        return self.path / PATTERN_CACHE
+
+    @property
+    def calibration_stats(self) -> Path:
+        return self.path / CALIBRATION_STATS
+
+    def finished_report(self, sha256: str | None) -> bytes | None:
+        """``report.json``'s bytes when the folder holds it with this digest and its model
+        (a worker's own folder may not: it finishes), else None."""
+        path = self.report_json
+        if not path.is_file() or not self.optimized.is_file():
+            return None
+        text = path.read_bytes()
+        return text if hashlib.sha256(text).hexdigest() == sha256 else None
+
+    def write_reports(self, report_json: bytes, report_md: str) -> None:
+        atomic_write_bytes(self.report_json, report_json)
+        atomic_write_bytes(self.path / REPORT_MD, report_md.encode())
+
+    def write_state(self, text: str) -> None:
+        atomic_write_bytes(self.state, text.encode())
+
+    def write_optimized(self, data: bytes) -> bytes:
+        """``optimized.onnx`` as ``data`` (the user's model kept); returns ``data``."""
+        atomic_write_bytes(self.optimized, data)
+        return data
+
+    def save_optimized(self, exporter, plan) -> bytes:
+        """``optimized.onnx`` of ``plan`` (checked), written atomically; returns what the
+        final comparison times."""
+        if exporter.external or exporter.to_files:  # written piece by piece
+            return exporter.save(plan, self.optimized)
+        optimized = exporter.to_model(plan)
+        onnx.checker.check_model(optimized)
+        return self.write_optimized(optimized.SerializeToString())
+
+    def save_standing(self, exporter, uses) -> None:
+        """The anytime result: ``optimized.onnx`` of a standing model (every decision in it
+        passed the guard), written after the starts and on each change, so a run stopped at
+        any point leaves the best model so far (``state.yaml`` says the run is not done; the
+        report of a run cut short says ``partial``)."""
+        plan = exporter.plan(uses)
+        self.save_optimized(exporter, plan)
+        log.debug("%s: the standing model so far (%d Q/DQ)", OPTIMIZED, len(plan))
