@@ -1,15 +1,15 @@
 """A visit as our sampler's move engine reads it (``samplers/qdq_mutation/_visit.py``).
 
 The engine (move kinds, expected-gain order, first-improvement walk, give-up rule) lives in the
-sampler; the search only describes a visit in the study attr the sampler reads
-(:data:`~qdq_optuna.samplers.qdq_mutation.VISIT_ATTR`): the pattern's standing scheme, the
-points of other patterns a chain reaches and their standing choice, each point's
-producer/consumer ops (a move's signature), the chains, the pattern cache's scheme, what the
-lane's earlier visits taught (:class:`MoveStats`; earlier lanes' clear losses as ``prior``)
-and, from the runtime's report, where removing a point's Q/DQ may still win (moves that only
-remove Q/DQ the runtime fused, or too little to measure, are not proposed: ``_unfused.py``).
-A foreign point is named ``P005:<point>``; a trial that sets foreign points carries them as
-its ``partner``.
+sampler; the search only describes a visit as the sampler's ``VisitSpec``, stored as the study
+attr the sampler reads back (:data:`~qdq_optuna.samplers.qdq_mutation.VISIT_ATTR`): the
+pattern's standing scheme, the points of other patterns a chain reaches and their standing
+choice, each point's producer/consumer ops (a move's signature), the chains, the pattern
+cache's scheme, what the lane's earlier visits taught (:class:`MoveStats`; earlier lanes'
+clear losses as ``prior``) and, from the runtime's report, where removing a point's Q/DQ may
+still win (moves that only remove Q/DQ the runtime fused, or too little to measure, are not
+proposed: ``_unfused.py``). A foreign point is named ``P005:<point>``; a trial that sets
+foreign points carries them as its ``partner``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from qdq_optuna.placement.points import PatternPoints, chain_groups
-from qdq_optuna.samplers.qdq_mutation import Move, MoveStats, Visit
+from qdq_optuna.samplers.qdq_mutation import Move, MoveStats, Visit, VisitSpec
 
 #: (pattern id, point id)
 Point = tuple[str, str]
@@ -63,26 +63,25 @@ class MoveSpace:
         chains = [c for c in self.chains if c & mine]
         foreign = sorted({pt for c in chains for pt in c} - mine)
         name = _namer(pid)
-        attr = {
-            "standing": {q: int(schemes[pid].get(q, 0)) for q in pp.ids},
-            "foreign": {name(pt): int(schemes[pt[0]].get(pt[1], 0)) for pt in foreign},
-            "edges": {name(pt): self.edges(pt) for pt in sorted(mine) + foreign},
-            "chains": [sorted(name(pt) for pt in c) for c in chains],
-            "cache": dict(cached) if cached else None,
-            "taught": stats.to_attr(),
-            "give_up_after": stats.give_up_after,
-            "sites": None if sites is None else {
+        spec = VisitSpec(
+            standing={q: int(schemes[pid].get(q, 0)) for q in pp.ids},
+            foreign={name(pt): int(schemes[pt[0]].get(pt[1], 0)) for pt in foreign},
+            edges={name(pt): self.edges(pt) for pt in sorted(mine) + foreign},
+            chains=[sorted(name(pt) for pt in c) for c in chains],
+            cache=dict(cached) if cached else None,
+            taught=stats.to_attr(),
+            give_up_after=stats.give_up_after,
+            sites=None if sites is None else {
                 name(pt): sites(pt) for pt in sorted(mine) + foreign},
-            "settled": None if settled is None or sites is None else sorted(
+            settled=None if settled is None or sites is None else sorted(
                 name(pt) for pt in sorted(mine) + foreign if settled(pt)),
-            "added": None if added is None or sites is None else {
+            added=None if added is None or sites is None else {
                 name(pt): added(pt) for pt in sorted(mine) + foreign},
-            **(dict(resolvable) if resolvable else {}),
-        }
-        if stats.prior:  # a later lane: what earlier lanes taught
-            attr["prior"] = stats.prior_attr()
-        return VisitMoves(pid, schemes, attr, Visit(attr, pp.ids, pp.fusion_groups,
-                                                    pp.concat_groups))
+            min_share=(resolvable or {}).get("min_share"), total=(resolvable or {}).get("total"),
+            # a later lane: what earlier lanes taught
+            prior=stats.prior_attr() if stats.prior else None)
+        return VisitMoves(pid, schemes, spec.to_attr(), Visit(spec, pp.ids, pp.fusion_groups,
+                                                              pp.concat_groups))
 
 
 def _namer(pid: str) -> Callable[[Point], str]:

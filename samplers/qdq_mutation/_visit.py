@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
@@ -190,30 +190,80 @@ class Next:
     skipped: int
 
 
+@dataclass(frozen=True)
+class VisitSpec:
+    """A visit as the descent describes it and the engine reads it: the fields of
+    :data:`VISIT_ATTR` (see the module docstring), written with :meth:`to_attr` and read
+    with :meth:`from_attr` on both sides of the study."""
+
+    standing: dict[str, int]
+    foreign: dict[str, int] = field(default_factory=dict)
+    edges: dict[str, list[list[str]]] = field(default_factory=dict)
+    chains: list[list[str]] = field(default_factory=list)
+    cache: dict[str, int] | None = None
+    taught: dict[str, list[int]] = field(default_factory=dict)
+    give_up_after: int = 0
+    sites: dict[str, dict[str, int]] | None = None
+    settled: list[str] | None = None
+    added: dict[str, int] | None = None
+    #: with ``total``: the share of activation elements a move must touch (None: any)
+    min_share: float | None = None
+    total: int | None = None
+    prior: dict[str, list[int]] | None = None
+
+    def to_attr(self) -> dict[str, Any]:
+        """The study attr (``min_share``/``total`` and ``prior`` only when set)."""
+        attr: dict[str, Any] = {
+            "standing": self.standing, "foreign": self.foreign, "edges": self.edges,
+            "chains": self.chains, "cache": self.cache, "taught": self.taught,
+            "give_up_after": self.give_up_after, "sites": self.sites,
+            "settled": self.settled, "added": self.added}
+        if self.min_share is not None or self.total is not None:
+            attr.update(min_share=self.min_share, total=self.total)
+        if self.prior:
+            attr["prior"] = self.prior
+        return attr
+
+    @classmethod
+    def from_attr(cls, attr: Mapping[str, Any]) -> VisitSpec:
+        """A stored visit attr read back (absent keys take their defaults)."""
+        sites, settled, added = attr.get("sites"), attr.get("settled"), attr.get("added")
+        return cls(
+            standing=dict(attr.get("standing") or {}),
+            foreign={str(p): int(v) for p, v in (attr.get("foreign") or {}).items()},
+            edges={str(p): [list(e) for e in es] for p, es in (attr.get("edges") or {}).items()},
+            chains=[list(c) for c in attr.get("chains") or []],
+            cache=attr.get("cache"), taught=dict(attr.get("taught") or {}),
+            give_up_after=int(attr.get("give_up_after", 0)),
+            sites=None if sites is None else {str(p): dict(t) for p, t in sites.items()},
+            settled=None if settled is None else [str(p) for p in settled],
+            added=None if added is None else {str(p): int(n) for p, n in added.items()},
+            min_share=attr.get("min_share"), total=attr.get("total"),
+            prior=attr.get("prior"))
+
+
 class Visit:
     """A visit as its study describes it (see the module docstring)."""
 
-    def __init__(self, attr: Mapping[str, Any], points: Sequence[str],
+    def __init__(self, spec: VisitSpec | Mapping[str, Any], points: Sequence[str],
                  fusion_groups: Sequence[Sequence[str]] = (),
                  concat_groups: Sequence[Sequence[str]] = ()) -> None:
+        if not isinstance(spec, VisitSpec):  # a stored attr
+            spec = VisitSpec.from_attr(spec)
         self.points = list(points)
-        own = attr.get("standing") or {}
+        own = spec.standing
         self.own_standing = {p: int(own.get(p, 0)) for p in self.points}
-        self.foreign_standing = {str(p): int(v) for p, v in (attr.get("foreign") or {}).items()}
+        self.foreign_standing = dict(spec.foreign)
         self.standing = {**self.own_standing, **self.foreign_standing}
-        self.edges = {str(p): [tuple(e) for e in es] for p, es in (attr.get("edges") or {}).items()}
-        self.chains = [frozenset(c) for c in attr.get("chains") or []]
-        self.cache = attr.get("cache")
-        self.stats = MoveStats.from_attr(attr.get("taught") or {},
-                                         int(attr.get("give_up_after", 0)), attr.get("prior"))
-        sites = attr.get("sites")
-        self.sites = None if sites is None else {str(p): dict(t) for p, t in sites.items()}
-        settled = attr.get("settled")
-        self.settled = None if settled is None else frozenset(map(str, settled))
-        added = attr.get("added")
-        self.added = None if added is None else {str(p): int(n) for p, n in added.items()}
-        self.min_share = attr.get("min_share")
-        self.total = attr.get("total") or 0
+        self.edges = {p: [tuple(e) for e in es] for p, es in spec.edges.items()}
+        self.chains = [frozenset(c) for c in spec.chains]
+        self.cache = spec.cache
+        self.stats = MoveStats.from_attr(spec.taught, spec.give_up_after, spec.prior)
+        self.sites = None if spec.sites is None else {p: dict(t) for p, t in spec.sites.items()}
+        self.settled = None if spec.settled is None else frozenset(spec.settled)
+        self.added = None if spec.added is None else dict(spec.added)
+        self.min_share = spec.min_share
+        self.total = spec.total or 0
         self.fusion = [frozenset(g) for g in fusion_groups]
         self.concat = [frozenset(g) for g in concat_groups]
         self._moves: tuple[list[Move], dict[str, int]] | None = None

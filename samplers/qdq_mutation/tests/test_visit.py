@@ -7,7 +7,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from .. import VISIT_ATTR, MoveStats, QDQMutationSampler, Visit
+from .. import VISIT_ATTR, MoveStats, QDQMutationSampler, Visit, VisitSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -28,6 +28,21 @@ def _visit_attr(**over: Any) -> dict:
     }
     attr.update(over)
     return attr
+
+
+def test_a_visit_spec_is_the_attr_it_writes_and_reads() -> None:
+    """The descent writes a VisitSpec's attr, the engine reads the same spec back; a spec and
+    its stored attr make the same moves."""
+    attr = _visit_attr(sites={"a": {"t": 4}, "b": {}, "c": {}, "d": {}, "P9:x": {}},
+                       settled=["c"], added={"a": 3, "b": -1, "c": 0, "d": 0, "P9:x": 0},
+                       min_share=0.01, total=100, prior={"on:Conv>Relu": [2, 0]})
+    spec = VisitSpec.from_attr(attr)
+    assert spec.to_attr() == attr and VisitSpec.from_attr(spec.to_attr()) == spec
+    assert "prior" not in VisitSpec(standing={"a": 0}).to_attr()
+    assert "min_share" not in VisitSpec(standing={"a": 0}).to_attr()
+    by_spec, dropped = Visit(spec, POINTS, [["a", "b"]]).moves()
+    by_attr, dropped_too = Visit(attr, POINTS, [["a", "b"]]).moves()
+    assert by_spec == by_attr and dropped == dropped_too and by_spec
 
 
 def _study(attr: dict, sampler: QDQMutationSampler | None = None) -> optuna.Study:
