@@ -14,33 +14,63 @@ from qdq_optuna.errors import OptionError
 START_CHOICES = ("best", "float", "recipe", "all")
 
 
+def flag(default, *, help: str, type: str | None = None, short: str | None = None,
+         metavar: str | None = None, choices: tuple[str, ...] | None = None) -> dataclasses.Field:
+    """A setting that is also a ``qdq-optuna`` flag, defined once on its field (as
+    ``TuneOptions``' are): :func:`qdq_optuna.cli.commands.add_config_options` builds the flag;
+    ``type`` names one of the CLI's checked number types. A flag not given leaves the
+    preset's (``--mode``) or the YAML file's value."""
+    return dataclasses.field(default=default, metadata={
+        "flag_help": help, "type": type, "short": short, "metavar": metavar, "choices": choices})
+
+
 @dataclass
 class Config:
     #: the speedup a change that adds Q/DQ must show to replace the standing model (1.0: any
     #: gain, on a measured backend one an interleaved re-measurement confirms; 1.02: 2 %
     #: faster). A change that only removes Q/DQ needs only to be not slower.
-    performance_threshold: float = 1.0
+    performance_threshold: float = flag(
+        1.0, type="threshold", metavar="RATIO",
+        help="the speedup a change that adds Q/DQ must show to replace the standing model "
+             "(default 1.0: any gain, confirmed by an interleaved re-measurement on a measured "
+             "backend)")
     #: activation scale / zero point used when no calibrated statistics are given
     default_q_scale: float = 0.1
     default_q_zero_point: int | None = None
     #: None: follows the runtime (uint8 for ONNX Runtime CPU, int8 for TensorRT)
     default_quant_type: str | None = None
-    maximum_sequence_region_size: int = 10
-    minimum_topdown_search_size: int = 10
+    maximum_sequence_region_size: int = flag(
+        10, type="positive_int", metavar="N",
+        help="largest sequence region top-down refinement cuts (default 10 nodes)")
+    minimum_topdown_search_size: int = flag(
+        10, type="positive_int", metavar="N",
+        help="blocks of more nodes than this are refined top-down (default 10)")
     #: finished trials per pattern study (a cap: see converged_patience)
-    schemes_per_region: int = 30
+    schemes_per_region: int = flag(
+        30, type="positive_int", short="-n", metavar="N",
+        help="finished trials per pattern study (default 30; --mode sets it too)")
     #: our sampler only, single process: a pattern study stops before its budget once this
     #: many trials in a row were exploration (the best scheme had no untried one-move
     #: neighbour left) without improving on it; 0 spends every budget in full
-    converged_patience: int = 1
+    converged_patience: int = flag(
+        1, type="count", metavar="N",
+        help="our sampler: stop a pattern study early after N exploration trials in a row "
+             "that did not improve (default 1; 0: spend every budget)")
     #: where the search starts: ``best`` (the fastest whole-model start: float, every point,
     #: the runtime's recipe, the user's seeds; and a second descent from the recipe when it is
     #: close; on a measured backend the recipe stands unless an A/B shows the fastest start
     #: beats it), ``float``, ``recipe``, or ``all`` (a descent from every start)
-    start: str = "best"
+    start: str = flag(
+        "best", choices=START_CHOICES,
+        help="where the descent starts: best (the fastest whole-model start, and the "
+             "runtime's recipe too when it is close; default), float, recipe, all (a descent "
+             "from every start)")
     #: rounds of the descent after the first (a round visits every pattern whose surroundings
     #: changed); the descent stops earlier when a round changes nothing. 0: one pass
-    refine_rounds: int = 4
+    refine_rounds: int = flag(
+        4, type="count", metavar="N",
+        help="descent rounds after the first (default 4; a round that changes nothing ends it "
+             "earlier); 0: one pass over the patterns")
     #: a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
     #: that failed this many times in a descent and never paid is not tried again; 0: every move
     skip_failed_moves: int = 3

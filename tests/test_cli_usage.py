@@ -183,3 +183,22 @@ def test_each_tune_option_is_defined_once_on_its_field():
     opts = TuneOptions(**given)
     assert (opts.isolate, opts.seed, opts.op_types, opts.worker) == (False, 3, ["Conv", "MatMul"],
                                                                      True)
+
+
+def test_every_config_flag_comes_from_its_field_and_reaches_the_config():
+    """Each Config field defined with ``flag()`` is a ``tune`` flag whose value, given, is
+    the run's setting (the flags are not written by hand a second time)."""
+    import dataclasses
+
+    from qdq_optuna.cli.commands import _config_from
+    from qdq_optuna.config import Config
+
+    flagged = [f for f in dataclasses.fields(Config) if "flag_help" in f.metadata]
+    assert {f.name for f in flagged} >= {"schemes_per_region", "start", "refine_rounds"}
+    parser = build_parser()
+    for f in flagged:
+        value = f.metadata["choices"][-1] if f.metadata["choices"] else "7"
+        args = parser.parse_args(["tune", "-m", "m.onnx", "--" + f.name.replace("_", "-"), value])
+        got = getattr(_config_from(args), f.name)
+        assert str(got) in (value, "7.0"), f.name
+        assert got != f.default

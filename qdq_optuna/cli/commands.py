@@ -73,7 +73,8 @@ def _add_verbosity(p: argparse.ArgumentParser, top: bool = False) -> None:
 
 
 #: the CLI's checked number types, by the name a tune option's metadata gives
-ARG_TYPES = {"int": int, "positive_int": _positive_int, "positive_float": _positive_float}
+ARG_TYPES = {"int": int, "positive_int": _positive_int, "positive_float": _positive_float,
+             "count": _count, "threshold": _threshold}
 
 
 def add_options(groups: dict, names=None, **overrides) -> None:
@@ -121,33 +122,34 @@ MODEL_OPTIONS = ("input_shapes", "quant_type", "preprocess", "high_precision", "
                  "exclude_nodes", "op_types", "opset_upgrade")
 
 
+def add_config_options(g, names: tuple[str, ...]) -> None:
+    """The flags of :class:`~qdq_optuna.config.Config`'s fields ``names``, each defined once,
+    on the field (:func:`~qdq_optuna.config.flag`); a flag not given is None (the preset's or
+    the YAML file's value stands)."""
+    import dataclasses
+
+    from qdq_optuna.config import Config
+
+    by_name = {f.name: f.metadata for f in dataclasses.fields(Config)}
+    for name in names:
+        m = by_name[name]
+        flags = ([m["short"]] if m["short"] else []) + ["--" + name.replace("_", "-")]
+        kw = {"type": ARG_TYPES.get(m["type"]) if m["type"] else None,
+              "metavar": m["metavar"], "choices": m["choices"]}
+        g.add_argument(*flags, help=m["flag_help"], **{k: v for k, v in kw.items() if v})
+
+
 def _add_region_args(g) -> None:
-    g.add_argument("--maximum-sequence-region-size", type=_positive_int, metavar="N",
-                   help="largest sequence region top-down refinement cuts (default 10 nodes)")
-    g.add_argument("--minimum-topdown-search-size", type=_positive_int, metavar="N",
-                   help="blocks of more nodes than this are refined top-down (default 10)")
+    add_config_options(g, ("maximum_sequence_region_size", "minimum_topdown_search_size"))
 
 
 def _add_search_args(g) -> None:
-    g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
-                   help="finished trials per pattern study (default 30; --mode sets it too)")
+    add_config_options(g, ("schemes_per_region",))
     g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
                    help="budget preset: quick (10 schemes per pattern), default (30), "
                         "extensive (80, larger mutations)")
-    g.add_argument("--converged-patience", type=_count, metavar="N",
-                   help="our sampler: stop a pattern study early after N exploration trials "
-                        "in a row that did not improve (default 1; 0: spend every budget)")
-    g.add_argument("--start", choices=["best", "float", "recipe", "all"],
-                   help="where the descent starts: best (the fastest whole-model start, and "
-                        "the runtime's recipe too when it is close; default), float, recipe, "
-                        "all (a descent from every start)")
-    g.add_argument("--refine-rounds", type=_count, metavar="N",
-                   help="descent rounds after the first (default 4; a round that changes "
-                        "nothing ends it earlier); 0: one pass over the patterns")
-    g.add_argument("--performance-threshold", type=_threshold, metavar="RATIO",
-                   help="the speedup a change that adds Q/DQ must show to replace the standing "
-                        "model (default 1.0: any gain, confirmed by an interleaved "
-                        "re-measurement on a measured backend)")
+    add_config_options(g, ("converged_patience", "start", "refine_rounds",
+                           "performance_threshold"))
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
 
 
@@ -226,19 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_from(args: argparse.Namespace):
+    import dataclasses
+
     from qdq_optuna.config import Config
 
     base = Config.from_yaml(args.config).to_dict() if getattr(args, "config", None) else {}
-    overrides = {
-        "schemes_per_region": getattr(args, "schemes_per_region", None),
-        "converged_patience": getattr(args, "converged_patience", None),
-        "refine_rounds": getattr(args, "refine_rounds", None),
-        "start": getattr(args, "start", None),
-        "performance_threshold": getattr(args, "performance_threshold", None),
-        "maximum_sequence_region_size": args.maximum_sequence_region_size,
-        "minimum_topdown_search_size": args.minimum_topdown_search_size,
-        "verbose": bool(getattr(args, "verbose", 0)) or None,
-    }
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Config)
+                 if "flag_help" in f.metadata}  # the flags given (None: not given)
+    overrides["verbose"] = bool(getattr(args, "verbose", 0)) or None
     return Config.preset(getattr(args, "mode", "default"), **{**base, **overrides})
 
 
