@@ -272,7 +272,8 @@ def _print_result(result) -> None:
               "(--remeasure measures the final model again, --fresh starts over)")
     print(f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
           f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
-          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements")
+          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} "
+          f"measurement{'s' if r['measurements'] != 1 else ''}")
     acc = r.get("accuracy")
     if acc:
         left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
@@ -282,7 +283,8 @@ def _print_result(result) -> None:
     if r.get("pareto"):
         print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
               f"in {result.output_dir}/pareto/")
-    print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
+    done = "kept (not rewritten)" if result.finished_before else "wrote"
+    print(f"{done} {result.output_dir}/optimized.onnx, report.md, report.json")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

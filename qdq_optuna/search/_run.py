@@ -201,6 +201,11 @@ class Tuner:
 
     def _say_resuming(self) -> None:
         """A resumed run says so: what is done and what is left."""
+        if self.o.remeasure and self.record.finished() is not None:
+            self.progress.write(f"run {self.run_id!r} had finished: --remeasure measures its "
+                                "final model against the baseline again (one interleaved A/B, "
+                                "no search) and rewrites the report")
+            return
         line = self.record.resume_line(self.settings.rounds)
         if line:
             self.progress.write(line)
