@@ -29,7 +29,13 @@ examples:
   qdq-optuna tune -m model.onnx -o out -b costmodel --runtime tensorrt
   qdq-optuna tune -m model.onnx -o out --calibration-data calib.npz --max-output-error 0.05
   qdq-optuna tune -m model.onnx -o out --exclude-nodes '/head/.*' --op-types Conv,MatMul
-rerun the same command to resume an interrupted run; --fresh starts over."""
+rerun the same command to resume an interrupted run; --fresh starts over.
+terms in the progress lines and the report:
+  start           a whole model measured before the descent: float, all (every insertion
+                  point on), the runtime's recipe (quantize_static, NNCF), your seeds
+  standing model  the best whole model so far; every candidate is measured against it
+  visit           one pattern's Optuna study in one descent round
+  lane            one descent from one start (--start all, or best with the recipe close)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,6 +135,8 @@ def _add_region_args(g) -> None:
 
 
 def _add_search_args(g) -> None:
+    from qdq_optuna.search._starts import RECIPE_LANE_RATIO
+
     g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
                    help="finished trials per pattern study (default 30; --mode sets it too)")
     g.add_argument("--mode", choices=["quick", "default", "extensive"], default="default",
@@ -139,14 +147,15 @@ def _add_search_args(g) -> None:
                         "in a row that did not improve (default 1; 0: spend every budget)")
     g.add_argument("--start", choices=["best", "float", "recipe", "all"],
                    help="where the descent starts: best (the fastest whole-model start, and "
-                        "the runtime's recipe too when it is close; default), float, recipe, "
+                        "a second descent from the runtime's recipe when its latency is within "
+                        f"{RECIPE_LANE_RATIO:g}x of that start's; default), float, recipe, "
                         "all (a descent from every start)")
     g.add_argument("--refine-rounds", type=_count, metavar="N",
                    help="descent rounds after the first (default 4; a round that changes "
                         "nothing ends it earlier); 0: one pass over the patterns")
     g.add_argument("--performance-threshold", type=_threshold, metavar="RATIO",
-                   help="the speedup a change that adds Q/DQ must show to replace the standing "
-                        "model (default 1.0: any gain, confirmed by an interleaved "
+                   help="the speedup a change that adds Q/DQ must show to replace the best "
+                        "whole model so far (default 1.0: any gain, confirmed by an interleaved "
                         "re-measurement on a measured backend)")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file with Config settings")
 

@@ -87,9 +87,10 @@ class TuneOptions:
                                  "of the search group)")
     sampler: str = option(
         "qdq", group="search", short="-s", metavar="NAME", choices=SAMPLERS,
-        help="qdq: ours, a visit ends when its moves are done (default); tpe, cmaes, random, "
-             "gp (needs torch), nsga2, bruteforce: Optuna's, which spend the rest of each "
-             "visit's budget after the moves")
+        help="qdq: ours, a visit (one pattern's study in one descent round) ends when its "
+             "moves are done (default); tpe, cmaes, random, gp (needs torch), nsga2, "
+             "bruteforce: Optuna's, which spend the rest of each visit's budget after the "
+             "moves")
     storage: str | None = option(
         None, group="storage and workers", metavar="URL",
         help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for several "
@@ -100,12 +101,13 @@ class TuneOptions:
     timing: str = option(
         "robust", group="measurement", choices=("fast", "robust"),
         help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
-             "fresh sessions (default); fast: one screen per candidate, for a quiet, dedicated "
-             "machine")
+             "fresh sessions (default); fast: one short timing per candidate and no A/B, for a "
+             "quiet, dedicated machine")
     scales: str = option(
         "auto", group="measurement", choices=("auto", "default", "calibrated"),
         help="scales used in trials (auto: calibrated for ONNX Runtime and OpenVINO, default "
-             "for TensorRT)")
+             "for TensorRT); default: one placeholder scale for every tensor, which times the "
+             "same where the scale does not change the kernels (TensorRT)")
     #: an .npz path, a dict of arrays, an iterable of feeds or a CalibrationDataReader
     #: (:func:`qdq_optuna.model.data.input_data`)
     calibration_data: Any = option(
@@ -159,7 +161,8 @@ class TuneOptions:
     max_output_error: float | None = option(
         None, group="accuracy", type="positive_float", metavar="X",
         help="error budget: trials above it are infeasible; commits take the fastest feasible "
-             "scheme")
+             f"scheme (default {DEFAULT_MAX_OUTPUT_ERROR:g}, on the starts and the saved model "
+             "only; given, it bounds every trial too)")
     objectives: str = option(
         "latency", group="accuracy", metavar="latency[,error]",
         help="latency (default) or latency,error (two-objective studies, Pareto front of the "
@@ -212,6 +215,13 @@ class TuneOptions:
 
 @dataclass
 class TuneResult:
+    """What ``tune()`` returns: where the outputs are, and ``report.json`` as a dict.
+
+    ``result.speedup`` is your model's latency over the tuned one's (the final interleaved A/B;
+    ``report["final_comparison"]`` has its interval), ``result.optimized_model`` the path of
+    ``optimized.onnx``. Every key of ``report``: the docs' "Outputs and schemas" page.
+    """
+
     output_dir: Path
     report: dict
     #: the run had finished before: ``report`` is its stored report, nothing was measured
