@@ -135,7 +135,7 @@ def _add_region_args(g) -> None:
 
 
 def _add_search_args(g) -> None:
-    from qdq_optuna.search._starts import RECIPE_LANE_RATIO
+    from qdq_optuna.search import RECIPE_LANE_RATIO
 
     g.add_argument("-n", "--schemes-per-region", type=_positive_int, metavar="N",
                    help="finished trials per pattern study (default 30; --mode sets it too)")

@@ -151,7 +151,8 @@ class TuneOptions:
         None, group="accuracy", metavar="FILE.npz",
         help="inputs the output errors are measured on (default: the calibration data; random "
              "inputs with a warning otherwise)")
-    metric: str | None = option(
+    #: ``module:function``, or in Python the callable itself
+    metric: str | Callable | None = option(
         None, group="accuracy", metavar="MODULE:FUNCTION",
         help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is better "
              "(replaces --error-measure)")
@@ -408,10 +409,24 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
             "objectives": list(settings.objectives),
             "max_output_error": o.max_output_error,
             "error_measure": o.error_measure,
-            "metric": o.metric,
+            "metric": metric_label(o.metric),
             "validation_data": validation_id,
         }
     return fp
+
+
+def metric_label(metric: str | Callable | None) -> str | None:
+    """``--metric``'s text, or a callable's ``module:name`` (its repr holds an address, which
+    would change the fingerprint of every process and the report's wording)."""
+    if metric is None or isinstance(metric, str):
+        return metric
+    return (f"{getattr(metric, '__module__', None) or '?'}:"
+            f"{getattr(metric, '__qualname__', type(metric).__name__)}")
+
+
+def measure_label(o: TuneOptions) -> str:
+    """What the accuracy guard's error is, in the report: ``metric MODULE:NAME`` or a measure."""
+    return f"metric {metric_label(o.metric)}" if o.metric else o.error_measure
 
 
 def digest(fp: dict) -> str:
