@@ -30,10 +30,33 @@ _RESULTS_RE = re.compile(r"^<!-- results\n(.*?)\n-->$", re.S | re.M)
 _CLI_RE = re.compile(r"^<!-- cli-reference -->$", re.M)
 
 
+def on_config(config):
+    """The package's version in the site's title, so a reader knows which release a page is."""
+    from qdq_optuna import __version__
+
+    config["site_name"] = f"{config['site_name']} {__version__}"
+    return config
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """Expand the directives of one page (MkDocs calls this for every page)."""
     markdown = _RESULTS_RE.sub(lambda m: _results(yaml.safe_load(m.group(1)), page), markdown)
     return _CLI_RE.sub(lambda m: cli_reference(), markdown)
+
+
+_ROLE_RE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj):<code>(~?)([^<]*?)"
+                      r"(?: &lt;[\w.]+&gt;)?</code>")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Docstrings use Sphinx roles (``:class:`~a.B` ``) that Markdown leaves as literal text."""
+    return sphinx_roles(html)
+
+
+def sphinx_roles(html: str) -> str:
+    """``:class:<code>~a.b.C</code>`` -> ``<code>C</code>`` (``~``: the last name, as Sphinx)."""
+    return _ROLE_RE.sub(lambda m: "<code>" + (m.group(2).rsplit(".", 1)[-1] if m.group(1)
+                                              else m.group(2)) + "</code>", html)
 
 
 # --- benchmark results ------------------------------------------------------------------------

@@ -124,6 +124,13 @@ class Progress:
             if self._stage is not None:
                 self._stage.update(n)
 
+    def skip(self, name: str, why: str) -> None:
+        """A pattern of the current stage that is not measured: a line that says why (else the
+        count seems to stop short), and it counts as done."""
+        with self._lock:
+            self.write(f"{self._position()}{name}: skipped, {why}")
+            self.advance()
+
     # -- pattern level -----------------------------------------------------------------------
     def pattern(self, name: str, total: int, *, detail: str = "", done: int = 0) -> PatternProgress:
         """Progress of one pattern study of ``total`` trials, ``done`` of them finished before;

@@ -27,20 +27,36 @@ from qdq_optuna.search import TuneOptions, Tuner, TuneResult
 
 def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
          backend: Callable | Backend | str | None = None, config: Config | None = None,
-         benchmark: Callable | Backend | str | None = None, **options) -> TuneResult:
+         benchmark: Callable | Backend | str | None = None, mode: str | None = None,
+         **options) -> TuneResult:
     """Tune ``model``; results go to ``output_dir`` (see the docs: outputs).
 
     ``backend`` (or its older name ``benchmark``) is a backend name (``"onnxruntime"``,
-    ``"tensorrt"``, ``"costmodel"``, ...), a :class:`~qdq_optuna.backends.base.Backend`, or any
-    callable ``fn(model: onnx.ModelProto) -> ms``. Other keyword arguments are the fields of
-    :class:`~qdq_optuna.TuneOptions`.
+    ``"openvino"``, ``"tensorrt"``, ``"costmodel"``, ...), a
+    ``Backend`` (``qdq_optuna.backends.base``), or any callable
+    ``fn(model: onnx.ModelProto) -> ms``.
+
+    ``mode`` is ``--mode``: ``"quick"``, ``"default"`` or ``"extensive"`` sets the budget
+    fields of [`Config`][qdq_optuna.config.Config]; with ``config`` too, the fields ``config``
+    changes from their defaults win over the preset's, as ``--config`` does over ``--mode``.
+    Other keyword arguments are the fields of [`TuneOptions`][qdq_optuna.search.TuneOptions]
+    (``--input-shapes`` is ``input_shapes=``, and so on).
     """
     if backend is not None and benchmark is not None:
         raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
     chosen = backend if backend is not None else benchmark
     return run(TuneOptions(model=model_argument(model), output_dir=str(output_dir),
                            backend=chosen if chosen is not None else "onnxruntime",
-                           config=config or Config(), **options))
+                           config=_config(config, mode), **options))
+
+
+def _config(config: Config | None, mode: str | None) -> Config:
+    """``config`` with ``mode``'s preset under it (the CLI's ``--mode`` with ``--config``)."""
+    if mode is None:
+        return config or Config()
+    defaults = Config().to_dict()
+    changed = {k: v for k, v in (config or Config()).to_dict().items() if v != defaults[k]}
+    return Config.preset(mode, **changed)
 
 
 def run(options: TuneOptions) -> TuneResult:

@@ -12,6 +12,9 @@ from qdq_optuna.errors import OptionError
 
 #: ``--start``: where the whole-model descent starts (see :attr:`Config.start`)
 START_CHOICES = ("best", "float", "recipe", "all")
+#: ``--start best``: the runtime's recipe gets a descent of its own (a second lane) when its
+#: latency is within this factor of the fastest start's
+RECIPE_LANE_RATIO = 1.25
 
 
 def flag(default, *, help: str, type: str | None = None, short: str | None = None,
@@ -26,68 +29,92 @@ def flag(default, *, help: str, type: str | None = None, short: str | None = Non
 
 @dataclass
 class Config:
-    #: the speedup a change that adds Q/DQ must show to replace the standing model (1.0: any
-    #: gain, on a measured backend one an interleaved re-measurement confirms; 1.02: 2 %
-    #: faster). A change that only removes Q/DQ needs only to be not slower.
+    """Search settings (``--config FILE.yaml`` holds any of them; ``--mode`` presets the budget).
+
+    The defaults are what ``qdq-optuna tune`` uses; :meth:`preset` applies ``--mode``.
+    """
+
     performance_threshold: float = flag(
         1.0, type="threshold", metavar="RATIO",
         help="the speedup a change that adds Q/DQ must show to replace the standing model "
              "(default 1.0: any gain, confirmed by an interleaved re-measurement on a measured "
              "backend)")
-    #: activation scale / zero point used when no calibrated statistics are given
+    """the speedup a change that adds Q/DQ must show to replace the standing model (1.0: any
+    gain, on a measured backend one an interleaved re-measurement confirms; 1.02: 2 % faster). A
+    change that only removes Q/DQ needs only to be not slower."""
     default_q_scale: float = 0.1
+    """activation scale used when no calibrated statistics are given"""
     default_q_zero_point: int | None = None
-    #: None: follows the runtime (uint8 for ONNX Runtime CPU, int8 for TensorRT)
+    """activation zero point used when no calibrated statistics are given (None: for uint8, 0
+    on a non-negative tensor and 128 otherwise; 0 for int8)"""
     default_quant_type: str | None = None
+    """None: follows the runtime (uint8 for ONNX Runtime CPU, int8 for TensorRT)"""
     maximum_sequence_region_size: int = flag(
         10, type="positive_int", metavar="N",
         help="largest sequence region top-down refinement cuts (default 10 nodes)")
+    """largest sequence region top-down refinement cuts, in nodes
+    (``--maximum-sequence-region-size``)"""
     minimum_topdown_search_size: int = flag(
         10, type="positive_int", metavar="N",
         help="blocks of more nodes than this are refined top-down (default 10)")
-    #: finished trials per pattern study (a cap: see converged_patience)
+    """blocks of more nodes than this are refined top-down into smaller regions
+    (``--minimum-topdown-search-size``)"""
     schemes_per_region: int = flag(
         30, type="positive_int", short="-n", metavar="N",
         help="finished trials per pattern study (default 30; --mode sets it too)")
-    #: our sampler only, single process: a pattern study stops before its budget once this
-    #: many trials in a row were exploration (the best scheme had no untried one-move
-    #: neighbour left) without improving on it; 0 spends every budget in full
+    """finished trials per pattern study (a cap: see converged_patience)"""
     converged_patience: int = flag(
         1, type="count", metavar="N",
         help="our sampler: stop a pattern study early after N exploration trials in a row "
              "that did not improve (default 1; 0: spend every budget)")
-    #: where the search starts: ``best`` (the fastest whole-model start: float, every point,
-    #: the runtime's recipe, the user's seeds; and a second descent from the recipe when it is
-    #: close; on a measured backend the recipe stands unless an A/B shows the fastest start
-    #: beats it), ``float``, ``recipe``, or ``all`` (a descent from every start)
+    """our sampler only, single process: a pattern study stops before its budget once this many
+    trials in a row were exploration (the best scheme had no untried one-move neighbour left)
+    without improving on it; 0 spends every budget in full"""
     start: str = flag(
         "best", choices=START_CHOICES,
-        help="where the descent starts: best (the fastest whole-model start, and the "
-             "runtime's recipe too when it is close; default), float, recipe, all (a descent "
+        help="where the descent starts: best (the fastest whole-model start, and a second "
+             "descent from the runtime's recipe when its latency is within "
+             f"{RECIPE_LANE_RATIO:g}x of that start's; default), float, recipe, all (a descent "
              "from every start)")
-    #: rounds of the descent after the first (a round visits every pattern whose surroundings
-    #: changed); the descent stops earlier when a round changes nothing. 0: one pass
+    """where the search starts: ``best`` (the fastest whole-model start: float, every point, the
+    runtime's recipe, the user's seeds; and a second descent from the recipe when it is close;
+    on a measured backend the recipe stands unless an A/B shows the fastest start beats it),
+    ``float``, ``recipe``, or ``all`` (a descent from every start)"""
     refine_rounds: int = flag(
         4, type="count", metavar="N",
         help="descent rounds after the first (default 4; a round that changes nothing ends it "
              "earlier); 0: one pass over the patterns")
-    #: a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
-    #: that failed this many times in a descent and never paid is not tried again; 0: every move
+    """rounds of the descent after the first (a round visits every pattern whose surroundings
+    changed); the descent stops earlier when a round changes nothing. 0: one pass"""
     skip_failed_moves: int = 3
-    #: read what the runtime ran for each standing model (once per change) and measure no
-    #: move that only removes Q/DQ it fused into integer kernels (docs/time_to_result.md)
+    """a move of a kind (adding or removing Q/DQ between the same producer and consumer ops)
+    that failed this many times in a descent and never paid is not tried again; 0: every move"""
     prune_by_runtime: bool = True
-    #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
+    """read what the runtime ran for each standing model (once per change) and measure no move
+    that only removes Q/DQ it fused into integer kernels (docs/time_to_result.md)"""
     seed_compute_inputs: bool = True
+    """our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only"""
     top_percent_to_mutate: float = 0.1
+    """our sampler: the share of a study's finished trials eligible as parents of a mutation"""
     minimum_schemes_to_mutate: int = 10
+    """our sampler: at least this many best schemes are eligible as parents"""
     maximum_mutations: int = 3
+    """our sampler: a mutated scheme differs from its parent by 1 to this many moves"""
     maximum_generation_attempts: int = 100
+    """our sampler: attempts to draw a scheme not tried before, then a random one"""
     concat_group_min_samples: int = 5
+    """our sampler: with ``schemes_per_region`` sets how often a move switches a whole Concat
+    group (``min(1, max(this / schemes_per_region, 0.05))``)"""
     fusion_group_probability: float = 0.35
+    """our sampler: the chance of a fusion-group move (a compute op and its epilogue together)
+    when no Concat move was drawn"""
     pattern_cache_minimum_distance: int = 4
+    """``pattern_cache.yaml`` keeps a scheme only when it differs from every better kept one of
+    its pattern in at least this many points"""
     pattern_cache_max_entries_per_pattern: int = 32
+    """``pattern_cache.yaml`` keeps at most this many schemes per pattern"""
     verbose: bool = False
+    """Optuna logs at INFO (every trial it finishes), not only warnings (``-v``)"""
 
     def __post_init__(self) -> None:
         checks = [

@@ -92,3 +92,16 @@ def test_model_argument_takes_protos_paths_and_bytes(model, tmp_path):
     assert len(str(info.value)) < 300
     with pytest.raises(ModelError, match="expected a path or an onnx.ModelProto, got list"):
         model_argument([model])
+
+
+def test_a_text_file_is_not_an_npz_and_says_so(model, tmp_path):
+    """numpy's own message for a text file talks about pickles; ours names the format."""
+    path = tmp_path / "images.txt"
+    path.write_text("0.1 0.2 0.3\n")
+    with pytest.raises(UserError) as info:
+        calibration.load_calibration_data(path, model)
+    message = str(info.value)
+    assert message.startswith(f"calibration data {path}: not an .npz file")
+    assert "pickle" not in message and "numpy.savez" in message
+    np.savez(tmp_path / "ok.npz", input=np.stack(_batches(2))[:, 0])
+    assert calibration.load_calibration_data(tmp_path / "ok.npz", model)["input"].shape[0] == 2

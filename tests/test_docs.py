@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,61 @@ def test_the_cli_reference_lists_every_tune_option(hooks):
     for action in tune._actions:
         for flag in action.option_strings:
             assert f"`{flag}`" in text
+
+
+def _pages() -> list[Path]:
+    return [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md", REPO / "CHANGELOG.md"]
+
+
+def test_every_package_path_the_docs_cite_exists():
+    """A renamed module leaves the docs pointing at nothing; a reader then finds no such file."""
+    cited = {}
+    for page in _pages():
+        for path in re.findall(r"(?<![\w./~-])qdq_optuna/[\w./-]*\w", page.read_text(encoding="utf-8")):
+            cited.setdefault(path.rstrip("."), page.relative_to(REPO))
+    assert len(cited) >= 10
+    missing = {p: str(page) for p, page in cited.items() if not (REPO / p).exists()}
+    assert missing == {}
+
+
+def test_no_page_reads_as_a_work_log():
+    """The docs describe the tool; issue numbers and progress notes belong in the history."""
+    pattern = re.compile(r"\bissues?[ _-]?#?\d+|\bTODO\b|\b(?:this|last|next) session\b", re.I)
+    found = {}
+    for page in _pages():
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if pattern.search(line):
+                found.setdefault(str(page.relative_to(REPO)), []).append(n)
+    assert found == {}
+
+
+def test_sphinx_roles_in_docstrings_render_as_code(hooks):
+    html = ("see :class:<code>~qdq_optuna.search.TuneOptions</code> and "
+            ":meth:<code>Tuner.search &lt;qdq_optuna.search.Tuner.search&gt;</code>, "
+            ":func:<code>qdq_optuna.tune</code>")
+    assert hooks.sphinx_roles(html) == ("see <code>TuneOptions</code> and "
+                                        "<code>Tuner.search</code>, <code>qdq_optuna.tune</code>")
+
+
+def test_the_version_is_one_and_the_changelog_renders_in_the_site():
+    import qdq_optuna
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^version = "(.+)"$', pyproject, re.M).group(1) == qdq_optuna.__version__
+    assert f"## {qdq_optuna.__version__}" in (REPO / "CHANGELOG.md").read_text()
+    assert '--8<-- "CHANGELOG.md"' in (REPO / "docs" / "changelog.md").read_text()
+
+
+def test_every_config_field_has_a_docstring_the_api_page_renders():
+    """``#:`` comments do not render in the API reference; a string after the field does."""
+    import ast
+    import dataclasses
+
+    from qdq_optuna.config import Config
+
+    tree = ast.parse((REPO / "qdq_optuna" / "config.py").read_text(encoding="utf-8"))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config").body
+    documented = {a.target.id for a, doc in zip(body, body[1:])
+                  if isinstance(a, ast.AnnAssign) and isinstance(doc, ast.Expr)
+                  and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    assert documented == {f.name for f in dataclasses.fields(Config)}

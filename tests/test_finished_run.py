@@ -105,10 +105,18 @@ def test_the_cli_prints_the_result_of_a_finished_run(tmp_path):
                             timeout=300)
     assert second.returncode == 0, second.stderr
     assert (tmp_path / "out" / "report.json").read_bytes() == report
-    lines = second.stdout.splitlines()
+    lines, first_lines = second.stdout.splitlines(), first.stdout.splitlines()
     assert lines[0].startswith("run 'out' finished on ") and "--remeasure" in lines[0]
-    # the same result lines as the first time
-    assert lines[1:] == first.stdout.splitlines()
+    # the same result lines as the first time, and no claim to have written anything
+    assert lines[1:-1] == first_lines[:-1]
+    assert first_lines[-1].startswith("wrote ") and lines[-1].startswith("kept (not rewritten) ")
+    # --remeasure says what it does: one A/B, not "the rest of the descent"
+    third = subprocess.run([*argv, "--remeasure"], cwd=REPO, env=cli_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert third.returncode == 0, third.stderr
+    assert "--remeasure measures its final model against the baseline again" in third.stderr
+    assert "left: the rest of the descent" not in third.stderr
+    assert third.stdout.splitlines()[-1].startswith("wrote ")
 
 
 def test_every_file_a_run_writes_follows_the_umask(tmp_path):

@@ -121,3 +121,14 @@ def test_two_workers_share_a_sqlite_run(residual, tmp_path, run_id):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     reports = _two_workers(residual, url, run_id, tmp_path)
     _check_worker_run(residual, url, run_id, reports)
+
+
+def test_a_missing_driver_names_the_extra(monkeypatch):
+    """Optuna's own message ("Please install appropriate one") names no package; ours does."""
+    for driver in ("psycopg", "psycopg2"):
+        monkeypatch.setitem(sys.modules, driver, None)  # as if not installed
+    from qdq_optuna.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"^--storage postgresql://u@localhost/db: its "
+                       r"database driver is not installed \(pip install 'qdq-optuna\[postgres\]'\)"):
+        open_storage("postgresql://u@localhost/db")

@@ -138,6 +138,19 @@ def test_refinement_stages_are_named_in_lines():
     assert lines[1].startswith("[refine 1 2/3] P002: 2 trials, standing scheme kept, ")
 
 
+def test_a_skipped_pattern_has_its_line_and_the_count_reaches_the_end():
+    """Without its line, a round whose last visit is skipped seems to stop at 3/4."""
+    stream = io.StringIO()
+    with Progress(stream=stream, heartbeat_s=0) as progress:
+        progress.stage("round 1", 2)
+        with progress.pattern("P000", 2) as p:
+            p.finish(gain=1.1)
+        progress.skip("P001", "nothing changed near it since its last visit")
+        assert progress._stage_done == 2
+    lines = stream.getvalue().splitlines()
+    assert lines[1] == "[round 1 2/2] P001: skipped, nothing changed near it since its last visit"
+
+
 def test_tune_piped_to_a_file_has_no_redraws(tmp_path):
     from qdq_optuna.examples import zoo
 

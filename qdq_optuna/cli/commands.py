@@ -29,7 +29,13 @@ examples:
   qdq-optuna tune -m model.onnx -o out -b costmodel --runtime tensorrt
   qdq-optuna tune -m model.onnx -o out --calibration-data calib.npz --max-output-error 0.05
   qdq-optuna tune -m model.onnx -o out --exclude-nodes '/head/.*' --op-types Conv,MatMul
-rerun the same command to resume an interrupted run; --fresh starts over."""
+rerun the same command to resume an interrupted run; --fresh starts over.
+terms in the progress lines and the report:
+  start           a whole model measured before the descent: float, all (every insertion
+                  point on), the runtime's recipe (quantize_static, NNCF), your seeds
+  standing model  the best whole model so far; every candidate is measured against it
+  visit           one pattern's Optuna study in one descent round
+  lane            one descent from one start (--start all, or best with the recipe close)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -269,7 +275,8 @@ def _print_result(result) -> None:
               "(--remeasure measures the final model again, --fresh starts over)")
     print(f"baseline {r['baseline_latency_ms']:.3f} ms -> tuned {r['final_latency_ms']:.3f} ms: "
           f"speedup {r['speedup']:.3f}x (95% CI {lo:.3f}-{hi:.3f}); "
-          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} measurements")
+          f"{len(r['quantized_tensors'])} tensors quantized; {r['measurements']} "
+          f"measurement{'s' if r['measurements'] != 1 else ''}")
     acc = r.get("accuracy")
     if acc:
         left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
@@ -279,7 +286,8 @@ def _print_result(result) -> None:
     if r.get("pareto"):
         print(f"{sum(p['on_front'] for p in r['pareto'])} models on the latency/error front "
               f"in {result.output_dir}/pareto/")
-    print(f"wrote {result.output_dir}/optimized.onnx, report.md, report.json")
+    done = "kept (not rewritten)" if result.finished_before else "wrote"
+    print(f"{done} {result.output_dir}/optimized.onnx, report.md, report.json")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

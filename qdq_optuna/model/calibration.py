@@ -255,6 +255,11 @@ def load_calibration_data(path: str | os.PathLike, model: ModelLike,
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{source}: file not found")
+    with file.open("rb") as f:
+        head = f.read(6)
+    if not head.startswith((b"PK", b"\x93NUMPY")):  # numpy would call it "pickled data"
+        raise UserError(f"{source}: not an .npz file (save the inputs with numpy.savez, "
+                        "input name -> array with the samples on axis 0)")
     try:
         loaded = np.load(file, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:

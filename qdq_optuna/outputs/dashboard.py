@@ -51,12 +51,14 @@ NOTE_MAX_REGIONS = 12
 NOTE_MAX_TENSORS = 4
 
 _warned: set[str] = set()
+#: an optional extra that is not installed is an INFO line, not a WARNING on every default run
+NOT_INSTALLED = logging.INFO
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, level: int = logging.WARNING) -> None:
     if key not in _warned:
         _warned.add(key)
-        log.warning(message)
+        log.log(level, message)
 
 
 def artifact_store(output_dir: str | Path) -> optuna.artifacts.FileSystemArtifactStore:
@@ -559,7 +561,7 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
             files.append((png, "convergence: best-so-far latency per trial vs the reference"))
         except ImportError:
             _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
-                       "the dashboard (pip install 'qdq-optuna[dashboard]')")
+                       "the dashboard (pip install 'qdq-optuna[dashboard]')", NOT_INSTALLED)
         except Exception as exc:
             _warn(study, png.name, exc)
         rep = pp.pattern.representative
@@ -834,7 +836,7 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict) -> dict | 
                                 title=f"run {record.run_id}: {report['speedup']:.3f}x")
         except ImportError:
             _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
-                       "the dashboard (pip install 'qdq-optuna[dashboard]')")
+                       "the dashboard (pip install 'qdq-optuna[dashboard]')", NOT_INSTALLED)
             return None
         artifact_id = upload_artifact(artifact_store=artifact_store(out), file_path=str(png),
                                       study_or_trial=view)

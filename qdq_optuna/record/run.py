@@ -272,10 +272,15 @@ class RunRecord:
             self.run_study.set_user_attr(RunAttr.WINNER, lane)
         return self.run_study.user_attrs[RunAttr.WINNER]
 
-    def resume_line(self, rounds: int) -> str | None:
-        """What a resumed run has done and has left, in a line (None: a new run)."""
+    def resume_line(self, rounds: int, remeasure: bool = False) -> str | None:
+        """What a resumed run has done and has left, in a line (None: a new run); for
+        ``--remeasure`` on a finished run, what that does instead."""
         if RunAttr.BASELINE_MS not in self.run_study.user_attrs:
             return None
+        if remeasure and self.finished() is not None:
+            return (f"run {self.run_id!r} had finished: --remeasure measures its final model "
+                    "against the baseline again (one interleaved A/B, no search) and rewrites "
+                    "the report")
         starts = self.starts()
         if starts is None:
             return (f"resuming run {self.run_id!r}: baseline measured; left: the starts, then "

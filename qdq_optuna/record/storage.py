@@ -107,6 +107,11 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
             # workers starting together on a new database race to create its tables
             error = exc
             time.sleep(0.2 * (attempt + 1))
+        except ImportError:  # Optuna's own text only says "Please install appropriate one"
+            need = ("pip install 'qdq-optuna[postgres]'" if url.startswith("postgres")
+                    else "install the database's SQLAlchemy driver")
+            raise OptionError(f"--storage {url}: its database driver is not installed "
+                              f"({need})") from None
         except Exception as exc:
             error = exc
             break

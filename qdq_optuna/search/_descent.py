@@ -149,7 +149,7 @@ class Descent:
             s.progress.advance()
             return changed(this)
         if this is None and mine and mine[-1].get(PatternAttr.CONTEXT_KEY) == key:
-            s.progress.advance()  # nothing changed near it since its last visit
+            s.progress.skip(pid, "nothing changed near it since its last visit")
             return False
         if s.settings.multi_objective:  # one study per pattern from float, as a first pass
             attrs = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
@@ -169,7 +169,7 @@ class Descent:
                     skip_reason(dropped).replace("all ", "dropped ", 1))
         if dropped and not visit.moves:  # nothing the runtime left can gain: nothing to measure
             self.skipped.append((lane, rnd, pid, skip_reason(dropped)))
-            s.progress.advance()
+            s.progress.skip(pid, skip_reason(dropped))
             return False
         budget = min(s.config.schemes_per_region, max(len(visit.moves) + 1, 2 * len(pp.ids)))
         study = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,

@@ -95,9 +95,10 @@ class TuneOptions:
                                  "of the search group)")
     sampler: str = option(
         "qdq", group="search", short="-s", metavar="NAME", choices=SAMPLERS,
-        help="qdq: ours, a visit ends when its moves are done (default); tpe, cmaes, random, "
-             "gp (needs torch), nsga2, bruteforce: Optuna's, which spend the rest of each "
-             "visit's budget after the moves")
+        help="qdq: ours, a visit (one pattern's study in one descent round) ends when its "
+             "moves are done (default); tpe, cmaes, random, gp (needs torch), nsga2, "
+             "bruteforce: Optuna's, which spend the rest of each visit's budget after the "
+             "moves")
     storage: str | None = option(
         None, group="storage and workers", metavar="URL",
         help="Optuna RDB URL (default sqlite:///OUTPUT/studies.db; PostgreSQL for several "
@@ -108,12 +109,13 @@ class TuneOptions:
     timing: str = option(
         "robust", group="measurement", choices=("fast", "robust"),
         help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
-             "fresh sessions (default); fast: one screen per candidate, for a quiet, dedicated "
-             "machine")
+             "fresh sessions (default); fast: one short timing per candidate and no A/B, for a "
+             "quiet, dedicated machine")
     scales: str = option(
         "auto", group="measurement", choices=("auto", "default", "calibrated"),
         help="scales used in trials (auto: calibrated for ONNX Runtime and OpenVINO, default "
-             "for TensorRT)")
+             "for TensorRT); default: one placeholder scale for every tensor, which times the "
+             "same where the scale does not change the kernels (TensorRT)")
     #: an .npz path, a dict of arrays, an iterable of feeds or a CalibrationDataReader
     #: (:func:`qdq_optuna.model.data.input_data`)
     calibration_data: Any = option(
@@ -157,7 +159,8 @@ class TuneOptions:
         None, group="accuracy", metavar="FILE.npz",
         help="inputs the output errors are measured on (default: the calibration data; random "
              "inputs with a warning otherwise)")
-    metric: str | None = option(
+    #: ``module:function``, or in Python the callable itself
+    metric: str | Callable | None = option(
         None, group="accuracy", metavar="MODULE:FUNCTION",
         help="user metric fn(reference_outputs, candidate_outputs) -> float, lower is better "
              "(replaces --error-measure)")
@@ -167,7 +170,8 @@ class TuneOptions:
     max_output_error: float | None = option(
         None, group="accuracy", type="positive_float", metavar="X",
         help="error budget: trials above it are infeasible; commits take the fastest feasible "
-             "scheme")
+             f"scheme (default {DEFAULT_MAX_OUTPUT_ERROR:g}, on the starts and the saved model "
+             "only; given, it bounds every trial too)")
     objectives: str = option(
         "latency", group="accuracy", metavar="latency[,error]",
         help="latency (default) or latency,error (two-objective studies, Pareto front of the "
@@ -220,6 +224,13 @@ class TuneOptions:
 
 @dataclass
 class TuneResult:
+    """What ``tune()`` returns: where the outputs are, and ``report.json`` as a dict.
+
+    ``result.speedup`` is your model's latency over the tuned one's (the final interleaved A/B;
+    ``report["final_comparison"]`` has its interval), ``result.optimized_model`` the path of
+    ``optimized.onnx``. Every key of ``report``: the docs' "Outputs and schemas" page.
+    """
+
     output_dir: Path
     report: dict
     #: the run had finished before: ``report`` is its stored report, nothing was measured
@@ -409,10 +420,24 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
             "objectives": list(settings.objectives),
             "max_output_error": o.max_output_error,
             "error_measure": o.error_measure,
-            "metric": o.metric,
+            "metric": metric_label(o.metric),
             "validation_data": validation_id,
         }
     return fp
+
+
+def metric_label(metric: str | Callable | None) -> str | None:
+    """``--metric``'s text, or a callable's ``module:name`` (its repr holds an address, which
+    would change the fingerprint of every process and the report's wording)."""
+    if metric is None or isinstance(metric, str):
+        return metric
+    return (f"{getattr(metric, '__module__', None) or '?'}:"
+            f"{getattr(metric, '__qualname__', type(metric).__name__)}")
+
+
+def measure_label(o: TuneOptions) -> str:
+    """What the accuracy guard's error is, in the report: ``metric MODULE:NAME`` or a measure."""
+    return f"metric {metric_label(o.metric)}" if o.metric else o.error_measure
 
 
 def digest(fp: dict) -> str:

@@ -320,7 +320,9 @@ class PatternStudy:
         if not self.open():
             return dict(self.study.user_attrs)
         self.measure_reference()
-        detail = f"{len(self.pp.pattern.regions)} regions, {len(self.pp.ids)} points"
+        regions, points = len(self.pp.pattern.regions), len(self.pp.ids)
+        detail = (f"{regions} region{'s' if regions != 1 else ''}, "
+                  f"{points} point{'s' if points != 1 else ''}")
         with self.s.progress.pattern(self.label(), self.budget, detail=detail,
                                      done=self._complete()) as bar:
             self.optimize(bar)

@@ -59,6 +59,7 @@ from qdq_optuna.search._options import (
     check_runtime_named,
     digest,
     fingerprint,
+    measure_label,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
@@ -193,7 +194,7 @@ class Tuner:
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
         guard = Guard(plans, calibrated, self.settings.error_bound,
-                      f"metric {self.o.metric}" if self.o.metric else self.o.error_measure,
+                      measure_label(self.o),
                       data_name)
         self.search_state = Search(
             prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
@@ -206,7 +207,7 @@ class Tuner:
 
     def _say_resuming(self) -> None:
         """A resumed run says so: what is done and what is left."""
-        line = self.record.resume_line(self.settings.rounds)
+        line = self.record.resume_line(self.settings.rounds, remeasure=self.o.remeasure)
         if line:
             self.progress.write(line)
 

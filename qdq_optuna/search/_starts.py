@@ -28,6 +28,7 @@ import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
+from qdq_optuna.config import RECIPE_LANE_RATIO
 from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
@@ -37,11 +38,6 @@ from qdq_optuna.search._guard import listed
 
 log = logging.getLogger("qdq_optuna")
 
-#: ``--start best`` also descends from the recipe when its latency is at most this many times
-#: the chosen start's: on the YOLO-like zoo model the recipe is 15-17 % slower than float (cost
-#: model, FP16) yet the better basin (benchmarks/whole_model.py); on the transformer it is 50 %
-#: slower and its descent never catches up
-RECIPE_LANE_RATIO = 1.25
 #: a repaired start's name is its start's with this suffix (``recipe:openvino-in-bound``): the
 #: start without the Q/DQ that broke the accuracy bound (:meth:`StartsPhase._repairs`)
 REPAIRED = "-in-bound"

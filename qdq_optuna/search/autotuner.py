@@ -1,15 +1,6 @@
 """Ask/tell for users with their own benchmark loop: we propose and export, you measure.
 
-```python
-tuner = Autotuner("model.onnx", runtime="tensorrt")
-for pattern in range(len(tuner.patterns)):
-    tuner.set_pattern(pattern)
-    for _ in range(30):
-        trial = tuner.generate()
-        tuner.submit(trial, my_benchmark(tuner.export(trial)))   # None: the build failed
-    tuner.commit()
-onnx.save(tuner.export_final(), "optimized.onnx")
-```
+The example is on :class:`Autotuner`.
 
 It is a thin face over the same pattern studies ``tune`` runs
 (:class:`~qdq_optuna.search._pattern.PatternStudy`: the same study set-up, sampler, plans and
@@ -41,6 +32,25 @@ from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 
 
 class Autotuner:
+    """Ask/tell: the search proposes a scheme and exports its model, you measure it.
+
+    ```python
+    tuner = Autotuner("model.onnx", runtime="tensorrt")
+    for pattern in range(len(tuner.patterns)):
+        tuner.set_pattern(pattern)
+        for _ in range(30):
+            trial = tuner.generate()
+            tuner.submit(trial, my_benchmark(tuner.export(trial)))   # None: the build failed
+        tuner.commit()
+    onnx.save(tuner.export_final(), "optimized.onnx")
+    ```
+
+    ``generate()`` returns the next trial of the current pattern's study, ``export(trial)``
+    its whole model (ONNX bytes), ``submit(trial, ms)`` your figure (``None``: the build
+    failed), ``commit()`` keeps the pattern's best scheme when it beats the reference, and
+    ``export_final()`` is the model with every commit.
+    """
+
     def __init__(
         self,
         model: str | os.PathLike | onnx.ModelProto,
