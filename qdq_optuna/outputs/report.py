@@ -106,6 +106,8 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
             entry["ab_vs_float"] = row.ab_vs_float
         if row.ab_vs_best:
             entry["ab_vs_best"] = row.ab_vs_best
+        if row.repair:
+            entry["repair"] = row.repair
         out.append(entry)
     return out
 
@@ -312,6 +314,38 @@ def _starts_lines(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _repair_lines(r: dict, limit: int = 40) -> list[str]:
+    """Each repaired start's sensitivity table: its quantizer groups in the order the repair
+    would return them to float, and the ``--exclude-nodes`` line for those it returned."""
+    lines: list[str] = []
+    for s in r.get("starts") or []:
+        rep = s.get("repair")
+        if not rep:
+            continue
+        lines += [f"## Repair: {s['name']}", "",
+                  f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
+                  f"float, ranked by output error (only that group quantized) per latency cost "
+                  f"({rep['costs_from']}); output error {rep['full_error']:.4g} -> "
+                  f"{rep['error']:.4g} (bound {rep['bound']:g}), {rep['evaluations']} error "
+                  "evaluations.", ""]
+        if rep.get("exclude_nodes"):
+            lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
+                      "```", rep["exclude_nodes"], "```", ""]
+        lines += ["| group | tensors | error alone | integer nodes lost | latency cost | "
+                  "returned to float |", "|---|---|---|---|---|---|"]
+        rows = rep.get("sensitivity") or []
+        for g in rows[:limit]:
+            lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
+                         f"{_f(g.get('error'), '{:.3g}')} | "
+                         f"{_short(', '.join(g['lost_integer_nodes']), 80)} | "
+                         f"{g['latency_cost']:.3g} | "
+                         f"{'**yes**' if g['returned_to_float'] else 'no'} |")
+        if len(rows) > limit:
+            lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | | |")
+        lines.append("")
+    return lines
+
+
 def _what_ran_lines(r: dict) -> list[str]:
     """The runtime's own account of the shipped model, per pattern, and the skipped visits."""
     lines = []
@@ -416,6 +450,7 @@ def render_markdown(r: dict) -> str:
         "",
         *_kept_lines(r.get("kept_your_model")),
         *_starts_lines(r),
+        *_repair_lines(r),
     ]
     if r.get("accuracy"):
         lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))

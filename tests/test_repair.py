@@ -1,0 +1,89 @@
+"""The repair that returns quantizer groups to float by error per latency cost
+(``qdq_optuna.measure.repair``), on a generated model with a heavy-tailed activation, scored in
+real ONNX Runtime sessions against the FP32 model (the guard's own parts, see
+``test_guard_run._guard``)."""
+
+from __future__ import annotations
+
+import math
+
+import corpus
+import pytest
+from test_guard_run import _guard
+
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.repair import Repair, plan_groups, rank_repair
+from qdq_optuna.placement.export import plan_uses
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    guard, plan, _ = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
+    return guard, plan
+
+
+def _repair(heavy, bound=DEFAULT_MAX_OUTPUT_ERROR, **kw) -> Repair:
+    guard, plan = heavy
+    return rank_repair(guard.exporter, plan, lambda p: guard.error(p)["error"], bound, **kw)
+
+
+def _without(guard, plan, groups):
+    gone = {u for g in groups for u in g.uses}
+    return guard.exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+
+
+def test_groups_partition_the_plan_by_reading_node(heavy):
+    guard, plan = heavy
+    groups = plan_groups(guard.exporter.graph, plan)
+    uses = [u for g in groups for u in g.uses]
+    assert len(uses) == len(set(uses)) and set(uses) == set(plan_uses(plan))
+    by_name = {g.name: g for g in groups}
+    assert by_name["conv2"].tensors == ["heavy"] and by_name["conv2"].nodes == ("conv2",)
+
+
+def test_high_error_low_cost_goes_before_low_error_high_cost(heavy):
+    """conv2 reads the heavy tail (error alone near the bound); conv1 reads the input (error
+    alone near 0). Given conv2 cheap and conv1 dear, conv2 ranks first; given the opposite
+    costs (conv2 a million times dearer than anything), a cheap group ranks before it."""
+    cheap = _repair(heavy, node_costs={"conv2": 1.0, "heavy": 1.0, "conv1": 1e6})
+    order = [g.name for g in cheap.groups]
+    assert order.index("conv2") < order.index("conv1")
+    errors = {g.name: g.error for g in cheap.groups}
+    assert errors["conv2"] > 10 * errors["conv1"]
+    dear = _repair(heavy, node_costs={"conv2": 1e12, "heavy": 1e12, "sigmoid": 1.0})
+    order = [g.name for g in dear.groups]
+    assert order.index("sigmoid") < order.index("conv2")
+    assert all(g.cost >= 1e12 for g in dear.groups if "conv2" in g.lost)
+
+
+def test_whole_groups_return_and_the_repair_stops_at_the_bound(heavy):
+    guard, plan = heavy
+    repair = _repair(heavy)
+    assert repair.full_error > DEFAULT_MAX_OUTPUT_ERROR >= repair.error
+    assert repair.within and repair.returned and repair.kept.activations
+    kept = set(plan_uses(repair.kept))
+    for g in repair.groups:  # a group is in the kept plan whole, or not at all
+        inside = {u in kept for u in g.uses}
+        assert inside == {not g.returned}, g.name
+    # returned in rank order, and one group fewer would break the bound
+    k = len(repair.returned)
+    assert all(g.returned for g in repair.groups[:k])
+    assert guard.error(_without(guard, plan, repair.groups[:k - 1]))["error"] > repair.bound
+    assert math.isclose(guard.error(repair.kept)["error"], repair.error)
+
+
+def test_a_plan_within_the_bound_returns_nothing(heavy):
+    repair = _repair(heavy, bound=10.0)
+    assert repair.within and not repair.returned and repair.exclude_nodes() == ""
+    assert repair.kept.key == heavy[1].key
+
+
+def test_the_exclude_nodes_line_names_the_returned_nodes(heavy):
+    repair = _repair(heavy)
+    line = repair.exclude_nodes()
+    assert line.startswith("--exclude-nodes ")
+    assert line.split()[1:] == [n for g in repair.returned for n in g.nodes]
+    table = repair.to_dict()["sensitivity"]
+    assert {"group", "tensors", "error", "latency_cost", "returned_to_float"} <= set(table[0])
