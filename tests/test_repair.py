@@ -87,3 +87,81 @@ def test_the_exclude_nodes_line_names_the_returned_nodes(heavy):
     assert line.split()[1:] == [n for g in repair.returned for n in g.nodes]
     table = repair.to_dict()["sensitivity"]
     assert {"group", "tensors", "error", "latency_cost", "returned_to_float"} <= set(table[0])
+
+
+# -- a bound on the user's own metric -------------------------------------------------------------
+METRIC = '''import numpy as np
+
+LABELS = None
+
+
+def mismatch(ref, cand):
+    """Share of output cells whose detection (> 0.5) disagrees with fixed labels."""
+    global LABELS
+    out = cand["y"]
+    if LABELS is None:
+        LABELS = np.random.default_rng(7).random(out.shape) < 0.02
+    return float(np.mean((out > 0.5) != LABELS))
+'''
+
+
+@pytest.fixture
+def metric_module(tmp_path, monkeypatch):
+    (tmp_path / "task_metric.py").write_text(METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "task_metric:mismatch"
+
+
+@pytest.mark.parametrize("drop, kind", [(0.002, "absolute"), (0.01, "relative")])
+def test_a_metric_drop_bound_is_kept_by_what_ships(tmp_path, metric_module, drop, kind):
+    """Every pair on lights the output up (the heavy tail): far past a small drop of the
+    task metric; the run ships a model whose metric, recomputed here, stays within the FP32
+    model's value plus the drop, and says where the bound came from."""
+    from test_guard_run import _backend, _calibration
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.measure.accuracy import AccuracyEvaluator
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    result = tune(model, tmp_path / "run", backend=_backend(), runtime="onnxruntime",
+                  calibration_data=_calibration(), calibration_method="minmax",
+                  metric=metric_module, max_metric_drop=drop, metric_drop_type=kind,
+                  config=Config(schemes_per_region=3), progress=False)
+    acc = result.report["accuracy"]
+    evaluator = AccuracyEvaluator(model.SerializeToString(), _calibration(),
+                                  metric=metric_module)
+    fp32 = evaluator.evaluate(model.SerializeToString())[0]
+    allowed = drop * (abs(fp32) if kind == "relative" else 1.0)
+    assert acc["bound_from"] == "--max-metric-drop"
+    assert acc["bound"] == pytest.approx(fp32 + allowed)
+    assert acc["metric_drop"]["fp32_metric"] == pytest.approx(fp32)
+    shipped = evaluator.evaluate(str(result.optimized_model))[0]
+    assert shipped <= fp32 + allowed
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert starts["all"]["error"] > acc["bound"] and not starts["all"]["feasible"]
+    assert "plus the allowed drop" in (result.output_dir / "report.md").read_text()
+
+
+def test_metric_drop_options_fail_in_one_line(tmp_path, metric_module):
+    from qdq_optuna import TuneOptions
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.accuracy import AccuracyEvaluator, metric_drop_bound
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    with pytest.raises(OptionError, match="needs --metric"):
+        TuneOptions(model=model, output_dir=str(tmp_path), max_metric_drop=0.1)
+    with pytest.raises(OptionError, match="two bounds"):
+        TuneOptions(model=model, output_dir=str(tmp_path), metric=metric_module,
+                    max_metric_drop=0.1, max_output_error=0.2)
+    (tmp_path / "zero_metric.py").write_text("def dist(ref, cand):\n    return 0.0\n")
+    evaluator = AccuracyEvaluator(model.SerializeToString(), _calibration_data(),
+                                  metric="zero_metric:dist")
+    with pytest.raises(OptionError, match="use --metric-drop-type absolute"):
+        metric_drop_bound(evaluator, 0.01, "relative")
+    assert metric_drop_bound(evaluator, 0.01, "absolute")["bound"] == pytest.approx(0.01)
+
+
+def _calibration_data():
+    from test_guard_run import _calibration
+
+    return _calibration()

@@ -268,6 +268,11 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
              f"Bound {acc['bound']:g} ({acc['bound_from']}"
              + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
              f"**{acc['status']}**.", ""]
+    drop = acc.get("metric_drop")
+    if drop:
+        per = " of the FP32 model's value" if drop["drop_type"] == "relative" else ""
+        lines += [f"The bound is the FP32 model's own metric {drop['fp32_metric']:.6g} plus the "
+                  f"allowed drop {drop['max_metric_drop']:g}{per} ({drop['drop_type']}).", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
     for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
