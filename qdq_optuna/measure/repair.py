@@ -188,14 +188,16 @@ def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
 
 def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bound: float, *,
                 what: WhatRan | None = None, node_costs: Mapping[str, float] | None = None,
-                max_evaluations: int = 64) -> Repair:
+                max_evaluations: int = 64,
+                time_left: Callable[[], bool] = lambda: True) -> Repair:
     """``plan`` with the fewest speed-weighted groups returned to float that brings
     ``error_fn`` (lower is better; NaN counts as broken) within ``bound``: groups measured
     (:func:`measure_contributions`), ranked by error per latency cost
     (:func:`latency_costs`), and returned whole, best first, up to the shortest prefix of
     that order within the bound (found by galloping and bisection over its length). Within
-    the bound as given: nothing returned. After ``max_evaluations`` the smallest prefix
-    known to be within the bound is taken (every group, the model without Q/DQ, if none)."""
+    the bound as given: nothing returned. After ``max_evaluations`` (or once ``time_left()``
+    is false: the run's timeout) the smallest prefix known to be within the bound is taken
+    (every group, the model without Q/DQ, if none)."""
     memo: dict[str, float] = {}
 
     def err(p: QuantPlan) -> float:
@@ -211,7 +213,7 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     if full <= bound or not groups:
         return Repair(groups, plan, full, full, bound, len(memo), costs_from)
     measure_contributions(exporter, groups, err, bound,
-                          budget=lambda: len(memo) < max_evaluations // 2 + 1)
+                          budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
     groups.sort(key=lambda g: (-g.score, g.cost, g.name))
 
     def without(k: int) -> QuantPlan:
@@ -219,7 +221,7 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
         return exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
 
     k = _shortest_prefix(len(groups), lambda k: err(without(k)) <= bound,
-                         lambda: len(memo) < max_evaluations)
+                         lambda: len(memo) < max_evaluations and time_left())
     for g in groups[:k]:
         g.returned = True
     kept = without(k)

@@ -144,7 +144,8 @@ class StartsPhase:
             found = rank_repair(s.exporter, plan, lambda p: s.guard.error(p)["error"],
                                 s.guard.bound, what=self._what_ran(plan),
                                 node_costs=getattr(s, "node_costs", None),
-                                max_evaluations=REPAIR_EVALUATIONS)
+                                max_evaluations=REPAIR_EVALUATIONS,
+                                time_left=lambda: (r := s.remaining()) is None or r > 0)
             if not found.within or not found.kept.activations:
                 log.info("start %s: no part of it keeps the accuracy bound", start.name)
                 continue
