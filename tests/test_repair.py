@@ -165,3 +165,25 @@ def _calibration_data():
     from test_guard_run import _calibration
 
     return _calibration()
+
+
+def test_latency_costs_count_only_what_the_runtime_ran_integer(heavy):
+    """With ONNX Runtime's report of what it ran, a group's cost counts only nodes that ran
+    integer (the Sub, which has no integer kernel, is free to return); without it every
+    quantized node counts."""
+    from qdq_optuna.backends import make_backend
+    from qdq_optuna.measure.repair import latency_costs
+
+    guard, plan = heavy
+    graph = guard.exporter.graph
+    what = make_backend("onnxruntime", threads=1, isolate=False).what_ran(
+        guard.exporter.to_bytes(plan))
+    assert what is not None and what.fused
+    blind, seen = plan_groups(graph, plan), plan_groups(graph, plan)
+    latency_costs(graph, plan, blind)
+    latency_costs(graph, plan, seen, what)
+    assert "over" in what.float_nodes
+    for b, s in zip(blind, seen, strict=True):
+        assert set(s.lost) <= set(b.lost) and s.cost <= b.cost
+        assert not set(s.lost) & what.float_nodes
+    assert sum(s.cost for s in seen) < sum(b.cost for b in blind)

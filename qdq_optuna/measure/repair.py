@@ -150,7 +150,7 @@ def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
     quantized reader it is), each weighed by ``node_costs`` (node -> what running it integer
     saves, e.g. measured kernel times) where given, else by :func:`node_weights`. A node runs
     integer when one of its inputs is quantized and, where the runtime's report ``what`` is
-    known, that Q/DQ was fused and the node is not one it ran in float. Returns where the
+    known, it is not one the runtime ran in float. Returns where the
     costs came from (for the report)."""
     weights = node_weights(graph)
     if node_costs:
@@ -160,10 +160,10 @@ def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
     for t, n, _ in plan_uses(plan):
         readers.setdefault(t, set()).add(n)
 
-    def integer(n: int, tensors) -> bool:
-        if what is None:
-            return True
-        return label[n] not in what.float_nodes and any(t in what.fused for t in tensors)
+    def integer(n: int) -> bool:
+        # a graph input's Q always runs standalone, so a fused input is no test: a quantized
+        # node runs integer unless the runtime names it among the float nodes
+        return what is None or label[n] not in what.float_nodes
 
     node_inputs: dict[int, set[str]] = {}
     for t, n, _ in plan_uses(plan):
@@ -172,12 +172,12 @@ def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
         lost = set()
         mine = {n for _, n, _ in g.uses}
         for n in mine - {GRAPH_OUTPUT}:
-            if integer(n, node_inputs[n]):
+            if integer(n):
                 lost.add(n)
         for t in g.tensors:
             producer = graph.producer.get(t)
             if producer is not None and readers[t] <= mine and producer[0] in node_inputs \
-                    and integer(producer[0], node_inputs[producer[0]]):
+                    and integer(producer[0]):
                 lost.add(producer[0])
         g.lost = tuple(label[n] for n in sorted(lost))
         g.cost = sum(weights.get(x, 1.0) for x in g.lost)
