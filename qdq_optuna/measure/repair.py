@@ -194,7 +194,9 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     ``error_fn`` (lower is better; NaN counts as broken) within ``bound``: groups measured
     (:func:`measure_contributions`), ranked by error per latency cost
     (:func:`latency_costs`), and returned whole, best first, up to the shortest prefix of
-    that order within the bound (found by galloping and bisection over its length). Within
+    that order within the bound (found by galloping and bisection over its length); then
+    each returned group that costs speed, dearest first, is quantized again if the bound
+    still holds without it. Within
     the bound as given: nothing returned. After ``max_evaluations`` (or once ``time_left()``
     is false: the run's timeout) the smallest prefix known to be within the bound is taken
     (every group, the model without Q/DQ, if none)."""
@@ -216,16 +218,33 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
                           budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
     groups.sort(key=lambda g: (-g.score, g.cost, g.name))
 
-    def without(k: int) -> QuantPlan:
-        gone = {u for g in groups[:k] for u in g.uses}
+    def without(gone_groups) -> QuantPlan:
+        gone = {u for g in gone_groups for u in g.uses}
         return exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
 
-    k = _shortest_prefix(len(groups), lambda k: err(without(k)) <= bound,
-                         lambda: len(memo) < max_evaluations and time_left())
-    for g in groups[:k]:
+    def budget() -> bool:
+        return len(memo) < max_evaluations and time_left()
+
+    k = _shortest_prefix(len(groups), lambda k: err(without(groups[:k])) <= bound, budget)
+    returned = _give_back(groups[:k], lambda gs: err(without(gs)) <= bound, budget)
+    for g in returned:
         g.returned = True
-    kept = without(k)
+    kept = without(returned)
     return Repair(groups, kept, err(kept), full, bound, len(memo), costs_from)
+
+
+def _give_back(returned: list[Group], holds: Callable[[list[Group]], bool],
+               budget: Callable[[], bool]) -> list[Group]:
+    """The prefix found, without the groups it need not return: each that costs speed, the
+    dearest first, is quantized again when the plan stays within the bound without it (a
+    group ranked early for its error alone can be made unnecessary by later ones)."""
+    for g in sorted((g for g in returned if g.cost > 0), key=lambda g: -g.cost):
+        if len(returned) < 2 or not budget():
+            break
+        fewer = [x for x in returned if x is not g]
+        if holds(fewer):
+            returned = fewer
+    return returned
 
 
 def measure_contributions(exporter: QDQExporter, groups: Sequence[Group],
