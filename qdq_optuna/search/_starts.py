@@ -28,6 +28,7 @@ import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
+from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.measure.repair import rank_repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
@@ -141,31 +142,54 @@ class StartsPhase:
             if remaining is not None and remaining <= 0:
                 break
             plan = self._plan(row.schemes)
-            found = rank_repair(s.exporter, plan, lambda p: s.guard.error(p)["error"],
-                                s.guard.bound, what=self._what_ran(plan),
-                                node_costs=getattr(s, "node_costs", None),
-                                max_evaluations=REPAIR_EVALUATIONS,
-                                time_left=lambda: (r := s.remaining()) is None or r > 0)
-            if not found.within or not found.kept.activations:
+            repaired, table = self._repaired(start, plan)
+            if repaired is None:
                 log.info("start %s: no part of it keeps the accuracy bound", start.name)
                 continue
-            nodes = [g.name for g in found.returned]
-            repaired = whole.start_from_uses(
-                s.prepared, f"{start.name}{REPAIRED}", list(plan_uses(found.kept)),
-                notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
-                       f"group(s) returned to float, ranked by output error per latency cost "
-                       f"({found.evaluations} error evaluations) until within the accuracy "
-                       f"bound: {listed(nodes)}"])
             key = self._plan(self._schemes(repaired)).key
             if key not in seen:  # float's key is among them: nothing left on
                 seen.add(key)
                 done = len(rows) + len(out)
                 s.progress.stage("starts", done + 1, done=done)
-                repaired_row = replace(self._measured(repaired), repair=found.to_dict())
+                repaired_row = replace(self._measured(repaired), repair=table)
                 out.append(repaired_row)
                 if repaired_row.usable:
                     best = min(best, repaired_row.latency_ms)
         return out
+
+    def _repaired(self, start: Start, plan) -> tuple[Start | None, dict | None]:
+        """``start`` within the bound, and the repair's sensitivity table: quantizer groups
+        returned to float by error per latency cost; where that keeps nothing within the
+        evaluations (an error spread over hundreds of groups ranks coarsely: a real PP-OCR
+        detector and text-line classifier), bisection over tensors, as before."""
+        s = self.s
+        error = lambda p: s.guard.error(p)["error"]  # noqa: E731
+        time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
+        found = rank_repair(s.exporter, plan, error, s.guard.bound, what=self._what_ran(plan),
+                            node_costs=getattr(s, "node_costs", None),
+                            max_evaluations=REPAIR_EVALUATIONS, time_left=time_left)
+        name = f"{start.name}{REPAIRED}"
+        if found.within and found.kept.activations:
+            nodes = [g.name for g in found.returned]
+            return whole.start_from_uses(
+                s.prepared, name, list(plan_uses(found.kept)),
+                notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
+                       f"group(s) returned to float, ranked by output error per latency "
+                       f"cost ({found.evaluations} error evaluations) until within the "
+                       f"accuracy bound: {listed(nodes)}"]), found.to_dict()
+        if not time_left():
+            return None, None
+        cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
+                          max_evaluations=REPAIR_EVALUATIONS)
+        if not cut.within or not cut.kept.activations:
+            return None, None
+        gone = set(cut.responsible)
+        return whole.start_from_uses(
+            s.prepared, name, [u for u in plan_uses(plan) if u[0] not in gone],
+            notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke the "
+                   f"accuracy bound (bisection in {cut.evaluations} error evaluations, after "
+                   f"the ranked repair kept nothing in {found.evaluations}): "
+                   f"{listed(cut.responsible)}"]), None
 
     def _what_ran(self, plan):
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
