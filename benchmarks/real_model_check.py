@@ -23,6 +23,11 @@ guard's bound (``qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR``, worst-out
     python benchmarks/real_model_check.py --runs onnxruntime        # quiet machine
     python benchmarks/real_model_check.py --runs onnxruntime --tune-timeout 240  # anytime runs
     python benchmarks/real_model_check.py --models ppocr-cls,resnet --out /some/folder
+    python benchmarks/real_model_check.py --photos --runs onnxruntime --models ppocr-det
+
+``--photos``: models that take pictures are calibrated on crops of scikit-image's photographs
+(printed ``text``, ``astronaut``, ``coffee``, ``chelsea``) and checked on others (``page``,
+``rocket``, ``camera``) that the tune never sees (``photos.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import time
 from pathlib import Path
 
 import _common  # noqa: E402,F401  (the checkout on sys.path)
+import numpy as np  # noqa: E402
+import photos  # noqa: E402
 import real_models  # noqa: E402
 
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
@@ -66,7 +73,14 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def prepare(name: str, args, work: Path) -> tuple[Path, str | None, Path, dict]:
-    """The model file, its --input-shapes, the calibration .npz and the held-out inputs."""
+    """The model file, its --input-shapes, the calibration .npz and the held-out inputs
+    (``--photos``: crops of real photographs for models that take pictures, the held-out ones
+    from other photos, see ``photos.py``)."""
+    model = real_models.MODELS.get(name)
+    if args.photos and model is not None and model.inputs in photos.PREPROCESS:
+        path = photos.write(name, work / name)
+        held = dict(np.load(work / name / "heldout.npz"))
+        return path, model.input_shapes, work / name / "calibration.npz", held
     path, shapes, _, held, _ = real_models.benchmark_files(name, args.size, 8, work / name,
                                                            args.cache)
     return path, shapes, work / name / "calibration.npz", held
@@ -188,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", help="real models' cache folder")
     ap.add_argument("--out", default="runs/real_model_check", help="work folder")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--photos", action="store_true",
+                    help="calibrate and check on real photographs (scikit-image's) where the "
+                         "model takes pictures; held-out photos are never shown to the tune")
     args = ap.parse_args(argv)
     runs = args.runs.split(",")
     work = Path(args.out)

@@ -222,17 +222,25 @@ def test_the_final_check_alone_bisects_and_keeps_the_rest():
 
 
 def test_a_fast_start_past_the_bound_comes_back_without_what_broke_it(heavy_run):
-    """Every pair on breaks the bound; its tail-carrying tensors are named by bisection and the
-    same start without them is measured as a start of its own, within the bound and faster
-    than float (every pair saves time here), so the search stands on it."""
+    """Every pair on breaks the bound; the quantizer groups that cost the most error per unit
+    of speed go back to float, whole, and the same start without them is measured as a start
+    of its own, within the bound and faster than float (every pair saves time here), so the
+    search stands on it. The report shows the sensitivity table and the --exclude-nodes line
+    for the groups returned."""
     model, result, _ = heavy_run
     starts = {s["name"]: s for s in result.report["starts"]}
     repaired = starts["all-in-bound"]
     assert repaired["feasible"] and repaired["error"] <= DEFAULT_MAX_OUTPUT_ERROR
     assert 0 < repaired["qdq"] < starts["all"]["qdq"]
     assert repaired["latency_ms"] < starts["float"]["latency_ms"]
-    named = [note.rsplit(": ", 1)[1].split(", ") for note in repaired["notes"]
-             if "broke the accuracy bound" in note]
-    assert named and set(named[0]) <= TAILED, repaired["notes"]
+    table = repaired["repair"]["sensitivity"]
+    returned = [g for g in table if g["returned_to_float"]]
+    assert returned and all(set(g["tensors"]) & TAILED for g in returned), table
+    line = repaired["repair"]["exclude_nodes"]
+    assert line.split()[1:] == [n for g in returned for n in g["nodes"]]
+    names = {n.name for n in model.graph.node}
+    assert set(line.split()[1:]) <= names
+    md = (result.output_dir / "report.md").read_text()
+    assert "## Repair: all-in-bound" in md and line in md
     chosen = next(s for s in starts.values() if s["chosen"])
     assert chosen["feasible"] and chosen["latency_ms"] <= repaired["latency_ms"]

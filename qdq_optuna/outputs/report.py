@@ -108,6 +108,8 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
             entry["ab_vs_float"] = row.ab_vs_float
         if row.ab_vs_best:
             entry["ab_vs_best"] = row.ab_vs_best
+        if row.repair:
+            entry["repair"] = row.repair
         out.append(entry)
     return out
 
@@ -268,6 +270,11 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
              f"Bound {acc['bound']:g} ({acc['bound_from']}"
              + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
              f"**{acc['status']}**.", ""]
+    drop = acc.get("metric_drop")
+    if drop:
+        per = " of the FP32 model's value" if drop["drop_type"] == "relative" else ""
+        lines += [f"The bound is the FP32 model's own metric {drop['fp32_metric']:.6g} plus the "
+                  f"allowed drop {drop['max_metric_drop']:g}{per} ({drop['drop_type']}).", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
     for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
@@ -312,6 +319,38 @@ def _starts_lines(r: dict) -> list[str]:
                      f"{_f(s.get('error'), '{:.3g}')} | {'yes' if s.get('feasible') else 'no'} | "
                      f"{lane} | {_short(notes, 160)} |")
     return lines + [""]
+
+
+def _repair_lines(r: dict, limit: int = 40) -> list[str]:
+    """Each repaired start's sensitivity table: its quantizer groups in the order the repair
+    would return them to float, and the ``--exclude-nodes`` line for those it returned."""
+    lines: list[str] = []
+    for s in r.get("starts") or []:
+        rep = s.get("repair")
+        if not rep:
+            continue
+        lines += [f"## Repair: {s['name']}", "",
+                  f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
+                  f"float, ranked by output error (only that group quantized) per latency cost "
+                  f"({rep['costs_from']}); output error {rep['full_error']:.4g} -> "
+                  f"{rep['error']:.4g} (bound {rep['bound']:g}), {rep['evaluations']} error "
+                  "evaluations.", ""]
+        if rep.get("exclude_nodes"):
+            lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
+                      "```", rep["exclude_nodes"], "```", ""]
+        lines += ["| group | tensors | error alone | integer nodes lost | latency cost | "
+                  "returned to float |", "|---|---|---|---|---|---|"]
+        rows = rep.get("sensitivity") or []
+        for g in rows[:limit]:
+            lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
+                         f"{_f(g.get('error'), '{:.3g}')} | "
+                         f"{_short(', '.join(g['lost_integer_nodes']), 80)} | "
+                         f"{g['latency_cost']:.3g} | "
+                         f"{'**yes**' if g['returned_to_float'] else 'no'} |")
+        if len(rows) > limit:
+            lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | | |")
+        lines.append("")
+    return lines
 
 
 def _what_ran_lines(r: dict) -> list[str]:
@@ -418,6 +457,7 @@ def render_markdown(r: dict) -> str:
         "",
         *_kept_lines(r.get("kept_your_model")),
         *_starts_lines(r),
+        *_repair_lines(r),
     ]
     if r.get("accuracy"):
         lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))

@@ -194,6 +194,8 @@ class StartOutcome:
     lane: str | None = None
     ab_vs_float: dict | None = None
     ab_vs_best: dict | None = None
+    #: a repaired start's sensitivity table (:meth:`qdq_optuna.measure.repair.Repair.to_dict`)
+    repair: dict | None = None
 
     #: stored in every row (the rest only when set)
     _ALWAYS = ("name", "points_on", "notes", "exact", "qdq", "plan_key", "latency_ms", "error",
@@ -208,6 +210,8 @@ class StartOutcome:
             out["ab_vs_float"] = self.ab_vs_float
         if self.ab_vs_best is not None:
             out["ab_vs_best"] = self.ab_vs_best
+        if self.repair is not None:
+            out["repair"] = self.repair
         out["chosen"] = self.chosen
         out["lane"] = self.lane
         return out

@@ -4,7 +4,8 @@ or shipped, whether or not the run asked for accuracy.
 Errors are those of the model that would ship: exported with calibrated scales (whatever scales
 the trials use), run in ONNX Runtime on the validation data (else the calibration data, else
 random inputs) and compared with the FP32 model; the measure is the run's ``--error-measure``
-(worst output) or its ``--metric``. The bound is ``--max-output-error`` when given, else
+(worst output) or its ``--metric``. The bound is ``--max-output-error`` when given, the FP32
+model's own metric plus ``--max-metric-drop`` (absolute or relative) when that is, else
 :data:`~qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR`.
 """
 
@@ -31,6 +32,9 @@ class Guard:
     measure: str
     #: which data they were measured on (``--validation-data FILE:sha``, ``random:8:1``, ...)
     data: str
+    #: ``--max-metric-drop``: the FP32 model's metric and the drop the bound allows
+    #: (:func:`~qdq_optuna.measure.accuracy.metric_drop_bound`), None otherwise
+    drop: dict | None = None
 
     def error(self, plan: QuantPlan) -> dict:
         """Output errors of ``plan`` vs FP32 (``error``: the worst output's, in
@@ -91,7 +95,9 @@ class Guard:
         return {
             "accuracy": {
                 **self.describe(),
-                "bound_from": "--max-output-error" if bound_given else "default",
+                "bound_from": ("--max-metric-drop" if self.drop else
+                               "--max-output-error" if bound_given else "default"),
+                **({"metric_drop": self.drop} if self.drop else {}),
                 "data_kind": data_kind(self.data),
                 "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize,
                                        self.plans.scorer.evaluator.runner is not None),

@@ -17,7 +17,7 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
-from qdq_optuna.measure.accuracy import ERROR_MEASURES
+from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
@@ -28,6 +28,7 @@ from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
 from qdq_optuna.search.objectives import (
     check_error_options,
+    check_metric_drop,
     check_sampler,
     parse_objectives,
 )
@@ -172,6 +173,15 @@ class TuneOptions:
         help="error budget: trials above it are infeasible; commits take the fastest feasible "
              f"scheme (default {DEFAULT_MAX_OUTPUT_ERROR:g}, on the starts and the saved model "
              "only; given, it bounds every trial too)")
+    max_metric_drop: float | None = option(
+        None, group="accuracy", type="positive_float", metavar="X",
+        help="with --metric: how much the metric may worsen from the FP32 model's own value "
+             "(metric(reference, reference)); no start, commit or shipped model goes past it "
+             "(replaces --max-output-error's bound; NNCF's max_drop)")
+    metric_drop_type: str = option(
+        "absolute", group="accuracy", choices=DROP_TYPES,
+        help="--max-metric-drop in the metric's units (absolute, default) or as a share of "
+             "the FP32 model's value (relative: 0.01 = one percent)")
     objectives: str = option(
         "latency", group="accuracy", metavar="latency[,error]",
         help="latency (default) or latency,error (two-objective studies, Pareto front of the "
@@ -216,6 +226,8 @@ class TuneOptions:
             raise OptionError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.threads < 1:
             raise OptionError(f"--threads must be >= 1, got {self.threads}")
+        check_metric_drop(self.max_metric_drop, self.metric_drop_type, self.metric,
+                          self.max_output_error)
 
     @property
     def run_id_or_default(self) -> str:
@@ -423,6 +435,8 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
             "metric": metric_label(o.metric),
             "validation_data": validation_id,
         }
+        if o.max_metric_drop is not None:  # absent when unset: older runs still resume
+            fp["accuracy"]["max_metric_drop"] = [o.max_metric_drop, o.metric_drop_type]
     return fp
 
 

@@ -33,7 +33,7 @@ import onnx
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
-from qdq_optuna.measure.accuracy import ErrorScorer, validation_data
+from qdq_optuna.measure.accuracy import ErrorScorer, metric_drop_bound, validation_data
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, describe_model, input_data
 from qdq_optuna.model.graph import InputShapes
@@ -193,9 +193,8 @@ class Tuner:
         plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
-        guard = Guard(plans, calibrated, self.settings.error_bound,
-                      measure_label(self.o),
-                      data_name)
+        bound, drop = guard_bound(self.o, self.settings, scorer)
+        guard = Guard(plans, calibrated, bound, measure_label(self.o), data_name, drop)
         self.search_state = Search(
             prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
             record=self.record, rule=CommitRule(self.cfg.performance_threshold),
@@ -460,6 +459,17 @@ def high_precision_summary(prepared: PreparedModel) -> dict:
     if hp is None:
         return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
     return hp.describe()
+
+
+def guard_bound(options: TuneOptions, settings: Settings, scorer: ErrorScorer
+                ) -> tuple[float, dict | None]:
+    """The guard's bound, and the metric drop it stands for: with ``--max-metric-drop`` the
+    FP32 model's own metric plus the drop, else ``settings.error_bound``."""
+    if options.max_metric_drop is None:
+        return settings.error_bound, None
+    drop = metric_drop_bound(scorer.evaluator, options.max_metric_drop,
+                             options.metric_drop_type)
+    return drop["bound"], drop
 
 
 def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime,

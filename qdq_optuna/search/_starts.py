@@ -6,8 +6,8 @@ with the user's calibration data, read back; TensorRT rules: Model Optimizer's d
 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
 the insertion points (the descent moves points), measured once (the plan memo), and checked by
 the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
-never chosen; when it measured faster than float, it comes back without the Q/DQ that broke
-the bound (named by bisection), as one more start (``NAME-in-bound``). The fastest feasible
+never chosen; when it measured faster than float, it comes back with the quantizer groups that
+cost the most error per unit of speed returned to float, as one more start (``NAME-in-bound``). The fastest feasible
 start becomes the standing model when it beats float as a commit must (the run's commit rule;
 on a measured backend an interleaved A/B against float confirms it; there the runtime's
 recipe stands unless an A/B shows the fastest start beats it). Which starts the descent runs
@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO
 from qdq_optuna.measure.bisect import bisect_plan
+from qdq_optuna.measure.repair import rank_repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
@@ -41,8 +42,9 @@ log = logging.getLogger("qdq_optuna")
 #: a repaired start's name is its start's with this suffix (``recipe:openvino-in-bound``): the
 #: start without the Q/DQ that broke the accuracy bound (:meth:`StartsPhase._repairs`)
 REPAIRED = "-in-bound"
-#: error evaluations a repair may spend naming the tensors that break the bound
-REPAIR_EVALUATIONS = 40
+#: error evaluations a repair may spend ranking quantizer groups and finding how many to return
+#: to float (:func:`~qdq_optuna.measure.repair.rank_repair`)
+REPAIR_EVALUATIONS = 48
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -113,13 +115,13 @@ class StartsPhase:
 
     def _repairs(self, cands: list[Start], rows: list[StartOutcome]) -> list[StartOutcome]:
         """Each quantized start that measured faster than float but broke the accuracy bound,
-        without the Q/DQ that broke it: NNCF's placement of magika (a byte-level classifier)
+        with just enough of its quantizer groups returned to float: NNCF's placement of magika (a byte-level classifier)
         runs 2.1x faster than float on OpenVINO and puts out nothing like FP32 (cosine 1e-5);
-        a few tensors cause that, and the rest of the placement is worth starting from. The
-        tensors are named by bisection (:func:`~qdq_optuna.measure.bisect.bisect_plan`) and
-        dropped from the start's placement (wherever a pattern's scheme puts them, so in
-        every region of it); a repaired start is measured and checked like any other (its
-        row is returned)."""
+        a few tensors cause that, and the rest of the placement is worth starting from. Whole
+        groups (one node's quantized inputs) go back in order of error per latency cost
+        (:func:`~qdq_optuna.measure.repair.rank_repair`), so the integer chains left still
+        fuse; a repaired start is measured and checked like any other (its row, with the
+        sensitivity table, is returned)."""
         s = self.s
         flt = next((r for r in rows if r.name == "float"), None)
         if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
@@ -136,28 +138,63 @@ class StartsPhase:
             if remaining is not None and remaining <= 0:
                 break
             plan = self._plan(row.schemes)
-            found = bisect_plan(s.exporter, plan, lambda p: s.guard.error(p)["error"],
-                                s.guard.bound, max_evaluations=REPAIR_EVALUATIONS)
-            if not found.within or not found.kept.activations:
+            repaired, table = self._repaired(start, plan)
+            if repaired is None:
                 log.info("start %s: no part of it keeps the accuracy bound", start.name)
                 continue
-            gone = set(found.responsible)
-            repaired = whole.start_from_uses(
-                s.prepared, f"{start.name}{REPAIRED}",
-                [u for u in plan_uses(plan) if u[0] not in gone],
-                notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke "
-                       f"the accuracy bound (found by bisection in {found.evaluations} "
-                       f"error evaluations): {listed(found.responsible)}"])
             key = self._plan(self._schemes(repaired)).key
             if key not in seen:  # float's key is among them: nothing left on
                 seen.add(key)
                 done = len(rows) + len(out)
                 s.progress.stage("starts", done + 1, done=done)
-                repaired_row = self._measured(repaired)
+                repaired_row = replace(self._measured(repaired), repair=table)
                 out.append(repaired_row)
                 if repaired_row.usable:
                     best = min(best, repaired_row.latency_ms)
         return out
+
+    def _repaired(self, start: Start, plan) -> tuple[Start | None, dict | None]:
+        """``start`` within the bound, and the repair's sensitivity table: quantizer groups
+        returned to float by error per latency cost; where that keeps nothing within the
+        evaluations (an error spread over hundreds of groups ranks coarsely: a real PP-OCR
+        detector and text-line classifier), bisection over tensors, as before."""
+        s = self.s
+        error = lambda p: s.guard.error(p)["error"]  # noqa: E731
+        time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
+        found = rank_repair(s.exporter, plan, error, s.guard.bound, what=self._what_ran(plan),
+                            node_costs=getattr(s, "node_costs", None),
+                            max_evaluations=REPAIR_EVALUATIONS, time_left=time_left)
+        name = f"{start.name}{REPAIRED}"
+        if found.within and found.kept.activations:
+            nodes = [g.name for g in found.returned]
+            return whole.start_from_uses(
+                s.prepared, name, list(plan_uses(found.kept)),
+                notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
+                       f"group(s) returned to float, ranked by output error per latency "
+                       f"cost ({found.evaluations} error evaluations) until within the "
+                       f"accuracy bound: {listed(nodes)}"]), found.to_dict()
+        if not time_left():
+            return None, None
+        cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
+                          max_evaluations=REPAIR_EVALUATIONS)
+        if not cut.within or not cut.kept.activations:
+            return None, None
+        gone = set(cut.responsible)
+        return whole.start_from_uses(
+            s.prepared, name, [u for u in plan_uses(plan) if u[0] not in gone],
+            notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke the "
+                   f"accuracy bound (bisection in {cut.evaluations} error evaluations, after "
+                   f"the ranked repair kept nothing in {found.evaluations}): "
+                   f"{listed(cut.responsible)}"]), None
+
+    def _what_ran(self, plan):
+        """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
+        when the backend cannot tell."""
+        try:
+            return self.s.plans.measurer.backend.what_ran(self.s.exporter.to_bytes(plan))
+        except Exception as exc:  # a report only sharpens the costs: never the run's failure
+            log.info("what the runtime ran could not be read (%s)", exc)
+            return None
 
     def _summary(self, row: StartOutcome) -> str:
         if row.failure:

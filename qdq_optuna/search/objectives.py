@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import optuna
 
 from qdq_optuna.errors import OptionError
-from qdq_optuna.measure.accuracy import ERROR_MEASURES
+from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
 from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLER_TRAITS
 
 log = logging.getLogger("qdq_optuna")
@@ -70,6 +70,27 @@ def check_error_options(error_measure: str, max_output_error: float | None) -> N
             raise OptionError(
                 f"--max-output-error must be a positive number, got {max_output_error!r}"
             )
+
+
+def check_metric_drop(max_drop, drop_type: str, metric, max_output_error) -> None:
+    """``--max-metric-drop`` bounds the drop of ``--metric``: it needs one, a positive number,
+    a known ``--metric-drop-type``, and no second bound beside it."""
+    if max_drop is None:
+        return
+    try:
+        ok = float(max_drop) > 0 and math.isfinite(float(max_drop))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise OptionError(f"--max-metric-drop must be a positive number, got {max_drop!r}")
+    if drop_type not in DROP_TYPES:
+        raise OptionError(f"--metric-drop-type: unknown {drop_type!r} "
+                          f"(choose {', '.join(DROP_TYPES)})")
+    if metric is None:
+        raise OptionError("--max-metric-drop needs --metric (the function whose drop it bounds)")
+    if max_output_error is not None:
+        raise OptionError("--max-metric-drop and --max-output-error are two bounds on one "
+                          "metric: give one")
 
 
 def check_sampler(sampler: str, *, multi_objective: bool, mixed: bool,

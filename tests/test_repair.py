@@ -1,0 +1,190 @@
+"""The repair that returns quantizer groups to float by error per latency cost
+(``qdq_optuna.measure.repair``), on a generated model with a heavy-tailed activation, scored in
+real ONNX Runtime sessions against the FP32 model (the guard's own parts, see
+``test_guard_run._guard``)."""
+
+from __future__ import annotations
+
+import math
+
+import corpus
+import pytest
+from test_guard_run import _guard
+
+from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.repair import Repair, plan_groups, rank_repair
+from qdq_optuna.placement.export import plan_uses
+
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    guard, plan, _ = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
+    return guard, plan
+
+
+def _repair(heavy, bound=DEFAULT_MAX_OUTPUT_ERROR, **kw) -> Repair:
+    guard, plan = heavy
+    return rank_repair(guard.exporter, plan, lambda p: guard.error(p)["error"], bound, **kw)
+
+
+def _without(guard, plan, groups):
+    gone = {u for g in groups for u in g.uses}
+    return guard.exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+
+
+def test_groups_partition_the_plan_by_reading_node(heavy):
+    guard, plan = heavy
+    groups = plan_groups(guard.exporter.graph, plan)
+    uses = [u for g in groups for u in g.uses]
+    assert len(uses) == len(set(uses)) and set(uses) == set(plan_uses(plan))
+    by_name = {g.name: g for g in groups}
+    assert by_name["conv2"].tensors == ["heavy"] and by_name["conv2"].nodes == ("conv2",)
+
+
+def test_high_error_low_cost_goes_before_low_error_high_cost(heavy):
+    """conv2 reads the heavy tail (error alone near the bound); conv1 reads the input (error
+    alone near 0). Given conv2 cheap and conv1 dear, conv2 ranks first; given the opposite
+    costs (conv2 a million times dearer than anything), a cheap group ranks before it."""
+    cheap = _repair(heavy, node_costs={"conv2": 1.0, "heavy": 1.0, "conv1": 1e6})
+    order = [g.name for g in cheap.groups]
+    assert order.index("conv2") < order.index("conv1")
+    errors = {g.name: g.error for g in cheap.groups}
+    assert errors["conv2"] > 10 * errors["conv1"]
+    dear = _repair(heavy, node_costs={"conv2": 1e12, "heavy": 1e12, "sigmoid": 1.0})
+    order = [g.name for g in dear.groups]
+    assert order.index("sigmoid") < order.index("conv2")
+    assert all(g.cost >= 1e12 for g in dear.groups if "conv2" in g.lost)
+
+
+def test_whole_groups_return_and_the_repair_stops_at_the_bound(heavy):
+    guard, plan = heavy
+    repair = _repair(heavy)
+    assert repair.full_error > DEFAULT_MAX_OUTPUT_ERROR >= repair.error
+    assert repair.within and repair.returned and repair.kept.activations
+    kept = set(plan_uses(repair.kept))
+    for g in repair.groups:  # a group is in the kept plan whole, or not at all
+        inside = {u in kept for u in g.uses}
+        assert inside == {not g.returned}, g.name
+    # no more than needed: quantizing any returned group that costs speed again breaks it
+    for g in repair.returned:
+        if g.cost > 0:
+            fewer = [x for x in repair.returned if x is not g]
+            assert guard.error(_without(guard, plan, fewer))["error"] > repair.bound, g.name
+    assert math.isclose(guard.error(repair.kept)["error"], repair.error)
+
+
+def test_a_plan_within_the_bound_returns_nothing(heavy):
+    repair = _repair(heavy, bound=10.0)
+    assert repair.within and not repair.returned and repair.exclude_nodes() == ""
+    assert repair.kept.key == heavy[1].key
+
+
+def test_the_exclude_nodes_line_names_the_returned_nodes(heavy):
+    repair = _repair(heavy)
+    line = repair.exclude_nodes()
+    assert line.startswith("--exclude-nodes ")
+    assert line.split()[1:] == [n for g in repair.returned for n in g.nodes]
+    table = repair.to_dict()["sensitivity"]
+    assert {"group", "tensors", "error", "latency_cost", "returned_to_float"} <= set(table[0])
+
+
+# -- a bound on the user's own metric -------------------------------------------------------------
+METRIC = '''import numpy as np
+
+LABELS = None
+
+
+def mismatch(ref, cand):
+    """Share of output cells whose detection (> 0.5) disagrees with fixed labels."""
+    global LABELS
+    out = cand["y"]
+    if LABELS is None:
+        LABELS = np.random.default_rng(7).random(out.shape) < 0.02
+    return float(np.mean((out > 0.5) != LABELS))
+'''
+
+
+@pytest.fixture
+def metric_module(tmp_path, monkeypatch):
+    (tmp_path / "task_metric.py").write_text(METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "task_metric:mismatch"
+
+
+@pytest.mark.parametrize("drop, kind", [(0.002, "absolute"), (0.01, "relative")])
+def test_a_metric_drop_bound_is_kept_by_what_ships(tmp_path, metric_module, drop, kind):
+    """Every pair on lights the output up (the heavy tail): far past a small drop of the
+    task metric; the run ships a model whose metric, recomputed here, stays within the FP32
+    model's value plus the drop, and says where the bound came from."""
+    from test_guard_run import _backend, _calibration
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.measure.accuracy import AccuracyEvaluator
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    result = tune(model, tmp_path / "run", backend=_backend(), runtime="onnxruntime",
+                  calibration_data=_calibration(), calibration_method="minmax",
+                  metric=metric_module, max_metric_drop=drop, metric_drop_type=kind,
+                  config=Config(schemes_per_region=3), progress=False)
+    acc = result.report["accuracy"]
+    evaluator = AccuracyEvaluator(model.SerializeToString(), _calibration(),
+                                  metric=metric_module)
+    fp32 = evaluator.evaluate(model.SerializeToString())[0]
+    allowed = drop * (abs(fp32) if kind == "relative" else 1.0)
+    assert acc["bound_from"] == "--max-metric-drop"
+    assert acc["bound"] == pytest.approx(fp32 + allowed)
+    assert acc["metric_drop"]["fp32_metric"] == pytest.approx(fp32)
+    shipped = evaluator.evaluate(str(result.optimized_model))[0]
+    assert shipped <= fp32 + allowed
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert starts["all"]["error"] > acc["bound"] and not starts["all"]["feasible"]
+    assert "plus the allowed drop" in (result.output_dir / "report.md").read_text()
+
+
+def test_metric_drop_options_fail_in_one_line(tmp_path, metric_module):
+    from qdq_optuna import TuneOptions
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.accuracy import AccuracyEvaluator, metric_drop_bound
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    with pytest.raises(OptionError, match="needs --metric"):
+        TuneOptions(model=model, output_dir=str(tmp_path), max_metric_drop=0.1)
+    with pytest.raises(OptionError, match="two bounds"):
+        TuneOptions(model=model, output_dir=str(tmp_path), metric=metric_module,
+                    max_metric_drop=0.1, max_output_error=0.2)
+    (tmp_path / "zero_metric.py").write_text("def dist(ref, cand):\n    return 0.0\n")
+    evaluator = AccuracyEvaluator(model.SerializeToString(), _calibration_data(),
+                                  metric="zero_metric:dist")
+    with pytest.raises(OptionError, match="use --metric-drop-type absolute"):
+        metric_drop_bound(evaluator, 0.01, "relative")
+    assert metric_drop_bound(evaluator, 0.01, "absolute")["bound"] == pytest.approx(0.01)
+
+
+def _calibration_data():
+    from test_guard_run import _calibration
+
+    return _calibration()
+
+
+def test_latency_costs_count_only_what_the_runtime_ran_integer(heavy):
+    """With ONNX Runtime's report of what it ran, a group's cost counts only nodes that ran
+    integer (the Sub, which has no integer kernel, is free to return); without it every
+    quantized node counts."""
+    from qdq_optuna.backends import make_backend
+    from qdq_optuna.measure.repair import latency_costs
+
+    guard, plan = heavy
+    graph = guard.exporter.graph
+    what = make_backend("onnxruntime", threads=1, isolate=False).what_ran(
+        guard.exporter.to_bytes(plan))
+    assert what is not None and what.fused
+    blind, seen = plan_groups(graph, plan), plan_groups(graph, plan)
+    latency_costs(graph, plan, blind)
+    latency_costs(graph, plan, seen, what)
+    assert "over" in what.float_nodes
+    for b, s in zip(blind, seen, strict=True):
+        assert set(s.lost) <= set(b.lost) and s.cost <= b.cost
+        assert not set(s.lost) & what.float_nodes
+    assert sum(s.cost for s in seen) < sum(b.cost for b in blind)
