@@ -147,10 +147,11 @@ def test_missing_nncf_is_a_tool_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("cpu", ["avx2", "bf16"])
-def test_tune_on_openvino_writes_the_hint(tmp_path: Path, cpu: str) -> None:
+def test_tune_on_openvino_writes_the_hint(tmp_path: Path, cpu: str, capfd) -> None:
     """The hint is the CPU's only one (AVX2: f32), or the faster of those it offers on the
     float model (BF16: f32 or bf16, whichever measured faster: the rule, not one machine's
-    answer); the report names it and the CPU it was decided by."""
+    answer); the report names it and the CPU it was decided by. NNCF's and OpenVINO's
+    progress bars and log lines stay out of the run's output."""
     from qdq_optuna import Config, tune
     from qdq_optuna.machine import simulated_cpu
 
@@ -159,6 +160,12 @@ def test_tune_on_openvino_writes_the_hint(tmp_path: Path, cpu: str) -> None:
     with simulated_cpu(cpu):
         result = tune(model=str(model), output_dir=str(tmp_path / "out"), backend="openvino",
                       config=Config(schemes_per_region=2, refine_rounds=0), timing="fast")
+    out, err = capfd.readouterr()
+    assert result.report["starts"] and any(s["name"].startswith("recipe:") for s in
+                                           result.report["starts"]), "NNCF's start did not run"
+    for line in (out + err).splitlines():
+        assert "nncf" not in line.lower() and "━" not in line and "%|" not in line, line
+        assert "Statistics collection" not in line and "Applying" not in line, line
     backend = result.report["backend"]
     hint, why = backend["inference_precision"], backend["inference_precision_why"]
     assert backend["name"] == "openvino" and why.startswith(hint)
