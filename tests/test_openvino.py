@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 import numpy as np
@@ -145,19 +146,40 @@ def test_missing_nncf_is_a_tool_error(monkeypatch: pytest.MonkeyPatch) -> None:
         starts.nncf_recipe_model(zoo.build("tiny_chain"))
 
 
-def test_tune_on_openvino_writes_the_hint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpu", ["avx2", "bf16"])
+def test_tune_on_openvino_writes_the_hint(tmp_path: Path, cpu: str, capfd) -> None:
+    """The hint is the CPU's only one (AVX2: f32), or the faster of those it offers on the
+    float model (BF16: f32 or bf16, whichever measured faster: the rule, not one machine's
+    answer); the report names it and the CPU it was decided by. NNCF's and OpenVINO's
+    progress bars and log lines stay out of the run's output."""
     from qdq_optuna import Config, tune
+    from qdq_optuna.machine import simulated_cpu
 
     model = tmp_path / "m.onnx"
     onnx.save(zoo.build("tiny_residual"), str(model))
-    result = tune(model=str(model), output_dir=str(tmp_path / "out"), backend="openvino",
-                  config=Config(schemes_per_region=2, refine_rounds=0), timing="fast")
+    with simulated_cpu(cpu):
+        result = tune(model=str(model), output_dir=str(tmp_path / "out"), backend="openvino",
+                      config=Config(schemes_per_region=2, refine_rounds=0), timing="fast")
+    out, err = capfd.readouterr()
+    assert result.report["starts"] and any(s["name"].startswith("recipe:") for s in
+                                           result.report["starts"]), "NNCF's start did not run"
+    for line in (out + err).splitlines():
+        assert "nncf" not in line.lower() and "━" not in line and "%|" not in line, line
+        assert "Statistics collection" not in line and "Applying" not in line, line
     backend = result.report["backend"]
-    assert backend["name"] == "openvino" and backend["inference_precision"] == "f32"
-    assert backend["inference_precision_why"].startswith("f32")
+    hint, why = backend["inference_precision"], backend["inference_precision_why"]
+    assert backend["name"] == "openvino" and why.startswith(hint)
+    if cpu == "avx2":
+        assert hint == "f32" and "the only inference precision" in why
+    else:
+        times = dict(re.findall(r"(\w+) ([\d.]+) ms", why))
+        assert set(times) == {"f32", "bf16"} and "faster on the float model" in why
+        assert hint == min(times, key=lambda h: float(times[h]))
     assert result.report["runtime"] == "openvino"
+    assert result.report["cpu"]["bf16"] == (cpu == "bf16")
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "- inference precision: `f32`" in md and "- run it: `openvino.Core()" in md
+    assert f"- inference precision: `{hint}`" in md and "- run it: `openvino.Core()" in md
+    assert f"'INFERENCE_PRECISION_HINT': '{hint}'" in backend["how_to_run"]
     assert np.isfinite(result.speedup)
     # the guard scored what OpenVINO computes, not the ONNX semantics in ONNX Runtime
     accuracy = result.report["accuracy"]
@@ -260,13 +282,13 @@ def test_the_float_part_runs_at_the_faster_supported_hint(monkeypatch, tmp_path)
     """Without --high-precision the user's float model is timed at each hint the CPU offers
     and the faster one is the run's (the baseline and every candidate compile with it)."""
     from qdq_optuna.backends import openvino as ovb
+    from qdq_optuna.machine import simulated_cpu
     from qdq_optuna.search._options import TuneOptions, backend_for
 
     model = zoo.build("tiny_chain").SerializeToString()
     assert ovb.choose_precision(model, "bf16") == ("bf16", "--high-precision bf16")
-    only = ovb.supported_hints()
-    if len(only) == 1:  # f32 only: nothing to time
-        assert ovb.choose_precision(model, None)[0] == only[0]
+    with simulated_cpu("avx2"):  # f32 only: nothing to time
+        assert ovb.choose_precision(model, None)[0] == "f32"
     # two hints (OpenVINO compiles a hint the CPU lacks at f32): both timed, the faster kept
     monkeypatch.setattr(ovb, "supported_hints", lambda core=None: ("f32", "bf16"))
     hint, ms = ovb.fastest_precision(model, rounds=3, runs=3)

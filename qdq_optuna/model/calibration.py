@@ -14,11 +14,9 @@ Quant types (the strings used throughout the project):
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
-import platform
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna._files import atomic_write_bytes, map_external_sources
 from qdq_optuna.errors import ModelError, OptionError, UserError
+from qdq_optuna.machine import current_cpu
 
 #: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
 #: external data files, or the model is too large to serialize in memory).
@@ -97,23 +96,13 @@ QMAX = {name: row[1] for name, row in QUANT_TYPE_TABLE.items()}
 REDUCED_WEIGHT_QMAX = 63.0
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_saturates_u8s8() -> bool:
     """Whether ONNX Runtime's CPU kernels on this machine multiply u8 activations by s8 weights
     with 16-bit intermediate sums (x86-64 without VNNI: VPMADDUBSW), which saturate with 8-bit
-    weights; its quantizer's ``reduce_range`` (7-bit weights) is the documented remedy. Read
-    from /proc/cpuinfo; False where that cannot tell (other systems, other processors)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), None)
-    if flags is None:
-        return False
-    return not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
+    weights; its quantizer's ``reduce_range`` (7-bit weights) is the documented remedy. Decided
+    by :func:`qdq_optuna.machine.current_cpu` (a simulated CPU included); False where the flags
+    cannot be read (other systems, other processors)."""
+    return current_cpu().saturates_u8s8
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _STATS_FORMAT = "qdq_optuna.statistics"
 _STATS_VERSION = 1

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from optuna.trial import TrialState
 
+from qdq_optuna.machine import current_cpu
 from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
 from qdq_optuna.record import PHASES, PatternAttr, RunAttr, TrialAttr, trial_measurement
 from qdq_optuna.run_folder import RunFolder
@@ -56,6 +57,7 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "lane": lane,
         "descent": descent_summary(record, lane),
         "patterns": patterns,
+        "cpu": current_cpu().to_json(),
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
 
@@ -410,6 +412,17 @@ def _how_to_run_lines(backend: dict) -> list[str]:
     return out
 
 
+def _cpu_lines(cpu: dict | None) -> list[str]:
+    """The CPU flags the run decided by (7-bit weights, the precision hint, the timings)."""
+    if not cpu:
+        return []
+    flags = ", ".join(cpu["flags"]) or "none that change an answer"
+    return [f"- cpu: {cpu.get('model_name') or cpu['arch']} ({cpu['source']}); decided by its "
+            f"flags: {flags} (VNNI {'yes' if cpu['vnni'] else 'no'}, BF16 "
+            f"{'yes' if cpu['bf16'] else 'no'}, AMX {'yes' if cpu['amx'] else 'no'}; 7-bit "
+            f"weights where u8 x s8 saturates: {'yes' if cpu['saturates_u8s8'] else 'no'})"]
+
+
 def _kept_lines(kept: dict | None) -> list[str]:
     """The tuned model measured slower than the baseline, which ships instead."""
     if not kept:
@@ -441,6 +454,7 @@ def render_markdown(r: dict) -> str:
         f" sampler `{r['sampler']}`, timing `{r['timing']}`, scales `{r['scales']}`",
         f"- high precision: {_precision_line(r.get('high_precision'))}",
         *_how_to_run_lines(r.get("backend") or {}),
+        *_cpu_lines(r.get("cpu")),
         f"- run: `{r['run_id']}` in `{r['storage']}`" + ("" if r["complete"] else " — **incomplete (timeout)**"),
         "",
         "| | latency (ms) |",

@@ -22,6 +22,7 @@ read back from the Q/DQ model it wrote (:func:`read_placement`). Without Model O
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import subprocess
@@ -377,15 +378,24 @@ def ort_recipe_options() -> dict:
             "reduce_range": calibration.cpu_saturates_u8s8()}
 
 
+#: the loggers quiet_tool silences: the root (ONNX Runtime's quantizer logs there) and the
+#: tools' own
+_TOOL_LOGGERS = ("", "nncf", "openvino", "onnxruntime")
+
+
 @contextlib.contextmanager
 def quiet_tool(what: str) -> Iterator[None]:
     """A third-party quantizer run without its per-tensor notes, hints and progress bars; its
-    failure is one :class:`ToolError` line naming it."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+    failure is one :class:`ToolError` line naming it. Their own loggers (NNCF's has its own
+    handler and level) are raised to ERROR too, and what they print (NNCF's rich progress
+    bars go to sys.stdout/sys.stderr) is dropped."""
+    loggers = [logging.getLogger(name) for name in _TOOL_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     except Exception as exc:  # noqa: BLE001 - the tool's own failures, one line for the caller
@@ -393,7 +403,8 @@ def quiet_tool(what: str) -> Iterator[None]:
         raise ToolError(f"{what} failed on this model: {type(exc).__name__}: {first[0]}"
                         ) from None
     finally:
-        root.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,

@@ -102,6 +102,16 @@ class RequeueingRDBStorage(RDBStorage):
         super().__init__(url, **kwargs)
         self._on_stale = on_stale
 
+    def record_heartbeat(self, trial_id: int) -> None:
+        """One beat; one that fails (SQLite busy past its timeout under load, a dropped
+        connection) is logged and the next tries again. Optuna's heartbeat thread ends at its
+        first exception: the live trial would go stale and another worker would fail it while
+        this one still measures it (then ``UpdateFinishedTrialError`` at its tell)."""
+        try:
+            super().record_heartbeat(trial_id)
+        except Exception:
+            logging.getLogger("qdq_optuna").debug("heartbeat failed", exc_info=True)
+
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         ids = super()._get_stale_trial_ids(study_id)
         if ids and self._on_stale is not None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from qdq_optuna._progress import Progress
@@ -354,8 +355,9 @@ class PatternStudy:
                     callbacks=self._callbacks(bar), timeout=s.remaining(),
                     catch=(BackendError, AccuracyError), gc_after_trial=False)
                 break
-            except ValueError:  # another worker ran the trial we popped too: go on
-                if not s.workers.lost():
+            except (ValueError, AssertionError, UpdateFinishedTrialError) as exc:
+                # another worker ran the trial we popped too, or failed ours as stale: go on
+                if not (s.workers.lost() or s.workers.taken_over(self.study, exc)):
                     raise
         if not self._done():
             self._visit_over()

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from qdq_optuna.record import (
@@ -24,6 +25,7 @@ from qdq_optuna.record import (
     TrialAttr,
     claim,
     run_study_of,
+    storage_of,
     stored_trial,
     trial_id,
     trial_system_attrs,
@@ -149,6 +151,8 @@ class Workers:
         #: the study being optimized and this process's running trial in it (for Ctrl-C)
         self.study: optuna.Study | None = None
         self.live_trial: int | None = None
+        #: what the objective of the live trial raised (its error, not its tell's)
+        self._raised: BaseException | None = None
 
     def requeue(self, study: optuna.Study) -> None:
         """Queue again what an earlier process left: the trials it was running (a single
@@ -226,6 +230,21 @@ class Workers:
         lost, self._lost = self._lost, False
         return lost
 
+    def taken_over(self, study: optuna.Study, error: BaseException) -> bool:
+        """Whether ``error``, raised by an optimize call but not by our objective, came from
+        telling a trial another process had finished: failed as stale while it was still
+        measured here (its heartbeat came late). Optuna's tell then raises ``ValueError``
+        (or ``UpdateFinishedTrialError``; an ``AssertionError`` from its bookkeeping when the
+        objective had returned). The optimize call steps back: the other worker queued the
+        scheme again (:func:`retry_stale_trial`), so nothing is lost and nothing counted twice."""
+        if self.live_trial is None or error is self._raised or not isinstance(
+                error, (ValueError, AssertionError, UpdateFinishedTrialError)):
+            return False
+        try:
+            return storage_of(study).get_trial(self.live_trial).state.is_finished()
+        except Exception:  # the storage is gone: the caller's error stands
+            return False
+
     def wait_for_others(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         """Wait until no other trial of ``study`` measures a scheme; whether one did. Trials
         without a scheme yet (waiting for a budget slot, which this one holds) and trials that
@@ -262,7 +281,7 @@ class Workers:
         self.study = study
 
         def run(trial: optuna.Trial):
-            self.live_trial = trial_id(trial)
+            self.live_trial, self._raised = trial_id(trial), None
             if self.worker and not self.record.claim(Agreed.run(study.study_name, trial.number)):
                 self.wait_for(study, trial)  # another worker took the same queued trial
                 self._lost = True
@@ -273,6 +292,9 @@ class Workers:
                 with contextlib.suppress(Exception):
                     trial.set_user_attr(TrialAttr.FAILURE, "interrupted (Ctrl-C)")
                     trial.set_user_attr(TrialAttr.TRANSIENT, True)  # redone by the next run
+                raise
+            except Exception as exc:  # the objective's own error (see taken_over)
+                self._raised = exc
                 raise
         return run
 
