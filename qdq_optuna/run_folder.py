@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 
 import onnx
@@ -41,6 +42,25 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+
+    def listing(self) -> frozenset[Path] | None:
+        """What the folder holds now (None: it does not exist), for :meth:`remove_new`."""
+        if not self.path.is_dir():
+            return None
+        return frozenset(self.path.rglob("*"))
+
+    def remove_new(self, before: frozenset[Path] | None) -> None:
+        """Remove what was created since ``listing()`` returned ``before`` (the folder too,
+        when it did not exist): a run that failed before it measured anything leaves no
+        files, while a resumed run's earlier files stay."""
+        if before is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for path in sorted(set(self.path.rglob("*")) - before, key=lambda q: -len(q.parts)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name

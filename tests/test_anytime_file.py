@@ -17,7 +17,7 @@ import pytest
 from qdq_optuna import PreparedModel
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna.examples import zoo
-from qdq_optuna.search._run import save_standing
+from qdq_optuna.run_folder import RunFolder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def _exporter_and_uses():
 
 def test_a_full_disk_mid_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     exporter, uses = _exporter_and_uses()
-    save_standing(exporter, set(), tmp_path)  # the float model stands first
+    RunFolder(tmp_path).save_standing(exporter, set())  # the float model stands first
     target = tmp_path / "optimized.onnx"
     before = target.read_bytes()
     real_fdopen = os.fdopen
@@ -56,13 +56,13 @@ def test_a_full_disk_mid_write_leaves_the_previous_file_whole(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "fdopen", lambda *a, **k: HalfThenFull(real_fdopen(*a, **k)))
     with pytest.raises(OSError) as info:
-        save_standing(exporter, uses, tmp_path)
+        RunFolder(tmp_path).save_standing(exporter, uses)
     assert info.value.errno == errno.ENOSPC
     monkeypatch.setattr(os, "fdopen", real_fdopen)
     assert target.read_bytes() == before
     onnx.checker.check_model(onnx.load(str(target)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optimized.onnx"]
-    save_standing(exporter, uses, tmp_path)  # with room again the new model replaces it
+    RunFolder(tmp_path).save_standing(exporter, uses)  # with room again the new model replaces it
     assert target.read_bytes() != before
 
 
@@ -91,7 +91,7 @@ atomic_write_bytes(sys.argv[1], b"new" * 200000)
 def test_a_kill_mid_replace_leaves_the_previous_file_whole(tmp_path):
     target = tmp_path / "optimized.onnx"
     exporter, _ = _exporter_and_uses()
-    save_standing(exporter, set(), tmp_path)
+    RunFolder(tmp_path).save_standing(exporter, set())
     before = target.read_bytes()
     marker = tmp_path.parent / f"{tmp_path.name}.writing"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -109,3 +109,30 @@ def test_a_kill_mid_replace_leaves_the_previous_file_whole(tmp_path):
     assert left and all(p.name.endswith(".tmp") for p in left)  # the killed write's part
     assert sorted(remove_stale_temps(tmp_path)) == sorted(left)  # gone at the next start
     assert [p.name for p in tmp_path.iterdir()] == ["optimized.onnx"]
+
+
+def _failing_backend(model):
+    raise RuntimeError("no device here")
+
+
+@pytest.mark.parametrize("folder_existed", [False, True])
+def test_a_run_that_fails_before_its_first_measurement_leaves_no_files(tmp_path, folder_existed):
+    """The backend fails on the float model: nothing the run wrote (studies.db, calibration
+    statistics, the folder itself) stays, and what was in an existing folder is untouched."""
+    from qdq_optuna import tune
+    from qdq_optuna.errors import UserError
+
+    model = tmp_path / "m.onnx"
+    onnx.save(zoo.build("tiny_residual"), str(model))
+    out = tmp_path / "out"
+    if folder_existed:
+        out.mkdir()
+        (out / "mine.txt").write_text("keep")
+    with pytest.raises(UserError, match="cannot run the float model"):
+        tune(model, out, backend=_failing_backend, runtime="onnxruntime")
+    if folder_existed:
+        assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+        assert (out / "mine.txt").read_text() == "keep"
+    else:
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"] + (["out"] if folder_existed else [])

@@ -126,7 +126,9 @@ class Tuner:
     @contextmanager
     def session(self) -> Iterator[Tuner]:
         """Progress output for the run; on Ctrl-C no trial of ours stays RUNNING; the
-        backend's worker process (ours) stops at the end."""
+        backend's worker process (ours) stops at the end. A run that fails before its first
+        measurement leaves no files behind (a resumed run's earlier files stay)."""
+        before = self.folder.listing()
         try:
             with Progress(self.o.progress) as progress:
                 self.progress = progress
@@ -136,6 +138,8 @@ class Tuner:
             raise
         except Exception as exc:
             if not interrupted_by(exc):
+                if self.search_state is None or self.search_state.baseline_ms is None:
+                    self.folder.remove_new(before)
                 raise
             self._interrupted()
             raise KeyboardInterrupt from exc
