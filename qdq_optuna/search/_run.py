@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -60,6 +61,12 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._recipe_file import (
+    RecipeFile,
+    make_recipe_file,
+    recipe_file_path,
+    shipped_accuracy,
+)
 from qdq_optuna.search._starts import RECIPE_LANE, StartsPhase
 from qdq_optuna.search._workers import Workers, retry_stale_trial
 
@@ -244,12 +251,10 @@ class Tuner:
                                 "tensors exists in this model")
 
     def _starts(self, search: Search) -> dict:
-        return StartsPhase(search, mode=self.settings.start, recipe=self._recipe_start,
+        recipe = partial(recipe_start, self.prepared, self.o, self.settings.runtime,
+                         self.calibration, recipe_file_path(self.out, self.settings.runtime))
+        return StartsPhase(search, mode=self.settings.start, recipe=recipe,
                            seeds=self._seed_starts, worker=self.o.worker).run()
-
-    def _recipe_start(self):
-        """The runtime's classic recipe as a start (None when it cannot be made)."""
-        return recipe_start(self.prepared, self.o, self.settings.runtime, self.calibration)
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -345,6 +350,8 @@ class Tuner:
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
+        plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
+                                                                       final_exporter)
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
                else plans.compare(final_bytes, base_bytes, "final", until="precision"))
@@ -352,8 +359,9 @@ class Tuner:
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
-        accuracy = guard.report_keys(verdict, bound_given=self.o.max_output_error is not None,
-                                     bf16=plans.scorer.bf16)
+        accuracy = shipped_accuracy(guard.report_keys(
+            verdict, bound_given=self.o.max_output_error is not None, bf16=plans.scorer.bf16),
+            recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
@@ -467,8 +475,17 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibration):
-    """The runtime's classic recipe as a start (None when it cannot be made)."""
+def run_recipe_file(tuner: Tuner) -> RecipeFile:
+    """The run's recipe file (none for two objectives: a front has no one model to match)."""
+    path = recipe_file_path(tuner.out, tuner.settings.runtime)
+    return RecipeFile(tuner.search_state, None if tuner.settings.multi_objective else path,
+                      make_recipe_file(tuner.settings.runtime, tuner.o, tuner.calibration))
+
+
+def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibration,
+                 keep: Path | None = None):
+    """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: where
+    its own file is written as the tool wrote it."""
     from qdq_optuna.placement import starts
 
     try:
@@ -477,7 +494,7 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, runtime: str, calibrat
         if recipe is None:
             return starts.tensorrt_recipe_start(pm)
         return recipe(pm, options.model, input_shapes=options.input_shapes,
-                      data=calibration[0] if calibration else None)
+                      data=calibration[0] if calibration else None, keep=keep)
     except ToolError as exc:  # the quantizer refused this model: no recipe start
         log.warning("%s; starting without the recipe", exc)
         return None
