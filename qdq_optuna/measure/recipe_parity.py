@@ -96,11 +96,15 @@ def qdq_params(model: bytes | onnx.ModelProto | str) -> dict[str, QParams]:
         model = onnx.load(str(model))
     ix = _QDQIndex.of(model)
     inits = {t.name: t for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
     out: dict[str, QParams] = {}
     for node in ix.nodes:
         const = node.input[0] in ix.constants
         if node.op_type == "QuantizeLinear" and not const:
-            out[ix.source(node.input[0])] = _params(node, inits)
+            # a quantized graph output by its name (each tool renames the float tensor)
+            named = [dq.output[0] for dq, _ in ix.consumers.get(node.output[0], [])
+                     if dq.op_type == "DequantizeLinear" and dq.output[0] in outputs]
+            out[named[0] if named else ix.source(node.input[0])] = _params(node, inits)
         elif node.op_type == "DequantizeLinear" and const:
             for reader, slot in ix.readers(node.output[0]):
                 out[f"weight {reader.name or reader.op_type}[{slot}]"] = _params(node, inits)
