@@ -77,9 +77,12 @@ class RecipeFile:
         data = self.data() if isinstance(final_bytes, bytes) else None
         if data is None:
             return plan, final_bytes, None
-        pm, plans = self.s.prepared, self.s.plans
+        pm, plans, space = self.s.prepared, self.s.plans, self.s.settings.space
         uses, _, _ = starts.read_placement(pm, onnx.load_from_string(data))
-        reexport = exporter.plan(starts.start_from_uses(pm, "recipe", uses).scheme_uses)
+        start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase projects it
+        reexport = exporter.plan(self.s.record.uses({
+            pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
+                                         pp.ids) for pp in pm.tunable}))
         report: dict = {"file": self.path.name, "shipped": False}
         try:
             errors = plans.scorer.score_bytes(data)
