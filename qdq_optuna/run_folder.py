@@ -32,9 +32,11 @@ CALIBRATION_STATS = "calibration_stats.json"
 STUDIES_DB = "studies.db"
 #: the two-objective run's front, one model per point
 PARETO = "pareto"
+#: the runtime's recipe file as its tool wrote it (``recipe_onnxruntime.onnx``)
+RECIPE_FILE = "recipe_{runtime}.onnx"
 #: every name above
 OUTPUT_NAMES = (OPTIMIZED, REPORT_JSON, REPORT_MD, STATE, PATTERN_CACHE, CALIBRATION_STATS,
-                STUDIES_DB, PARETO)
+                STUDIES_DB, PARETO, RECIPE_FILE)
 
 
 class RunFolder:
@@ -80,6 +82,14 @@ class RunFolder:
     @property
     def pattern_cache(self) -> Path:
         return self.path / PATTERN_CACHE
+
+    def recipe_file(self, runtime: str) -> Path:
+        """Where the run keeps its runtime's recipe file as the tool wrote it."""
+        return self.path / RECIPE_FILE.format(runtime=runtime)
+
+    def keep(self, path: Path, data: bytes) -> None:
+        """A file of the run folder (the recipe file made again), written atomically."""
+        atomic_write_bytes(path, data)
 
     @property
     def calibration_stats(self) -> Path:

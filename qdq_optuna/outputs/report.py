@@ -433,6 +433,32 @@ def _kept_lines(kept: dict | None) -> list[str]:
             "so no placement found beat it; the figures above re-measure the shipped file.", ""]
 
 
+def _recipe_file_lines(rf: dict | None) -> list[str]:
+    """The runtime's recipe file as written: against its re-export and the tuned model, what
+    differs in their Q/DQ, and whether it ships."""
+    if not rf:
+        return []
+    if rf.get("failure"):
+        return [f"The recipe's own file (`{rf['file']}`) could not be measured: "
+                f"{rf['failure']}", ""]
+
+    def ab(c: dict) -> str:
+        return f"{_f(c['ratio'])}x (interval {_f(c['ci_low'])}–{_f(c['ci_high'])})"
+
+    head = (f"**`optimized.onnx` is the recipe's own file** (`{rf['file']}`): the tuned model "
+            f"measured {ab(rf['tuned_vs_file'])} its latency." if rf["shipped"] else
+            f"The recipe's own file (`{rf['file']}`, measured as written): the tuned model "
+            f"measured {ab(rf['tuned_vs_file'])} its latency.")
+    lines = [head + f" The re-export of its placement with our scales measured "
+                    f"{ab(rf['reexport_vs_file'])} the file's; its output error "
+                    f"{_f(rf['error'], '{:.4g}')} is "
+                    f"{'within' if rf['within_bound'] else 'past'} the bound."]
+    if rf.get("differences"):
+        lines += ["", "The re-export is slower than the file beyond noise; their Q/DQ differ "
+                      "(re-export vs file):", ""] + [f"- {d}" for d in rf["differences"]]
+    return lines + [""]
+
+
 def _speedup_line(r: dict, lo, hi) -> str:
     final = r.get("final_comparison") or {}
     if final.get("same_model"):
@@ -470,6 +496,7 @@ def render_markdown(r: dict) -> str:
         *_statistics_lines(r.get("search_statistics")),
         "",
         *_kept_lines(r.get("kept_your_model")),
+        *_recipe_file_lines(r.get("recipe_file")),
         *_starts_lines(r),
         *_repair_lines(r),
     ]

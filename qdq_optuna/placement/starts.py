@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -409,12 +409,16 @@ def quiet_tool(what: str) -> Iterator[None]:
 
 def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                      data: Mapping[str, np.ndarray] | None = None,
-                     input_shapes: InputShapes | str | None = None) -> Start:
+                     input_shapes: InputShapes | str | None = None,
+                     keep: Path | None = None) -> Start:
     """ONNX Runtime's recipe (:func:`ort_recipe_model`) on the user's ``model``, read back onto
-    ``pm``'s graph."""
+    ``pm``'s graph; with ``keep``, the recipe's own file is also written there as the tool
+    wrote it (:func:`keep_recipe_file`)."""
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
         path = ort_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
         uses, notes, counts = read_placement(pm, path)
+        if keep is not None:
+            keep_recipe_file(path, keep)
     return start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
 
 
@@ -471,11 +475,48 @@ def activation_types(qdq_model: onnx.ModelProto) -> dict[str, str]:
 
 def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                       data: Mapping[str, np.ndarray] | None = None,
-                      input_shapes: InputShapes | str | None = None) -> Start:
-    """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph."""
-    uses, notes, counts = read_placement(pm, nncf_recipe_model(model, data=data,
-                                                               input_shapes=input_shapes))
+                      input_shapes: InputShapes | str | None = None,
+                      keep: Path | None = None) -> Start:
+    """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph; with
+    ``keep``, NNCF's own file is also written there (:func:`keep_recipe_file`)."""
+    written = nncf_recipe_model(model, data=data, input_shapes=input_shapes)
+    uses, notes, counts = read_placement(pm, written)
+    if keep is not None:
+        keep_recipe_file(written, keep)
     return start_from_uses(pm, "recipe:openvino", uses, notes, counts)
+
+
+# -- the recipe's own file --------------------------------------------------------------------
+#: the largest recipe file kept whole (protobuf's limit: bigger models keep weights outside)
+_ONE_FILE = (1 << 31) - (1 << 20)
+
+
+def keep_recipe_file(written: os.PathLike | onnx.ModelProto, path: Path) -> bool:
+    """The recipe's own model (its Q/DQ, scales, zero points and types exactly as the tool
+    wrote them) saved atomically at ``path``, so that a run can measure and ship it as written
+    and a resumed run finds it; False (nothing written) when it does not fit one file."""
+    from qdq_optuna._files import atomic_write_bytes
+
+    if isinstance(written, onnx.ModelProto):
+        if written.ByteSize() > _ONE_FILE:
+            return False
+        data = written.SerializeToString()
+    else:
+        folder = Path(written).parent  # weights written beside it: too big for one file
+        if any(f != Path(written) for f in folder.iterdir() if f.suffix not in (".onnx",)):
+            return False
+        data = Path(written).read_bytes()
+    atomic_write_bytes(path, data)
+    return True
+
+
+def recipe_file_bytes(make: Callable[[Path], os.PathLike | onnx.ModelProto]) -> bytes | None:
+    """A recipe model made again by ``make(work_folder)`` (:func:`ort_recipe_model`,
+    :func:`nncf_recipe_model`: the same model, data and settings give the same file, both
+    tools calibrate deterministically), as bytes; None for a model too big for one file."""
+    with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
+        path = Path(tmp) / "recipe.onnx"
+        return path.read_bytes() if keep_recipe_file(make(Path(tmp)), path) else None
 
 
 # -- TensorRT's standard INT8 PTQ placement ---------------------------------------------------

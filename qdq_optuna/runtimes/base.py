@@ -8,6 +8,7 @@ candidate, what the runtime ran and, where measured, its integer-vs-float kernel
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from qdq_optuna.backends.base import Backend
@@ -37,9 +38,20 @@ class Runtime:
         """Extra keyword arguments for this runtime's own backends (none by default)."""
         return {}
 
-    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None):
-        """The runtime's classic quantization recipe as a whole-model start."""
+    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
+                     keep: Path | None = None):
+        """The runtime's classic quantization recipe as a whole-model start; ``keep``: where
+        the recipe tool's own file is written as the tool wrote it (runtimes that have one)."""
         raise NotImplementedError
+
+    #: whether the recipe is a tool run here whose own file is a start (:meth:`recipe_file`)
+    has_recipe_file: bool = False
+
+    def recipe_file(self, model: Any, *, input_shapes: Any = None,
+                    data: Any = None) -> bytes | None:
+        """The recipe tool's own file made again (same model, data, settings: same bytes);
+        None where the runtime has no such tool here or the model does not fit one file."""
+        return None
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels

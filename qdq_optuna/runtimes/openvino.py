@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -41,10 +42,20 @@ class OpenVino(Runtime):
                                      input_shapes=input_shapes)
         return {"precision": hint, "precision_why": why}
 
-    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None):
+    has_recipe_file = True
+
+    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
+                     keep: Path | None = None):
         from qdq_optuna.placement import starts
 
-        return starts.nncf_recipe_start(pm, model, input_shapes=input_shapes, data=data)
+        return starts.nncf_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
+
+    def recipe_file(self, model: Any, *, input_shapes: Any = None,
+                    data: Any = None) -> bytes | None:
+        from qdq_optuna.placement import starts
+
+        return starts.recipe_file_bytes(lambda work: starts.nncf_recipe_model(
+            model, data=data, input_shapes=input_shapes))
 
     def error_runner(self, input_shapes: dict | None,
                      backend: Backend | None) -> Callable | None:

@@ -17,7 +17,8 @@ class TensorRT(Runtime):
     #: placeholder scales inside trials (``--scales auto`` under TensorRT's rules)
     default_scales = "default"
 
-    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None):
+    def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
+                     keep=None):
         from qdq_optuna.placement import starts
 
         return starts.tensorrt_recipe_start(pm)

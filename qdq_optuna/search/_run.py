@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -63,6 +64,7 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers, retry_stale_trial
 
@@ -253,12 +255,11 @@ class Tuner:
                                 "tensors exists in this model")
 
     def _starts(self, search: Search) -> dict:
-        return StartsPhase(search, mode=self.settings.start, recipe=self._recipe_start,
+        keep = self.folder.recipe_file(self.profile.name) if self.profile.has_recipe_file \
+            else None
+        recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep)
+        return StartsPhase(search, mode=self.settings.start, recipe=recipe,
                            seeds=self._seed_starts, worker=self.o.worker).run()
-
-    def _recipe_start(self):
-        """The runtime's classic recipe as a start (None when it cannot be made)."""
-        return recipe_start(self.prepared, self.o, self.profile, self.calibration)
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -310,6 +311,8 @@ class Tuner:
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
+        plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
+                                                                       final_exporter)
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
                else plans.compare(final_bytes, base_bytes, "final", until="precision"))
@@ -317,8 +320,9 @@ class Tuner:
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
-        accuracy = guard.report_keys(verdict, bound_given=self.o.max_output_error is not None,
-                                     bf16=plans.scorer.bf16)
+        accuracy = shipped_accuracy(guard.report_keys(
+            verdict, bound_given=self.o.max_output_error is not None, bf16=plans.scorer.bf16),
+            recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
@@ -430,11 +434,22 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration):
-    """The runtime's classic recipe as a start (None when it cannot be made)."""
+def run_recipe_file(tuner: Tuner) -> RecipeFile:
+    """The run's recipe file (none for two objectives: a front has no one model to match)."""
+    profile, o, calibration = tuner.profile, tuner.o, tuner.calibration
+    path = tuner.folder.recipe_file(profile.name) \
+        if profile.has_recipe_file and not tuner.settings.multi_objective else None
+    return RecipeFile(tuner.search_state, tuner.folder, path, lambda: profile.recipe_file(
+        o.model, input_shapes=o.input_shapes, data=calibration[0] if calibration else None))
+
+
+def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,
+                 keep: Path | None = None):
+    """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: where
+    its own file is written as the tool wrote it."""
     try:
         return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
-                                    data=calibration[0] if calibration else None)
+                                    data=calibration[0] if calibration else None, keep=keep)
     except ToolError as exc:  # the quantizer refused this model: no recipe start
         log.warning("%s; starting without the recipe", exc)
         return None
