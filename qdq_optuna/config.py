@@ -47,6 +47,11 @@ class Config:
     #: read what the runtime ran for each standing model (once per change) and measure no
     #: move that only removes Q/DQ it fused into integer kernels (docs/time_to_result.md)
     prune_by_runtime: bool = True
+    #: with prune_by_runtime on a measured backend: time each integer kernel the runtime ran
+    #: against its float kernel on this machine (cached per runtime and CPU flags); a fused
+    #: Q/DQ is pruned only where its integer kernel measured faster, and removals where float
+    #: measured faster are tried first (qdq_optuna/measure/kernels.py)
+    kernel_evidence: bool = True
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1

@@ -67,6 +67,8 @@ def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
                                   for lane, rnd, pid, why in descent.skipped]
         if descent.unfused is not None:
             out["what_ran_reads"] = descent.unfused.reads
+            if descent.unfused.kernels is not None:
+                out["kernel_table"] = kernel_table_entry(descent.unfused.kernels, model)
     try:
         what = backend.what_ran(model) if isinstance(model, bytes) else None
     except Exception as exc:  # the report still ships without it
@@ -87,6 +89,34 @@ def runtime_keys(backend, model: bytes, prepared, descent=None) -> dict:
     out["what_ran"] = {"how": what.how, "fused": len(what.fused),
                        "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
                        "reformats": len(what.reformats), "patterns": patterns}
+    return out
+
+
+#: what the search did with each kernel's evidence
+KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
+                  "float": "removal tried first (float faster)",
+                  "tie": "removal measured (no difference resolved)"}
+
+
+def kernel_table_entry(table, model) -> dict:
+    """The kernel table for the report: per node, integer and float ms on this machine, the
+    ratio float/integer with its interval, what the search did, and how the shipped model
+    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
+    from qdq_optuna.measure.kernels import units, with_shapes
+
+    out = table.to_dict()
+    placed = None
+    if isinstance(model, bytes):
+        import onnx
+
+        try:
+            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)))}
+        except Exception:  # the table still ships without the column
+            placed = None
+    for row in out["kernels"]:
+        row["action"] = KERNEL_ACTIONS[row["decision"]]
+        if placed is not None:
+            row["shipped"] = "integer" if row["node"] in placed else "float"
     return out
 
 
@@ -312,6 +342,30 @@ def _starts_lines(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
+    """The kernel table: which layers run faster in float on this machine."""
+    if not k or not k.get("kernels"):
+        return []
+    rows = k["kernels"]
+    rt = k.get("runtime") or {}
+    lines = ["", "## Kernels: integer vs float on this machine", "",
+             f"{rt.get('name', 'the backend')} ({', '.join(f'{a}={b}' for a, b in rt.items() if a != 'name')}); "
+             f"CPU flags: {', '.join(k.get('cpu_flags') or []) or 'none read'}. Each node's "
+             f"integer kernel (its Q/DQ model cut at the Q outputs) against its float kernel, "
+             f"interleaved A/B; {k['timed']} signature(s) timed in this run, {k['cached']} "
+             f"from the cache. Float faster at "
+             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s).", "",
+             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |",
+             "|---|---|---:|---:|---|---|---|"]
+    for r in rows[:limit]:
+        lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
+                     f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
+                     f"{r['action']} | {r.get('shipped', '?')} |")
+    if len(rows) > limit:
+        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |")
+    return lines
+
+
 def _what_ran_lines(r: dict) -> list[str]:
     """The runtime's own account of the shipped model, per pattern, and the skipped visits."""
     lines = []
@@ -328,6 +382,7 @@ def _what_ran_lines(r: dict) -> list[str]:
                                        if p[k] and k != "fused" else "")
                      for k in ("fused", "standalone", "float_nodes", "reformats")]
             lines.append(f"| {p['id']} | " + " | ".join(cells) + " |")
+    lines += _kernel_lines(r.get("kernel_table"))
     skipped = r.get("descent_skipped") or []
     if skipped:
         lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "

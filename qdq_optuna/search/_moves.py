@@ -50,14 +50,16 @@ class MoveSpace:
               sites: Callable[[Point], dict[str, int]] | None = None,
               resolvable: Mapping | None = None,
               settled: Callable[[Point], bool] | None = None,
-              added: Callable[[Point], int] | None = None) -> VisitMoves:
+              added: Callable[[Point], int] | None = None,
+              gains: Callable[[Point], float] | None = None) -> VisitMoves:
         """The visit of pattern ``pid`` from the standing ``schemes``. ``sites(point)``: by
         the runtime's report, the tensors where removing the point's Q/DQ may still win, with
         their activation elements (None: no report); ``resolvable``: ``min_share`` of
         ``total`` elements a removal must touch to be measured (None: any); ``settled(point)``:
         a Q/DQ pair there can change no layer's precision (None: the report cannot tell);
         ``added(point)``: the activation elements a pair added there can save work on (-1:
-        unbounded; None: additions are never too small)."""
+        unbounded; None: additions are never too small); ``gains(point)``: the ms removing
+        its Q/DQ saves by the measured kernel table (such removals go first)."""
         pp = self.by_id[pid]
         mine = {(pid, q) for q in pp.ids}
         chains = [c for c in self.chains if c & mine]
@@ -79,6 +81,11 @@ class MoveSpace:
                 name(pt): added(pt) for pt in sorted(mine) + foreign},
             **(dict(resolvable) if resolvable else {}),
         }
+        if gains is not None:  # only points the kernel table says gain
+            found = {name(pt): round(g, 6) for pt in sorted(mine) + foreign
+                     if (g := gains(pt)) > 0}
+            if found:
+                attr["gains"] = found
         if stats.prior:  # a later lane: what earlier lanes taught
             attr["prior"] = stats.prior_attr()
         return VisitMoves(pid, schemes, attr, Visit(attr, pp.ids, pp.fusion_groups,

@@ -26,6 +26,9 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
 * ``added``: per point, the activation elements a pair added there can save work on (-1:
   unbounded, e.g. a convolution next to it may change precision); with ``min_share``, a move
   whose additions hold less is ``too small`` too. None: additions are never dropped for size.
+* ``gains``: per point, the ms removing its Q/DQ saves by a measured kernel table (the
+  integer kernel next to it measured slower than its float one); optional. A move that only
+  switches such points off goes first, by its summed gain.
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
@@ -212,6 +215,7 @@ class Visit:
         self.settled = None if settled is None else frozenset(map(str, settled))
         added = attr.get("added")
         self.added = None if added is None else {str(p): int(n) for p, n in added.items()}
+        self.gains = {str(p): float(g) for p, g in (attr.get("gains") or {}).items()}
         self.min_share = attr.get("min_share")
         self.total = attr.get("total") or 0
         self.fusion = [frozenset(g) for g in fusion_groups]
@@ -275,9 +279,17 @@ class Visit:
                 if (m.on or m.off) and (m.on, m.off) not in seen:
                     seen.add((m.on, m.off))
                     moves.append((rank, m))
-        # stable: the learned rate first, then kind, then the prior (the order above)
-        moves.sort(key=lambda rm: (-self.stats.rate(rm[1].signature), rm[0]))
+        # stable: a removal the kernel table says gains first (by its gain), then the
+        # learned rate, then kind, then the prior (the order above)
+        moves.sort(key=lambda rm: (-self.gain(rm[1]), -self.stats.rate(rm[1].signature),
+                                   rm[0]))
         return [m for _, m in moves]
+
+    def gain(self, move: Move) -> float:
+        """The measured kernel gain of a move that only switches points off (0 otherwise)."""
+        if move.on or not self.gains:
+            return 0.0
+        return sum(self.gains.get(p, 0.0) for p in move.off)
 
     def why_not(self, move: Move) -> str | None:
         """Why the runtime's report says ``move`` cannot win (None: it may): both what it
