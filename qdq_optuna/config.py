@@ -52,6 +52,11 @@ class Config:
     #: Q/DQ is pruned only where its integer kernel measured faster, and removals where float
     #: measured faster are tried first (qdq_optuna/measure/kernels.py)
     kernel_evidence: bool = True
+    #: on a measured backend: before a candidate's whole-model A/B, time the region whose Q/DQ
+    #: it changes, cut from the candidate and its reference (an interleaved A/B of the two
+    #: small models); a region measured slower is screened out, every other candidate gets the
+    #: whole-model A/B, and the report counts how often the two rankings agreed
+    subgraph_screen: bool = False
     #: our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only
     seed_compute_inputs: bool = True
     top_percent_to_mutate: float = 0.1

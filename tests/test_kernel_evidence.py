@@ -14,7 +14,7 @@ from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure import kernels as K
-from qdq_optuna.measure.timing import TimingProtocol
+from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.search._moves import MoveSpace, MoveStats
@@ -187,3 +187,61 @@ def test_the_report_lists_the_table_with_the_decision_and_the_shipped_precision(
         assert entry["kernels"][0]["node"] == convs[0]  # the largest float gain first
         text = "\n".join(_kernel_lines(entry))
         assert "CPU flags: avx2" in text and f"| {convs[0]} | Conv |" in text
+
+
+def _qs(model: onnx.ModelProto) -> int:
+    """A latency that grows with the QuantizeLinear nodes a model runs (a pinned ranking)."""
+    return 1.0 + 0.1 * sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
+
+
+def _pair(pm):
+    """Every point on, and the same with one Conv's input pair off: (with, without) plans."""
+    ex = pm.exporter()
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    conv = next(i for i, n in enumerate(pm.graph.nodes)
+                if n.op_type == "Conv" and any(u[1] == i for u in uses))
+    return ex, ex.plan(uses), ex.plan({u for u in uses if u[1] != conv}), conv
+
+
+def test_a_region_is_cut_from_both_models_around_the_changed_qdq(resnet):
+    pm = resnet[0]
+    ex, full, less, conv = _pair(pm)
+    nodes = K.changed_nodes(pm.graph, full, less)
+    assert conv in nodes
+    inputs, outputs = K.region_cut(pm.graph, nodes)
+    cuts = [onnx.load_from_string(K.region_model(K.with_shapes(
+        onnx.load_from_string(ex.to_bytes(p))), inputs, outputs)) for p in (full, less)]
+    for cut in cuts:
+        onnx.checker.check_model(cut, full_check=True)
+        assert pm.graph.nodes[conv].name in {n.name for n in cut.graph.node}
+    assert _qs(cuts[0]) > _qs(cuts[1])  # the pair that differs is in the cut
+    timing = K.time_region(Measurer(OnnxRuntimeBackend(), QUICK), pm.graph,
+                           onnx.load_from_string(ex.to_bytes(full)),
+                           onnx.load_from_string(ex.to_bytes(less)), full, less)
+    assert timing is not None and math.isfinite(timing.ratio) and timing.nodes == len(nodes)
+
+
+@pytest.mark.parametrize("candidate_has_more_qdq", [True, False])
+def test_the_subgraph_screen_drops_a_slower_region_and_records_agreement(
+        resnet, candidate_has_more_qdq):
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.search._plans import PlanMeasurer, Reference
+
+    pm = resnet[0]
+    ex, full, less, _ = _pair(pm)
+    cand, ref = (full, less) if candidate_has_more_qdq else (less, full)
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, min_rounds=2,
+                                             max_rounds=3, runs=1, warmup=0)
+    whole = Measurer(CallableBackend(_qs), protocol)
+    plans = PlanMeasurer(whole, memo=None, regions=pm.graph)
+    plans.regions = (pm.graph, Measurer(whole.backend, protocol))  # a short region A/B too
+    ref_bytes = ex.to_bytes(ref)
+    ref_ms = _qs(onnx.load_from_string(ref_bytes))
+    m = plans._time(ex.to_bytes(cand), Reference(ref, ref_bytes, ref_ms, ref_ms), cand)
+    sub = m.extra["subgraph"]
+    if candidate_has_more_qdq:  # its region is slower: no whole-model measurement at all
+        assert m.kind == "screened_out" and m.screened_out and sub["verdict"] == "slower"
+        assert whole.loads == 0
+    else:  # faster region: the whole model is A/B-compared, and the two rankings agree
+        assert m.kind == "ab" and sub["ratio"] < 1 and m.ratio < 1 and sub["agrees"]
+        assert whole.loads > 0

@@ -371,3 +371,78 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
         cache.save()
     table.seconds = time.perf_counter() - t0
     return table
+
+
+# -- subgraph screening ----------------------------------------------------------------------
+def _dq_outputs(model: onnx.ModelProto, tensor: str) -> list[str]:
+    """Where a cut after ``tensor`` keeps its Q/DQ: the outputs of the DQs of its Qs (the
+    tensor itself when it has none)."""
+    g = model.graph
+    qs = {n.output[0] for n in g.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor}
+    out = [n.output[0] for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in qs]
+    return out or [tensor]
+
+
+def region_cut(graph, nodes: Iterable[int]) -> tuple[list[str], list[str]]:
+    """The float tensors that bound a region of the prepared ``graph`` (node indices): what
+    it reads from outside, and what it writes that is read outside or is a graph output."""
+    region = set(nodes)
+    made = {t for i in region for t in graph.nodes[i].output if t}
+    consts = graph.initializers | graph.constants
+    inputs = sorted({t for i in region for t in graph.nodes[i].input
+                     if t and t not in made and t not in consts})
+    outside = {t for i, n in enumerate(graph.nodes) if i not in region for t in n.input}
+    outputs = {vi.name for vi in graph.model.graph.output}
+    return inputs, sorted(t for t in made if t in outside or t in outputs)
+
+
+def region_model(model: onnx.ModelProto, inputs: Iterable[str],
+                 outputs: Iterable[str]) -> bytes:
+    """A Q/DQ ``model`` (with shapes) cut to a region: from its float inputs (their Q/DQ
+    inside) to its outputs after their Q/DQ."""
+    outs = [o for t in outputs for o in _dq_outputs(model, t)]
+    return subgraph(model, inputs, outs)
+
+
+def changed_nodes(graph, plan, reference_plan) -> set[int]:
+    """Nodes (indices) next to the Q/DQ two plans place differently: the consumers of every
+    changed activation or weight pair, and the producers of the changed tensors."""
+    changed = set(plan.activations) ^ set(reference_plan.activations)
+    nodes = {n for _, consumers, _ in changed for n, _ in consumers if n >= 0}
+    nodes |= {n for n, _, _ in set(plan.weights) ^ set(reference_plan.weights)}
+    nodes |= {graph.producer[t][0] for t, _, _ in changed if t in graph.producer}
+    return {n for n in nodes if 0 <= n < len(graph.nodes)}
+
+
+@dataclass(frozen=True)
+class SubgraphTiming:
+    """A candidate's changed region against the reference's, interleaved."""
+
+    nodes: int
+    ratio: float
+    ci_low: float
+    ci_high: float
+    rounds: int
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_region(measurer: Measurer, graph, candidate: onnx.ModelProto,
+                reference: onnx.ModelProto, plan, reference_plan) -> SubgraphTiming | None:
+    """The subgraph A/B of a candidate plan against its reference: the nodes whose Q/DQ
+    differ, cut from both models (None: the plans do not differ, or the cut failed)."""
+    nodes = changed_nodes(graph, plan, reference_plan)
+    if not nodes:
+        return None
+    inputs, outputs = region_cut(graph, nodes)
+    try:
+        cand = region_model(with_shapes(candidate), inputs, outputs)
+        ref = region_model(with_shapes(reference), inputs, outputs)
+        c = measurer.compare(cand, ref, until="verdict")
+    except Exception as exc:  # a screen is an optimisation: the whole model is measured
+        log.info("region of %d node(s) not timed (%s)", len(nodes), str(exc).splitlines()[0])
+        return None
+    return SubgraphTiming(len(nodes), round(c.ratio, 6), round(c.ci_low, 6),
+                          round(c.ci_high, 6), c.rounds, c.verdict)

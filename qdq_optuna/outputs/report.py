@@ -221,7 +221,8 @@ def trial_statistics(trials) -> dict:
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
            "ab_gave_up": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
-           "screen_discard_ratio": SCREEN_DISCARD_RATIO}
+           "screen_discard_ratio": SCREEN_DISCARD_RATIO,
+           "subgraph_screened_out": 0, "subgraph_compared": 0, "subgraph_agreed": 0}
     kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
              "deterministic": "deterministic"}
     for t in trials:
@@ -243,6 +244,11 @@ def trial_statistics(trials) -> dict:
                 continue
             out["measured"] += 1
             out[key] += 1
+            sub = m.extra.get("subgraph")
+            if isinstance(sub, dict):  # the region's A/B: alone, or beside the whole model's
+                out["subgraph_screened_out"] += key == "screened_out"
+                out["subgraph_compared"] += "agrees" in sub
+                out["subgraph_agreed"] += bool(sub.get("agrees"))
             out["ab_decided"] += key == "ab_compared" and bool(m.decided)
             out["ab_gave_up"] += key == "ab_compared" and m.verdict == "not faster"
     return out
@@ -265,7 +271,11 @@ def _statistics_lines(st: dict | None) -> list[str]:
             f"up at half their rounds as not faster), {st['screened_out']} screened "
             f"out (screen over {st['screen_discard_ratio']}x the reference; their value is the "
             f"screen estimate), {st['screen_only']} screen-only, {st['deterministic']} "
-            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"]
+            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"] + (
+        [f"Subgraph screen: {st['subgraph_screened_out']} candidate(s) screened out by their "
+         f"changed region alone; of {st['subgraph_compared']} also A/B-compared as whole "
+         f"models, the region ranked {st['subgraph_agreed']} as the whole model did (faster "
+         "or not)."] if st.get("subgraph_screened_out") or st.get("subgraph_compared") else [])
 
 
 def _f(x, fmt="{:.3f}") -> str:

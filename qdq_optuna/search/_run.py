@@ -184,7 +184,8 @@ class Tuner:
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
         scorer, data_name = error_scorer(self.prepared, self.o, self.settings.runtime, exporter,
                                          self.validation, self.calibration, self.backend)
-        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
+        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors,
+                             regions=self.prepared.graph if self.cfg.subgraph_screen else None)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
         guard = Guard(plans, calibrated, self.settings.error_bound,
