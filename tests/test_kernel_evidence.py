@@ -245,3 +245,24 @@ def test_the_subgraph_screen_drops_a_slower_region_and_records_agreement(
     else:  # faster region: the whole model is A/B-compared, and the two rankings agree
         assert m.kind == "ab" and sub["ratio"] < 1 and m.ratio < 1 and sub["agrees"]
         assert whole.loads > 0
+
+
+def test_openvino_units_read_integer_and_write_float_and_are_timed():
+    pytest.importorskip("openvino")
+    from qdq_optuna.backends.openvino import OpenVinoBackend
+
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="openvino")
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    shaped = K.with_shapes(qdq)
+    assert not K.units(shaped)  # no Q after the Convs: not an ONNX Runtime integer kernel
+    units = K.units(shaped, output_q=False)
+    assert units
+    int_model = onnx.load_from_string(K.unit_models(units[0], shaped, K.with_shapes(flt))[0])
+    assert int_model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    table = K.kernel_table(OpenVinoBackend(), flt, qdq, skip=[u.node for u in units[1:]],
+                           protocol=QUICK)
+    assert not table.output_q and set(table.timings) == {units[0].node}
+    t = table.timings[units[0].node]
+    assert math.isfinite(t.int_ms) and math.isfinite(t.float_ms) and t.int_ms > 0

@@ -33,6 +33,7 @@ import onnx
 from onnx import helper
 
 from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna.backends import runtime_for_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 
@@ -44,7 +45,7 @@ KERNEL_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 #: QLinearConv absorbs a Relu/Clip between the Conv and its Q)
 TAIL_OPS = frozenset({"Relu", "Clip"})
 #: backend settings that describe the model, not the runtime (left out of the cache key)
-_MODEL_KEYS = frozenset({"input_shapes", "input_data", "seed", "model"})
+_MODEL_KEYS = frozenset({"input_shapes", "input_data", "seed", "model", "isolated"})
 #: CPU flags shown in the report (the key uses every flag)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
@@ -130,6 +131,8 @@ class KernelTable:
     runtime: dict
     flags: list[str]
     timings: dict[str, KernelTiming] = field(default_factory=dict)
+    #: the units were read with :func:`units`'s ``output_q``
+    output_q: bool = True
     #: signatures timed now, and read from the cache
     timed: int = 0
     cached: int = 0
@@ -178,9 +181,12 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
     return out
 
 
-def units(qdq_model: onnx.ModelProto) -> list[Unit]:
+def units(qdq_model: onnx.ModelProto, output_q: bool = True) -> list[Unit]:
     """The nodes of a Q/DQ model set up to run as integer kernels (see the module
-    docstring). ``qdq_model`` must carry shapes (:func:`onnx.shape_inference.infer_shapes`)."""
+    docstring). ``qdq_model`` must carry shapes (:func:`onnx.shape_inference.infer_shapes`).
+    ``output_q``: the runtime's integer kernel needs a Q on the output too (ONNX Runtime's
+    QLinear ops); without it (OpenVINO, TensorRT: integer in, float out) a unit may end at its
+    float output."""
     g = qdq_model.graph
     producer = {o: n for n in g.node for o in n.output}
     readers: dict[str, list] = {}
@@ -216,12 +222,12 @@ def units(qdq_model: onnx.ModelProto) -> list[Unit]:
                 tail.append(readers[out][0].op_type)
                 out = readers[out][0].output[0]
             qs = [r for r in readers.get(out, []) if r.op_type == "QuantizeLinear"]
-            if not int_in or not qs:
+            if not int_in or (output_q and not qs):
                 continue
-            sig = json.dumps([node.op_type, _attrs(node), shape_in, tail], sort_keys=True,
-                             default=str)
+            sig = json.dumps([node.op_type, _attrs(node), shape_in, tail, bool(qs)],
+                             sort_keys=True, default=str)
             found.append(Unit(node.name, node.op_type, sig, tuple(int_in),
-                              (qs[0].output[0],), tuple(float_in), len(tail)))
+                              (qs[0].output[0] if qs else out,), tuple(float_in), len(tail)))
     return found
 
 
@@ -335,21 +341,25 @@ def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
-                 protocol: TimingProtocol | None = None) -> KernelTable:
+                 protocol: TimingProtocol | None = None,
+                 output_q: bool | None = None) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
-    A unit that cannot be cut or run is left out (logged), never the run's failure."""
+    A unit that cannot be cut or run is left out (logged), never the run's failure.
+    ``output_q`` (see :func:`units`) follows the backend: ONNX Runtime's rules need it."""
+    if output_q is None:
+        output_q = runtime_for_backend(getattr(backend, "name", "")) == "onnxruntime"
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
     key = machine_key(runtime, flags)
-    table = KernelTable(runtime, isa(flags))
+    table = KernelTable(runtime, isa(flags), output_q=output_q)
     qdq, flt = with_shapes(qdq_model), with_shapes(float_model)
     skip = set(skip)
     measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
     done: dict[str, KernelTiming] = {}
-    for unit in units(qdq):
+    for unit in units(qdq, output_q):
         if unit.node in skip:
             continue
         timing = done.get(unit.signature) or (cache.get(key, unit.signature)

@@ -110,7 +110,8 @@ def kernel_table_entry(table, model) -> dict:
         import onnx
 
         try:
-            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)))}
+            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
+                                            table.output_q)}
         except Exception:  # the table still ships without the column
             placed = None
     for row in out["kernels"]:
