@@ -266,3 +266,14 @@ def test_openvino_units_read_integer_and_write_float_and_are_timed():
     assert not table.output_q and set(table.timings) == {units[0].node}
     t = table.timings[units[0].node]
     assert math.isfinite(t.int_ms) and math.isfinite(t.float_ms) and t.int_ms > 0
+
+
+def test_the_kernel_move_switches_every_gaining_point_off_first():
+    from qdq_optuna.samplers.qdq_mutation import Visit
+
+    attr = {"standing": {"a": 1, "b": 1, "c": 1}, "gains": {"a": 0.2, "b": 0.1}}
+    moves = Visit(attr, ["a", "b", "c"]).all_moves()
+    assert moves[0].kind == "kernel" and moves[0].off == {"a", "b"} and not moves[0].on
+    assert [m.off for m in moves[1:3]] == [{"a"}, {"b"}]  # then each by its gain
+    assert moves[0].kind not in {m.kind for m in Visit({"standing": attr["standing"]},
+                                                       ["a", "b", "c"]).all_moves()}

@@ -28,16 +28,17 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
   whose additions hold less is ``too small`` too. None: additions are never dropped for size.
 * ``gains``: per point, the ms removing its Q/DQ saves by a measured kernel table (the
   integer kernel next to it measured slower than its float one); optional. A move that only
-  switches such points off goes first, by its summed gain.
+  switches such points off goes first, by its summed gain, and the first of all is ``kernel``:
+  every such point of the visit off at once (the table's recommendation in one measurement).
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
 
-A *move* switches some points on and others off: ``cache`` (the cached scheme), ``fusion`` (a
-fusion group all on or all off), ``concat`` (a Concat group: its inputs share one scale),
-``chain``, ``single`` (one point flipped). Order: a move's signature says what it changes (Q/DQ
-added or removed between a producer op and a consumer op, ``on:Conv>Concat``); moves are
-ordered by the rate at which their signature improved the standing model so far (a signature
+A *move* switches some points on and others off: ``kernel`` (see ``gains``), ``cache`` (the
+cached scheme), ``fusion`` (a fusion group all on or all off), ``concat`` (a Concat group: its
+inputs share one scale), ``chain``, ``single`` (one point flipped). Order: a move's signature
+says what it changes (Q/DQ added or removed between a producer op and a consumer op,
+``on:Conv>Concat``); moves are ordered by their measured kernel gain (``gains``), then by the rate at which their signature improved the standing model so far (a signature
 not seen yet counts as even odds), then by kind in the order above, then by the op-mix prior
 (:func:`op_prior`). The visit walks the list once (first improvement): each move is applied
 to the visit's best scheme so far when it is proposed; moves that change nothing, build a
@@ -67,7 +68,7 @@ DUPLICATE_OF_KEY = "duplicate_of"
 #: points it sets); ``{"kind": None}``: the visit had no move left when the trial was asked
 VISIT_MOVE_KEY = "qdq:visit_move"
 
-KINDS = ("cache", "fusion", "concat", "chain", "single")
+KINDS = ("kernel", "cache", "fusion", "concat", "chain", "single")
 
 #: ops that read INT8 on TensorRT-like runtimes and ONNX Runtime's QDQ kernels: Q/DQ in front
 #: of them tends to pay
@@ -262,7 +263,9 @@ class Visit:
         nothing, before the runtime's report prunes any."""
         state = frozenset(p for p, v in self.standing.items() if v)
         mine = frozenset(self.points)
+        gained = frozenset(p for p in state if self.gains.get(p, 0) > 0)
         by_kind: dict[str, list[Move]] = {
+            "kernel": [self._move("kernel", (), gained)] if gained else [],
             "cache": [],
             "fusion": self._groups("fusion", self.fusion, state),
             "concat": self._groups("concat", self.concat, state),
