@@ -134,4 +134,8 @@ class Config:
         d.pop("verbose", None)
         d.pop("pattern_cache_minimum_distance", None)
         d.pop("pattern_cache_max_entries_per_pattern", None)
+        # settings added later count only when changed: a run stored before them resumes
+        for key, default in (("kernel_evidence", True), ("subgraph_screen", False)):
+            if d.get(key) == default:
+                d.pop(key)
         return d
