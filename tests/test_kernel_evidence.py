@@ -277,3 +277,30 @@ def test_the_kernel_move_switches_every_gaining_point_off_first():
     assert [m.off for m in moves[1:3]] == [{"a"}, {"b"}]  # then each by its gain
     assert moves[0].kind not in {m.kind for m in Visit({"standing": attr["standing"]},
                                                        ["a", "b", "c"]).all_moves()}
+
+
+def test_the_report_counts_how_often_the_region_ranked_as_the_whole_model():
+    import optuna
+
+    from qdq_optuna.outputs.report import _statistics_lines, trial_statistics
+    from qdq_optuna.record import Measurement, TrialAttr
+
+    def trial(m: Measurement):
+        return optuna.trial.create_trial(value=m.latency_ms,
+                                         user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})
+
+    sub = {"nodes": 3, "ratio": 0.9, "ci_low": 0.85, "ci_high": 0.95, "rounds": 4,
+           "verdict": "faster"}
+    trials = [
+        trial(Measurement(9.0, kind="ab", ratio=0.9, ci=[0.8, 0.95], reference_ms=10.0,
+                          extra={"subgraph": {**sub, "agrees": True}})),
+        trial(Measurement(11.0, kind="ab", ratio=1.1, ci=[1.05, 1.2], reference_ms=10.0,
+                          extra={"subgraph": {**sub, "agrees": False}})),
+        trial(Measurement(13.0, kind="screened_out", screened_out=True, ratio=1.3,
+                          reference_ms=10.0, extra={"subgraph": {**sub, "verdict": "slower"}})),
+        trial(Measurement(10.0, kind="ab", ratio=1.0, ci=[0.9, 1.1], reference_ms=10.0)),
+    ]
+    st = trial_statistics(trials)
+    assert (st["subgraph_screened_out"], st["subgraph_compared"], st["subgraph_agreed"]) == \
+        (1, 2, 1)
+    assert "the region ranked 1 as the whole model did" in "\n".join(_statistics_lines(st))
