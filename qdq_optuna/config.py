@@ -91,7 +91,18 @@ class Config:
     that failed this many times in a descent and never paid is not tried again; 0: every move"""
     prune_by_runtime: bool = True
     """read what the runtime ran for each standing model (once per change) and measure no move
-    that only removes Q/DQ it fused into integer kernels (docs/time_to_result.md)"""
+    that only removes Q/DQ it fused into integer kernels where they measured faster than float
+    (docs/time_to_result.md)"""
+    kernel_evidence: bool = True
+    """with prune_by_runtime on a measured backend: time each integer kernel the runtime ran
+    against its float kernel on this machine (cached per runtime and CPU flags); a fused Q/DQ
+    is pruned only where its integer kernel measured faster, and removals where float measured
+    faster are tried first (qdq_optuna/measure/kernels.py)"""
+    subgraph_screen: bool = False
+    """on a measured backend: before a candidate's whole-model A/B, time the region whose Q/DQ
+    it changes, cut from the candidate and its reference (an interleaved A/B of the two small
+    models); a region measured slower is screened out, every other candidate gets the
+    whole-model A/B, and the report counts how often the two rankings agreed"""
     seed_compute_inputs: bool = True
     """our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only"""
     top_percent_to_mutate: float = 0.1
@@ -181,4 +192,8 @@ class Config:
         d.pop("verbose", None)
         d.pop("pattern_cache_minimum_distance", None)
         d.pop("pattern_cache_max_entries_per_pattern", None)
+        # settings added later count only when changed: a run stored before them resumes
+        for key, default in (("kernel_evidence", True), ("subgraph_screen", False)):
+            if d.get(key) == default:
+                d.pop(key)
         return d

@@ -88,7 +88,7 @@ def test_visits_start_from_the_standing_model(runs):
             previous_ref = attrs["reference_ms"]
         # moves carry their kind and what they change; with our sampler they are all it tries
         for t in trials[1:]:
-            assert t.user_attrs["move"] in ("cache", "fusion", "concat", "chain", "single")
+            assert t.user_attrs["move"] in ("kernel", "cache", "fusion", "concat", "chain", "single")
             assert t.user_attrs["move_signature"]
 
 

@@ -62,7 +62,8 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
     }
 
 
-def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None) -> dict:
+def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None,
+                 model: bytes | None = None) -> dict:
     """``what_ran``: for the shipped model, per pattern, which Q/DQ the runtime fused, which
     stayed standalone, where float ran next to integer and where it reformatted (read from the
     runtime itself: the thing a TensorRT user opens an engine explorer for); and
@@ -73,6 +74,8 @@ def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None
                                   for lane, rnd, pid, why in descent.skipped]
         if descent.unfused is not None:
             out["what_ran_reads"] = descent.unfused.reads
+            if descent.unfused.kernels is not None:
+                out["kernel_table"] = kernel_table_entry(descent.unfused.kernels, model)
     if error is not None:  # the search could not read it: the report still ships
         out["what_ran"] = {"how": None, "error": error}
         return out
@@ -91,6 +94,35 @@ def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None
     out["what_ran"] = {"how": what.how, "fused": len(what.fused),
                        "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
                        "reformats": len(what.reformats), "patterns": patterns}
+    return out
+
+
+#: what the search did with each kernel's evidence
+KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
+                  "float": "removal tried first (float faster)",
+                  "tie": "removal measured (no difference resolved)"}
+
+
+def kernel_table_entry(table, model) -> dict:
+    """The kernel table for the report: per node, integer and float ms on this machine, the
+    ratio float/integer with its interval, what the search did, and how the shipped model
+    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
+    from qdq_optuna.measure.kernels import units, with_shapes
+
+    out = table.to_dict()
+    placed = None
+    if isinstance(model, bytes):
+        import onnx
+
+        try:
+            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
+                                            table.output_q)}
+        except Exception:  # the table still ships without the column
+            placed = None
+    for row in out["kernels"]:
+        row["action"] = KERNEL_ACTIONS[row["decision"]]
+        if placed is not None:
+            row["shipped"] = "integer" if row["node"] in placed else "float"
     return out
 
 
@@ -197,7 +229,8 @@ def trial_statistics(trials) -> dict:
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
            "ab_gave_up": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
-           "screen_discard_ratio": SCREEN_DISCARD_RATIO}
+           "screen_discard_ratio": SCREEN_DISCARD_RATIO,
+           "subgraph_screened_out": 0, "subgraph_compared": 0, "subgraph_agreed": 0}
     kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
              "deterministic": "deterministic"}
     for t in trials:
@@ -219,6 +252,11 @@ def trial_statistics(trials) -> dict:
                 continue
             out["measured"] += 1
             out[key] += 1
+            sub = m.extra.get("subgraph")
+            if isinstance(sub, dict):  # the region's A/B: alone, or beside the whole model's
+                out["subgraph_screened_out"] += key == "screened_out"
+                out["subgraph_compared"] += "agrees" in sub
+                out["subgraph_agreed"] += bool(sub.get("agrees"))
             out["ab_decided"] += key == "ab_compared" and bool(m.decided)
             out["ab_gave_up"] += key == "ab_compared" and m.verdict == "not faster"
     return out
@@ -241,7 +279,11 @@ def _statistics_lines(st: dict | None) -> list[str]:
             f"up at half their rounds as not faster), {st['screened_out']} screened "
             f"out (screen over {st['screen_discard_ratio']}x the reference; their value is the "
             f"screen estimate), {st['screen_only']} screen-only, {st['deterministic']} "
-            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"]
+            f"deterministic, {st['cache_hits']} cache hits (builds saved).{failed}"] + (
+        [f"Subgraph screen: {st['subgraph_screened_out']} candidate(s) screened out by their "
+         f"changed region alone; of {st['subgraph_compared']} also A/B-compared as whole "
+         f"models, the region ranked {st['subgraph_agreed']} as the whole model did (faster "
+         "or not)."] if st.get("subgraph_screened_out") or st.get("subgraph_compared") else [])
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -355,6 +397,30 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
     return lines
 
 
+def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
+    """The kernel table: which layers run faster in float on this machine."""
+    if not k or not k.get("kernels"):
+        return []
+    rows = k["kernels"]
+    rt = k.get("runtime") or {}
+    lines = ["", "## Kernels: integer vs float on this machine", "",
+             f"{rt.get('name', 'the backend')} ({', '.join(f'{a}={b}' for a, b in rt.items() if a != 'name')}); "
+             f"CPU flags: {', '.join(k.get('cpu_flags') or []) or 'none read'}. Each node's "
+             f"integer kernel (its Q/DQ model cut at the Q outputs) against its float kernel, "
+             f"interleaved A/B; {k['timed']} signature(s) timed in this run, {k['cached']} "
+             f"from the cache. Float faster at "
+             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s).", "",
+             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |",
+             "|---|---|---:|---:|---|---|---|"]
+    for r in rows[:limit]:
+        lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
+                     f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
+                     f"{r['action']} | {r.get('shipped', '?')} |")
+    if len(rows) > limit:
+        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |")
+    return lines
+
+
 def _what_ran_lines(r: dict) -> list[str]:
     """The runtime's own account of the shipped model, per pattern, and the skipped visits."""
     lines = []
@@ -371,6 +437,7 @@ def _what_ran_lines(r: dict) -> list[str]:
                                        if p[k] and k != "fused" else "")
                      for k in ("fused", "standalone", "float_nodes", "reformats")]
             lines.append(f"| {p['id']} | " + " | ".join(cells) + " |")
+    lines += _kernel_lines(r.get("kernel_table"))
     skipped = r.get("descent_skipped") or []
     if skipped:
         lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "

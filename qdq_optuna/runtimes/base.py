@@ -7,6 +7,7 @@ candidate, what the runtime ran and, where measured, its integer-vs-float kernel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,14 @@ class Runtime:
         """What the runtime fused, ran standalone, kept float, reformatted for ``model``."""
         return backend.what_ran(model)
 
-    def kernel_timing(self, backend: Backend) -> Any | None:
-        """Measured integer-vs-float kernel timing on this machine (the place for it; None:
-        not measured, the rules' static fusion tables decide alone)."""
-        return None
+    def kernel_timing(self, backend: Backend) -> Callable:
+        """``fn(float_model, qdq_model, **kw) -> KernelTable``: each integer kernel this
+        runtime runs timed against its float kernel on ``backend`` (this machine), its units
+        cut as the rules fuse them (:func:`qdq_optuna.measure.kernels.kernel_table`)."""
+        from qdq_optuna.measure.kernels import kernel_table
+
+        return functools.partial(kernel_table, backend,
+                                 output_q=bool(self.rules.output_quantized_ops))
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"

@@ -50,14 +50,16 @@ class MoveSpace:
               sites: Callable[[Point], dict[str, int]] | None = None,
               resolvable: Mapping | None = None,
               settled: Callable[[Point], bool] | None = None,
-              added: Callable[[Point], int] | None = None) -> VisitMoves:
+              added: Callable[[Point], int] | None = None,
+              gains: Callable[[Point], float] | None = None) -> VisitMoves:
         """The visit of pattern ``pid`` from the standing ``schemes``. ``sites(point)``: by
         the runtime's report, the tensors where removing the point's Q/DQ may still win, with
         their activation elements (None: no report); ``resolvable``: ``min_share`` of
         ``total`` elements a removal must touch to be measured (None: any); ``settled(point)``:
         a Q/DQ pair there can change no layer's precision (None: the report cannot tell);
         ``added(point)``: the activation elements a pair added there can save work on (-1:
-        unbounded; None: additions are never too small)."""
+        unbounded; None: additions are never too small); ``gains(point)``: the ms removing
+        its Q/DQ saves by the measured kernel table (such removals go first)."""
         pp = self.by_id[pid]
         mine = {(pid, q) for q in pp.ids}
         chains = [c for c in self.chains if c & mine]
@@ -79,7 +81,11 @@ class MoveSpace:
                 name(pt): added(pt) for pt in sorted(mine) + foreign},
             min_share=(resolvable or {}).get("min_share"), total=(resolvable or {}).get("total"),
             # a later lane: what earlier lanes taught
-            prior=stats.prior_attr() if stats.prior else None)
+            prior=stats.prior_attr() if stats.prior else None,
+            # only points the kernel table says gain
+            gains=None if gains is None else {
+                name(pt): round(g, 6) for pt in sorted(mine) + foreign if (g := gains(pt)) > 0}
+            or None)
         return VisitMoves(pid, schemes, spec.to_attr(), Visit(spec, pp.ids, pp.fusion_groups,
                                                               pp.concat_groups))
 

@@ -95,6 +95,8 @@ class Search:
     neighbourhood: Neighbourhood | None = None
     #: the accuracy guard (None: no errors are checked, e.g. ask/tell)
     guard: Guard | None = None
+    #: the runtime profile's kernel timing on this backend (None: no kernel evidence)
+    kernel_timing: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.neighbourhood is None:

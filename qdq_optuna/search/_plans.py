@@ -43,7 +43,7 @@ class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
     def __init__(self, measurer: Measurer, memo: PlanMemo, scorer: ErrorScorer | None = None,
-                 errors: PlanMemo | None = None) -> None:
+                 errors: PlanMemo | None = None, regions=None) -> None:
         self.measurer = measurer
         self.memo = memo
         self.scorer = scorer
@@ -54,6 +54,13 @@ class PlanMeasurer:
         #: plan key -> where that model failed in this process; the sampler does not avoid
         #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
         self.failed: dict[str, str] = {}
+        #: the subgraph screen (``Config.subgraph_screen``; ``regions``: the prepared graph):
+        #: the graph, and the measurer of its region A/Bs (None: off, or an exact backend)
+        self.regions: tuple | None = None
+        if regions is not None and not measurer.deterministic:
+            from qdq_optuna.measure.kernels import KERNEL_PROTOCOL
+
+            self.regions = (regions, Measurer(measurer.backend, KERNEL_PROTOCOL))
 
     @property
     def deterministic(self) -> bool:
@@ -138,7 +145,7 @@ class PlanMeasurer:
         if cached is not None:
             return cached.latency_ms, cached
         try:
-            record = dataclasses.replace(self._time(exporter.source(plan), reference),
+            record = dataclasses.replace(self._time(exporter.source(plan), reference, plan),
                                          qdq=len(plan))
         except BackendError:
             self.failed[plan.key] = where
@@ -146,7 +153,23 @@ class PlanMeasurer:
         self.memo.put(plan.key, record)
         return record.latency_ms, record
 
-    def _time(self, data, ref: Reference) -> Measurement:
+    def _region(self, data, ref: Reference, plan: QuantPlan):
+        """The subgraph A/B of the candidate's changed region against the reference's
+        (None: the screen is off, or the models are files or could not be cut)."""
+        if self.regions is None or not isinstance(data, bytes) \
+                or not isinstance(ref.source, bytes):
+            return None
+        import onnx
+
+        from qdq_optuna.measure.kernels import time_region
+
+        graph, measurer = self.regions
+        sub = time_region(measurer, graph, onnx.load_from_string(data),
+                          onnx.load_from_string(ref.source), plan, ref.plan)
+        self.by_phase["subgraph"] += sub is not None
+        return sub
+
+    def _time(self, data, ref: Reference, plan: QuantPlan | None = None) -> Measurement:
         if self.deterministic:
             m = self.measurer.screen(data)
             ratio = m.score_ms / ref.ms
@@ -160,6 +183,12 @@ class PlanMeasurer:
             return Measurement(kind="screen", latency_ms=m.score_ms, ratio=m.score_ms / ref.ms,
                                rounds=1, sessions=m.sessions, reference_ms=ref.ms,
                                stats=m.to_dict())
+        sub = self._region(data, ref, plan) if plan is not None else None
+        if sub is not None and sub.verdict == "slower":  # its region alone is slower
+            return Measurement(kind="screened_out", screened_out=True,
+                               latency_ms=ref.ms * sub.ratio, ratio=sub.ratio, rounds=0,
+                               sessions=0, reference_ms=ref.ms,
+                               extra={"subgraph": sub.to_dict()})
         screen = self.measurer.screen(data)
         self._count("descent")
         if far_off(screen.score_ms, ref.screen_ms):
@@ -177,11 +206,13 @@ class PlanMeasurer:
                                    stats=screen.to_dict())
         cmp = self.measurer.compare(data, ref.source)
         self._count("descent")
+        extra = {} if sub is None else {  # did the region rank it as the whole model did?
+            "subgraph": {**sub.to_dict(), "agrees": (sub.ratio < 1) == (cmp.ratio < 1)}}
         return Measurement(kind="ab", latency_ms=ref.ms * cmp.ratio, ratio=cmp.ratio,
                            ci=[cmp.ci_low, cmp.ci_high], rounds=cmp.rounds, decided=cmp.decided,
                            verdict=cmp.verdict, reference_ms=ref.ms,
                            sessions=screen.sessions + cmp.candidate.sessions,
-                           screen_ms=screen.score_ms)
+                           screen_ms=screen.score_ms, extra=extra)
 
     # -- whole-model comparisons ---------------------------------------------------------
     def compare(self, candidate, reference, phase: str, *, until: str = "verdict") -> Comparison:

@@ -196,7 +196,8 @@ class Tuner:
         exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
         scorer, data_name = error_scorer(self.prepared, self.o, self.profile, exporter,
                                          self.validation, self.calibration, self.backend)
-        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors)
+        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors,
+                             regions=self.prepared.graph if self.cfg.subgraph_screen else None)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
         bound, drop = guard_bound(self.o, self.settings, scorer)
@@ -207,7 +208,7 @@ class Tuner:
             sampler=self.o.sampler, seed=self.o.seed, plans=plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
             progress=self.progress, remaining=self.remaining, guard=guard,
-            on_commit=self.on_commit)
+            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend))
         return self.search_state
 
     def _say_resuming(self) -> None:

@@ -27,6 +27,16 @@ reformat, or on a tensor of unknown size, is always kept). On a real YOLOv8n (ON
 this leaves the detection head's decode (six 4,200-element tensors, 0.2 % of 14.8 M) unmeasured:
 each of its eleven moves cost a 12-round A/B that could not separate (intervals +-10 %).
 
+With kernel evidence (``Config.kernel_evidence``, a measured backend): "fused, so futile" is
+false where the runtime's integer kernel is slower than its float one (Inception v1's 1x1
+Convs on an AVX512-VNNI CPU, ONNX Runtime 1.32: 1.245x over FP32 with them float, 1.174x with
+every Conv integer). So each integer kernel of the standing model is timed against its float
+kernel on this machine (:func:`~qdq_optuna.measure.kernels.kernel_table`, cached per runtime
+and CPU flags), and a fused pair next to such a node is pruned only where the integer kernel
+measured faster (the A/B interval excludes 1); where float measured faster, or the two could
+not be told apart, the removal is measured, and removals the table says gain are proposed
+first, by the measured gain (``gains``).
+
 A visit with no move kept is skipped; a round that changes nothing ends the lane (with
 :data:`FINAL_LINE` when the report skipped any of its visits).
 A backend that cannot tell (``what_ran`` returns None) prunes nothing.
@@ -40,6 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.measure.kernels import KernelCache, KernelTable
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -75,6 +86,12 @@ class Unfused:
         self.measured = plans is not None and not plans.deterministic
         self.numel = _numel(search.prepared.graph)
         self.total = sum(n for n in self.numel.values() if n)
+        #: the kernel evidence so far (every standing model's integer kernels, merged); None:
+        #: not measured (an exact backend, or ``kernel_evidence`` off)
+        self.kernels: KernelTable | None = None
+        self.evidence = self.measured and self.backend is not None and \
+            getattr(search, "kernel_timing", None) is not None and \
+            getattr(search.config, "kernel_evidence", False)
 
     def of(self, schemes: dict[str, dict[str, int]]) -> WhatRan | None:
         """The report for the whole model at ``schemes`` (read at most once per model)."""
@@ -94,11 +111,69 @@ class Unfused:
             log.info("what the runtime ran could not be read (%s): nothing is pruned", exc)
             return None
         self.reads += 1
+        if what is not None and self.evidence:
+            self._time_kernels(exporter, model, what)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
                      "%d reformats", what.how, len(what.fused), len(what.standalone),
                      len(what.float_nodes), len(what.reformats))
         return what
+
+    def _time_kernels(self, exporter, model: bytes, what: WhatRan) -> None:
+        """Time the standing model's integer kernels not timed yet (those that ran float in
+        the whole model left out); merged into :attr:`kernels`."""
+        import onnx
+
+        try:
+            table = self.s.kernel_timing(
+                onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
+                onnx.load_from_string(model), cache=self._cache(),
+                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()))
+        except Exception as exc:  # evidence is an optimisation: never the run's failure
+            log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
+            return
+        log.info("kernel evidence: %d timed, %d from the cache (%.1f s); float faster at %d of "
+                 "%d", table.timed, table.cached, table.seconds,
+                 sum(t.decision == "float" for t in table.timings.values()), len(table.timings))
+        if self.kernels is None:
+            self.kernels = table
+        else:
+            self.kernels.merge(table)
+
+    def _cache(self) -> KernelCache:
+        if not hasattr(self, "_kernel_cache"):
+            self._kernel_cache = KernelCache()
+        return self._kernel_cache
+
+    def kernel_sites(self, tensor: str, node: int) -> list[str]:
+        """Why removing a fused pair at ``tensor`` (read by ``node``) may still win by the
+        kernel evidence: its reader or producer measured float faster, or not slower."""
+        if self.kernels is None:
+            return []
+        g = self.s.prepared.graph
+        names = [g.nodes[node].name]
+        if tensor in g.producer:
+            names.append(g.nodes[g.producer[tensor][0]].name)
+        out = []
+        for n in names:
+            t = self.kernels.timings.get(n)
+            if t is not None and t.decision != "integer":
+                out.append(f"kernel {n}: {t.decision} (int {t.int_ms:.3g} ms, float "
+                           f"{t.float_ms:.3g} ms)")
+        return out
+
+    def gains(self, what: WhatRan | None) -> Callable[[Point], float] | None:
+        """Per point: the ms its removal saves by the kernel table (the nodes next to its
+        tensors measured float faster, each counted once); None without evidence."""
+        if what is None or self.kernels is None:
+            return None
+        g = self.s.prepared.graph
+
+        def gain(pt: Point) -> float:
+            _, nodes = self._around(pt)
+            ts = [self.kernels.timings.get(g.nodes[n].name) for n in nodes]
+            return sum(t.gain_ms for t in ts if t is not None and t.decision == "float")
+        return gain
 
     def site_tensors(self, points: Iterable[Point], what: WhatRan) -> dict[str, list[str]]:
         """Tensor -> why a move over ``points`` can still win there (empty: it cannot)."""
@@ -115,6 +190,8 @@ class Unfused:
                 if tensor in g.producer:
                     names.append(g.nodes[g.producer[tensor][0]].name)
                 why.extend(f"float {n}" for n in names if n in what.float_nodes)
+                if tensor in what.fused and tensor not in what.standalone:
+                    why.extend(self.kernel_sites(tensor, node))
         return {t: why for t, why in found.items() if why}
 
     # -- for our sampler's move engine, which drops a visit's moves by these -----------------
@@ -127,7 +204,8 @@ class Unfused:
 
         def sites(pt: Point) -> dict[str, int]:
             return {t: -1 if t in what.reformats or self.numel.get(t) is None
-                    else self.numel[t] for t in self.site_tensors([pt], what)}
+                    or any(w.startswith("kernel ") for w in why)
+                    else self.numel[t] for t, why in self.site_tensors([pt], what).items()}
         return sites
 
     def settled(self, what: WhatRan | None) -> Callable[[Point], bool] | None:
@@ -177,9 +255,14 @@ class Unfused:
     def pruning(self, schemes: dict[str, dict[str, int]]) -> dict:
         """The standing model's report as the keyword arguments of
         :meth:`~qdq_optuna.search._moves.MoveSpace.visit` (read once per standing model)."""
-        what = self.of(schemes)
-        return {"sites": self.point_sites(what), "resolvable": self.resolvable(),
-                "settled": self.settled(what), "added": self.added(what)}
+        return self.pruning_of(self.of(schemes))
+
+    def pruning_of(self, what: WhatRan | None) -> dict:
+        """:meth:`pruning` from a report (and the kernel evidence so far)."""
+        out = {"sites": self.point_sites(what), "resolvable": self.resolvable(),
+               "settled": self.settled(what), "added": self.added(what)}
+        gains = self.gains(what)
+        return {**out, "gains": gains} if gains is not None else out
 
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation

@@ -26,15 +26,19 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
 * ``added``: per point, the activation elements a pair added there can save work on (-1:
   unbounded, e.g. a convolution next to it may change precision); with ``min_share``, a move
   whose additions hold less is ``too small`` too. None: additions are never dropped for size.
+* ``gains``: per point, the ms removing its Q/DQ saves by a measured kernel table (the
+  integer kernel next to it measured slower than its float one); optional. A move that only
+  switches such points off goes first, by its summed gain, and the first of all is ``kernel``:
+  every such point of the visit off at once (the table's recommendation in one measurement).
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
 
-A *move* switches some points on and others off: ``cache`` (the cached scheme), ``fusion`` (a
-fusion group all on or all off), ``concat`` (a Concat group: its inputs share one scale),
-``chain``, ``single`` (one point flipped). Order: a move's signature says what it changes (Q/DQ
-added or removed between a producer op and a consumer op, ``on:Conv>Concat``); moves are
-ordered by the rate at which their signature improved the standing model so far (a signature
+A *move* switches some points on and others off: ``kernel`` (see ``gains``), ``cache`` (the
+cached scheme), ``fusion`` (a fusion group all on or all off), ``concat`` (a Concat group: its
+inputs share one scale), ``chain``, ``single`` (one point flipped). Order: a move's signature
+says what it changes (Q/DQ added or removed between a producer op and a consumer op,
+``on:Conv>Concat``); moves are ordered by their measured kernel gain (``gains``), then by the rate at which their signature improved the standing model so far (a signature
 not seen yet counts as even odds), then by kind in the order above, then by the op-mix prior
 (:func:`op_prior`). The visit walks the list once (first improvement): each move is applied
 to the visit's best scheme so far when it is proposed; moves that change nothing, build a
@@ -64,7 +68,7 @@ DUPLICATE_OF_KEY = "duplicate_of"
 #: points it sets); ``{"kind": None}``: the visit had no move left when the trial was asked
 VISIT_MOVE_KEY = "qdq:visit_move"
 
-KINDS = ("cache", "fusion", "concat", "chain", "single")
+KINDS = ("kernel", "cache", "fusion", "concat", "chain", "single")
 
 #: ops that read INT8 on TensorRT-like runtimes and ONNX Runtime's QDQ kernels: Q/DQ in front
 #: of them tends to pay
@@ -210,6 +214,8 @@ class VisitSpec:
     min_share: float | None = None
     total: int | None = None
     prior: dict[str, list[int]] | None = None
+    #: the ms the kernel table says switching each point off saves (points with a gain only)
+    gains: dict[str, float] | None = None
 
     def to_attr(self) -> dict[str, Any]:
         """The study attr (``min_share``/``total`` and ``prior`` only when set)."""
@@ -222,6 +228,8 @@ class VisitSpec:
             attr.update(min_share=self.min_share, total=self.total)
         if self.prior:
             attr["prior"] = self.prior
+        if self.gains:
+            attr["gains"] = self.gains
         return attr
 
     @classmethod
@@ -239,7 +247,8 @@ class VisitSpec:
             settled=None if settled is None else [str(p) for p in settled],
             added=None if added is None else {str(p): int(n) for p, n in added.items()},
             min_share=attr.get("min_share"), total=attr.get("total"),
-            prior=attr.get("prior"))
+            prior=attr.get("prior"),
+            gains={str(p): float(g) for p, g in (attr.get("gains") or {}).items()} or None)
 
 
 class Visit:
@@ -264,6 +273,7 @@ class Visit:
         self.added = None if spec.added is None else dict(spec.added)
         self.min_share = spec.min_share
         self.total = spec.total or 0
+        self.gains = dict(spec.gains or {})
         self.fusion = [frozenset(g) for g in fusion_groups]
         self.concat = [frozenset(g) for g in concat_groups]
         self._moves: tuple[list[Move], dict[str, int]] | None = None
@@ -308,7 +318,9 @@ class Visit:
         nothing, before the runtime's report prunes any."""
         state = frozenset(p for p, v in self.standing.items() if v)
         mine = frozenset(self.points)
+        gained = frozenset(p for p in state if self.gains.get(p, 0) > 0)
         by_kind: dict[str, list[Move]] = {
+            "kernel": [self._move("kernel", (), gained)] if gained else [],
             "cache": [],
             "fusion": self._groups("fusion", self.fusion, state),
             "concat": self._groups("concat", self.concat, state),
@@ -325,9 +337,17 @@ class Visit:
                 if (m.on or m.off) and (m.on, m.off) not in seen:
                     seen.add((m.on, m.off))
                     moves.append((rank, m))
-        # stable: the learned rate first, then kind, then the prior (the order above)
-        moves.sort(key=lambda rm: (-self.stats.rate(rm[1].signature), rm[0]))
+        # stable: a removal the kernel table says gains first (by its gain), then the
+        # learned rate, then kind, then the prior (the order above)
+        moves.sort(key=lambda rm: (-self.gain(rm[1]), -self.stats.rate(rm[1].signature),
+                                   rm[0]))
         return [m for _, m in moves]
+
+    def gain(self, move: Move) -> float:
+        """The measured kernel gain of a move that only switches points off (0 otherwise)."""
+        if move.on or not self.gains:
+            return 0.0
+        return sum(self.gains.get(p, 0.0) for p in move.off)
 
     def why_not(self, move: Move) -> str | None:
         """Why the runtime's report says ``move`` cannot win (None: it may): both what it

@@ -1,0 +1,455 @@
+"""Kernel evidence: each integer kernel a runtime ran, timed against its float kernel on this
+machine, so the search decides from measured kernels instead of an assumed fusion.
+
+Why: a Q/DQ pair a runtime fuses into an integer kernel is not always a gain. On an AVX512-VNNI
+CPU (ONNX Runtime 1.32) Inception v1 with every Conv integer ran 1.174x over FP32 but 1.245x
+with its 1x1 Convs left float; on an AVX2 CPU without VNNI the float model won outright. Which
+kernel is faster depends on the op, its shapes and attributes, and the CPU, so it is measured,
+per distinct node *signature*, once per runtime, version and CPU flag set (a JSON cache in the
+user's cache folder, shared by runs and models).
+
+A *unit* is one compute node (:data:`KERNEL_OPS`) whose activation inputs are read through
+``Q -> DQ`` and whose output (after a following Relu/Clip the runtime folds in) is quantized:
+what the runtime runs as one integer kernel. Its integer model is the Q/DQ model cut at the Q
+outputs (integer in, integer out: the kernel alone, no boundary conversion); its float model is
+the float model cut at the same float tensors. Both are timed by the search's own backend and
+timing protocol (an interleaved A/B of fresh sessions), so the margin is the measurement's own
+confidence interval: a unit is ``integer`` (faster) or ``float`` only when the interval of the
+ratio float/integer excludes 1, else ``tie``. :func:`subgraph` cuts any region the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from qdq_optuna._files import atomic_write_bytes
+from qdq_optuna.backends import runtime_for_backend
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.machine import current_cpu
+from qdq_optuna.measure.timing import Measurer, TimingProtocol
+from qdq_optuna.placement.rules import RULES
+
+log = logging.getLogger("qdq_optuna")
+
+#: ops timed as kernels: their work grows with multiply-adds, where integer and float differ
+KERNEL_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+#: element-wise ops a runtime folds into the kernel before its output Q (ONNX Runtime's
+#: QLinearConv absorbs a Relu/Clip between the Conv and its Q)
+TAIL_OPS = frozenset({"Relu", "Clip"})
+#: backend settings that describe the model, not the runtime (left out of the cache key)
+_MODEL_KEYS = frozenset({"input_shapes", "input_data", "seed", "model", "isolated"})
+#: CPU flags shown in the report (the key uses every flag)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+CACHE_VERSION = 1
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU flags that change a kernel's speed (:func:`qdq_optuna.machine.current_cpu`: read,
+    or simulated with ``QDQ_OPTUNA_CPU_FLAGS``); the cache is keyed by them."""
+    return frozenset(current_cpu().flags)
+
+
+def isa(flags: Iterable[str]) -> list[str]:
+    """The instruction-set flags among ``flags`` that decide integer vs float kernels."""
+    flags = set(flags)
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """One unit signature's integer kernel against its float kernel (ms: the timing
+    protocol's score, each session's minimum, median over sessions)."""
+
+    signature: str
+    op: str
+    int_ms: float
+    float_ms: float
+    #: float / integer, geometric mean of paired rounds, and its confidence interval
+    ratio: float
+    ci_low: float
+    ci_high: float
+    rounds: int
+
+    @property
+    def decision(self) -> str:
+        """``float`` (float measured faster), ``integer`` (integer faster) or ``tie`` (the
+        interval includes 1: no evidence either way)."""
+        if self.ci_high < 1.0:
+            return "float"
+        if self.ci_low > 1.0:
+            return "integer"
+        return "tie"
+
+    @property
+    def gain_ms(self) -> float:
+        """What running this unit in float saves (negative: what it costs)."""
+        return self.int_ms - self.float_ms
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "decision": self.decision}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> KernelTiming:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One node the runtime may run as an integer kernel, and where to cut both models."""
+
+    node: str
+    op: str
+    signature: str
+    #: the Q/DQ model's tensors: the Q outputs it reads, the Q output it writes
+    int_inputs: tuple[str, ...]
+    int_outputs: tuple[str, ...]
+    #: the node's inputs those Q outputs feed (positions), and how many Relu/Clip follow it
+    positions: tuple[int, ...]
+    tail: int
+
+
+@dataclass
+class KernelTable:
+    """The kernel evidence for one model: per unit node name, its signature's timing."""
+
+    runtime: dict
+    flags: list[str]
+    timings: dict[str, KernelTiming] = field(default_factory=dict)
+    #: the units were read with :func:`units`'s ``output_q``
+    output_q: bool = True
+    #: signatures timed now, and read from the cache
+    timed: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+
+    def merge(self, other: KernelTable) -> None:
+        """Add another model's timings (a later standing model of the same run)."""
+        self.timings.update(other.timings)
+        self.timed += other.timed
+        self.cached += other.cached
+        self.seconds += other.seconds
+
+    def decision(self, node: str) -> str | None:
+        t = self.timings.get(node)
+        return None if t is None else t.decision
+
+    def to_dict(self) -> dict:
+        """The report's table, slowest integer kernel (largest float gain) first."""
+        rows = [{"node": n, **t.to_dict()} for n, t in
+                sorted(self.timings.items(), key=lambda nt: (-nt[1].gain_ms, nt[0]))]
+        return {"runtime": self.runtime, "cpu_flags": self.flags, "timed": self.timed,
+                "cached": self.cached, "seconds": round(self.seconds, 3), "kernels": rows}
+
+
+# -- units and cutting -----------------------------------------------------------------------
+def _attrs(node: onnx.NodeProto) -> dict:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        elif isinstance(v, (list, tuple)):
+            v = [x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in v]
+        elif not isinstance(v, (int, float, str)):
+            v = str(type(v).__name__)
+        out[a.name] = v
+    return dict(sorted(out.items()))
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    g = model.graph
+    out = {t.name: tuple(t.dims) for t in g.initializer}
+    for vi in (*g.value_info, *g.input, *g.output):
+        dims = vi.type.tensor_type.shape.dim
+        out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else "?" for d in dims)
+    return out
+
+
+def units(qdq_model: onnx.ModelProto, output_q: bool = True) -> list[Unit]:
+    """The nodes of a Q/DQ model set up to run as integer kernels (see the module
+    docstring). ``qdq_model`` must carry shapes (:func:`onnx.shape_inference.infer_shapes`).
+    ``output_q``: the runtime's integer kernel needs a Q on the output too (ONNX Runtime's
+    QLinear ops); without it (OpenVINO, TensorRT: integer in, float out) a unit may end at its
+    float output."""
+    g = qdq_model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    consts = {t.name for t in g.initializer}
+    shapes = _shapes(qdq_model)
+    found = []
+    for node in g.node:
+        if node.op_type not in KERNEL_OPS or not node.name:
+            continue
+        int_in, float_in, shape_in = [], [], []
+        for pos, t in enumerate(node.input):
+            if t in consts:  # a float bias: ONNX Runtime's QLinearConv takes it in
+                shape_in.append(("c", shapes.get(t)))
+                continue
+            dq = producer.get(t)
+            if not t or dq is None or dq.op_type != "DequantizeLinear":
+                break
+            if dq.input[0] in consts:  # a weight: part of the kernel
+                shape_in.append(("w", shapes.get(dq.input[0])))
+                continue
+            q = producer.get(dq.input[0])
+            if q is None or q.op_type != "QuantizeLinear":
+                break
+            int_in.append(q.output[0])
+            float_in.append(pos)
+            shape_in.append(("x", shapes.get(q.input[0])))
+        else:
+            out, tail = node.output[0], []
+            while len(readers.get(out, [])) == 1 and readers[out][0].op_type in TAIL_OPS:
+                tail.append(readers[out][0].op_type)
+                out = readers[out][0].output[0]
+            qs = [r for r in readers.get(out, []) if r.op_type == "QuantizeLinear"]
+            if not int_in or (output_q and not qs):
+                continue
+            sig = json.dumps([node.op_type, _attrs(node), shape_in, tail, bool(qs)],
+                             sort_keys=True, default=str)
+            found.append(Unit(node.name, node.op_type, sig, tuple(int_in),
+                              (qs[0].output[0] if qs else out,), tuple(float_in), len(tail)))
+    return found
+
+
+def subgraph(model: onnx.ModelProto, inputs: Iterable[str], outputs: Iterable[str]) -> bytes:
+    """``model`` cut to the nodes between ``inputs`` and ``outputs`` (onnx's extractor; the
+    model must carry their shapes), checked, serialized."""
+    cut = onnx.utils.Extractor(model).extract_model(list(inputs), list(outputs))
+    onnx.checker.check_model(cut)
+    return cut.SerializeToString()
+
+
+def unit_models(unit: Unit, qdq_model: onnx.ModelProto,
+                float_model: onnx.ModelProto) -> tuple[bytes, bytes]:
+    """(integer model, float model) of one unit, both with shapes."""
+    g = float_model.graph
+    node = next(n for n in g.node if n.name == unit.node)
+    out = node.output[0]
+    for _ in range(unit.tail):  # the Relu/Clip the runtime folds in, as in the Q/DQ model
+        out = next(n for n in g.node if out in n.input).output[0]
+    return (subgraph(qdq_model, unit.int_inputs, unit.int_outputs),
+            subgraph(float_model, [node.input[p] for p in unit.positions], [out]))
+
+
+def with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(model)
+
+
+# -- the cache -------------------------------------------------------------------------------
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/qdq_optuna/kernels.json`` (``~/.cache`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qdq_optuna" / "kernels.json"
+
+
+def machine_key(runtime: Mapping, flags: Iterable[str]) -> str:
+    """The cache key of a runtime's settings on a CPU: its settings (version included) and
+    every CPU flag."""
+    text = json.dumps({"runtime": runtime, "flags": sorted(flags)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+class KernelCache:
+    """Timings by machine key and signature, in one JSON file (written atomically, merged
+    with what other processes wrote meanwhile). An unreadable file is ignored, not fatal."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+        self.data = self._read()
+        self.hits = 0
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {"version": CACHE_VERSION, "machines": {}}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {"version": CACHE_VERSION, "machines": {}}
+        data.setdefault("machines", {})
+        return data
+
+    def get(self, key: str, signature: str) -> KernelTiming | None:
+        entry = self.data["machines"].get(key, {}).get("kernels", {}).get(signature)
+        if entry is None:
+            return None
+        try:
+            timing = KernelTiming.from_dict(entry)
+        except (KeyError, TypeError):
+            return None
+        self.hits += 1
+        return timing
+
+    def put(self, key: str, about: Mapping, timing: KernelTiming) -> None:
+        machine = self.data["machines"].setdefault(key, {**about, "kernels": {}})
+        machine["kernels"][timing.signature] = timing.to_dict()
+
+    def save(self) -> None:
+        on_disk = self._read()
+        for key, machine in self.data["machines"].items():
+            mine = on_disk["machines"].setdefault(key, {**machine, "kernels": {}})
+            mine["kernels"].update(machine["kernels"])
+        self.data = on_disk
+        try:
+            atomic_write_bytes(self.path, json.dumps(on_disk, indent=1, sort_keys=True).encode())
+        except OSError as exc:  # a cache is an optimisation: never the run's failure
+            log.info("kernel cache %s not written (%s)", self.path, exc)
+
+
+# -- timing ----------------------------------------------------------------------------------
+#: the kernel A/B: a unit runs in well under a millisecond, so rounds are cheap; at least
+#: 4 rounds, until the ratio's interval is +-3 % or 10 rounds
+KERNEL_PROTOCOL = TimingProtocol(name="kernels", sessions=4, warmup=5, runs=20,
+                                 final_sessions=4, min_rounds=4, max_rounds=10, target=0.03,
+                                 give_up_at=None, process_warmup_rounds=1)
+
+
+def runtime_of(backend: Backend) -> dict:
+    """The backend's settings that decide its kernels (version included), without the ones
+    that describe a model."""
+    return {k: v for k, v in backend.describe().items() if k not in _MODEL_KEYS}
+
+
+def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
+              float_model: bytes) -> KernelTiming:
+    """One unit's integer model against its float model, interleaved."""
+    c = measurer.compare(float_model, int_model, until="precision")
+    return KernelTiming(unit.signature, unit.op, round(c.reference.score_ms, 6),
+                        round(c.candidate.score_ms, 6), round(c.ratio, 6),
+                        round(c.ci_low, 6), round(c.ci_high, 6), c.rounds)
+
+
+def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
+                 *, skip: Iterable[str] = (), cache: KernelCache | None = None,
+                 flags: Iterable[str] | None = None,
+                 protocol: TimingProtocol | None = None,
+                 output_q: bool | None = None) -> KernelTable:
+    """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
+    ``skip``: timed already, or run in float by the runtime) timed integer against float on
+    ``backend``, each distinct signature once per machine (read from ``cache`` when there).
+    A unit that cannot be cut or run is left out (logged), never the run's failure.
+    ``output_q`` (see :func:`units`) follows the backend's rules: an integer kernel that
+    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``)."""
+    if output_q is None:
+        rules = RULES.get(runtime_for_backend(getattr(backend, "name", "")) or "")
+        output_q = bool(rules is not None and rules.output_quantized_ops)
+    t0 = time.perf_counter()
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    runtime = runtime_of(backend)
+    key = machine_key(runtime, flags)
+    table = KernelTable(runtime, isa(flags), output_q=output_q)
+    qdq, flt = with_shapes(qdq_model), with_shapes(float_model)
+    skip = set(skip)
+    measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
+    done: dict[str, KernelTiming] = {}
+    for unit in units(qdq, output_q):
+        if unit.node in skip:
+            continue
+        timing = done.get(unit.signature) or (cache.get(key, unit.signature)
+                                              if cache is not None else None)
+        if timing is not None and unit.signature not in done:
+            table.cached += 1
+        if timing is None:
+            try:
+                timing = time_unit(measurer, unit, *unit_models(unit, qdq, flt))
+            except Exception as exc:  # evidence is an optimisation: never the run's failure
+                log.info("kernel %s not timed (%s)", unit.node, str(exc).splitlines()[0])
+                continue
+            table.timed += 1
+            if cache is not None:
+                cache.put(key, {"runtime": runtime, "cpu_flags": isa(flags)}, timing)
+        done[unit.signature] = timing
+        table.timings[unit.node] = timing
+    if cache is not None and table.timed:
+        cache.save()
+    table.seconds = time.perf_counter() - t0
+    return table
+
+
+# -- subgraph screening ----------------------------------------------------------------------
+def _dq_outputs(model: onnx.ModelProto, tensor: str) -> list[str]:
+    """Where a cut after ``tensor`` keeps its Q/DQ: the outputs of the DQs of its Qs (the
+    tensor itself when it has none)."""
+    g = model.graph
+    qs = {n.output[0] for n in g.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor}
+    out = [n.output[0] for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in qs]
+    return out or [tensor]
+
+
+def region_cut(graph, nodes: Iterable[int]) -> tuple[list[str], list[str]]:
+    """The float tensors that bound a region of the prepared ``graph`` (node indices): what
+    it reads from outside, and what it writes that is read outside or is a graph output."""
+    region = set(nodes)
+    made = {t for i in region for t in graph.nodes[i].output if t}
+    consts = graph.initializers | graph.constants
+    inputs = sorted({t for i in region for t in graph.nodes[i].input
+                     if t and t not in made and t not in consts})
+    outside = {t for i, n in enumerate(graph.nodes) if i not in region for t in n.input}
+    outputs = {vi.name for vi in graph.model.graph.output}
+    return inputs, sorted(t for t in made if t in outside or t in outputs)
+
+
+def region_model(model: onnx.ModelProto, inputs: Iterable[str],
+                 outputs: Iterable[str]) -> bytes:
+    """A Q/DQ ``model`` (with shapes) cut to a region: from its float inputs (their Q/DQ
+    inside) to its outputs after their Q/DQ."""
+    outs = [o for t in outputs for o in _dq_outputs(model, t)]
+    return subgraph(model, inputs, outs)
+
+
+def changed_nodes(graph, plan, reference_plan) -> set[int]:
+    """Nodes (indices) next to the Q/DQ two plans place differently: the consumers of every
+    changed activation or weight pair, and the producers of the changed tensors."""
+    changed = set(plan.activations) ^ set(reference_plan.activations)
+    nodes = {n for _, consumers, _ in changed for n, _ in consumers if n >= 0}
+    nodes |= {n for n, _, _ in set(plan.weights) ^ set(reference_plan.weights)}
+    nodes |= {graph.producer[t][0] for t, _, _ in changed if t in graph.producer}
+    return {n for n in nodes if 0 <= n < len(graph.nodes)}
+
+
+@dataclass(frozen=True)
+class SubgraphTiming:
+    """A candidate's changed region against the reference's, interleaved."""
+
+    nodes: int
+    ratio: float
+    ci_low: float
+    ci_high: float
+    rounds: int
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_region(measurer: Measurer, graph, candidate: onnx.ModelProto,
+                reference: onnx.ModelProto, plan, reference_plan) -> SubgraphTiming | None:
+    """The subgraph A/B of a candidate plan against its reference: the nodes whose Q/DQ
+    differ, cut from both models (None: the plans do not differ, or the cut failed)."""
+    nodes = changed_nodes(graph, plan, reference_plan)
+    if not nodes:
+        return None
+    inputs, outputs = region_cut(graph, nodes)
+    try:
+        cand = region_model(with_shapes(candidate), inputs, outputs)
+        ref = region_model(with_shapes(reference), inputs, outputs)
+        c = measurer.compare(cand, ref, until="verdict")
+    except Exception as exc:  # a screen is an optimisation: the whole model is measured
+        log.info("region of %d node(s) not timed (%s)", len(nodes), str(exc).splitlines()[0])
+        return None
+    return SubgraphTiming(len(nodes), round(c.ratio, 6), round(c.ci_low, 6),
+                          round(c.ci_high, 6), c.rounds, c.verdict)

@@ -1,0 +1,306 @@
+"""Kernel evidence: each integer kernel cut from a Q/DQ model and timed against its float kernel
+with real ONNX Runtime sessions; the cache; and the descent's pruning following the evidence in
+both directions (the evidence pinned: never which kernel is faster on this machine)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import onnx
+import pytest
+
+from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
+from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+from qdq_optuna.examples import zoo
+from qdq_optuna.measure import kernels as K
+from qdq_optuna.measure.timing import Measurer, TimingProtocol
+from qdq_optuna.placement import starts
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.search._moves import MoveSpace, MoveStats
+from qdq_optuna.search._unfused import Unfused
+
+#: a short A/B: these tests check figures are produced and used, not how precise they are
+QUICK = TimingProtocol.fast().with_(process_warmup_rounds=0, min_rounds=2, max_rounds=2)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    """The small ResNet-like zoo model with every point on: (prepared, float, Q/DQ) protos."""
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"))
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    return pm, flt, qdq
+
+
+def test_a_unit_is_cut_with_its_qdq_and_runs_as_one_integer_kernel(resnet):
+    _, flt, qdq = resnet
+    qdq_s, flt_s = K.with_shapes(qdq), K.with_shapes(flt)
+    units = K.units(qdq_s)
+    convs = [n.name for n in qdq.graph.node if n.op_type == "Conv"]
+    assert {u.node for u in units} >= set(convs) and convs
+    for unit in units[:3]:
+        int_bytes, float_bytes = K.unit_models(unit, qdq_s, flt_s)
+        int_model, float_model = (onnx.load_from_string(b) for b in (int_bytes, float_bytes))
+        onnx.checker.check_model(int_model, full_check=True)
+        onnx.checker.check_model(float_model, full_check=True)
+        ops = [n.op_type for n in int_model.graph.node]
+        assert unit.node in {n.name for n in int_model.graph.node}
+        assert "DequantizeLinear" in ops and "QuantizeLinear" in ops  # the node's own Q/DQ
+        assert all(i.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+                   for i in int_model.graph.input)  # integer in: the kernel, no conversion
+        run_int, run_float = kernels_of(int_bytes), kernels_of(float_bytes)
+        assert run_int.integer == 1 and run_int.qdq == 0  # one fused integer kernel
+        assert run_float.integer == 0 and run_float.qdq == 0 and run_float.float_kernels >= 1
+
+
+def test_subgraph_cut_of_a_region_is_a_valid_model(resnet):
+    _, flt, _ = resnet
+    flt = K.with_shapes(flt)
+    nodes = list(flt.graph.node[:3])  # conv1 -> relu -> maxpool
+    model = onnx.load_from_string(K.subgraph(flt, [nodes[0].input[0]], [nodes[-1].output[0]]))
+    assert [n.name for n in model.graph.node] == [n.name for n in nodes]
+
+
+def test_timings_are_finite_and_the_cache_is_keyed_by_cpu_flags(resnet, tmp_path):
+    _, flt, qdq = resnet
+    units = K.units(K.with_shapes(qdq))
+    skip = [u.node for u in units[2:]]  # two units keep the test short
+    path = tmp_path / "kernels.json"
+    backend = OnnxRuntimeBackend()
+    run = lambda flags: K.kernel_table(backend, flt, qdq, skip=skip,  # noqa: E731
+                                       cache=K.KernelCache(path), flags=flags, protocol=QUICK)
+    first = run({"avx2", "fma"})
+    assert set(first.timings) == {u.node for u in units[:2]}
+    assert first.timed == len({u.signature for u in units[:2]}) and first.cached == 0
+    for t in first.timings.values():
+        assert all(math.isfinite(x) and x > 0 for x in (t.int_ms, t.float_ms, t.ratio))
+        assert t.ci_low <= t.ratio <= t.ci_high and t.rounds >= 2
+        assert t.decision in ("float", "integer", "tie")
+    again = run({"fma", "avx2"})  # the same machine: every figure from the cache
+    assert again.timed == 0 and again.cached == first.timed
+    assert again.timings == first.timings
+    other = run({"avx2", "fma", "avx512_vnni"})  # another CPU: measured again
+    assert other.timed == first.timed and other.cached == 0
+    data = json.loads(path.read_text())
+    assert len(data["machines"]) == 2
+    assert any(m["cpu_flags"] == ["avx2", "fma", "avx512_vnni"] for m in data["machines"].values())
+
+
+def test_a_broken_cache_file_is_ignored(tmp_path):
+    path = tmp_path / "kernels.json"
+    path.write_text("{not json")
+    cache = K.KernelCache(path)
+    assert cache.get("k", "sig") is None
+    t = K.KernelTiming("sig", "Conv", 2.0, 1.0, 0.5, 0.45, 0.55, 4)
+    cache.put("k", {"cpu_flags": []}, t)
+    cache.save()
+    assert K.KernelCache(path).get("k", "sig") == t
+
+
+@pytest.mark.parametrize("ratio, ci, decision", [
+    (0.8, (0.75, 0.85), "float"), (1.2, (1.1, 1.3), "integer"), (0.99, (0.9, 1.05), "tie")])
+def test_the_decision_is_the_interval_not_the_point(ratio, ci, decision):
+    t = K.KernelTiming("s", "Conv", 1.0, ratio, ratio, *ci, 4)
+    assert t.decision == decision
+
+
+def _unfused(pm):
+    space = MoveSpace(pm)
+
+    class _Plans:  # a measured backend; the report is given, never read here
+        measurer = type("M", (), {"backend": None})
+        deterministic = False
+
+    class _S:
+        prepared = pm
+        plans = _Plans()
+
+    return space, Unfused(_S(), space.uses_of)
+
+
+def _timing(faster: str) -> K.KernelTiming:
+    """Pinned evidence: float (or integer) measured faster by a clear margin."""
+    if faster == "float":
+        return K.KernelTiming("s", "Conv", 1.0, 0.7, 0.7, 0.65, 0.75, 6)
+    return K.KernelTiming("s", "Conv", 0.7, 1.0, 1.0 / 0.7, 1.3, 1.5, 6)
+
+
+def test_pruning_follows_the_kernel_evidence_in_both_directions(resnet):
+    pm, _, qdq = resnet
+    model = qdq.SerializeToString()
+    what = OnnxRuntimeBackend().what_ran(model)
+    space, unfused = _unfused(pm)
+    g = pm.graph
+    schemes = {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}
+    convs = [n.name for n in g.nodes if n.op_type == "Conv"]
+    # a Conv whose input Q/DQ the runtime fused: the removal a "fused, so futile" rule drops
+    target = next(
+        (pid, pt) for (pid, pt), uses in space.uses_of.items()
+        if len(uses) == 1 and all(g.nodes[n].op_type == "Conv" and t in what.fused
+                                  and t not in what.standalone for t, n, _ in uses))
+    (tensor, node, _), = space.uses_of[target]
+    conv = g.nodes[node].name
+
+    def visit(kernels):
+        unfused.kernels = kernels
+        return space.visit(target[0], schemes, MoveStats(0), **{
+            k: v for k, v in unfused.pruning_of(what).items()})
+
+    def removal(v):
+        return [m for m in v.moves if m.off == frozenset({target[1]}) and not m.on]
+
+    # integer measured faster everywhere: the lone removal is pruned (as without evidence)
+    integer = K.KernelTable({}, [], {c: _timing("integer") for c in convs})
+    assert not removal(visit(integer)) and visit(integer).dropped.get("fused")
+    assert not removal(visit(None))
+    # float measured faster at that Conv: the removal is kept, with the ones the table
+    # recommends ahead of every other move
+    table = K.KernelTable({}, [], {**integer.timings, conv: _timing("float")})
+    v = visit(table)
+    assert removal(v), "a removal at a float-faster kernel is measured"
+    gained = [m for m in v.moves if not m.on and any(
+        v.attr["gains"].get(p, 0) > 0 for p in m.off)]
+    assert gained and v.moves[:len(gained)] == gained
+    assert unfused.gains(what)(target) == pytest.approx(0.3)
+    # no resolved difference: measured too (prune only on evidence that integer is faster)
+    tie = K.KernelTable({}, [], {**integer.timings,
+                                 conv: K.KernelTiming("s", "Conv", 1.0, 1.0, 1.0, 0.9, 1.1, 6)})
+    assert removal(visit(tie)) and "gains" not in visit(tie).attr
+
+
+def test_the_report_lists_the_table_with_the_decision_and_the_shipped_precision(resnet):
+    from qdq_optuna.outputs.report import _kernel_lines, kernel_table_entry
+
+    pm, flt, qdq = resnet
+    convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"],
+                          {convs[0]: _timing("float"), convs[1]: _timing("integer")})
+    for model, shipped in ((qdq.SerializeToString(), "integer"),
+                           (flt.SerializeToString(), "float")):
+        entry = kernel_table_entry(table, model)
+        rows = {r["node"]: r for r in entry["kernels"]}
+        assert rows[convs[0]]["decision"] == "float" and "tried first" in rows[convs[0]]["action"]
+        assert rows[convs[1]]["decision"] == "integer" and "pruned" in rows[convs[1]]["action"]
+        assert {r["shipped"] for r in rows.values()} == {shipped}
+        assert entry["kernels"][0]["node"] == convs[0]  # the largest float gain first
+        text = "\n".join(_kernel_lines(entry))
+        assert "CPU flags: avx2" in text and f"| {convs[0]} | Conv |" in text
+
+
+def _qs(model: onnx.ModelProto) -> int:
+    """A latency that grows with the QuantizeLinear nodes a model runs (a pinned ranking)."""
+    return 1.0 + 0.1 * sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
+
+
+def _pair(pm):
+    """Every point on, and the same with one Conv's input pair off: (with, without) plans."""
+    ex = pm.exporter()
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    conv = next(i for i, n in enumerate(pm.graph.nodes)
+                if n.op_type == "Conv" and any(u[1] == i for u in uses))
+    return ex, ex.plan(uses), ex.plan({u for u in uses if u[1] != conv}), conv
+
+
+def test_a_region_is_cut_from_both_models_around_the_changed_qdq(resnet):
+    pm = resnet[0]
+    ex, full, less, conv = _pair(pm)
+    nodes = K.changed_nodes(pm.graph, full, less)
+    assert conv in nodes
+    inputs, outputs = K.region_cut(pm.graph, nodes)
+    cuts = [onnx.load_from_string(K.region_model(K.with_shapes(
+        onnx.load_from_string(ex.to_bytes(p))), inputs, outputs)) for p in (full, less)]
+    for cut in cuts:
+        onnx.checker.check_model(cut, full_check=True)
+        assert pm.graph.nodes[conv].name in {n.name for n in cut.graph.node}
+    assert _qs(cuts[0]) > _qs(cuts[1])  # the pair that differs is in the cut
+    timing = K.time_region(Measurer(OnnxRuntimeBackend(), QUICK), pm.graph,
+                           onnx.load_from_string(ex.to_bytes(full)),
+                           onnx.load_from_string(ex.to_bytes(less)), full, less)
+    assert timing is not None and math.isfinite(timing.ratio) and timing.nodes == len(nodes)
+
+
+@pytest.mark.parametrize("candidate_has_more_qdq", [True, False])
+def test_the_subgraph_screen_drops_a_slower_region_and_records_agreement(
+        resnet, candidate_has_more_qdq):
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.search._plans import PlanMeasurer, Reference
+
+    pm = resnet[0]
+    ex, full, less, _ = _pair(pm)
+    cand, ref = (full, less) if candidate_has_more_qdq else (less, full)
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, min_rounds=2,
+                                             max_rounds=3, runs=1, warmup=0)
+    whole = Measurer(CallableBackend(_qs), protocol)
+    plans = PlanMeasurer(whole, memo=None, regions=pm.graph)
+    plans.regions = (pm.graph, Measurer(whole.backend, protocol))  # a short region A/B too
+    ref_bytes = ex.to_bytes(ref)
+    ref_ms = _qs(onnx.load_from_string(ref_bytes))
+    m = plans._time(ex.to_bytes(cand), Reference(ref, ref_bytes, ref_ms, ref_ms), cand)
+    sub = m.extra["subgraph"]
+    if candidate_has_more_qdq:  # its region is slower: no whole-model measurement at all
+        assert m.kind == "screened_out" and m.screened_out and sub["verdict"] == "slower"
+        assert whole.loads == 0
+    else:  # faster region: the whole model is A/B-compared, and the two rankings agree
+        assert m.kind == "ab" and sub["ratio"] < 1 and m.ratio < 1 and sub["agrees"]
+        assert whole.loads > 0
+
+
+def test_openvino_units_read_integer_and_write_float_and_are_timed():
+    pytest.importorskip("openvino")
+    from qdq_optuna.backends.openvino import OpenVinoBackend
+
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="openvino")
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    shaped = K.with_shapes(qdq)
+    assert not K.units(shaped)  # no Q after the Convs: not an ONNX Runtime integer kernel
+    units = K.units(shaped, output_q=False)
+    assert units
+    int_model = onnx.load_from_string(K.unit_models(units[0], shaped, K.with_shapes(flt))[0])
+    assert int_model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    table = K.kernel_table(OpenVinoBackend(), flt, qdq, skip=[u.node for u in units[1:]],
+                           protocol=QUICK)
+    assert not table.output_q and set(table.timings) == {units[0].node}
+    t = table.timings[units[0].node]
+    assert math.isfinite(t.int_ms) and math.isfinite(t.float_ms) and t.int_ms > 0
+
+
+def test_the_kernel_move_switches_every_gaining_point_off_first():
+    from qdq_optuna.samplers.qdq_mutation import Visit
+
+    attr = {"standing": {"a": 1, "b": 1, "c": 1}, "gains": {"a": 0.2, "b": 0.1}}
+    moves = Visit(attr, ["a", "b", "c"]).all_moves()
+    assert moves[0].kind == "kernel" and moves[0].off == {"a", "b"} and not moves[0].on
+    assert [m.off for m in moves[1:3]] == [{"a"}, {"b"}]  # then each by its gain
+    assert moves[0].kind not in {m.kind for m in Visit({"standing": attr["standing"]},
+                                                       ["a", "b", "c"]).all_moves()}
+
+
+def test_the_report_counts_how_often_the_region_ranked_as_the_whole_model():
+    import optuna
+
+    from qdq_optuna.outputs.report import _statistics_lines, trial_statistics
+    from qdq_optuna.record import Measurement, TrialAttr
+
+    def trial(m: Measurement):
+        return optuna.trial.create_trial(value=m.latency_ms,
+                                         user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})
+
+    sub = {"nodes": 3, "ratio": 0.9, "ci_low": 0.85, "ci_high": 0.95, "rounds": 4,
+           "verdict": "faster"}
+    trials = [
+        trial(Measurement(9.0, kind="ab", ratio=0.9, ci=[0.8, 0.95], reference_ms=10.0,
+                          extra={"subgraph": {**sub, "agrees": True}})),
+        trial(Measurement(11.0, kind="ab", ratio=1.1, ci=[1.05, 1.2], reference_ms=10.0,
+                          extra={"subgraph": {**sub, "agrees": False}})),
+        trial(Measurement(13.0, kind="screened_out", screened_out=True, ratio=1.3,
+                          reference_ms=10.0, extra={"subgraph": {**sub, "verdict": "slower"}})),
+        trial(Measurement(10.0, kind="ab", ratio=1.0, ci=[0.9, 1.1], reference_ms=10.0)),
+    ]
+    st = trial_statistics(trials)
+    assert (st["subgraph_screened_out"], st["subgraph_compared"], st["subgraph_agreed"]) == \
+        (1, 2, 1)
+    assert "the region ranked 1 as the whole model did" in "\n".join(_statistics_lines(st))
