@@ -202,3 +202,20 @@ def test_every_config_flag_comes_from_its_field_and_reaches_the_config():
         got = getattr(_config_from(args), f.name)
         assert str(got) in (value, "7.0"), f.name
         assert got != f.default
+
+
+def test_mode_with_a_config_file_keeps_the_presets_budget(tmp_path):
+    """``--config`` sets what the file changes and ``--mode`` the rest of the budget, as
+    ``tune(mode=..., config=...)`` does (a file's unchanged fields used to undo the preset)."""
+    from qdq_optuna import Config
+    from qdq_optuna._tune import _config
+    from qdq_optuna.cli.commands import _config_from
+
+    path = tmp_path / "c.yaml"
+    path.write_text("refine_rounds: 1\n")
+    args = build_parser().parse_args(["tune", "-m", "m.onnx", "--mode", "quick",
+                                      "--config", str(path)])
+    got = _config_from(args)
+    assert got.schemes_per_region == Config.preset("quick").schemes_per_region != 30
+    assert got.refine_rounds == 1
+    assert got == _config(Config(refine_rounds=1), "quick")

@@ -238,11 +238,16 @@ def _config_from(args: argparse.Namespace):
 
     from qdq_optuna.config import Config
 
-    base = Config.from_yaml(args.config).to_dict() if getattr(args, "config", None) else {}
+    base = {}
+    if getattr(args, "config", None):  # what the file changes wins over --mode (as tune() does)
+        defaults = Config().to_dict()
+        base = {k: v for k, v in Config.from_yaml(args.config).to_dict().items()
+                if v != defaults[k]}
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Config)
                  if "flag_help" in f.metadata}  # the flags given (None: not given)
     overrides["verbose"] = bool(getattr(args, "verbose", 0)) or None
-    return Config.preset(getattr(args, "mode", "default"), **{**base, **overrides})
+    given = {k: v for k, v in overrides.items() if v is not None}  # a flag beats the file
+    return Config.preset(getattr(args, "mode", "default"), **{**base, **given})
 
 
 def _node_filter(args: argparse.Namespace) -> dict:
