@@ -1,15 +1,15 @@
-"""What the benchmark scripts share: the checkout on sys.path, quiet-machine waits, ONNX
+"""What the benchmark scripts share: the machine's load and the one quiet-machine wait, ONNX
 Runtime's recipe, calibration readers and Markdown tables.
 
-Why one module: the scripts repeated these (and drifted: two load gates, two recipe calls);
-``import _common`` from a script in ``benchmarks/`` (its own folder is on sys.path when run as
-``python benchmarks/NAME.py``) also makes the checkout's ``qdq_optuna`` importable.
+Why one module: the scripts repeated these (and drifted: three load waits, two recipe calls).
+A script imports it as ``import _common`` (``python benchmarks/NAME.py`` puts ``benchmarks/`` on
+sys.path) and imports ``qdq_optuna`` like any client: the installed package (editable in a
+checkout), never through a sys.path edit.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -21,15 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 
-if str(REPO) not in sys.path:  # run from a checkout: the package beside this folder
-    sys.path.insert(0, str(REPO))
-
 
 # -- machine load ------------------------------------------------------------------------------
 
+def load_avg() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, rounded as the results files record them."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def load_now() -> float:
     """The 1-minute load average, rounded as the results files record it."""
-    return round(os.getloadavg()[0], 2)
+    return load_avg()[0]
 
 
 def wait_quiet(max_load: float, poll_s: float = 10.0, limit_s: float = 1200.0) -> dict:

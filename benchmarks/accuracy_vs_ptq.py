@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402  (the checkout on sys.path)
+import _common
 import numpy as np
 import onnx  # noqa: E402
 
@@ -48,11 +48,6 @@ from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # n
 from qdq_optuna.measure.timing import Measurer, TimingProtocol  # noqa: E402
 
 QUIET_LOAD = 1.2
-
-
-def wait_for_quiet(limit_s: float = 900.0, poll_s: float = 10.0) -> float:
-    """Block until the 1-min load average is below QUIET_LOAD (or limit_s passes); the load."""
-    return _common.wait_quiet(QUIET_LOAD, poll_s, limit_s)["load_before"]
 
 
 def synthetic_data(model: onnx.ModelProto, samples: int, seed: int) -> dict[str, np.ndarray]:
@@ -120,7 +115,7 @@ def bench_model(name: str, size: str, out: Path, samples: int, budget: float | N
     rows["pre+quantize_static"] = errors(ref_held, ptq_pre, held)
     rows["qdq_optuna"] = errors(ref_held, tuned, held)
 
-    load = wait_for_quiet(max_wait)
+    load = _common.wait_quiet(QUIET_LOAD, limit_s=max_wait)["load_before"]
     fp32_bytes = fp32.read_bytes()
     measurer.warm_up([fp32_bytes], force=True)
     for key, path in (("fp32", fp32), ("quantize_static", ptq),
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measurer = Measurer(OnnxRuntimeBackend(threads=1), TimingProtocol.robust())
-    load_start = wait_for_quiet(args.max_wait)
+    load_start = _common.wait_quiet(QUIET_LOAD, limit_s=args.max_wait)["load_before"]
     results = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         print(f"[{name}] tuning and measuring ...", file=sys.stderr, flush=True)

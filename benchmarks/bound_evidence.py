@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (the checkout on sys.path)
 import numpy as np
 import photos
 import real_models

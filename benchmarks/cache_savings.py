@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from _common import load_now, markdown_table, wait_quiet  # noqa: E402
+from _common import load_now, markdown_table, wait_quiet
 
 
 def count(out: Path) -> dict:

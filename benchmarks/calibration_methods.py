@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 import real_models  # noqa: E402
 

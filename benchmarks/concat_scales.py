@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-import _common  # noqa: E402  (the checkout on sys.path)
+import _common
 import numpy as np
 import onnx
 import verify_speedup  # noqa: E402

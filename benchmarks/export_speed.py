@@ -33,7 +33,6 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper

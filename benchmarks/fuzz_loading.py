@@ -37,7 +37,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import onnx  # noqa: E402
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402

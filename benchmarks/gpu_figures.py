@@ -28,9 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 from qdq_optuna import PreparedModel  # noqa: E402
 from qdq_optuna.backends import make_backend, runtime_for_backend  # noqa: E402
 from qdq_optuna.examples import zoo  # noqa: E402

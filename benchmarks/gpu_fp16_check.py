@@ -15,15 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from qdq_optuna.measure.accuracy import output_errors, summarize  # noqa: E402
 

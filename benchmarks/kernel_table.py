@@ -22,7 +22,6 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import _common  # noqa: F401  (the checkout on sys.path)
 import onnx
 import real_models  # noqa: E402
 from onnx import numpy_helper

@@ -31,11 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import real_models  # noqa: E402
+import real_models
+from _common import load_avg  # noqa: E402
 
 from qdq_optuna.backends.base import BackendError  # noqa: E402
 from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
@@ -201,7 +198,7 @@ def compilable(paths: dict[str, Path], info: dict) -> dict[str, Path]:
 def one(name: str, args) -> dict:
     work = Path(args.work) / name.replace("@", "_")
     work.mkdir(parents=True, exist_ok=True)
-    load = [round(x, 2) for x in os.getloadavg()]
+    load = load_avg()
     paths, info = variants(name, work, args)
     info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
@@ -210,7 +207,7 @@ def one(name: str, args) -> dict:
     if "bf16" in supported_hints():
         timed["fp32_bf16"] = (paths["fp32"], "bf16")
     mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
-    info["load_avg_1_5_15"]["after_timing"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_avg_1_5_15"]["after_timing"] = load_avg()
     fp32 = mins["fp32"]
     row = {"model": name, **info,
            "ms": {k: round(statistics.median(v), 3) for k, v in mins.items()},

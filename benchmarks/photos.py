@@ -16,7 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import _common  # noqa: F401  (the checkout on sys.path)
 import numpy as np
 import real_models
 

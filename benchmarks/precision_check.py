@@ -26,7 +26,6 @@ import time
 import zipfile
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 
 from qdq_optuna.examples import zoo  # noqa: E402

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np  # noqa: E402
 import photos  # noqa: E402
 import real_models  # noqa: E402
@@ -50,7 +48,6 @@ from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
 from qdq_optuna.model.graph import used_domains  # noqa: E402
 from qdq_optuna.runtimes import profile_for  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS = {  # name -> (backend, rules, further tune arguments)
     "costmodel-tensorrt": ("costmodel", "tensorrt", ()),  # the rules' default: FP16
     "costmodel-tensorrt-bf16": ("costmodel", "tensorrt", ("--high-precision", "bf16")),
@@ -61,9 +58,7 @@ RUNS = {  # name -> (backend, rules, further tune arguments)
 
 
 def cli(*args: object, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-    return subprocess.run([sys.executable, "-m", "qdq_optuna", *map(str, args)], env=env,
+    return subprocess.run([sys.executable, "-m", "qdq_optuna", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import real_models  # noqa: E402
 
 from qdq_optuna.errors import UserError  # noqa: E402

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
-
 from qdq_optuna import PreparedModel
 from qdq_optuna.backends.costmodel import estimate  # noqa: E402
 from qdq_optuna.examples import zoo  # noqa: E402

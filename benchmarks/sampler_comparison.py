@@ -10,11 +10,12 @@ sampler/seed found; a run *reaches* a pattern once its best gain is within 1 % o
 
     python benchmarks/sampler_comparison.py --models resnet,mobilenet,yolo --size full \\
         --samplers qdq,tpe,random --seeds 10 --budget 30
-    python benchmarks/sampler_comparison.py --samplers "qdq,qdq[climb_parents=0]"  # ablation
+    python benchmarks/sampler_comparison.py --samplers "qdq,qdq[hill_climb_parents=0]"  # ablation
 
 ``NAME@stopN`` stops each study once ``QDQMutationSampler.converged(study, N)`` holds (the
-early stop ``tune`` uses). ``qdq[attr=value;...]`` sets private attributes of QDQMutationSampler after construction
-(``climb_parents``, ``p_fusion``, ``seed_full``, ...), for ablations.
+early stop ``tune`` uses). ``qdq[arg=value;...]`` passes QDQMutationSampler's constructor
+arguments over the config's (``hill_climb_parents``, ``fusion_group_probability``,
+``seed_full_scheme``, ...), for ablations.
 
 Printed per model and sampler: the measurements (distinct models timed) until every pattern with
 a real gain (best known >= the commit threshold) was reached, summed over those patterns, with a
@@ -31,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import optuna
 
 from qdq_optuna.backends.costmodel import CostModelBackend  # noqa: E402
@@ -50,16 +50,14 @@ def pattern_attrs(pm, pp) -> dict:
 
 
 def build_sampler(spec: str, **kwargs) -> optuna.samplers.BaseSampler:
-    """A sampler by name; ``qdq[key=value;...]`` sets QDQMutationSampler attributes (ablations)."""
+    """A sampler by name; ``qdq[key=value;...]`` passes QDQMutationSampler constructor
+    arguments (ablations)."""
     if not spec.startswith("qdq["):
         return make_sampler(spec, **kwargs)
     import yaml
 
-    sampler = make_sampler("qdq", **kwargs)
-    for item in spec[4:-1].split(";"):
-        key, value = item.split("=")
-        setattr(sampler, "_" + key, yaml.safe_load(value))
-    return sampler
+    args = dict(item.split("=", 1) for item in spec[4:-1].split(";"))
+    return make_sampler("qdq", qdq_args={k: yaml.safe_load(v) for k, v in args.items()}, **kwargs)
 
 
 def race(model_name: str, size: str, samplers: list[str], seeds: int, budget: int,

@@ -39,8 +39,6 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
-
 from qdq_optuna import Config
 from qdq_optuna.examples import zoo  # noqa: E402
 from qdq_optuna.model.graph import load_model  # noqa: E402

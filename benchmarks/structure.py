@@ -189,7 +189,6 @@ def reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
 _TRACE_CHILD = r"""
 import json, sys, tempfile, os
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 import qdq_optuna
 from qdq_optuna import Config
 from qdq_optuna.examples import zoo

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
+
+from _common import load_now
 
 import qdq_optuna
 from qdq_optuna.config import Config
@@ -31,7 +32,7 @@ MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 
 def run_arm(model, work: Path, arm: str, backend: str, **kwargs) -> dict:
     cfg = Config(prune_by_runtime=arm == "after")
-    load = os.getloadavg()[0]
+    load = load_now()
     t0 = time.monotonic()
     res = qdq_optuna.tune(model, work / arm, backend=backend, seed=0, config=cfg,
                           progress=False, fresh=True, **kwargs)
@@ -43,7 +44,7 @@ def run_arm(model, work: Path, arm: str, backend: str, **kwargs) -> dict:
             "skipped": r.get("descent_skipped", []), "what_ran_reads": r.get("what_ran_reads"),
             "standalone": (r.get("what_ran") or {}).get("standalone"),
             "complete": r.get("complete", True), "measurer": r.get("measurer"),
-            "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
+            "load_1min": [load, load_now()]}
 
 
 def main() -> None:
@@ -61,7 +62,7 @@ def main() -> None:
     work = Path(a.work)
     jobs = []
     if a.real:
-        from real_models import fetch  # benchmarks/ on sys.path when run as a script
+        from real_models import fetch
 
         jobs = [(name, str(fetch(name))) for name in a.real]
     else:

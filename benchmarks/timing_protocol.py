@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402,F401  (the checkout on sys.path)
 import numpy as np
 
 from qdq_optuna.backends import OnnxRuntimeBackend  # noqa: E402

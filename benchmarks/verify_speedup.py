@@ -134,9 +134,7 @@ def remeasure_in_fresh_process(float_path: Path, tuned_path: Path, args,
 
 def cli(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "qdq_optuna", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc
@@ -315,7 +313,6 @@ def main() -> None:
     if args.remeasure:
         print(json.dumps(remeasure(*args.remeasure, args.rounds, args.warmup_rounds, args.runs)))
         return
-    sys.path.insert(0, str(REPO))
     import onnxruntime
 
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0],

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: E402  (the checkout on sys.path)
+import _common
 import numpy as np
 import real_models  # noqa: E402
 import verify_speedup  # noqa: E402

@@ -195,7 +195,6 @@ def model_file(name: str, size: str, work: Path) -> tuple[Path, str | None]:
     d = work / f"{name}-{size}"
     d.mkdir(parents=True, exist_ok=True)
     if size == "real":
-        sys.path.insert(0, str(Path(__file__).parent))
         import real_models
 
         return real_models.fetch(name), real_models.MODELS[name].input_shapes

@@ -31,8 +31,6 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def _burn(stop) -> None:  # a busy CPU until told to stop
@@ -78,9 +76,7 @@ def check_run(url: str, run_id: str, budget: int) -> list[str]:
 
 def one_run(model: Path, work: Path, url: str, args) -> dict:
     run_id = f"race-{uuid.uuid4().hex[:10]}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
-        "QDQ_OPTUNA_HEARTBEAT_GRACE": str(args.grace)}
+    env = {**os.environ, "QDQ_OPTUNA_HEARTBEAT_GRACE": str(args.grace)}
     procs = []
     for w in range(args.workers):
         argv = [sys.executable, "-m", "qdq_optuna", "tune", "--model", str(model),

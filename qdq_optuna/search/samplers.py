@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 
@@ -44,13 +45,17 @@ def make_sampler(
     scheme_key: Callable[[dict[str, int]], Hashable] | None = None,
     multi_objective: bool = False,
     refine: bool = False,
+    qdq_args: Mapping[str, Any] | None = None,
 ) -> optuna.samplers.BaseSampler:
     """``refine``: the study starts from an enqueued scheme (a refinement round), so our
-    sampler does not propose the empty and full schemes first."""
+    sampler does not propose the empty and full schemes first. ``qdq_args``: constructor
+    arguments of our sampler over the config's (an ablation, e.g. ``hill_climb_parents=0``)."""
+    if qdq_args and name != "qdq":
+        raise OptionError(f"sampler {name!r}: arguments {sorted(qdq_args)} are for 'qdq' only")
     if name == "qdq":
         from qdq_optuna.samplers.qdq_mutation import QDQMutationSampler
 
-        return QDQMutationSampler(
+        args = dict(
             seed=seed,
             top_percent_to_mutate=config.top_percent_to_mutate,
             minimum_schemes_to_mutate=config.minimum_schemes_to_mutate,
@@ -63,6 +68,7 @@ def make_sampler(
             seed_full_scheme=not refine,
             scheme_key=scheme_key,
         )
+        return QDQMutationSampler(**{**args, **(qdq_args or {})})
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "random":
