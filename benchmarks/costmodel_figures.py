@@ -1,5 +1,5 @@
 """The calibration figures of ``docs/costmodel.md``: the cost model on the models that
-``tests/test_costmodel.py`` builds (FP16, as deployed; FP32 for comparison).
+``qdq_optuna.examples.costmodel_cases`` builds (FP16, as deployed; FP32 for comparison).
 
     python benchmarks/costmodel_figures.py
 
@@ -8,17 +8,10 @@ Deterministic: the cost model is an analytical model, not a measurement.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from onnx import TensorProto
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import test_costmodel as tc  # noqa: E402
-
-from qdq_optuna.backends.costmodel import estimate  # noqa: E402
+from qdq_optuna.backends.costmodel import estimate
+from qdq_optuna.examples import costmodel_cases as tc
 
 
 def row(label: str, model, base_ms: float | None = None) -> float:
@@ -29,8 +22,7 @@ def row(label: str, model, base_ms: float | None = None) -> float:
 
 
 def resnet(float_type: int, bn: bool) -> None:
-    tc.FLOAT = float_type
-    variants = tc.resnet_variants(bn=bn)
+    variants = tc.resnet_variants(bn=bn, float_type=float_type)
     name = "FP16" if float_type == TensorProto.FLOAT16 else "FP32"
     print(f"\nResNet-18-like, 224x224, {name}, BatchNorm {'as nodes' if bn else 'folded'}:\n")
     print("| placement | latency | vs float | kernels |\n|---|---:|---:|---:|")
@@ -40,7 +32,6 @@ def resnet(float_type: int, bn: bool) -> None:
 
 
 def small_models() -> None:
-    tc.FLOAT = TensorProto.FLOAT16
     block = tc.residual_block()
     print("\nResidual block (FP16):\n")
     print("| placement | latency | vs float | kernels |\n|---|---:|---:|---:|")
@@ -68,10 +59,9 @@ def small_models() -> None:
                                                    tensors=("norm",)), base)
     print("\nOne 256-channel 3x3 Conv, 56x56:\n")
     print("| precision | latency | vs FP16 | kernels |\n|---|---:|---:|---:|")
-    base = row("FP16", tc._big_conv(False))
-    row("INT8 (input + weight Q/DQ)", tc._big_conv(True), base)
-    tc.FLOAT = TensorProto.FLOAT
-    row("FP32 (TF32 tensor cores)", tc._big_conv(False), base)
+    base = row("FP16", tc.big_conv(False))
+    row("INT8 (input + weight Q/DQ)", tc.big_conv(True), base)
+    row("FP32 (TF32 tensor cores)", tc.big_conv(False, float_type=TensorProto.FLOAT), base)
 
 
 def main() -> None:

@@ -14,9 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
 
 def best_of(fn, repeat: int = 3, clock=time.perf_counter) -> float:
     times = []
@@ -28,10 +25,9 @@ def best_of(fn, repeat: int = 3, clock=time.perf_counter) -> float:
 
 
 def main() -> int:
-    from test_costmodel import big_residual_chain, resnet_variants
-
     from qdq_optuna.backends.costmodel import estimate
     from qdq_optuna.examples import zoo
+    from qdq_optuna.examples.costmodel_cases import big_residual_chain, resnet_variants
     from qdq_optuna.outputs.dashboard import convergence_png, region_svg
     from qdq_optuna.placement.prepared import PreparedModel
 
