@@ -8,7 +8,7 @@ storage (a fresh SQLite file, or ``--postgres URL``), on the zoo's tiny residual
 (``--grace``) lets a worker that falls behind look dead to the others. A run passes when every
 worker exits 0 with no traceback on stderr, writes a report of the whole run, and the storage
 holds every pattern visit within its budget with no model measured twice, nothing left running
-and no trial failed (the checks of ``tests/_runs.check_visit``).
+and no trial failed (the checks of ``qdq_optuna.record.visit_problems``).
 
     python benchmarks/worker_race.py --runs 50                       # SQLite
     python benchmarks/worker_race.py --runs 50 --postgres postgresql://u:p@127.0.0.1/db
@@ -51,8 +51,9 @@ def _studies(url: str, run_id: str) -> dict:
 
 def check_run(url: str, run_id: str, budget: int) -> list[str]:
     """What is wrong with the stored run (empty: nothing)."""
-    from _runs import check_visit, is_visit
     from optuna.trial import TrialState
+
+    from qdq_optuna.record import is_visit, visit_problems
 
     problems = []
     studies = _studies(url, run_id)
@@ -65,10 +66,7 @@ def check_run(url: str, run_id: str, budget: int) -> list[str]:
         if len(names) != len(set(names)):
             problems.append("a start was written twice")
     for name, study in visits.items():
-        try:
-            check_visit(name, study, budget)
-        except AssertionError as exc:
-            problems.append(f"{name}: {exc}")
+        problems += visit_problems(name, study, budget)
         for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
             problems.append(f"{name}: trial {t.number} failed: {t.user_attrs.get('failure')}")
     return problems

@@ -5,38 +5,18 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
-DUPLICATE = "qdq:duplicate"
+from qdq_optuna.record import is_visit, visit_problems
 
-
-def is_visit(study_key: str) -> bool:
-    """A descent visit's study (``P003/round1``, ``P003/recipe/round2``), by its name after
-    ``RUN/``."""
-    return "/round" in study_key
-
-
-def visit_cap(attrs: dict, budget: int) -> int:
-    """A visit's budget: its moves and the standing scheme, at least twice its points, at most
-    ``budget`` (``--schemes-per-region``)."""
-    return min(budget, max(int(attrs.get("moves", 0)) + 1, 2 * len(attrs["qdq_points"])))
+__all__ = ["check_visit", "is_visit", "standing_schemes"]
 
 
 def check_visit(name: str, study: optuna.Study, budget: int,
                 repeats: bool = False) -> list[optuna.trial.FrozenTrial]:
-    """The invariants of a decided visit: within its budget, no model measured twice, its
-    first trial the standing scheme (free), decided, nothing left running. Returns its
-    finished trials. ``repeats``: the sampler may propose a model again (Optuna's samplers);
-    the repeat is then answered without a measurement."""
-    attrs = study.user_attrs
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    assert 1 <= len(done) <= visit_cap(attrs, budget), (name, len(done), visit_cap(attrs, budget))
-    keys = [t.user_attrs["plan_key"] for t in done if not t.system_attrs.get(DUPLICATE)
-            and (not repeats or t.user_attrs.get("measurements", 1))]
-    assert len(keys) == len(set(keys)), f"{name}: a model was measured twice"
-    first = min(study.get_trials(deepcopy=False), key=lambda t: t.number)
-    assert first.user_attrs.get("move") == "start", name
-    assert "committed" in attrs, name
-    assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), name
-    return done
+    """The rules of a decided visit (``qdq_optuna.record.visit_problems``) as an assertion;
+    returns its finished trials."""
+    problems = visit_problems(name, study, budget, repeats)
+    assert not problems, problems
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
 def standing_schemes(study_attrs: list[dict], lane: str = "") -> list[tuple[dict, dict]]:

@@ -6,6 +6,7 @@
 * :mod:`~qdq_optuna.record.run`: :class:`RunRecord` (a run in its storage: what it holds and
   what stands), the trial notes, :func:`progress_curve`;
 * :mod:`~qdq_optuna.record.files`: ``state.yaml`` and the pattern cache;
+* :mod:`~qdq_optuna.record.checks`: what every decided visit must hold (:func:`visit_problems`);
 * :mod:`~qdq_optuna.record.storage`: opening a storage, agreeing on a value;
 * ``_optuna``: the one module that touches Optuna's private attributes (its functions are
   re-exported here: a study's storage and id, a trial's id and stored state, failing a trial).
@@ -23,6 +24,7 @@ from qdq_optuna.record._optuna import (
     trial_id,
     trial_system_attrs,
 )
+from qdq_optuna.record.checks import is_visit, visit_cap, visit_problems
 from qdq_optuna.record.files import write_pattern_cache, write_state
 from qdq_optuna.record.records import KINDS, Decision, FinishedRun, Measurement, StartOutcome
 from qdq_optuna.record.run import (
@@ -77,6 +79,7 @@ __all__ = [
     "pattern_attrs", "pattern_study_name", "progress_curve", "quiet_optuna", "run_attrs",
     "run_study_name", "run_study_of", "set_system_attr", "starts_study_name",
     "studies_in_order", "trial_measurement", "write_pattern_cache", "write_state",
+    "is_visit", "visit_cap", "visit_problems",
     # Optuna's storage, reached through record/_optuna.py
     "fail_trial", "set_trial_system_attr", "storage_of", "stored_trial", "study_id",
     "study_system_attrs", "trial_id", "trial_system_attrs",
