@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,163 @@ def test_the_dict_check_finds_a_bare_dict_return():
               "    def c(self) -> dict[str, int]: ...\n    def d(self) -> list[dict]: ...\n"
               "    def _e(self) -> dict: ...\n    def f(self) -> Rec: ...\n")
     assert _dict_returns(source, "R") == {"a", "b", "d"}
+
+
+# -- benchmarks as clients -----------------------------------------------------------------------
+#: the one quiet-machine wait of the benchmarks (and the one module that reads the load)
+LOAD_WAIT = "benchmarks/_common.py:wait_quiet"
+_SYS_PATH_EDIT = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend)\b|\[[^\]]*\]\s*=|\+?=)")
+
+
+def _benchmark_trees(root: Path):
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        yield path.relative_to(root).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _in_order(found: list[str]) -> list[str]:
+    """``path:line ...`` hits in file and line order (``ast.walk`` goes breadth first)."""
+    return sorted(found, key=lambda h: (h.split(":")[0], int(h.split(":")[1].split()[0])))
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "path"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys")
+
+
+def _sys_path_edits(root: Path) -> list[str]:
+    """``sys.path.insert(...)``, ``sys.path[:0] = ...``, ``sys.path += ...``, also in the code
+    a benchmark runs in a child interpreter (a string)."""
+    found = []
+    for rel, tree in _benchmark_trees(root):
+        for node in ast.walk(tree):
+            call = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and _is_sys_path(node.func.value))
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, ast.AugAssign) else [])
+            assigned = any(_is_sys_path(t.value if isinstance(t, ast.Subscript) else t)
+                           for t in targets)
+            child = (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                     and _SYS_PATH_EDIT.search(node.value))
+            if call or assigned or child:
+                found.append(f"{rel}:{node.lineno}")
+    return _in_order(found)
+
+
+def _test_imports(root: Path) -> list[str]:
+    """Imports of ``tests`` or of a module of ``tests/`` by its bare name (what a benchmark
+    that put ``tests/`` on sys.path did); a benchmark's own modules are not the tests'."""
+    own = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    theirs = ({p.stem for p in (root / "tests").glob("*.py")}
+              | {p.name for p in (root / "tests").iterdir() if (p / "__init__.py").exists()}
+              | {"tests"}) - own
+    found = []
+    for rel, tree in _benchmark_trees(root):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{rel}:{node.lineno} {n}" for n in names if n.split(".")[0] in theirs]
+    return _in_order(found)
+
+
+def _calls(node: ast.AST) -> set[str]:
+    """The names called inside ``node`` (``os.getloadavg()`` -> ``getloadavg``)."""
+    return {c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
+            for c in ast.walk(node) if isinstance(c, ast.Call)
+            and isinstance(c.func, (ast.Attribute, ast.Name))}
+
+
+def _load_waits(root: Path) -> tuple[list[str], list[str]]:
+    """The functions that sleep while reading the load or wrap the wait under a name of their
+    own (waits), and the functions outside ``benchmarks/_common.py`` that read it themselves."""
+    waits, reads = [], []
+    for rel, tree in _benchmark_trees(root):
+        for f in ast.walk(tree):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            called = _calls(f)
+            if "getloadavg" in called and rel != LOAD_WAIT.split(":")[0]:
+                reads.append(f"{rel}:{f.name}")
+            reads_load = called & {"getloadavg", "load_now", "load_avg", "wait_quiet"}
+            wrapper = "wait_quiet" in called and ("wait" in f.name or "quiet" in f.name)
+            if reads_load and ("sleep" in called or wrapper):
+                waits.append(f"{rel}:{f.name}")
+    return waits, reads
+
+
+def _private_writes(root: Path) -> list[str]:
+    """``obj._x = ...`` (also augmented, subscripted and ``setattr(obj, "_x", ...)`` with a
+    name that starts with an underscore) on anything but ``self`` / ``cls``."""
+    def private(node: ast.AST) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+
+    def underscore(node: ast.AST) -> bool:  # "_x", "_" + key, f"_{key}"
+        while isinstance(node, ast.BinOp):
+            node = node.left
+        if isinstance(node, ast.JoinedStr) and node.values:
+            node = node.values[0]
+        return (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and node.value.startswith("_") and not node.value.startswith("__"))
+
+    found = []
+    for rel, tree in _benchmark_trees(root):
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            set_call = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "setattr" and len(node.args) >= 2
+                        and underscore(node.args[1]))
+            if set_call or any(private(t) for t in targets):
+                found.append(f"{rel}:{node.lineno}")
+    return _in_order(found)
+
+
+def test_benchmarks_are_clients_of_the_package():
+    """A benchmark imports the installed ``qdq_optuna`` like any client: no sys.path edit, no
+    import from ``tests/`` (what both need lives in the package or ``benchmarks/_common.py``),
+    one quiet-machine wait, no write to a package object's private attribute."""
+    assert _sys_path_edits(REPO) == []
+    assert _test_imports(REPO) == []
+    assert _load_waits(REPO) == ([LOAD_WAIT], [])
+    assert _private_writes(REPO) == []
+
+
+def test_the_client_checks_find_each_breach(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "tests" / "hostile").mkdir(parents=True)
+    for name in ("tests/_runs.py", "tests/test_costmodel.py", "tests/hostile/__init__.py"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "benchmarks" / "_common.py").write_text(
+        "import os, time\ndef wait_quiet(x):\n    while os.getloadavg()[0] > x:\n"
+        "        time.sleep(1)\n")
+    (tmp_path / "benchmarks" / "photos.py").write_text("")
+    (tmp_path / "benchmarks" / "a.py").write_text(
+        "import sys\nimport photos\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']\n"
+        "sys.path += ['z']\nCHILD = 'import sys\\nsys.path.append(sys.argv[1])'\n"
+        "import test_costmodel as tc\nfrom _runs import check_visit\nimport tests.corpus\n"
+        "from hostile import x\nfrom . import sibling\n"
+        "def gate(limit):\n    import os, time\n    while load_now() > limit:\n"
+        "        time.sleep(5)\n"
+        "def reading():\n    return os.getloadavg()\n"
+        "def wait_for_quiet():\n    return wait_quiet(1.2)\n"
+        "class Mine:\n    def __init__(self):\n        self._own = 1\n"
+        "def ablate(sampler, key, value, tc):\n    sampler._climb = 0\n"
+        "    sampler._cache['k'] = 1\n    a, tc._x = 1, 2\n    sampler._n += 1\n"
+        "    setattr(sampler, '_' + key, value)\n    setattr(sampler, f'_{key}', value)\n"
+        "    setattr(sampler, 'public', value)\n    tc.FLOAT = 1\n")
+    assert _sys_path_edits(tmp_path) == ["benchmarks/a.py:3", "benchmarks/a.py:4",
+                                         "benchmarks/a.py:5", "benchmarks/a.py:6"]
+    assert _test_imports(tmp_path) == ["benchmarks/a.py:7 test_costmodel",
+                                       "benchmarks/a.py:8 _runs", "benchmarks/a.py:9 tests.corpus",
+                                       "benchmarks/a.py:10 hostile"]
+    assert _load_waits(tmp_path) == (["benchmarks/_common.py:wait_quiet", "benchmarks/a.py:gate",
+                                      "benchmarks/a.py:wait_for_quiet"], ["benchmarks/a.py:reading"])
+    assert _private_writes(tmp_path) == [f"benchmarks/a.py:{n}" for n in range(24, 30)]
