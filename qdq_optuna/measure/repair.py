@@ -205,9 +205,13 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     little), per latency cost (:func:`latency_costs`). The best group goes back to float,
     the :data:`RERANK` best of the rest are measured again against the new plan (errors
     interact), and so on until within the bound; then each returned group that costs speed,
-    dearest first, is quantized again if the bound still holds without it. Within the bound
-    as given: nothing returned. After ``max_evaluations`` (or once ``time_left()`` is false:
-    the run's timeout) short of the bound, every group is returned (the model without Q/DQ)."""
+    dearest first, is quantized again if the bound still holds without it. Where the greedy
+    returns do not reach the bound before the last ``2 log2(groups)`` of ``max_evaluations``
+    (an error spread over hundreds of groups), the rest follow in the order of their last
+    measured drop per cost, up to the shortest prefix within the bound (galloping, then
+    bisection). Within the bound as given: nothing returned. Out of evaluations (or once
+    ``time_left()`` is false: the run's timeout) short of the bound, every group is
+    returned (the model without Q/DQ)."""
     memo: dict[str, float] = {}
 
     def err(p: QuantPlan) -> float:
@@ -235,11 +239,17 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
 
     measure_drops(groups, lambda gs: full - err(without(gs)), full - bound,
                   budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
-    returned = _greedy(groups, drop, full, bound, budget)
-    if err(without(returned)) > bound:  # out of evaluations short of the bound
-        returned = list(groups)
-    else:
-        returned = _give_back(returned, lambda gs: err(without(gs)) <= bound, budget)
+    # evaluations kept for the prefix search should the greedy returns not reach the bound
+    reserve = 2 * math.ceil(math.log2(len(groups) + 1))
+    returned = _greedy(groups, drop, full, bound,
+                       lambda: len(memo) < max_evaluations - reserve and time_left())
+    if err(without(returned)) > bound:  # an error spread over many groups: return more at once
+        rest = sorted((g for g in groups if g not in returned),
+                      key=lambda g: (-g.score, g.cost, g.name))
+        k = _shortest_prefix(len(rest), lambda k: err(without(returned + rest[:k])) <= bound,
+                             budget)
+        returned += rest[:k]
+    returned = _give_back(returned, lambda gs: err(without(gs)) <= bound, budget)
     for g in returned:
         g.returned = True
     order = {id(g): i for i, g in enumerate(returned)}
@@ -339,3 +349,21 @@ def measure_contributions(exporter: QDQExporter, groups: Sequence[Group],
             continue
         half = len(chunk) // 2
         pending += [chunk[:half], chunk[half:]]
+
+
+def _shortest_prefix(n: int, holds: Callable[[int], bool], budget: Callable[[], bool]) -> int:
+    """The smallest ``k`` in 1..n for which ``holds(k)``, assuming it holds from some ``k`` on:
+    gallop (1, 2, 4, ...) then bisect; ``n`` when nothing smaller was shown to hold."""
+    lo, hi, k = 0, n, 1
+    while k < n and budget():
+        if holds(k):
+            hi = k
+            break
+        lo, k = k, 2 * k
+    while hi - lo > 1 and budget():
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
