@@ -38,7 +38,8 @@ def _what(data: bytes) -> WhatRan:
         proto, quantized_tensors(proto)))
 
 
-def compare(name: str, folder: Path, bound: float, samples: int, evaluations: int) -> dict:
+def compare(name: str, folder: Path, bound: float, samples: int, evaluations: int,
+            metric: str | None = None) -> dict:
     path = photos.write(name, folder)
     cal = dict(np.load(folder / "calibration.npz"))
     held = dict(np.load(folder / "heldout.npz"))
@@ -52,7 +53,7 @@ def compare(name: str, folder: Path, bound: float, samples: int, evaluations: in
         uses |= pp.uses(pp.ids)
     full = exporter.plan(uses)
     scorer = AccuracyEvaluator(exporter.to_bytes(exporter.plan(set())),
-                               {k: v[:samples] for k, v in cal.items()})
+                               {k: v[:samples] for k, v in cal.items()}, metric=metric)
 
     def err(plan):
         return scorer.evaluate(exporter.to_bytes(plan))[0]
@@ -61,7 +62,10 @@ def compare(name: str, folder: Path, bound: float, samples: int, evaluations: in
     weights = node_weights(pm.graph)
     label_of = {i: node_label(nd, i) for i, nd in enumerate(pm.graph.nodes)}
     total = sum(weights.values())
-    out = {"model": name, "bound": bound, "error_samples": samples, "rows": []}
+    held_metric = AccuracyEvaluator(exporter.to_bytes(exporter.plan(set())), held,
+                                    metric=metric) if metric else None
+    out = {"model": name, "bound": bound, "metric": metric or "relative L2",
+           "error_samples": samples, "rows": []}
     t0 = time.time()
     bis = bisect_plan(exporter, full, err, bound, max_evaluations=evaluations)
     t1 = time.time()
@@ -82,6 +86,7 @@ def compare(name: str, folder: Path, bound: float, samples: int, evaluations: in
             "seconds": round(secs, 1), "error": err(plan),
             "held_out_relative_l2": held_err["worst_relative_l2"],
             "held_out_cosine": held_err["worst_cosine"],
+            "held_out_metric": held_metric.evaluate(data)[0] if held_metric else None,
             "integer_kernels": kernels.integer, "float_kernels": kernels.float_kernels,
             "qdq_nodes_left": kernels.qdq,
             "integer_mac_share": sum(weights[n] for n in integer) / total})
@@ -100,12 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", type=float, default=0.2)
     ap.add_argument("--samples", type=int, default=4, help="calibration photos scored")
     ap.add_argument("--evaluations", type=int, default=40)
+    ap.add_argument("--metric", help="module:function scoring the repairs instead of relative L2 "
+                    "(e.g. det_metric:flips for a text detector)")
     ap.add_argument("--out", default="runs/repair_vs_bisect")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     results = []
     for name in args.models.split(","):
-        r = compare(name, Path(args.out) / name, args.bound, args.samples, args.evaluations)
+        r = compare(name, Path(args.out) / name, args.bound, args.samples, args.evaluations,
+                    args.metric)
         results.append(r)
         for row in r["rows"]:
             print(f"{name:<12} {row['placement']:<20} tensors {row['qdq_tensors']:>4} "

@@ -188,3 +188,27 @@ def test_latency_costs_count_only_what_the_runtime_ran_integer(heavy):
         assert set(s.lost) <= set(b.lost) and s.cost <= b.cost
         assert not set(s.lost) & what.float_nodes
     assert sum(s.cost for s in seen) < sum(b.cost for b in blind)
+
+
+def test_errors_that_interact_rank_by_what_returning_a_group_drops(heavy):
+    """Errors of quantizers do not add up. Here (by construction, on the real plan's groups)
+    the dear ``conv2`` costs 0.15 alone, and 1.0 more while the cheap ``over`` is quantized
+    too; ``over`` alone costs nothing. Ranked by the error with a group alone quantized,
+    ``conv2`` goes first and fixes it at its high cost; ranked by what returning a group from
+    the full plan drops, the cheap ``over`` goes back and the dear ``conv2`` stays integer."""
+    guard, plan = heavy
+    groups = {g.name: g for g in plan_groups(guard.exporter.graph, plan)}
+
+    def quantized(p, name):
+        return set(groups[name].uses) <= set(plan_uses(p))
+
+    def error(p):
+        dear, cheap = quantized(p, "conv2"), quantized(p, "over")
+        return 0.15 * dear + 1.0 * (dear and cheap)
+
+    repair = rank_repair(guard.exporter, plan, error, 0.2)
+    by_name = {g.name: g for g in repair.groups}
+    assert by_name["over"].cost < by_name["conv2"].cost
+    assert [g.name for g in repair.returned] == ["over"]
+    assert repair.error == pytest.approx(0.15) and repair.within
+    assert "conv2" not in repair.exclude_nodes()

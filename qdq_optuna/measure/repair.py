@@ -6,17 +6,21 @@ integer kernel of its producer and of every reader, so on a real PP-OCR detector
 264 tensors and ran slower than float. Here the unit is a *group*: the quantized inputs of one
 node (its DQ -> op -> Q chain: with them gone the node runs float, and ``--exclude-nodes NODE``
 says the same), so the chains that remain still fuse. Like NNCF's
-``quantize_with_accuracy_control``, each group's contribution to the output error is measured
-(here: the error with only that group quantized, found by adaptive group testing, so groups
-that add nothing cost few evaluations); unlike it, each group also has a latency cost: what
+``quantize_with_accuracy_control``, each group's contribution is measured from the full plan
+down: how much the output error drops when that group alone goes back to float (errors of
+quantizers do not add up: on a real PP-OCR detector every head group alone gives a third of the
+full error, and returning any one of them from the full plan almost nothing); unlike it, each
+group also has a latency cost: what
 the runtime ran integer that the group takes back to float (the runtime's report of what it
 fused, :class:`~qdq_optuna.backends.what_ran.WhatRan`), weighed by a per-node cost mapping
 when one is given (measured integer-vs-float kernel times) or by the node's multiply-adds.
-Groups go back to float in order of error per cost, whole, until the plan is within the bound.
+Groups go back to float one at a time, whole, the best drop per cost first, re-ranking the
+few best after each, until the plan is within the bound.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +34,8 @@ PlanError = Callable[[QuantPlan], float]
 #: a set of groups whose error with only them quantized is at most this share of the bound is
 #: not split further: its error is shared among its groups (adaptive group testing)
 NEGLIGIBLE_SHARE = 0.05
+#: candidates measured again against the plan as it is before each group goes back to float
+RERANK = 3
 #: ops whose cost is their multiply-adds (output elements x reduced elements); other ops cost
 #: their output elements
 _MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
@@ -43,7 +49,8 @@ class Group:
     #: nodes whose inputs the group quantizes (``--exclude-nodes`` names; empty for outputs)
     nodes: tuple[str, ...]
     uses: dict = field(repr=False)
-    #: output error with only this group quantized (NaN: not measured)
+    #: how much the output error drops when this group alone is returned to float from the
+    #: plan it was last measured against (NaN: not measured)
     error: float = math.nan
     #: nodes that run integer now and would run float with the group returned
     lost: tuple[str, ...] = ()
@@ -191,15 +198,20 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
                 max_evaluations: int = 64,
                 time_left: Callable[[], bool] = lambda: True) -> Repair:
     """``plan`` with the fewest speed-weighted groups returned to float that brings
-    ``error_fn`` (lower is better; NaN counts as broken) within ``bound``: groups measured
-    (:func:`measure_contributions`), ranked by error per latency cost
-    (:func:`latency_costs`), and returned whole, best first, up to the shortest prefix of
-    that order within the bound (found by galloping and bisection over its length); then
-    each returned group that costs speed, dearest first, is quantized again if the bound
-    still holds without it. Within
-    the bound as given: nothing returned. After ``max_evaluations`` (or once ``time_left()``
-    is false: the run's timeout) the smallest prefix known to be within the bound is taken
-    (every group, the model without Q/DQ, if none)."""
+    ``error_fn`` (lower is better; NaN counts as broken) within ``bound``, ranked from the
+    full plan down as NNCF's accuracy control does: a group's worth is how much the error
+    drops when it alone is returned to float from the current plan (:func:`measure_drops`;
+    errors of quantizers do not add up, so the error with a group alone quantized says
+    little), per latency cost (:func:`latency_costs`). The best group goes back to float,
+    the :data:`RERANK` best of the rest are measured again against the new plan (errors
+    interact), and so on until within the bound; then each returned group that costs speed,
+    dearest first, is quantized again if the bound still holds without it. Where the greedy
+    returns do not reach the bound before the last ``2 log2(groups)`` of ``max_evaluations``
+    (an error spread over hundreds of groups), the rest follow in the order of their last
+    measured drop per cost, up to the shortest prefix within the bound (galloping, then
+    bisection). Within the bound as given: nothing returned. Out of evaluations (or once
+    ``time_left()`` is false: the run's timeout) short of the bound, every group is
+    returned (the model without Q/DQ)."""
     memo: dict[str, float] = {}
 
     def err(p: QuantPlan) -> float:
@@ -214,9 +226,6 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     costs_from = latency_costs(graph, plan, groups, what, node_costs)
     if full <= bound or not groups:
         return Repair(groups, plan, full, full, bound, len(memo), costs_from)
-    measure_contributions(exporter, groups, err, bound,
-                          budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
-    groups.sort(key=lambda g: (-g.score, g.cost, g.name))
 
     def without(gone_groups) -> QuantPlan:
         gone = {u for g in gone_groups for u in g.uses}
@@ -225,19 +234,63 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     def budget() -> bool:
         return len(memo) < max_evaluations and time_left()
 
-    k = _shortest_prefix(len(groups), lambda k: err(without(groups[:k])) <= bound, budget)
-    returned = _give_back(groups[:k], lambda gs: err(without(gs)) <= bound, budget)
+    def drop(returned: list[Group], g: Group, now: float) -> float:
+        return now - err(without(returned + [g]))
+
+    measure_drops(groups, lambda gs: full - err(without(gs)), full - bound,
+                  budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
+    # evaluations kept for the prefix search should the greedy returns not reach the bound
+    reserve = 2 * math.ceil(math.log2(len(groups) + 1))
+    returned = _greedy(groups, drop, full, bound,
+                       lambda: len(memo) < max_evaluations - reserve and time_left())
+    if err(without(returned)) > bound:  # an error spread over many groups: return more at once
+        rest = sorted((g for g in groups if g not in returned),
+                      key=lambda g: (-g.score, g.cost, g.name))
+        k = _shortest_prefix(len(rest), lambda k: err(without(returned + rest[:k])) <= bound,
+                             budget)
+        returned += rest[:k]
+    returned = _give_back(returned, lambda gs: err(without(gs)) <= bound, budget)
     for g in returned:
         g.returned = True
+    order = {id(g): i for i, g in enumerate(returned)}
+    groups.sort(key=lambda g: (order.get(id(g), len(order)), -g.score, g.cost, g.name))
     kept = without(returned)
     return Repair(groups, kept, err(kept), full, bound, len(memo), costs_from)
 
 
+def _greedy(groups: list[Group], drop: Callable[[list[Group], Group, float], float],
+            full: float, bound: float, budget: Callable[[], bool]) -> list[Group]:
+    """Groups returned to float one at a time, the best error drop per cost first: before
+    each return the :data:`RERANK` best candidates are measured against the plan as it is
+    then (a group that only mattered together with one already returned falls back; one
+    that only matters once another is gone rises), so each step costs at most that many
+    evaluations. Stops within the bound or when the budget ends."""
+    returned: list[Group] = []
+    now = full
+    fresh: set[int] = set()  # groups whose drop was measured against the current plan
+    while now > bound and budget():
+        rest = sorted((g for g in groups if g not in returned),
+                      key=lambda g: (-g.score, g.cost, g.name))
+        if not rest:
+            break
+        for g in rest[:RERANK]:
+            if id(g) not in fresh and budget():
+                g.error = drop(returned, g, now)
+                fresh.add(id(g))
+        best = min(rest[:RERANK], key=lambda g: (-g.score, g.cost, g.name))
+        if id(best) not in fresh:
+            break
+        returned.append(best)
+        now -= best.error
+        fresh = set()
+    return returned
+
+
 def _give_back(returned: list[Group], holds: Callable[[list[Group]], bool],
                budget: Callable[[], bool]) -> list[Group]:
-    """The prefix found, without the groups it need not return: each that costs speed, the
+    """The groups returned, without those it need not return: each that costs speed, the
     dearest first, is quantized again when the plan stays within the bound without it (a
-    group ranked early for its error alone can be made unnecessary by later ones)."""
+    group returned early can be made unnecessary by later ones)."""
     for g in sorted((g for g in returned if g.cost > 0), key=lambda g: -g.cost):
         if len(returned) < 2 or not budget():
             break
@@ -247,10 +300,40 @@ def _give_back(returned: list[Group], holds: Callable[[list[Group]], bool],
     return returned
 
 
+def measure_drops(groups: Sequence[Group], drop: Callable[[list[Group]], float],
+                  excess: float, *, budget: Callable[[], bool]) -> None:
+    """Each group's ``error``: how much the output error drops when it is returned to float
+    from the full plan (leave-one-out). Sets of neighbouring groups are returned together
+    first; the set with the largest drop is split next (best first, so a budget too small
+    for one evaluation per group goes where the error is), and a set whose drop is at most
+    :data:`NEGLIGIBLE_SHARE` of ``excess`` (the full plan's error over the bound) is not
+    split: its drop is shared among its groups."""
+    heap: list[tuple[float, int, list[Group]]] = []
+    tie = 0
+
+    def push(chunk: list[Group]) -> None:
+        nonlocal tie
+        d = drop(chunk)
+        for g in chunk:
+            g.error = d / len(chunk)
+        if len(chunk) > 1 and d > NEGLIGIBLE_SHARE * excess:
+            tie += 1
+            heapq.heappush(heap, (-d, tie, chunk))
+
+    push(list(groups))
+    while heap and budget():
+        _, _, chunk = heapq.heappop(heap)
+        half = len(chunk) // 2
+        for part in (chunk[:half], chunk[half:]):
+            if budget():
+                push(part)
+
+
 def measure_contributions(exporter: QDQExporter, groups: Sequence[Group],
                           err: PlanError, bound: float, *,
                           budget: Callable[[], bool]) -> None:
-    """Each group's ``error``: the output error with only it quantized. Sets of neighbouring
+    """Each group's ``error`` as the error with only it quantized (the old ranking; kept for
+    ``benchmarks/bound_evidence.py``, which reads what each group does alone). Sets of neighbouring
     groups are measured together and split only while their joint error is more than
     :data:`NEGLIGIBLE_SHARE` of the bound (or the budget ends): a set below that shares its
     error among its groups, so a plan with few harmful groups is ranked in about

@@ -375,14 +375,15 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
             continue
         lines += [f"## Repair: {s['name']}", "",
                   f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
-                  f"float, ranked by output error (only that group quantized) per latency cost "
+                  "float, ranked by the output error drop (that group alone returned to "
+                  "float from the quantized plan) per latency cost "
                   f"({rep['costs_from']}); output error {rep['full_error']:.4g} -> "
                   f"{rep['error']:.4g} (bound {rep['bound']:g}), {rep['evaluations']} error "
                   "evaluations.", ""]
         if rep.get("exclude_nodes"):
             lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
                       "```", rep["exclude_nodes"], "```", ""]
-        lines += ["| group | tensors | error alone | integer nodes lost | latency cost | "
+        lines += ["| group | tensors | error drop | integer nodes lost | latency cost | "
                   "returned to float |", "|---|---|---|---|---|---|"]
         rows = rep.get("sensitivity") or []
         for g in rows[:limit]:
