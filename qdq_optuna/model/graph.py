@@ -597,22 +597,45 @@ def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object
             raise ModelError(f"input {name!r} has absurd dims {dims}")
 
 
-def ensure_opset(model: onnx.ModelProto, minimum: int, why: str) -> onnx.ModelProto:
-    """Upgrade to ``minimum`` with onnx's version converter, or refuse clearly."""
+def ensure_opset(model: onnx.ModelProto, minimum: int, why: str,
+                 dataless: Iterable[str] = ()) -> onnx.ModelProto:
+    """Upgrade to ``minimum`` with onnx's version converter, or refuse clearly. The converter
+    and the checker see the big weights and the ``dataless`` initializers (their data kept
+    aside, see :func:`read_split`) as graph inputs: the converter checks every tensor, which
+    a dataless one fails, and it never needs weight values; they are put back unchanged."""
     current = opset_of(model)
     if current >= minimum:
         return model
+    light = _without_big_weights(model, set(dataless))
     try:
         from onnx import version_converter
 
-        upgraded = version_converter.convert_version(model, minimum)
+        upgraded = version_converter.convert_version(light or model, minimum)
         onnx.checker.check_model(upgraded)
+        if light is not None:
+            _restore_weights(upgraded, model, light)
     except Exception as exc:  # the converter raises many types
         raise ModelError(
             f"{why} needs opset >= {minimum}; the model has opset {current} and onnx's version "
             f"converter failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from None
     return upgraded
+
+
+def _restore_weights(upgraded: onnx.ModelProto, model: onnx.ModelProto,
+                     light: onnx.ModelProto) -> None:
+    """In place: the initializers that :func:`_without_big_weights` turned into inputs are
+    initializers of ``upgraded`` again (as ``model`` holds them), no longer inputs."""
+    graph = upgraded.graph
+    given = {i.name for i in model.graph.input}
+    lifted = {i.name for i in light.graph.input} - given \
+        | {t.name for t in model.graph.initializer} - {t.name for t in light.graph.initializer}
+    kept = [i for i in graph.input if i.name not in lifted or i.name in given]
+    del graph.input[:]
+    graph.input.extend(kept)
+    have = {t.name for t in graph.initializer}
+    graph.initializer.extend(t for t in model.graph.initializer
+                             if t.name in lifted and t.name not in have)
 
 
 def load_model(
@@ -667,14 +690,15 @@ def _read_model_file(path: Path) -> tuple[onnx.ModelProto, dict[str, bytes]]:
     return model, fields
 
 
-def _upgrade_old(model: onnx.ModelProto, label: object) -> onnx.ModelProto:
+def _upgrade_old(model: onnx.ModelProto, label: object,
+                 dataless: Iterable[str] = ()) -> onnx.ModelProto:
     """An opset < 10 model (onnx-caffe2, tf2onnx at opset 9) at opset 13, which Q/DQ and
     per-channel weights need, by onnx's version converter (labels then index the upgraded
     graph); others unchanged."""
     opset = opset_of(model)
     if opset >= MINIMUM_OPSET:
         return model
-    model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
+    model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})", dataless)
     # the converter keeps the file's IR version; IR 3 (onnx-caffe2) wants every initializer
     # listed as a graph input, which later rewrites do not keep
     model.ir_version = max(model.ir_version,
@@ -700,7 +724,7 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         model, fields = _read_model_file(path)
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
-    model = _upgrade_old(model, label)
+    model = _upgrade_old(model, label, fields)
     opset = opset_of(model)
     if opset < MINIMUM_OPSET or opset > MAXIMUM_OPSET:
         raise ModelError(
