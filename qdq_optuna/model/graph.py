@@ -643,9 +643,10 @@ def _restore_weights(upgraded: onnx.ModelProto, model: onnx.ModelProto,
 
 def take_off_defaults(model: onnx.ModelProto, fed: Iterable[str] = ()) -> list[str]:
     """In place: graph inputs that have an initializer are default values (IR 3 lists every
-    weight so); ONNX Runtime treats them as overridable and folds nothing computed from them
-    (the onnx test data's models compute every Conv weight by ConstantOfShape from one), so
-    no weight there could run as an integer kernel. Those not in ``fed`` (the names the
+    weight so); from IR 4 (which the opset upgrade gives an IR 3 model) ONNX Runtime treats
+    them as overridable and folds nothing computed from them (the onnx test data's models
+    compute every Conv weight by ConstantOfShape from one), so no weight there could run as
+    an integer kernel. Those not in ``fed`` (the names the
     calibration data feeds) are taken off the inputs and stay initializers; a fed one loses
     its initializer instead: an input the data feeds. Below IR 4 none can be fed (ONNX
     Runtime refuses the name), so all are taken off. Returns the names taken off."""
@@ -822,8 +823,8 @@ WEIGHT_SLOTS: Mapping[str, tuple[int, ...]] = {
 }
 #: ops folded into an initializer when every input is constant and the result is a weight
 #: (Constant nodes, and the reshaping/casting exporters put between a constant and its op)
-FOLDABLE_OPS = frozenset({"Constant", "ConstantOfShape", "Identity", "Cast", "Transpose", "Reshape", "Squeeze",
-                          "Unsqueeze", "Flatten"})
+FOLDABLE_OPS = frozenset({"Constant", "ConstantOfShape", "Identity", "Cast", "Transpose",
+                          "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
 def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
