@@ -147,3 +147,13 @@ def test_the_recipe_quantizes_the_folded_weights_and_keeps_fed_inputs(tmp_path):
     (tmp_path / "b").mkdir()
     path = starts.ort_recipe_model(_ir3_model(opset=13, ir_version=7), tmp_path / "b", data=data)
     assert [i.name for i in onnx.load(path).graph.input] == ["x", "offset"]
+
+
+def test_fed_names_reads_only_what_it_can_without_draining(tmp_path):
+    """Names come from an .npz's array list or a mapping's keys; a single .npy, a missing file
+    or a reader give none (reading the data later reports what is wrong)."""
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    assert fed_names(tmp_path / "one.npy") == ()
+    assert fed_names(tmp_path / "missing.npz") == ()
+    assert fed_names({"x": np.zeros(1), "offset": np.zeros(1)}) == ("x", "offset")
+    assert fed_names(iter([{"x": np.zeros(1)}])) == ()
