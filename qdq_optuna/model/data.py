@@ -51,6 +51,22 @@ def describe_model(model: str | os.PathLike | onnx.ModelProto) -> str:
     return os.fspath(model)
 
 
+def fed_names(data: DataLike) -> tuple[str, ...]:
+    """The input names ``data`` feeds, where that is known without reading it (an ``.npz``
+    path's array names, a mapping's keys); () for a reader or an iterable, which can be
+    drained only once. Prepare keeps these inputs fed even where the model gives them a
+    default value (an initializer)."""
+    if isinstance(data, (str, os.PathLike)):
+        try:
+            with np.load(data, allow_pickle=False) as loaded:
+                return tuple(loaded.files) if isinstance(loaded, np.lib.npyio.NpzFile) else ()
+        except Exception:  # noqa: BLE001 - reading it later reports what is wrong, as one line
+            return ()
+    if isinstance(data, Mapping):
+        return tuple(str(k) for k in data)
+    return ()
+
+
 def input_data(data: DataLike, model: calibration.ModelLike,
                what: str = "calibration data") -> dict[str, np.ndarray]:
     """``data`` as one dict of stacked arrays, checked against the model's inputs.

@@ -147,6 +147,9 @@ class Graph:
     file_nodes: int | None = None
     #: the file's nodes with no counterpart here (folded into initializers, or removed)
     vanished: tuple[str, ...] = ()
+    #: the file's graph inputs that were initializers nobody feeds (default values, as every
+    #: IR 3 model lists its weights): constants here, no longer inputs (see take_off_defaults)
+    defaults_taken: tuple[str, ...] = ()
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, path: Path | None = None,
@@ -597,16 +600,23 @@ def apply_input_shapes(model: onnx.ModelProto, shapes: InputShapes, path: object
             raise ModelError(f"input {name!r} has absurd dims {dims}")
 
 
-def ensure_opset(model: onnx.ModelProto, minimum: int, why: str) -> onnx.ModelProto:
-    """Upgrade to ``minimum`` with onnx's version converter, or refuse clearly."""
+def ensure_opset(model: onnx.ModelProto, minimum: int, why: str,
+                 dataless: Iterable[str] = ()) -> onnx.ModelProto:
+    """Upgrade to ``minimum`` with onnx's version converter, or refuse clearly. The converter
+    and the checker see the big weights and the ``dataless`` initializers (their data kept
+    aside, see :func:`read_split`) as graph inputs: the converter checks every tensor, which
+    a dataless one fails, and it never needs weight values; they are put back unchanged."""
     current = opset_of(model)
     if current >= minimum:
         return model
+    light = _without_big_weights(model, set(dataless))
     try:
         from onnx import version_converter
 
-        upgraded = version_converter.convert_version(model, minimum)
+        upgraded = version_converter.convert_version(light or model, minimum)
         onnx.checker.check_model(upgraded)
+        if light is not None:
+            _restore_weights(upgraded, model, light)
     except Exception as exc:  # the converter raises many types
         raise ModelError(
             f"{why} needs opset >= {minimum}; the model has opset {current} and onnx's version "
@@ -615,15 +625,60 @@ def ensure_opset(model: onnx.ModelProto, minimum: int, why: str) -> onnx.ModelPr
     return upgraded
 
 
+def _restore_weights(upgraded: onnx.ModelProto, model: onnx.ModelProto,
+                     light: onnx.ModelProto) -> None:
+    """In place: the initializers that :func:`_without_big_weights` turned into inputs are
+    initializers of ``upgraded`` again (as ``model`` holds them), no longer inputs."""
+    graph = upgraded.graph
+    given = {i.name for i in model.graph.input}
+    lifted = {i.name for i in light.graph.input} - given \
+        | {t.name for t in model.graph.initializer} - {t.name for t in light.graph.initializer}
+    kept = [i for i in graph.input if i.name not in lifted or i.name in given]
+    del graph.input[:]
+    graph.input.extend(kept)
+    have = {t.name for t in graph.initializer}
+    graph.initializer.extend(t for t in model.graph.initializer
+                             if t.name in lifted and t.name not in have)
+
+
+def take_off_defaults(model: onnx.ModelProto, fed: Iterable[str] = ()) -> list[str]:
+    """In place: graph inputs that have an initializer are default values (IR 3 lists every
+    weight so); from IR 4 (which the opset upgrade gives an IR 3 model) ONNX Runtime treats
+    them as overridable and folds nothing computed from them (the onnx test data's models
+    compute every Conv weight by ConstantOfShape from one), so no weight there could run as
+    an integer kernel. Those not in ``fed`` (the names the
+    calibration data feeds) are taken off the inputs and stay initializers; a fed one loses
+    its initializer instead: an input the data feeds. Below IR 4 none can be fed (ONNX
+    Runtime refuses the name), so all are taken off. Returns the names taken off."""
+    graph = model.graph
+    inits = {t.name for t in graph.initializer}
+    fed = set(fed) if model.ir_version >= 4 else set()
+    listed = {i.name for i in graph.input} & inits
+    if not listed:
+        return []
+    taken = [i.name for i in graph.input if i.name in listed and i.name not in fed]
+    kept = [i for i in graph.input if i.name not in taken]
+    del graph.input[:]
+    graph.input.extend(kept)
+    if listed & fed:
+        kept_inits = [t for t in graph.initializer if t.name not in fed]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
+    model.ir_version = max(model.ir_version, 4)  # from IR 4 initializers need not be inputs
+    return taken
+
+
 def load_model(
     source: str | os.PathLike | onnx.ModelProto,
     input_shapes: InputShapes | None = None,
     *,
     allow_qdq: bool = False,
+    fed: Iterable[str] = (),
 ) -> Graph:
-    """Load, check, fix input shapes and run shape inference. Raises :class:`ModelError`."""
+    """Load, check, fix input shapes and run shape inference. Raises :class:`ModelError`.
+    ``fed``: the input names the calibration data feeds (see :func:`take_off_defaults`)."""
     try:
-        return _load_model(source, input_shapes, allow_qdq)
+        return _load_model(source, input_shapes, allow_qdq, frozenset(fed))
     except UnicodeDecodeError as exc:  # protobuf decodes text fields only when they are read
         label = "<model>" if isinstance(source, onnx.ModelProto) else Path(source)
         raise ModelError(f"{label}: a text field (a name, domain or doc string) is not valid "
@@ -667,14 +722,15 @@ def _read_model_file(path: Path) -> tuple[onnx.ModelProto, dict[str, bytes]]:
     return model, fields
 
 
-def _upgrade_old(model: onnx.ModelProto, label: object) -> onnx.ModelProto:
+def _upgrade_old(model: onnx.ModelProto, label: object,
+                 dataless: Iterable[str] = ()) -> onnx.ModelProto:
     """An opset < 10 model (onnx-caffe2, tf2onnx at opset 9) at opset 13, which Q/DQ and
     per-channel weights need, by onnx's version converter (labels then index the upgraded
     graph); others unchanged."""
     opset = opset_of(model)
     if opset >= MINIMUM_OPSET:
         return model
-    model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})")
+    model = ensure_opset(model, UPGRADE_OLD_TO, f"{label} (opset {opset})", dataless)
     # the converter keeps the file's IR version; IR 3 (onnx-caffe2) wants every initializer
     # listed as a graph input, which later rewrites do not keep
     model.ir_version = max(model.ir_version,
@@ -685,7 +741,8 @@ def _upgrade_old(model: onnx.ModelProto, label: object) -> onnx.ModelProto:
 
 
 def _load_model(source: str | os.PathLike | onnx.ModelProto,
-                input_shapes: InputShapes | None, allow_qdq: bool) -> Graph:
+                input_shapes: InputShapes | None, allow_qdq: bool,
+                fed: frozenset[str] = frozenset()) -> Graph:
     shapes = input_shapes or InputShapes({})
     path: Path | None = None
     #: big initializers read straight into their serialized form (see read_split)
@@ -700,7 +757,8 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
         model, fields = _read_model_file(path)
     if not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label}: not an ONNX model (no graph or no nodes)")
-    model = _upgrade_old(model, label)
+    defaults = take_off_defaults(model, fed)
+    model = _upgrade_old(model, label, fields)
     opset = opset_of(model)
     if opset < MINIMUM_OPSET or opset > MAXIMUM_OPSET:
         raise ModelError(
@@ -752,6 +810,7 @@ def _load_model(source: str | os.PathLike | onnx.ModelProto,
     if not too_big and not on_disk and _set_value_info(model, shapes_by_running(graph)):
         graph = Graph.from_model(model, path, init_fields=fields)
     graph.file_nodes = len(labels)
+    graph.defaults_taken = tuple(defaults)
     if removed:
         graph.origins = [NodeOrigin(lb) for i, lb in enumerate(labels) if i not in removed]
         graph.vanished = tuple(labels[i] for i in sorted(removed))
@@ -764,8 +823,8 @@ WEIGHT_SLOTS: Mapping[str, tuple[int, ...]] = {
 }
 #: ops folded into an initializer when every input is constant and the result is a weight
 #: (Constant nodes, and the reshaping/casting exporters put between a constant and its op)
-FOLDABLE_OPS = frozenset({"Constant", "Identity", "Cast", "Transpose", "Reshape", "Squeeze",
-                          "Unsqueeze", "Flatten"})
+FOLDABLE_OPS = frozenset({"Constant", "ConstantOfShape", "Identity", "Cast", "Transpose",
+                          "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
 def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
@@ -817,6 +876,10 @@ def fold_constant_weights(model: onnx.ModelProto) -> list[int]:
         if node.op_type == "Constant":  # value_ints, value_float, ...: not a float tensor
             attr = node.attribute[0] if node.attribute else None
             return {attr.t.data_type} if attr is not None and attr.name == "value" else set()
+        if node.op_type == "ConstantOfShape":  # its value's type (float zeros by default)
+            return ({a.t.data_type for a in node.attribute if a.name == "value"}
+                    or {TensorProto.FLOAT}) if constant_types(node.input[0], depth + 1) \
+                is not None else None
         types: set[int] = set()
         for i in filter(None, node.input):
             found = constant_types(i, depth + 1)
@@ -1084,6 +1147,7 @@ def transform_graph(graph: Graph, transform, created_prefix: str = "",
     new = Graph.from_model(result, graph.path)
     new.origins, new.file_nodes = origins, graph.file_nodes
     new.vanished = graph.vanished + vanished
+    new.defaults_taken = graph.defaults_taken
     return new
 
 

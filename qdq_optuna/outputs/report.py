@@ -47,6 +47,7 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "in_search_baseline_latency_ms": baseline_ms,
         "quantized_tensors": plan.tensors,
         "quantized_weights": sorted({prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
+        "defaults_taken": list(prepared.graph.defaults_taken),
         "qdq_pairs": plan.qdq_pairs,
         "measurements": plans.measurements,
         "measurements_by_phase": {phase: plans.by_phase.get(phase, 0) for phase in PHASES},
@@ -538,6 +539,15 @@ def _speedup_line(r: dict, lo, hi) -> str:
             "baseline).")
 
 
+def _defaults_lines(taken: list[str] | None) -> list[str]:
+    """One line: the file's graph inputs that were initializers nobody fed, tuned as constants."""
+    if not taken:
+        return []
+    return [f"{len(taken)} initializers the model lists as graph inputs (default values, not "
+            "fed by the calibration data) were tuned as constants and are no inputs of "
+            "`optimized.onnx`.", ""]
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -565,6 +575,7 @@ def render_markdown(r: dict) -> str:
         "",
         *_kept_lines(r.get("kept_your_model")),
         *_recipe_file_lines(r.get("recipe_file")),
+        *_defaults_lines(r.get("defaults_taken")),
         *_starts_lines(r),
         *_repair_lines(r),
     ]

@@ -91,11 +91,14 @@ class PreparedModel:
         exclude_nodes: str | Iterable[str] | None = None,
         op_types: str | Iterable[str] | None = None,
         upgrade_opset: bool = True,
+        fed_inputs: Iterable[str] = (),
     ) -> PreparedModel:
         """``exclude_nodes`` (names or regular expressions) and ``op_types`` (the op types
         whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`).
         ``upgrade_opset=False``: a model below the opset that ``high_precision`` or the quant
-        types need is refused (one line) instead of upgraded with onnx's version converter."""
+        types need is refused (one line) instead of upgraded with onnx's version converter.
+        ``fed_inputs``: the names the calibration data feeds; an initializer listed as a graph
+        input is a constant unless fed (:func:`~qdq_optuna.model.graph.take_off_defaults`)."""
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = runtime if isinstance(runtime, RuntimeRules) else rules_for(runtime)
@@ -114,7 +117,7 @@ class PreparedModel:
             from qdq_optuna.errors import OptionError
 
             raise OptionError(f"--preprocess: unknown {preprocess!r} (choose from {', '.join(PREPROCESS)})")
-        graph = load_model(model, shapes)
+        graph = load_model(model, shapes, fed=fed_inputs)
         if isinstance(model, onnx.ModelProto):
             source, digest = "<model>", hashlib.sha256(model.SerializeToString()).hexdigest()
         else:
@@ -253,9 +256,12 @@ class PreparedModel:
         folded = len(g.vanished) if g.origins else 0
         if folded:
             text += f"; {folded} of the file's nodes were folded into weights or removed"
+        if g.defaults_taken:
+            text += (f"; {len(g.defaults_taken)} initializers the file lists as graph inputs "
+                     "(default values, not fed by the data) are constants")
         return {"description": text, "file_nodes": g.file_nodes, "nodes": len(g.nodes),
                 "created": sum(1 for o in g.origins if o.label is None),
-                "vanished": list(g.vanished)}
+                "vanished": list(g.vanished), "defaults_taken": list(g.defaults_taken)}
 
     def weight_report(self) -> dict:
         """Which weights of Conv/ConvTranspose/Gemm/MatMul the Q/DQ of some insertion point

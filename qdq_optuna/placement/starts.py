@@ -338,7 +338,8 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
     from qdq_optuna.model import calibration
 
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()  # checked, static shapes, weights in memory
+    # checked, static shapes, weights in memory; the inputs the data feeds stay inputs
+    proto = load_model(model, shapes, fed=data or ()).full_model()
     # per-channel DequantizeLinear (its axis) needs opset 13: below it, the tool writes a model
     # ONNX Runtime refuses, and its user upgrades the opset first
     proto = ensure_opset(proto, 13, "ONNX Runtime's per-channel recipe")
@@ -438,7 +439,7 @@ def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
     from qdq_optuna.model import calibration
 
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()
+    proto = load_model(model, shapes, fed=data or ()).full_model()
     proto = ensure_opset(proto, 13, "NNCF's per-channel recipe")
     if data is None:
         data = calibration.random_calibration_data(proto, shapes.shapes or None,

@@ -36,7 +36,7 @@ from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
 from qdq_optuna.measure.accuracy import ErrorScorer, metric_drop_bound, validation_data
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
-from qdq_optuna.model.data import data_id, describe_model, input_data
+from qdq_optuna.model.data import data_id, describe_model, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
@@ -91,6 +91,7 @@ class Tuner:
                 options.high_precision, backend_name(options, self.backend)),
             keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
             op_types=options.op_types, upgrade_opset=options.opset_upgrade,
+            fed_inputs=fed_names(options.calibration_data),
         )
         # the user's data, read once
         self.calibration = read_data(options.calibration_data, self.prepared, "calibration data")
