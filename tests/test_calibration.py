@@ -356,7 +356,7 @@ def test_load_calibration_data_bad_files(tmp_path):
         load_calibration_data(tmp_path / "missing.npz", model)
     text = tmp_path / "calib.npz"
     text.write_text("hello")
-    with pytest.raises(UserError, match="calib.npz.*not a readable"):
+    with pytest.raises(UserError, match="calib.npz.*not an .npz file"):
         load_calibration_data(text, model)
     single = tmp_path / "single.npy"
     np.save(single, np.ones((2, 3, 4), np.float32))

@@ -217,6 +217,8 @@ class Agreed:
     STARTS = "starts"
     WINNER = "winner"
     REASON = "reason"
+    #: the recipe file's measured decision (report.json's ``recipe_file``)
+    RECIPE_FILE = "recipe_file"
 
     @staticmethod
     def reference(study_name: str) -> str:

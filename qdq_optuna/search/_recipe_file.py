@@ -31,6 +31,7 @@ from qdq_optuna.backends.base import BackendError
 from qdq_optuna.errors import ToolError
 from qdq_optuna.measure.recipe_parity import qdq_differences
 from qdq_optuna.placement import starts
+from qdq_optuna.record import Agreed
 from qdq_optuna.run_folder import RunFolder
 
 log = logging.getLogger("qdq_optuna")
@@ -72,35 +73,50 @@ class RecipeFile:
         data = self.data() if isinstance(final_bytes, bytes) else None
         if data is None:
             return plan, final_bytes, None
-        pm, plans, space = self.s.prepared, self.s.plans, self.s.settings.space
+        pm, space = self.s.prepared, self.s.settings.space
         uses, _, _ = starts.read_placement(pm, onnx.load_from_string(data))
         start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase projects it
         reexport = exporter.plan(self.s.record.uses({
             pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
                                          pp.ids) for pp in pm.tunable}))
+        # measured once per run and agreed in the stored run: a rerun, --remeasure or a
+        # second worker reads the decision instead of measuring again
+        report = self.s.record.agree(Agreed.RECIPE_FILE, lambda: self._measure(
+            data, plan, final_bytes, exporter.source(reexport), reexport.key == plan.key))
+        if not report.get("shipped"):
+            return plan, final_bytes, report
+        self.folder.write_optimized(data)
+        return reexport, data, report
+
+    def _measure(self, data: bytes, plan, final_bytes: bytes, reexport: bytes,
+                 same: bool) -> dict:
+        """The file's errors, its re-export's and the tuned model's A/Bs against it, and
+        whether it ships: the tuned model slower beyond noise by at least
+        ``Config.performance_threshold`` (the commit rule's bar for adding Q/DQ) and the file
+        within the accuracy bound. Counted as the ``lanes`` phase (which model ships)."""
+        plans = self.s.plans
         report: dict = {"file": self.path.name, "shipped": False}
         try:
             errors = plans.scorer.score_bytes(data)
-            vs_file = plans.compare(exporter.source(reexport), data, "final")
-            vs_tuned = vs_file if reexport.key == plan.key else \
-                plans.compare(final_bytes, data, "final")
+            vs_file = plans.compare(reexport, data, "lanes")
+            vs_tuned = vs_file if same else plans.compare(final_bytes, data, "lanes")
         except BackendError as exc:
             log.warning("the recipe's own file could not be measured (%s)", exc)
-            return plan, final_bytes, {**report, "failure": str(exc)[:500]}
+            return {**report, "failure": str(exc)[:500]}
         guard = self.s.guard
         within = guard is None or errors["error"] <= guard.bound
         report.update(error=errors["error"], output_errors=errors["output_errors"],
                       within_bound=within, reexport_vs_file=vs_file.to_dict(),
                       tuned_vs_file=vs_tuned.to_dict(),
-                      differences=qdq_differences(exporter.source(reexport), data)
+                      differences=qdq_differences(reexport, data)
                       if vs_file.verdict == "slower" else [])
-        if not (within and vs_tuned.verdict == "slower"):
-            return plan, final_bytes, report
-        log.warning("the tuned model measured %.3fx the latency of the recipe's own file (95%% "
-                    "interval %.3f-%.3f): optimized.onnx is that file", vs_tuned.ratio,
-                    vs_tuned.ci_low, vs_tuned.ci_high)
-        self.folder.write_optimized(data)
-        return reexport, data, {**report, "shipped": True}
+        threshold = self.s.config.performance_threshold
+        if within and vs_tuned.verdict == "slower" and vs_tuned.ratio >= threshold:
+            log.warning("the tuned model measured %.3fx the latency of the recipe's own file "
+                        "(95%% interval %.3f-%.3f): optimized.onnx is that file",
+                        vs_tuned.ratio, vs_tuned.ci_low, vs_tuned.ci_high)
+            report["shipped"] = True
+        return report
 
 
 def shipped_accuracy(accuracy: dict, recipe_file: dict | None) -> dict:

@@ -251,13 +251,6 @@ def output_not_produced(ctx: Ctx) -> list[str]:
     return inspect(save(ctx.root / "dangling.onnx", model))
 
 
-@case("opset7.onnx", "opset")
-def opset_7(ctx: Ctx) -> list[str]:
-    model = chain()
-    model.opset_import[0].version = 7
-    return inspect(save(ctx.root / "opset7.onnx", model))
-
-
 @case("opset99.onnx", "opset")
 def opset_99(ctx: Ctx) -> list[str]:
     model = chain()
