@@ -33,9 +33,7 @@ import real_models
 
 from qdq_optuna.measure.accuracy import AccuracyEvaluator, output_errors, run_model, summarize
 from qdq_optuna.measure.repair import latency_costs, measure_contributions, plan_groups
-from qdq_optuna.model import calibration
 from qdq_optuna.placement.export import plan_uses
-from qdq_optuna.placement.prepared import PreparedModel
 
 MODELS = ("ppocr-det", "nudenet-320n", "ppocr-cls")
 BINS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0, float("inf"))
@@ -123,18 +121,7 @@ def placements(name: str, folder: Path, rank_evaluations: int,
                held_out: int) -> tuple[list, dict, str, str]:
     """(label, model bytes, Q/DQ count) rows, the held-out inputs, the input kind, the
     model's path."""
-    path = photos.write(name, folder, held_out=held_out)
-    cal = dict(np.load(folder / "calibration.npz"))
-    held = dict(np.load(folder / "heldout.npz"))
-    pm = PreparedModel.prepare(str(path), runtime="onnxruntime",
-                               input_shapes=real_models.MODELS[name].input_shapes)
-    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
-    uses = set()
-    for pp in pm.tunable:
-        uses |= pp.uses(pp.ids)
-    full = exporter.plan(uses)
+    cal, held, pm, exporter, full, path = photos.every_point(name, folder, held_out)
     few = {k: v[:4] for k, v in cal.items()}
     ranker = AccuracyEvaluator(exporter.to_bytes(exporter.plan(set())), few)
     groups = plan_groups(exporter.graph, full)

@@ -92,6 +92,27 @@ def write(name: str, folder: Path, calibration: int = 16, held_out: int = 8) -> 
     return real_models.fetch(name, None)
 
 
+def every_point(name: str, folder: Path, held_out: int = 8):
+    """``name`` written with its photo sets into ``folder`` and prepared for ONNX Runtime:
+    (calibration feeds, held-out feeds, the prepared model, its exporter with calibrated
+    scales, the plan with every candidate point on)."""
+    from qdq_optuna.model import calibration
+    from qdq_optuna.placement.prepared import PreparedModel
+
+    path = write(name, folder, held_out=held_out)
+    cal = dict(np.load(folder / "calibration.npz"))
+    held = dict(np.load(folder / "heldout.npz"))
+    pm = PreparedModel.prepare(str(path), runtime="onnxruntime",
+                               input_shapes=real_models.MODELS[name].input_shapes)
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
+    exporter = pm.exporter(calibration.activation_scales(
+        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
+    uses = set()
+    for pp in pm.tunable:
+        uses |= pp.uses(pp.ids)
+    return cal, held, pm, exporter, exporter.plan(uses), path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", choices=sorted(n for n, m in real_models.MODELS.items()

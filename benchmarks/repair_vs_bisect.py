@@ -16,18 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import photos
-import real_models
 
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of, what_onnxruntime_ran
 from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 from qdq_optuna.measure.accuracy import AccuracyEvaluator, output_errors, run_model, summarize
 from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.measure.repair import node_weights, rank_repair
-from qdq_optuna.model import calibration
 from qdq_optuna.model.graph import node_label
-from qdq_optuna.placement.prepared import PreparedModel
 
 
 def _what(data: bytes) -> WhatRan:
@@ -40,18 +36,7 @@ def _what(data: bytes) -> WhatRan:
 
 def compare(name: str, folder: Path, bound: float, samples: int, evaluations: int,
             metric: str | None = None) -> dict:
-    path = photos.write(name, folder)
-    cal = dict(np.load(folder / "calibration.npz"))
-    held = dict(np.load(folder / "heldout.npz"))
-    pm = PreparedModel.prepare(str(path), runtime="onnxruntime",
-                               input_shapes=real_models.MODELS[name].input_shapes)
-    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
-    uses = set()
-    for pp in pm.tunable:
-        uses |= pp.uses(pp.ids)
-    full = exporter.plan(uses)
+    cal, held, pm, exporter, full, path = photos.every_point(name, folder)
     scorer = AccuracyEvaluator(exporter.to_bytes(exporter.plan(set())),
                                {k: v[:samples] for k, v in cal.items()}, metric=metric)
 
