@@ -5,6 +5,9 @@ placement's digest. Run it before and after a change and compare the two JSON fi
     python benchmarks/behaviour_check.py --out before.json
     python benchmarks/behaviour_check.py --out after.json --compare before.json
 
+``--real NAME ...`` adds real third-party models of ``real_models.py`` (fetched into its cache
+on first use), tuned with their ``--input-shapes`` and no data of their own, as the zoo is.
+
 Deterministic (the cost model does not time anything), so any difference is a behaviour change.
 """
 
@@ -25,8 +28,15 @@ MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 
 
 def run(name: str, size: str, sampler: str, folder: Path) -> dict:
+    """One ``tune`` of a zoo model (``size``) or, with ``size`` ``"real"``, of a real model."""
     t0 = time.monotonic()
-    res = qdq_optuna.tune(zoo.build(name, size), folder, backend="costmodel", seed=0,
+    if size == "real":
+        import real_models
+
+        model, shapes = str(real_models.fetch(name)), real_models.MODELS[name].input_shapes
+    else:
+        model, shapes = zoo.build(name, size), None
+    res = qdq_optuna.tune(model, folder, backend="costmodel", seed=0, input_shapes=shapes,
                           sampler=sampler, progress=False, fresh=True)
     r = res.report
     shipped = (folder / "optimized.onnx").read_bytes()
@@ -41,17 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--sizes", nargs="+", default=["small", "medium"])
     ap.add_argument("--samplers", nargs="+", default=["qdq"])
+    ap.add_argument("--real", nargs="*", default=[], metavar="NAME",
+                    help="real models of real_models.py to tune too (e.g. mtcnn-rnet ppocr-cls)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--compare", type=Path, help="an earlier --out file: print what differs")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="qdq-behaviour-") as tmp:
-        for name in args.models:
-            for size in args.sizes:
-                for sampler in args.samplers:
-                    row = run(name, size, sampler, Path(tmp) / f"{name}-{size}-{sampler}")
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+        cases = [(n, s) for n in args.models for s in args.sizes] + [(n, "real") for n in args.real]
+        for name, size in cases:
+            for sampler in args.samplers:
+                row = run(name, size, sampler, Path(tmp) / f"{name}-{size}-{sampler}")
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     if args.compare:
         before = {(r["model"], r["sampler"]): r for r in json.loads(args.compare.read_text())}
