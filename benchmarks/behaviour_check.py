@@ -7,6 +7,8 @@ placement's digest. Run it before and after a change and compare the two JSON fi
 
 ``--real NAME ...`` adds real third-party models of ``real_models.py`` (fetched into its cache
 on first use), tuned with their ``--input-shapes`` and no data of their own, as the zoo is.
+``--reports DIR`` keeps each run's report.json and report.md there (as ``MODEL-SAMPLER.*``), to
+diff the two runs' reports too (their times and paths differ, nothing else should).
 
 Deterministic (the cost model does not time anything), so any difference is a behaviour change.
 """
@@ -27,7 +29,7 @@ from qdq_optuna.examples import zoo
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 
 
-def run(name: str, size: str, sampler: str, folder: Path) -> dict:
+def run(name: str, size: str, sampler: str, folder: Path, reports: Path | None = None) -> dict:
     """One ``tune`` of a zoo model (``size``) or, with ``size`` ``"real"``, of a real model."""
     t0 = time.monotonic()
     if size == "real":
@@ -40,6 +42,11 @@ def run(name: str, size: str, sampler: str, folder: Path) -> dict:
                           sampler=sampler, progress=False, fresh=True)
     r = res.report
     shipped = (folder / "optimized.onnx").read_bytes()
+    if reports is not None:
+        reports.mkdir(parents=True, exist_ok=True)
+        for suffix in ("json", "md"):
+            (reports / f"{name}-{size}-{sampler}.{suffix}").write_bytes(
+                (folder / f"report.{suffix}").read_bytes())
     return {"model": f"{name}-{size}", "sampler": sampler, "final_ms": r["final_latency_ms"],
             "measurements": r["measurements"], "by_phase": r["measurements_by_phase"],
             "optimized_sha": hashlib.sha256(shipped).hexdigest()[:16],
@@ -55,13 +62,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="real models of real_models.py to tune too (e.g. mtcnn-rnet ppocr-cls)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--compare", type=Path, help="an earlier --out file: print what differs")
+    ap.add_argument("--reports", type=Path, help="keep each run's report.json / report.md here")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="qdq-behaviour-") as tmp:
         cases = [(n, s) for n in args.models for s in args.sizes] + [(n, "real") for n in args.real]
         for name, size in cases:
             for sampler in args.samplers:
-                row = run(name, size, sampler, Path(tmp) / f"{name}-{size}-{sampler}")
+                row = run(name, size, sampler, Path(tmp) / f"{name}-{size}-{sampler}",
+                          args.reports)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
