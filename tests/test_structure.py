@@ -422,14 +422,12 @@ def _dict_returns(source: str, cls: str) -> set[str]:
     return found
 
 
-#: RunRecord methods that still return bare dicts (the stored rows as Optuna keeps them); the
-#: list may only shrink: a new method returns a typed record (record/records.py)
-RUN_RECORD_DICTS = {"settings", "starts", "visits", "committed", "visit_entry"}
-
-
-def test_no_new_run_record_method_returns_a_bare_dict():
+def test_no_run_record_method_returns_a_bare_dict():
+    """What the record reads out of its studies comes back typed (``record/records.py``:
+    ``AgreedStarts``, ``Visit``, ``VisitEntry``, ``PatternStanding``); the stored dicts stay
+    inside the record."""
     source = (REPO / "qdq_optuna" / "record" / "run.py").read_text(encoding="utf-8")
-    assert _dict_returns(source, "RunRecord") <= RUN_RECORD_DICTS
+    assert _dict_returns(source, "RunRecord") == set()
 
 
 def test_the_dict_check_finds_a_bare_dict_return():
@@ -437,6 +435,48 @@ def test_the_dict_check_finds_a_bare_dict_return():
               "    def c(self) -> dict[str, int]: ...\n    def d(self) -> list[dict]: ...\n"
               "    def _e(self) -> dict: ...\n    def f(self) -> Rec: ...\n")
     assert _dict_returns(source, "R") == {"a", "b", "d"}
+
+
+#: the stages whose work the outputs read from the search's outcome instead of doing it
+MEASURING = ("qdq_optuna.measure", "qdq_optuna.backends")
+
+
+def _measuring_imports(folder: Path) -> list[str]:
+    """Imports of ``measure/`` or ``backends/`` by the modules under ``folder``: every import
+    statement, inside functions and ``if TYPE_CHECKING:`` too, relative ones resolved."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        package = ["qdq_optuna", *path.relative_to(folder.parent).parent.parts]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno}: {n}" for n in names
+                      if any(n == m or n.startswith(m + ".") for m in MEASURING)]
+    return sorted(found, key=lambda h: (h.split(":")[0], int(h.split(":")[1])))
+
+
+def test_the_outputs_import_nothing_that_measures():
+    """The outputs word what the search measured (``SearchOutcome``, the run record); they
+    import no module of ``measure/`` or ``backends/``."""
+    assert _measuring_imports(REPO / "qdq_optuna" / "outputs") == []
+
+
+def test_the_measuring_import_check_finds_each_form(tmp_path):
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "m.py").write_text(
+        "from qdq_optuna.measure.timing import X\nif TYPE_CHECKING:\n"
+        "    from qdq_optuna.backends.what_ran import WhatRan\ndef f():\n"
+        "    import qdq_optuna.backends\n    from ..measure import kernels\n"
+        "    from qdq_optuna.measurements import y\n    from qdq_optuna.record import z\n")
+    assert _measuring_imports(out) == [
+        "m.py:1: qdq_optuna.measure.timing", "m.py:3: qdq_optuna.backends.what_ran",
+        "m.py:5: qdq_optuna.backends", "m.py:6: qdq_optuna.measure"]
 
 
 # -- benchmarks as clients -----------------------------------------------------------------------
