@@ -23,7 +23,7 @@ from qdq_optuna.errors import OptionError
 from qdq_optuna.model.data import model_argument
 from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
 from qdq_optuna.outputs.write import write_outputs
-from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult
+from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult, open_run
 
 
 def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
@@ -65,7 +65,7 @@ def run(options: TuneOptions) -> TuneResult:
     tuner = Tuner(PreparedRun.from_options(options))  # prepare
     tuner.on_commit.append(PatternPictures(tuner.out, tuner.prepared))
     with tuner.session():
-        done = tuner.open()
+        done = tuner.open(open_run(tuner.run))  # prepare: the storage, the run record
         if done is not None:  # a finished run: its result, nothing measured again
             return TuneResult(tuner.out, done, finished_before=True)
         outcome = tuner.search()  # search

@@ -6,11 +6,12 @@ search, write outputs; see docs/architecture.md).
   protocol and the resolved settings;
 * :func:`open_run`: the storage and the run record opened (a run of the earlier
   pattern-by-pattern search, or one stored with other settings, is refused in one line), the
-  user's warm starts loaded and checked;
-* the objects built from them: calibrated scales, the error scorer and the guard's bound.
+  user's warm starts loaded and checked, and what the search measures with: the calibrated
+  scales, the exporter, the error scorer, the plan measurer and the accuracy guard.
 
-The search (:class:`~qdq_optuna.search._run.Tuner`) receives what this module prepared and
-only decides and records; nothing here measures a latency.
+``tune()`` calls both and hands the results to the search
+(:class:`~qdq_optuna.search._run.Tuner`), which only decides and records; nothing here
+measures a latency.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import onnx
 
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna.backends.base import Backend
@@ -35,9 +33,10 @@ from qdq_optuna.placement.export import QDQExporter
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.seeds import PatternCache, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run
-from qdq_optuna.record.storage import default_storage_url, open_storage
+from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
+from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._options import (
     Settings,
     TuneOptions,
@@ -46,7 +45,9 @@ from qdq_optuna.search._options import (
     check_runtime_named,
     digest,
     fingerprint,
+    measure_label,
 )
+from qdq_optuna.search._plans import PlanMeasurer
 from qdq_optuna.search._workers import retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
@@ -103,18 +104,53 @@ class PreparedRun:
 
 @dataclass
 class OpenedRun:
-    """The run's storage opened: its record (settings agreed), the settings' digest, and the
-    user's warm starts (``--pattern-cache``; ``--qdq-baseline``'s quantized tensors)."""
+    """The run's storage opened: its record (settings agreed), the settings' digest, the
+    user's warm starts (``--pattern-cache``; ``--qdq-baseline``'s quantized tensors), the
+    calibrated activation scales, the trials' exporter, the plan measurer (latencies and
+    errors) and the accuracy guard."""
 
     record: RunRecord
     fingerprint_digest: str
     cache: PatternCache | None
     baseline_q: set[str] | None
+    scales: dict
+    exporter: QDQExporter
+    plans: PlanMeasurer
+    guard: Guard
 
 
 def open_run(run: PreparedRun) -> OpenedRun:
     """Open the storage and the run record of ``run`` (``--fresh`` deletes the stored run
-    first); refuse a stored run it cannot resume; load the user's warm starts."""
+    first); refuse a stored run it cannot resume; load the user's warm starts; build what the
+    search measures with (bad validation data or a bad metric fails here)."""
+    o, prepared, cfg = run.options, run.prepared, run.options.config
+    quiet_optuna(cfg.verbose)
+    record, fingerprint_digest = _open_record(run)
+    cache, baseline_q = warm_starts(run)
+    scales: list[dict] = []  # computed when first needed, once
+
+    def scales_for(purpose: str) -> dict | None:
+        if purpose == "trials" and run.settings.scales == "default":
+            return None
+        if not scales:
+            scales.append(calibrated_scales(prepared, o, run.folder, run.calibration))
+        return scales[0]
+
+    exporter = prepared.exporter(scales_for("trials"), cfg)
+    scorer, data_name = error_scorer(prepared, o, run.profile, exporter, run.validation,
+                                     run.calibration, run.backend)
+    plans = PlanMeasurer(run.measurer, record.measured, scorer, record.errors,
+                         regions=prepared.graph if cfg.subgraph_screen else None)
+    calibrated = (exporter if run.settings.scales == "calibrated"
+                  else prepared.exporter(scales_for("final"), cfg))
+    bound, drop = guard_bound(o, run.settings, scorer)
+    guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop)
+    return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0], exporter, plans,
+                     guard)
+
+
+def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
+    """The storage and the run record, the settings agreed; their digest."""
     o = run.options
     run.out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(run.out)  # half-written outputs of a killed process
@@ -128,8 +164,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     record = RunRecord(storage, run.run_id, run.prepared.tunable, run.settings.space)
     record.check_layout(str(run.out))
     record.settle_fingerprint(fp, fingerprint_digest, str(run.out))
-    cache, baseline_q = warm_starts(run)
-    return OpenedRun(record, fingerprint_digest, cache, baseline_q)
+    return record, fingerprint_digest
 
 
 def warm_starts(run: PreparedRun) -> tuple[PatternCache | None, set[str] | None]:
@@ -233,28 +268,3 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
                                               quant_type=qtype)
         scales.update({(t, qtype): v for t, v in typed.items()})
     return scales
-
-
-
-
-def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | None
-               ) -> onnx.ModelProto:
-    """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
-    the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
-    from qdq_optuna.model.graph import add_shapes_by_running, apply_input_shapes
-
-    if isinstance(model, onnx.ModelProto):
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model)
-    else:
-        proto = onnx.load(str(model))
-    for vi in proto.graph.input:  # a stored dim <= 0 is symbolic (paddle2onnx writes -1)
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_value") and d.dim_value <= 0:
-                d.ClearField("dim_value")
-    apply_input_shapes(proto, InputShapes.parse(input_shapes), "<model>")
-    del proto.graph.value_info[:]  # inferred again by the runtime, from the fixed inputs
-    # ... except where static inference cannot (a Reshape to a computed shape, as paddle2onnx
-    # writes): the cost model reads shapes from the file alone
-    add_shapes_by_running(proto)
-    return proto

@@ -24,15 +24,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
+import onnx
+
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
 from qdq_optuna.model.data import describe_model
+from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
@@ -44,27 +48,17 @@ from qdq_optuna.record import (
     write_pattern_cache,
     write_state,
 )
-from qdq_optuna.record.storage import quiet_optuna
 from qdq_optuna.runtimes import Runtime
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
-from qdq_optuna.search._guard import Guard, check_default_session
+from qdq_optuna.search._guard import check_default_session
 from qdq_optuna.search._lanes import final_lane
 from qdq_optuna.search._options import (
     SearchOutcome,
     TuneOptions,
-    measure_label,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
-from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._prepare import (
-    PreparedRun,
-    calibrated_scales,
-    error_scorer,
-    guard_bound,
-    open_run,
-    user_model,
-)
+from qdq_optuna.search._prepare import OpenedRun, PreparedRun
 from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
@@ -135,11 +129,11 @@ class Tuner:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
                 self.backend.close()
 
-    def open(self) -> dict | None:
-        """Open the storage and the run record; a run that finished with these settings
-        returns its stored report (nothing is measured again), else None."""
-        quiet_optuna(self.cfg.verbose)
-        self._open()
+    def open(self, opened: OpenedRun) -> dict | None:
+        """Take the opened run (:func:`~qdq_optuna.search._prepare.open_run`); a run that
+        finished with these settings returns its stored report (nothing is measured again),
+        else None."""
+        self._open(opened)
         return None if self.o.remeasure else self._finished_report()
 
     def search(self) -> SearchOutcome:
@@ -164,27 +158,17 @@ class Tuner:
             return self._conclude(partial=True)
         return self._conclude(partial=False)
 
-    def _open(self) -> Search:
-        """The storage and the run record (opened by :func:`open_run`), and everything the
-        pattern studies share."""
-        opened = open_run(self.run)
+    def _open(self, opened: OpenedRun) -> Search:
+        """The run record and what the pattern studies share."""
         self.record, self.fingerprint_digest = opened.record, opened.fingerprint_digest
         self.cache, self.baseline_q = opened.cache, opened.baseline_q
-        exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        scorer, data_name = error_scorer(self.prepared, self.o, self.profile, exporter,
-                                         self.validation, self.calibration, self.backend)
-        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors,
-                             regions=self.prepared.graph if self.cfg.subgraph_screen else None)
-        calibrated = (exporter if self.settings.scales == "calibrated"
-                      else self.prepared.exporter(self._scales("final"), self.cfg))
-        bound, drop = guard_bound(self.o, self.settings, scorer)
-        guard = Guard(plans, calibrated, bound, measure_label(self.o), data_name, drop)
+        self._calibrated = opened.scales
         self.search_state = Search(
-            prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
-            record=self.record, rule=CommitRule(self.cfg.performance_threshold),
-            sampler=self.o.sampler, seed=self.o.seed, plans=plans,
+            prepared=self.prepared, exporter=opened.exporter, settings=self.settings,
+            config=self.cfg, record=self.record, rule=CommitRule(self.cfg.performance_threshold),
+            sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
-            progress=self.progress, remaining=self.remaining, guard=guard,
+            progress=self.progress, remaining=self.remaining, guard=opened.guard,
             on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend))
         return self.search_state
 
@@ -371,12 +355,10 @@ class Tuner:
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
-        """Calibrated activation scales (None: the default scale inside trials)."""
+        """Calibrated activation scales, as the run was opened with (None: the default scale
+        inside trials)."""
         if purpose == "trials" and self.settings.scales == "default":
             return None
-        if self._calibrated is None:
-            self._calibrated = calibrated_scales(self.prepared, self.o, self.folder,
-                                                 self.calibration)
         return self._calibrated
 
     # -- state -----------------------------------------------------------------------------
@@ -450,3 +432,26 @@ def high_precision_summary(prepared: PreparedModel) -> dict:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:24]
+
+
+def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | None
+               ) -> onnx.ModelProto:
+    """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
+    the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
+    from qdq_optuna.model.graph import add_shapes_by_running, apply_input_shapes
+
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = onnx.load(str(model))
+    for vi in proto.graph.input:  # a stored dim <= 0 is symbolic (paddle2onnx writes -1)
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value <= 0:
+                d.ClearField("dim_value")
+    apply_input_shapes(proto, InputShapes.parse(input_shapes), "<model>")
+    del proto.graph.value_info[:]  # inferred again by the runtime, from the fixed inputs
+    # ... except where static inference cannot (a Reshape to a computed shape, as paddle2onnx
+    # writes): the cost model reads shapes from the file alone
+    add_shapes_by_running(proto)
+    return proto
