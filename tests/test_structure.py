@@ -479,6 +479,50 @@ def test_the_measuring_import_check_finds_each_form(tmp_path):
         "m.py:5: qdq_optuna.backends", "m.py:6: qdq_optuna.measure"]
 
 
+#: the calls that prepare a run: options resolved, the backend made, the model prepared, the
+#: user's data read, the storage and the run record opened, the measuring objects built
+PREPARING = {"backend_for", "check_runtime_named", "Settings.profile_of", "Settings.resolve",
+             "PreparedModel.prepare", "read_data", "input_data", "open_storage",
+             "delete_run", "RunRecord", "remove_stale_temps", "PatternCache.load",
+             "baseline_tensors", "calibrated_scales", "error_scorer", "PlanMeasurer", "Guard"}
+#: search modules that may prepare: the preparation stage, and the ask/tell API (the caller
+#: measures; it opens its own small run from its arguments)
+PREPARERS = {"_prepare.py", "autotuner.py"}
+
+
+def _preparing_calls(folder: Path) -> list[str]:
+    """Calls of :data:`PREPARING` in the modules under ``folder`` other than the preparers."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name in PREPARERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name) else None)
+            if name in PREPARING:
+                found.append((path.name, node.lineno, name))
+    return [f"{n}:{line}: {name}()" for n, line, name in sorted(found)]
+
+
+def test_the_search_prepares_nothing():
+    """Preparing a run is its own stage (``search/_prepare.py``): ``tune()`` hands the search
+    what was prepared, and no other module of the pipeline's search prepares."""
+    assert _preparing_calls(REPO / "qdq_optuna" / "search") == []
+
+
+def test_the_preparing_check_finds_each_call(tmp_path):
+    (tmp_path / "_run.py").write_text(
+        "b = backend_for(o)\npm = PreparedModel.prepare(m)\nr = RunRecord(s, 'r', [], sp)\n"
+        "x = self.prepared.prepare(m)\ny = record.open_storage\n")
+    (tmp_path / "_prepare.py").write_text("b = backend_for(o)\n")
+    assert _preparing_calls(tmp_path) == [
+        "_run.py:1: backend_for()", "_run.py:2: PreparedModel.prepare()", "_run.py:3: RunRecord()"]
+
+
 # -- benchmarks as clients -----------------------------------------------------------------------
 #: the one quiet-machine wait of the benchmarks (and the one module that reads the load)
 LOAD_WAIT = "benchmarks/_common.py:wait_quiet"
