@@ -15,11 +15,18 @@ first two on every run):
   the error step runs too) with a profiler that records, inside each trial's objective, every
   call that enters a ``qdq_optuna`` module from another ``qdq_optuna`` module. Printed: the
   entries of the first trial that measured a model, in call order, and per module how often it
-  was entered; an *upward* entry is one into a module that (transitively) imports the caller.
+  was entered; an *upward* entry is one into a module that (transitively) imports the caller;
+* **run walk** (``--walk``): one whole ``tune`` run (the same model and settings) with a
+  profiler that records each step ``tune()`` takes (the calls its ``run`` makes) and the
+  package folders each step enters, and every call from one of the run's owners into another:
+  ``tune()`` itself, preparing (``search/_prepare.py``), the search (the rest of ``search/``)
+  and the outputs (``outputs/``); a *hop back* is a call into an owner earlier in that order
+  (a return is none).
 
     python benchmarks/structure.py                 # this checkout
     python benchmarks/structure.py --root OTHER    # another checkout (e.g. to measure main)
     python benchmarks/structure.py --trace         # also the per-trial path (about 20 s)
+    python benchmarks/structure.py --walk          # also the walk of one tune run
     python benchmarks/structure.py --json out.json
 
 Exit code 1 when a unit is over its limit or a circle exists (``--no-fail`` to only report).
@@ -276,11 +283,114 @@ def trace_trial(root: Path) -> dict:
             "upward": sorted(set(upward)), "path": path, "trials_traced": len(trials)}
 
 
+# -- the walk of one run --------------------------------------------------------------------------
+_WALK_CHILD = r"""
+import json, sys, tempfile
+from pathlib import Path
+import qdq_optuna
+import qdq_optuna._tune  # the pipeline's modules imported before the profiler starts
+from qdq_optuna import Config
+from qdq_optuna.examples import zoo
+root = Path(qdq_optuna.__file__).resolve().parent
+known = {}
+
+def module_of(code):
+    f = code.co_filename
+    if f not in known:
+        try:
+            parts = ["qdq_optuna", *Path(f).resolve().relative_to(root).with_suffix("").parts]
+            known[f] = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        except ValueError:
+            known[f] = None
+    return known[f]
+
+def owner(m):
+    if m is None:
+        return None
+    if m == "qdq_optuna.search._prepare":
+        return "prepare"
+    if m == "qdq_optuna._tune":
+        return "tune"
+    for o in ("search", "outputs"):
+        if m.startswith(f"qdq_optuna.{o}"):
+            return o
+    return None
+
+def caller_owner(frame):
+    while frame is not None:
+        o = owner(module_of(frame.f_code))
+        if o is not None:
+            return o
+        frame = frame.f_back
+    return None
+
+steps, calls, step_frame = [], [], [None]
+def profile(frame, event, arg):
+    if event == "return" and frame is step_frame[0]:
+        step_frame[0] = None
+    if event != "call" or frame.f_code.co_name == "<module>":
+        return
+    m = module_of(frame.f_code)
+    if m is None:
+        return
+    back = frame.f_back
+    if back is not None and back.f_code.co_name == "run" and module_of(back.f_code) == "qdq_optuna._tune":
+        steps.append({"step": frame.f_code.co_qualname, "stages": []})
+        step_frame[0] = frame
+    parts = m.split(".")
+    stage = "search/_prepare" if m == "qdq_optuna.search._prepare" else (
+        parts[1] if len(parts) > 2 else "(top level)")
+    if step_frame[0] is not None and stage not in steps[-1]["stages"]:
+        steps[-1]["stages"].append(stage)
+    o = owner(m)
+    if o is None or back is None or owner(module_of(back.f_code)) == o:
+        return
+    c = caller_owner(back)
+    if c is not None and c != o:
+        calls.append([c, o, m.removeprefix("qdq_optuna.") + "." + frame.f_code.co_qualname])
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = Path(tmp) / "m.onnx"
+    model.write_bytes(zoo.build("tiny_residual").SerializeToString())
+    sys.setprofile(profile)
+    try:
+        qdq_optuna.tune(str(model), str(Path(tmp) / "out"), benchmark="costmodel",
+                        config=Config(schemes_per_region=6, refine_rounds=0),
+                        max_output_error=1e9, progress=False)
+    finally:
+        sys.setprofile(None)
+json.dump({"steps": steps, "calls": calls}, sys.stdout)
+"""
+
+#: the run's owners in pipeline order (a call into an earlier one is a hop back)
+OWNERS = ("tune", "prepare", "search", "outputs")
+
+
+def walk_run(root: Path) -> dict:
+    """The steps of one ``tune`` run under ``root`` with the folders each enters, the calls
+    from one owner into another (``[caller, callee, function]``) and the hops back among
+    them: calls into an owner earlier in :data:`OWNERS`."""
+    proc = subprocess.run([sys.executable, "-c", _WALK_CHILD], capture_output=True, text=True,
+                          cwd=root, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"walk run failed:\n{proc.stderr[-3000:]}")
+    found = json.loads(proc.stdout)
+    rank = {o: i for i, o in enumerate(OWNERS)}
+    kinds: dict[str, int] = {}
+    for caller, callee, fn in found["calls"]:
+        key = f"{caller} -> {callee} ({fn})" + (" BACK" if rank[callee] < rank[caller] else "")
+        kinds[key] = kinds.get(key, 0) + 1
+    back = sum(rank[callee] < rank[caller] for caller, callee, _ in found["calls"])
+    return {"steps": found["steps"], "calls": kinds, "owner_calls": len(found["calls"]),
+            "hops_back": back}
+
+
 # -- the command ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--trace", action="store_true", help="also trace one trial's call path")
+    ap.add_argument("--walk", action="store_true", help="also walk one whole tune run")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--no-fail", action="store_true")
     args = ap.parse_args(argv)
@@ -314,6 +424,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"upward entries (into a module that imports the caller): {len(t['upward'])}")
         for u in t["upward"]:
             print(f"  {u}")
+    if args.walk:
+        w = walk_run(root)
+        report["walk"] = w
+        print("\nthe steps of one tune run, and the folders each enters:")
+        for step in w["steps"]:
+            print(f"  {step['step']}: {', '.join(step['stages']) or '-'}")
+        print(f"calls from one owner into another ({w['owner_calls']}; hops back: "
+              f"{w['hops_back']}):")
+        for call, n in w["calls"].items():
+            print(f"  {call}" + (f" x{n}" if n > 1 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if args.no_fail or (not over and not loops) else 1

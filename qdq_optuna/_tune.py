@@ -1,7 +1,8 @@
 """``tune()``: the pipeline in one place: prepare -> search -> write outputs.
 
-* **prepare** (:class:`~qdq_optuna.search.Tuner`): the model (regions, patterns, points,
-  precision), the backend, the user's data;
+* **prepare** (:class:`~qdq_optuna.search.PreparedRun`, ``search/_prepare.py``): the options,
+  the backend and the runtime's profile, the model (regions, patterns, points, precision), the
+  user's data; the storage and the run record when the run opens;
 * **search** (:meth:`Tuner.search <qdq_optuna.search.Tuner.search>`): baseline, starts,
   descent, and what ships, measured (a :class:`~qdq_optuna.search.SearchOutcome`);
 * **write outputs** (:func:`~qdq_optuna.outputs.write.write_outputs`): report.json / .md
@@ -22,7 +23,7 @@ from qdq_optuna.errors import OptionError
 from qdq_optuna.model.data import model_argument
 from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
 from qdq_optuna.outputs.write import write_outputs
-from qdq_optuna.search import TuneOptions, Tuner, TuneResult
+from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult, open_run
 
 
 def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
@@ -61,10 +62,10 @@ def _config(config: Config | None, mode: str | None) -> Config:
 
 def run(options: TuneOptions) -> TuneResult:
     """Run (or resume) the tuning run ``options`` describe."""
-    tuner = Tuner(options)  # prepare
+    tuner = Tuner(PreparedRun.from_options(options))  # prepare
     tuner.on_commit.append(PatternPictures(tuner.out, tuner.prepared))
     with tuner.session():
-        done = tuner.open()
+        done = tuner.open(open_run(tuner.run))  # prepare: the storage, the run record
         if done is not None:  # a finished run: its result, nothing measured again
             return TuneResult(tuner.out, done, finished_before=True)
         outcome = tuner.search()  # search

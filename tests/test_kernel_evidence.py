@@ -171,7 +171,8 @@ def test_pruning_follows_the_kernel_evidence_in_both_directions(resnet):
 
 
 def test_the_report_lists_the_table_with_the_decision_and_the_shipped_precision(resnet):
-    from qdq_optuna.outputs.report import _kernel_lines, kernel_table_entry
+    from qdq_optuna.outputs.report import _kernel_lines
+    from qdq_optuna.search._unfused import kernel_table_entry
 
     pm, flt, qdq = resnet
     convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
@@ -300,7 +301,7 @@ def test_the_report_counts_how_often_the_region_ranked_as_the_whole_model():
                           reference_ms=10.0, extra={"subgraph": {**sub, "verdict": "slower"}})),
         trial(Measurement(10.0, kind="ab", ratio=1.0, ci=[0.9, 1.1], reference_ms=10.0)),
     ]
-    st = trial_statistics(trials)
+    st = trial_statistics(trials, 1.3)
     assert (st["subgraph_screened_out"], st["subgraph_compared"], st["subgraph_agreed"]) == \
         (1, 2, 1)
     assert "the region ranked 1 as the whole model did" in "\n".join(_statistics_lines(st))

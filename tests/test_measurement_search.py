@@ -82,7 +82,7 @@ def target(residual, tmp_path_factory) -> tuple[list[str], str]:
     space = ChoiceSpace((pm.quant_type,))
     record = RunRecord(open_storage(f"sqlite:///{out / 'studies.db'}", heartbeat=False), "run",
                        pm.tunable, space)
-    before = [a for a in record.visits("") if a["order"] < study.user_attrs["order"]]
+    before = [a for a in record.visits("") if a.order < study.user_attrs["order"]]
     schemes = record.standing("", before)
     schemes["P001"] = space.indices(first.params, study.user_attrs["qdq_points"])
     for pid, points in (first.user_attrs.get("partner") or {}).items():

@@ -223,7 +223,7 @@ def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
     rules."""
     from qdq_optuna.run_folder import RunFolder
     from qdq_optuna.search._options import TuneOptions
-    from qdq_optuna.search._run import calibrated_scales
+    from qdq_optuna.search._prepare import calibrated_scales
 
     model = zoo.build("tiny_concat")
     pm = PreparedModel.prepare(model, runtime="openvino")

@@ -422,14 +422,12 @@ def _dict_returns(source: str, cls: str) -> set[str]:
     return found
 
 
-#: RunRecord methods that still return bare dicts (the stored rows as Optuna keeps them); the
-#: list may only shrink: a new method returns a typed record (record/records.py)
-RUN_RECORD_DICTS = {"settings", "starts", "visits", "committed", "visit_entry"}
-
-
-def test_no_new_run_record_method_returns_a_bare_dict():
+def test_no_run_record_method_returns_a_bare_dict():
+    """What the record reads out of its studies comes back typed (``record/records.py``:
+    ``AgreedStarts``, ``Visit``, ``VisitEntry``, ``PatternStanding``); the stored dicts stay
+    inside the record."""
     source = (REPO / "qdq_optuna" / "record" / "run.py").read_text(encoding="utf-8")
-    assert _dict_returns(source, "RunRecord") <= RUN_RECORD_DICTS
+    assert _dict_returns(source, "RunRecord") == set()
 
 
 def test_the_dict_check_finds_a_bare_dict_return():
@@ -437,6 +435,92 @@ def test_the_dict_check_finds_a_bare_dict_return():
               "    def c(self) -> dict[str, int]: ...\n    def d(self) -> list[dict]: ...\n"
               "    def _e(self) -> dict: ...\n    def f(self) -> Rec: ...\n")
     assert _dict_returns(source, "R") == {"a", "b", "d"}
+
+
+#: the stages whose work the outputs read from the search's outcome instead of doing it
+MEASURING = ("qdq_optuna.measure", "qdq_optuna.backends")
+
+
+def _measuring_imports(folder: Path) -> list[str]:
+    """Imports of ``measure/`` or ``backends/`` by the modules under ``folder``: every import
+    statement, inside functions and ``if TYPE_CHECKING:`` too, relative ones resolved."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        package = ["qdq_optuna", *path.relative_to(folder.parent).parent.parts]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno}: {n}" for n in names
+                      if any(n == m or n.startswith(m + ".") for m in MEASURING)]
+    return sorted(found, key=lambda h: (h.split(":")[0], int(h.split(":")[1])))
+
+
+def test_the_outputs_import_nothing_that_measures():
+    """The outputs word what the search measured (``SearchOutcome``, the run record); they
+    import no module of ``measure/`` or ``backends/``."""
+    assert _measuring_imports(REPO / "qdq_optuna" / "outputs") == []
+
+
+def test_the_measuring_import_check_finds_each_form(tmp_path):
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "m.py").write_text(
+        "from qdq_optuna.measure.timing import X\nif TYPE_CHECKING:\n"
+        "    from qdq_optuna.backends.what_ran import WhatRan\ndef f():\n"
+        "    import qdq_optuna.backends\n    from ..measure import kernels\n"
+        "    from qdq_optuna.measurements import y\n    from qdq_optuna.record import z\n")
+    assert _measuring_imports(out) == [
+        "m.py:1: qdq_optuna.measure.timing", "m.py:3: qdq_optuna.backends.what_ran",
+        "m.py:5: qdq_optuna.backends", "m.py:6: qdq_optuna.measure"]
+
+
+#: the calls that prepare a run: options resolved, the backend made, the model prepared, the
+#: user's data read, the storage and the run record opened, the measuring objects built
+PREPARING = {"backend_for", "check_runtime_named", "Settings.profile_of", "Settings.resolve",
+             "PreparedModel.prepare", "read_data", "input_data", "open_storage",
+             "delete_run", "RunRecord", "remove_stale_temps", "PatternCache.load",
+             "baseline_tensors", "calibrated_scales", "error_scorer", "PlanMeasurer", "Guard"}
+#: search modules that may prepare: the preparation stage, and the ask/tell API (the caller
+#: measures; it opens its own small run from its arguments)
+PREPARERS = {"_prepare.py", "autotuner.py"}
+
+
+def _preparing_calls(folder: Path) -> list[str]:
+    """Calls of :data:`PREPARING` in the modules under ``folder`` other than the preparers."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name in PREPARERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name) else None)
+            if name in PREPARING:
+                found.append((path.name, node.lineno, name))
+    return [f"{n}:{line}: {name}()" for n, line, name in sorted(found)]
+
+
+def test_the_search_prepares_nothing():
+    """Preparing a run is its own stage (``search/_prepare.py``): ``tune()`` hands the search
+    what was prepared, and no other module of the pipeline's search prepares."""
+    assert _preparing_calls(REPO / "qdq_optuna" / "search") == []
+
+
+def test_the_preparing_check_finds_each_call(tmp_path):
+    (tmp_path / "_run.py").write_text(
+        "b = backend_for(o)\npm = PreparedModel.prepare(m)\nr = RunRecord(s, 'r', [], sp)\n"
+        "x = self.prepared.prepare(m)\ny = record.open_storage\n")
+    (tmp_path / "_prepare.py").write_text("b = backend_for(o)\n")
+    assert _preparing_calls(tmp_path) == [
+        "_run.py:1: backend_for()", "_run.py:2: PreparedModel.prepare()", "_run.py:3: RunRecord()"]
 
 
 # -- benchmarks as clients -----------------------------------------------------------------------

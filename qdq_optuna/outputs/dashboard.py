@@ -651,7 +651,7 @@ def _phase_lines(rows: list[dict], phases: dict | None, report: dict | None) -> 
 
 
 def _accuracy_lines(acc: dict) -> list[str]:
-    from qdq_optuna.measure.accuracy import data_phrase
+    from qdq_optuna.accuracy_words import data_phrase
 
     worst = min((e.get("cosine", 1.0) for e in acc.get("output_errors", {}).values()),
                 default=1.0)

@@ -15,53 +15,56 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from qdq_optuna.placement.scheme import combine
-from qdq_optuna.record import PatternAttr
+from qdq_optuna.record import PatternStanding
 from qdq_optuna.run_folder import PARETO
 from qdq_optuna.search.objectives import pareto_indices
 
 
-def chain_order(rows: Sequence[Mapping]) -> list[Mapping]:
+def chain_order(rows: Sequence[PatternStanding]) -> list[PatternStanding]:
     """Patterns with a non-empty commit, ordered by latency gain per error added.
 
-    ``rows`` are pattern study attrs. Gain is ``log(gain)`` of the confirmed commit, the error
-    added is ``committed_error - reference_error`` (both whole-model errors measured during the
+    Gain is ``log(gain)`` of the confirmed commits, the error added is ``committed_error -
+    reference_error`` of the pattern's last visit (both whole-model errors measured during the
     search); patterns that add no error come first, fastest gain first.
     """
     picked = []
     for r in rows:
-        if not any(int(v) for v in r.get(PatternAttr.COMMITTED, {}).values()):
+        if not any(int(v) for v in r.scheme.values()):
             continue
-        gain = math.log(max(float(r.get(PatternAttr.GAIN, 1.0)), 1.0 + 1e-9))
-        added = (float(r.get(PatternAttr.COMMITTED_ERROR, 0.0))
-                 - float(r.get(PatternAttr.REFERENCE_ERROR, 0.0)))
-        picked.append((added <= 0, gain / max(added, 1e-12), int(r.get(PatternAttr.ORDER, 0)), r))
+        last = r.last
+        gain = math.log(max(float(r.gain), 1.0 + 1e-9))
+        added = (_or_zero(last and last.committed_error) - _or_zero(last and last.reference_error))
+        picked.append((added <= 0, gain / max(added, 1e-12), int(last.order if last else 0), r))
     picked.sort(key=lambda x: (not x[0], -x[1], x[2]))
     return [r for *_, r in picked]
 
 
-def chain_steps(record, rows: list[dict]) -> list[tuple[list[str], dict]]:
+def _or_zero(value: float | None) -> float:
+    return float(value) if value is not None else 0.0
+
+
+def chain_steps(record, rows: list[PatternStanding]) -> list[tuple[list[str], dict]]:
     """The chain's prefixes: (patterns added, their typed uses), FP32 first."""
     by_id = {pp.pattern.id: pp for pp in record.tunable}
     steps: list[tuple[list[str], dict]] = [([], {})]
     added: list[str] = []
     for r in chain_order(rows):
-        if r.get(PatternAttr.PATTERN_ID) not in by_id:
+        if r.pattern_id not in by_id:
             continue
-        added = [*added, r[PatternAttr.PATTERN_ID]]
+        added = [*added, r.pattern_id]
         uses: dict = {}
         for row in rows:  # in pattern order, as the search combined them
-            if row.get(PatternAttr.PATTERN_ID) in added:
-                uses = combine(uses, record.space.typed_uses(by_id[row[PatternAttr.PATTERN_ID]],
-                                                             row[PatternAttr.COMMITTED]))
+            if row.pattern_id in added:
+                uses = combine(uses, record.space.typed_uses(by_id[row.pattern_id], row.scheme))
         steps.append((added, uses))
     return steps
 
 
-def model_front(record, plans, exporter, rows: list[dict], fp32: bytes, final_cmp,
+def model_front(record, plans, exporter, rows: list[PatternStanding], fp32: bytes, final_cmp,
                 final_plan, out: Path) -> list[dict]:
     """Measure every prefix of the chain (``plans``: the plan measurer) and write the
     non-dominated ones to ``out/pareto/``."""

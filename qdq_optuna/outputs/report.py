@@ -13,12 +13,18 @@ from typing import TYPE_CHECKING
 from optuna.trial import TrialState
 
 from qdq_optuna.machine import current_cpu
-from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
-from qdq_optuna.record import PHASES, PatternAttr, RunAttr, TrialAttr, trial_measurement
+from qdq_optuna.record import (
+    PHASES,
+    PatternAttr,
+    PatternStanding,
+    RunAttr,
+    TrialAttr,
+    trial_measurement,
+)
 from qdq_optuna.run_folder import RunFolder
 
-if TYPE_CHECKING:  # an annotation: the search reads it (its runtime profile), the report formats
-    from qdq_optuna.backends.what_ran import WhatRan
+if TYPE_CHECKING:  # an annotation: what the search concluded, which the report formats
+    from qdq_optuna.search import SearchOutcome
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
@@ -31,7 +37,7 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
     cmp = comparison
     speedup = 1.0 / cmp.ratio if cmp.ratio > 0 else float("nan")
     patterns, all_trials = pattern_entries(record, rows)
-    stats = trial_statistics(all_trials)
+    stats = trial_statistics(all_trials, plans.screen_discard_ratio)
     run_attrs = record.run_study.user_attrs
     return {
         **header,
@@ -63,20 +69,22 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
     }
 
 
-def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None,
-                 model: bytes | None = None) -> dict:
+def runtime_keys(outcome: SearchOutcome) -> dict:
     """``what_ran``: for the shipped model, per pattern, which Q/DQ the runtime fused, which
     stayed standalone, where float ran next to integer and where it reformatted (read from the
     runtime itself: the thing a TensorRT user opens an engine explorer for); and
-    ``descent_skipped``: the visits the runtime's report of the standing model skipped."""
+    ``descent_skipped``: the visits the runtime's report of the standing model skipped (with
+    what the descent read: ``what_ran_reads``, ``kernel_table``)."""
     out: dict = {}
+    what, error, prepared = outcome.what_ran, outcome.what_ran_error, outcome.prepared
+    descent = outcome.descent
     if descent is not None:
         out["descent_skipped"] = [{"lane": lane, "round": rnd, "pattern": pid, "reason": why}
                                   for lane, rnd, pid, why in descent.skipped]
-        if descent.unfused is not None:
-            out["what_ran_reads"] = descent.unfused.reads
-            if descent.unfused.kernels is not None:
-                out["kernel_table"] = kernel_table_entry(descent.unfused.kernels, model)
+        if descent.what_ran_reads is not None:
+            out["what_ran_reads"] = descent.what_ran_reads
+            if descent.kernel_table is not None:
+                out["kernel_table"] = descent.kernel_table
     if error is not None:  # the search could not read it: the report still ships
         out["what_ran"] = {"how": None, "error": error}
         return out
@@ -95,35 +103,6 @@ def runtime_keys(what: WhatRan | None, error: str | None, prepared, descent=None
     out["what_ran"] = {"how": what.how, "fused": len(what.fused),
                        "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
                        "reformats": len(what.reformats), "patterns": patterns}
-    return out
-
-
-#: what the search did with each kernel's evidence
-KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
-                  "float": "removal tried first (float faster)",
-                  "tie": "removal measured (no difference resolved)"}
-
-
-def kernel_table_entry(table, model) -> dict:
-    """The kernel table for the report: per node, integer and float ms on this machine, the
-    ratio float/integer with its interval, what the search did, and how the shipped model
-    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
-    from qdq_optuna.measure.kernels import units, with_shapes
-
-    out = table.to_dict()
-    placed = None
-    if isinstance(model, bytes):
-        import onnx
-
-        try:
-            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                            table.output_q)}
-        except Exception:  # the table still ships without the column
-            placed = None
-    for row in out["kernels"]:
-        row["action"] = KERNEL_ACTIONS[row["decision"]]
-        if placed is not None:
-            row["shipped"] = "integer" if row["node"] in placed else "float"
     return out
 
 
@@ -152,46 +131,39 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
 def descent_summary(record, lane: str) -> dict:
     """Per lane: rounds run, visits (decided, changed the standing model), moves queued and
     moves left out because their kind kept failing."""
-    starts = record.starts() or {}
+    starts = record.starts()
     lanes = {}
-    for name in starts.get("order", []):
+    for name in starts.order if starts is not None else []:
         visits = record.visits(name)
         lanes[name or "main"] = {
-            "start": (starts.get("lane_starts") or {}).get(name),
-            "rounds": max((int(a.get(PatternAttr.ROUND, 0)) for a in visits), default=0),
+            "start": starts.lane_starts.get(name),
+            "rounds": max((int(v.round or 0) for v in visits), default=0),
             "visits": len(visits),
-            "changed": sum(1 for a in visits if _changed(a)),
-            "moves": sum(int(a.get(PatternAttr.MOVES, 0)) for a in visits),
-            "moves_skipped": sum(int(a.get(PatternAttr.MOVES_SKIPPED, 0)) for a in visits),
+            "changed": sum(1 for v in visits if v.changed),
+            "moves": sum(int(v.moves) for v in visits),
+            "moves_skipped": sum(int(v.moves_skipped) for v in visits),
         }
     return {"lanes": lanes, "shipped": lane or "main"}
 
 
-def _changed(attrs: dict) -> bool:
-    if PatternAttr.COMMITTED not in attrs:
-        return False
-    on = sorted(p for p, v in attrs[PatternAttr.COMMITTED].items() if v)
-    return on != sorted(attrs.get(PatternAttr.FROM, [])) or bool(attrs.get(PatternAttr.PARTNER))
-
-
-def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
+def pattern_entries(record, rows: list[PatternStanding]) -> tuple[list[dict], list]:
     """One entry per tunable pattern, and every trial of the run's visits."""
-    by_id = {r.get(PatternAttr.PATTERN_ID): r for r in rows}
+    by_id = {r.pattern_id: r for r in rows}
     trials_of: dict[str, list] = {}
     done_in: dict[tuple, int] = {}  # (pattern, lane, round) -> finished trials
     all_trials: list = []
-    for attrs in record.visits():
-        trials = record.visit_trials(attrs)
+    for visit in record.visits():
+        trials = record.visit_trials(visit)
         all_trials += trials
-        pid = attrs[PatternAttr.PATTERN_ID]
-        trials_of.setdefault(pid, []).extend(trials)
-        done_in[(pid, attrs.get(PatternAttr.LANE, ""), attrs.get(PatternAttr.ROUND))] = sum(
+        trials_of.setdefault(visit.pattern_id, []).extend(trials)
+        done_in[(visit.pattern_id, visit.lane, visit.round)] = sum(
             t.state == TrialState.COMPLETE for t in trials)
     patterns: list[dict] = []
     for pp in record.tunable:
-        row = by_id.get(pp.pattern.id) or {}
-        visits = [{**v, "trials": done_in.get((v["pattern"], v["lane"], v["round"]), 0)}
-                  for v in row.get("visits", [])]
+        row = by_id.get(pp.pattern.id)
+        last = row.last if row is not None else None
+        visits = [{**v.to_dict(), "trials": done_in.get((v.pattern, v.lane, v.round), 0)}
+                  for v in (row.visits if row is not None else ())]
         entry = {
             "id": pp.pattern.id,
             "signature": pp.pattern.signature,
@@ -201,12 +173,12 @@ def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
             "trials": sum(t.state == TrialState.COMPLETE for t in trials_of.get(pp.pattern.id, [])),
             "status": "committed" if any(v["status"] == "committed" for v in visits)
                       else ("running" if visits else "not tuned"),
-            "start_scheme": row.get("start_scheme", []),
-            "committed_scheme": sorted(p for p, v in row.get(PatternAttr.COMMITTED, {}).items()
-                                       if v),
-            "gain": float(row.get(PatternAttr.GAIN, 1.0)),
-            "reference_ms": row.get(PatternAttr.REFERENCE_MS),
-            "commit_reason": row.get(PatternAttr.COMMIT_REASON),
+            "start_scheme": row.start_scheme if row is not None else [],
+            "committed_scheme": sorted(p for p, v in (row.scheme if row is not None else {}
+                                                      ).items() if v),
+            "gain": float(row.gain if row is not None else 1.0),
+            "reference_ms": last.reference_ms if last is not None else None,
+            "commit_reason": last.reason if last is not None else None,
             "visits": visits,
             # the rounds after the first (as the earlier pattern-by-pattern search reported
             # its refinement rounds)
@@ -214,23 +186,27 @@ def pattern_entries(record, rows: list[dict]) -> tuple[list[dict], list]:
                             and v["pattern"] == pp.pattern.id],
         }
         # accuracy modes; converged_after: the last visit stopped before its budget
-        for key in (PatternAttr.COMMITTED_ERROR, PatternAttr.REFERENCE_ERROR,
-                    PatternAttr.COMMITTED_TYPES, PatternAttr.CONVERGED_AFTER):
-            if key in row:
-                entry[key] = row[key]
+        if last is not None:
+            for key, value in ((PatternAttr.COMMITTED_ERROR, last.committed_error),
+                               (PatternAttr.REFERENCE_ERROR, last.reference_error),
+                               (PatternAttr.COMMITTED_TYPES, last.committed_types),
+                               (PatternAttr.CONVERGED_AFTER, last.converged_after)):
+                if value is not None:
+                    entry[key] = value
         patterns.append(entry)
     return patterns, all_trials
 
 
-def trial_statistics(trials) -> dict:
+def trial_statistics(trials, screen_discard_ratio: float) -> dict:
     """How a run's trials were measured, from their ``measurement`` records (so resumed runs
     count every process): ``measured`` = ``ab_compared`` + ``screened_out`` + ``screen_only`` +
-    ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved)."""
+    ``deterministic``; ``cache_hits`` are trials whose model was measured before (builds saved);
+    ``screen_discard_ratio``: the screen's threshold the search measured with."""
     out = {"trials": 0, "complete": 0, "failed": 0, "failed_transient": 0,
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
            "ab_gave_up": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
-           "screen_discard_ratio": SCREEN_DISCARD_RATIO,
+           "screen_discard_ratio": screen_discard_ratio,
            "subgraph_screened_out": 0, "subgraph_compared": 0, "subgraph_agreed": 0}
     kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
              "deterministic": "deterministic"}
@@ -307,7 +283,7 @@ def _precision_line(hp: dict | None) -> str:
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
-    from qdq_optuna.measure.accuracy import data_phrase, default_session_lines
+    from qdq_optuna.accuracy_words import data_phrase, default_session_lines
 
     lines = ["## Accuracy", "",
              f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "

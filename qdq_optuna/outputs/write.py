@@ -22,8 +22,7 @@ def write_outputs(outcome) -> dict:
         report["pareto"] = model_front(o.record, o.plans, o.exporter, o.rows, o.baseline_bytes,
                                        o.comparison, o.plan, o.out)
         report["measurements"] = o.plans.measurements
-    report.update(runtime_keys(o.what_ran, o.what_ran_error, o.prepared, o.descent,
-                                 o.final_bytes if isinstance(o.final_bytes, bytes) else None))
+    report.update(runtime_keys(o))
     report["elapsed_s"] = dict(o.elapsed)
     write_reports(o.out, report)
     return report

@@ -2,7 +2,8 @@
 
 * :mod:`~qdq_optuna.record.schema`: study names and every attribute key (:func:`key_table`);
 * :mod:`~qdq_optuna.record.records`: :class:`Measurement`, :class:`Decision`,
-  :class:`StartOutcome` (``to_attrs`` / ``from_attrs``);
+  :class:`StartOutcome`, :class:`AgreedStarts`, :class:`Visit` (``to_attrs`` / ``from_attrs``),
+  and what the record reads out of them (:class:`VisitEntry`, :class:`PatternStanding`);
 * :mod:`~qdq_optuna.record.run`: :class:`RunRecord` (a run in its storage: what it holds and
   what stands), the trial notes, :func:`progress_curve`;
 * :mod:`~qdq_optuna.record.files`: ``state.yaml`` and the pattern cache;
@@ -26,7 +27,17 @@ from qdq_optuna.record._optuna import (
 )
 from qdq_optuna.record.checks import is_visit, visit_cap, visit_problems
 from qdq_optuna.record.files import write_pattern_cache, write_state
-from qdq_optuna.record.records import KINDS, Decision, FinishedRun, Measurement, StartOutcome
+from qdq_optuna.record.records import (
+    KINDS,
+    AgreedStarts,
+    Decision,
+    FinishedRun,
+    Measurement,
+    PatternStanding,
+    StartOutcome,
+    Visit,
+    VisitEntry,
+)
 from qdq_optuna.record.run import (
     PlanMemo,
     RunRecord,
@@ -71,9 +82,10 @@ from qdq_optuna.record.storage import (
 )
 
 __all__ = [
-    "FLOW", "KEY_CLASSES", "KINDS", "PHASES", "WHOLE_MODEL", "Agreed", "Decision",
+    "FLOW", "KEY_CLASSES", "KINDS", "PHASES", "WHOLE_MODEL", "Agreed", "AgreedStarts", "Decision",
     "FinishedRun", "Measurement", "OverviewAttr", "PatternAttr", "PlanMemo", "RunAttr", "RunRecord",
-    "StartAttr", "StartOutcome", "SystemAttr", "TrialAttr", "agree", "agreed", "claim",
+    "PatternStanding", "StartAttr", "StartOutcome", "SystemAttr", "TrialAttr", "Visit",
+    "VisitEntry", "agree", "agreed", "claim",
     "default_storage_url", "delete_run", "key_table", "note_error", "note_failure",
     "note_measurement", "note_scheme", "open_storage", "overview_study_name",
     "pattern_attrs", "pattern_study_name", "progress_curve", "quiet_optuna", "run_attrs",

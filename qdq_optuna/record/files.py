@@ -13,9 +13,8 @@ import yaml
 from optuna.trial import TrialState
 
 from qdq_optuna.placement.seeds import PatternCache
-from qdq_optuna.record.records import Decision
 from qdq_optuna.record.run import RunRecord
-from qdq_optuna.record.schema import PatternAttr, TrialAttr
+from qdq_optuna.record.schema import TrialAttr
 from qdq_optuna.run_folder import RunFolder
 
 
@@ -28,20 +27,19 @@ def write_state(record: RunRecord, out: Path, status: str, run: dict,
     rows = {}
     visits = record.visits()
     if lane is not None and record.starts() is not None:
-        rows = {r[PatternAttr.PATTERN_ID]: r for r in record.committed(lane)[1]}
+        rows = {r.pattern_id: r for r in record.committed(lane)[1]}
     for pp in record.tunable:
         pid = pp.pattern.id
-        mine = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
+        mine = [v for v in visits if v.pattern_id == pid]
         row = {"id": pid, "signature": pp.pattern.signature,
                "regions": len(pp.pattern.regions), "points": len(pp.ids),
-               "status": "pending", "visits": len(mine),
-               "decided": sum(Decision.from_attrs(a) is not None for a in mine)}
+               "status": "pending", "visits": len(mine), "decided": sum(v.decided for v in mine)}
         if mine:
             row["status"] = "committed" if row["visits"] == row["decided"] else "running"
         r = rows.get(pid)
         if r is not None:
-            row["standing"] = sorted(record.space.on(r[PatternAttr.COMMITTED]))
-            row["gain"] = round(float(r.get(PatternAttr.GAIN, 1.0)), 4)
+            row["standing"] = sorted(record.space.on(r.scheme))
+            row["gain"] = round(float(r.gain), 4)
         patterns.append(row)
     state = {"status": status, "run_id": record.run_id, **run, "patterns": patterns,
              "resume": "rerun the same command to continue"}
@@ -55,11 +53,11 @@ def write_pattern_cache(record: RunRecord, path: Path, *, minimum_distance: int,
     cache = PatternCache()
     standing = record.standing(lane) if lane is not None and record.starts() else {}
     by_pattern: dict[str, list] = {}
-    for attrs in record.visits():
-        for t in record.visit_trials(attrs):
+    for visit in record.visits():
+        for t in record.visit_trials(visit):
             if t.state == TrialState.COMPLETE and t.values and not t.user_attrs.get(
                     TrialAttr.PARTNER):
-                by_pattern.setdefault(attrs[PatternAttr.PATTERN_ID], []).append(
+                by_pattern.setdefault(visit.pattern_id, []).append(
                     (record.space.on(t.params), t.values[0]))
     for pp in record.tunable:
         schemes = by_pattern.get(pp.pattern.id, [])

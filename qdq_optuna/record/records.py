@@ -256,3 +256,123 @@ class FinishedRun:
     def from_attrs(cls, attrs: dict[str, Any]) -> FinishedRun:
         return cls(**{k: attrs.get(k) for k in ("fingerprint", "at", "speedup",
                                                  "report_sha256")})
+
+
+@dataclass(frozen=True)
+class AgreedStarts:
+    """The starts as the run agreed them (``RunAttr.STARTS``): ``chosen`` (the standing
+    model's start), ``lane_starts`` (lane -> start name), ``order`` (the lanes in descent
+    order), ``lanes`` (lane -> its start's schemes), ``rows`` (one per start measured) and
+    the ``measurements`` deciding them took (None: a run stored before they were counted)."""
+
+    chosen: str
+    lane_starts: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    measurements: int | None = None
+    lanes: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    rows: tuple[StartOutcome, ...] = ()
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The stored value (its keys in the order they were always stored)."""
+        return {"chosen": self.chosen, "lane_starts": self.lane_starts, "order": self.order,
+                "measurements": self.measurements, "lanes": self.lanes,
+                "starts": [r.to_attrs() for r in self.rows]}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> AgreedStarts:
+        rows = tuple(StartOutcome.from_attrs(r) for r in attrs.get("starts") or [])
+        return cls(attrs["chosen"], dict(attrs.get("lane_starts") or {}),
+                   list(attrs.get("order") or []), attrs.get("measurements"),
+                   dict(attrs.get("lanes") or {}), rows)
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One descent visit as its pattern study stores it (its user attrs): where it ran
+    (``pattern_id``, ``round``, ``lane``, ``order``), the scheme it started from, its moves,
+    its reference and, once decided, its :class:`Decision` (the attrs a decision writes are
+    read as stored too, so a decision being written reads as it always did)."""
+
+    pattern_id: str
+    round: int
+    lane: str = ""
+    order: int = 0
+    decision: Decision | None = None
+    from_scheme: list[str] = field(default_factory=list)
+    moves: int = 0
+    moves_skipped: int = 0
+    context_key: str | None = None
+    reference_ms: float | None = None
+    reference_error: float | None = None
+    converged_after: int | None = None
+    #: the decision's attrs as stored (before ``committed``, they may be there already)
+    gain: float = 1.0
+    reason: str | None = None
+    committed_error: float | None = None
+    committed_types: Any = None
+    partner: dict[str, dict[str, int]] | None = None
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> Visit:
+        a, get = PatternAttr, attrs.get
+        return cls(attrs[a.PATTERN_ID], get(a.ROUND), get(a.LANE, ""), get(a.ORDER, 0),
+                   Decision.from_attrs(attrs), get(a.FROM, []), get(a.MOVES, 0),
+                   get(a.MOVES_SKIPPED, 0), get(a.CONTEXT_KEY), get(a.REFERENCE_MS),
+                   get(a.REFERENCE_ERROR), get(a.CONVERGED_AFTER), float(get(a.GAIN, 1.0)),
+                   get(a.COMMIT_REASON), get(a.COMMITTED_ERROR), get(a.COMMITTED_TYPES),
+                   get(a.PARTNER))
+
+    @property
+    def decided(self) -> bool:
+        return self.decision is not None
+
+    @property
+    def changed(self) -> bool:
+        """Decided, and the decision changed the standing model."""
+        if self.decision is None:
+            return False
+        on = sorted(p for p, v in self.decision.committed.items() if v)
+        return on != sorted(self.from_scheme) or bool(self.partner)
+
+
+@dataclass(frozen=True)
+class VisitEntry:
+    """One visit as the report lists it (schemes by point name)."""
+
+    pattern: str
+    round: int
+    lane: str
+    status: str
+    from_scheme: list[str]
+    committed_scheme: list[str]
+    gain: float
+    commit_reason: str | None
+    moves: int
+    moves_skipped: int
+    partner: dict[str, list[str]] | None = None
+    converged_after: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """report.json's visit (``partner`` and ``converged_after`` only when set)."""
+        out = {k: getattr(self, k) for k in (
+            "pattern", "round", "lane", "status", "from_scheme", "committed_scheme", "gain",
+            "commit_reason", "moves", "moves_skipped")}
+        if self.partner:
+            out["partner"] = self.partner
+        if self.converged_after is not None:
+            out["converged_after"] = self.converged_after
+        return out
+
+
+@dataclass(frozen=True)
+class PatternStanding:
+    """A pattern in a lane's standing model: its standing ``scheme`` (indices), the product
+    of its committed visits' gains, the visits that changed it (its own and other patterns'
+    chain moves), its start's scheme by name and its own last visit (None: never visited)."""
+
+    pattern_id: str
+    scheme: dict[str, int]
+    gain: float
+    visits: tuple[VisitEntry, ...]
+    start_scheme: list[str]
+    last: Visit | None = None

@@ -26,7 +26,16 @@ from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import Around, ChoiceSpace, combine
 from qdq_optuna.record import _optuna
-from qdq_optuna.record.records import Decision, FinishedRun, Measurement, StartOutcome
+from qdq_optuna.record.records import (
+    AgreedStarts,
+    Decision,
+    FinishedRun,
+    Measurement,
+    PatternStanding,
+    StartOutcome,
+    Visit,
+    VisitEntry,
+)
 from qdq_optuna.record.schema import (
     FLOW,
     WHOLE_MODEL,
@@ -239,29 +248,27 @@ class RunRecord:
             self.run_study.set_user_attr(RunAttr.BASELINE_MS, base_ms)
         return self.run_study.user_attrs[RunAttr.BASELINE_MS]
 
-    def settings(self) -> dict:
-        """The run's stored settings (what its fingerprint digests)."""
-        return run_attrs(self.run_study).get(RunAttr.SETTINGS, {})
-
     # -- starts and lanes ------------------------------------------------------------------
     def starts_study(self) -> optuna.Study:
         return optuna.create_study(study_name=starts_study_name(self.run_id),
                                    storage=self.storage, load_if_exists=True)
 
-    def starts(self, decide: Callable[[], dict] | None = None) -> dict | None:
-        """The agreed starts (``chosen``, ``lanes``: lane name -> start schemes, in descent
-        order); ``decide`` makes them when no process has yet. None: not decided."""
+    def starts(self, decide: Callable[[], AgreedStarts] | None = None) -> AgreedStarts | None:
+        """The agreed starts; ``decide`` makes them when no process has yet. None: not
+        decided."""
         attrs = run_attrs(self.run_study)
         if RunAttr.STARTS not in attrs:
             if decide is None:
                 return None
-            set_system_attr(self.run_study, RunAttr.STARTS, self.agree(Agreed.STARTS, decide))
+            set_system_attr(self.run_study, RunAttr.STARTS,
+                            self.agree(Agreed.STARTS, lambda: decide().to_attrs()))
             attrs = run_attrs(self.run_study)
-        return attrs[RunAttr.STARTS]
+        return AgreedStarts.from_attrs(attrs[RunAttr.STARTS])
 
     def start_outcomes(self) -> list[StartOutcome]:
         """The measured whole-model starts, as agreed (empty: not decided)."""
-        return [StartOutcome.from_attrs(row) for row in (self.starts() or {}).get("starts", [])]
+        starts = self.starts()
+        return list(starts.rows) if starts is not None else []
 
     def winner(self, decide: Callable[[], tuple[str, int]]) -> str:
         """The lane whose standing model ships, agreed once (``decide``: the lane and the
@@ -286,15 +293,14 @@ class RunRecord:
             return (f"resuming run {self.run_id!r}: baseline measured; left: the starts, then "
                     "the descent")
         visits = self.visits()
-        decided = sum(PatternAttr.COMMITTED in a for a in visits)
+        decided = sum(v.decided for v in visits)
         last = visits[-1] if visits else None
-        where = (f"; last visit: {last[PatternAttr.PATTERN_ID]} "
-                 f"{(last.get(PatternAttr.LANE) + ' ') if last.get(PatternAttr.LANE) else ''}"
-                 f"round {last[PatternAttr.ROUND]}" if last else "")
+        where = (f"; last visit: {last.pattern_id} {(last.lane + ' ') if last.lane else ''}"
+                 f"round {last.round}" if last else "")
         return (f"resuming run {self.run_id!r}: baseline and starts done (standing model from "
-                f"{starts['chosen']}), {decided} visit(s) decided{where}; left: the rest of the "
+                f"{starts.chosen}), {decided} visit(s) decided{where}; left: the rest of the "
                 f"descent (at most {rounds} rounds a lane, lanes "
-                f"{', '.join(n or 'main' for n in starts['order'])}), then the final A/B")
+                f"{', '.join(n or 'main' for n in starts.order)}), then the final A/B")
 
     # -- a finished run --------------------------------------------------------------------
     def mark_finished(self, digest: str | None, report: dict) -> None:
@@ -380,31 +386,32 @@ class RunRecord:
         return Decision.from_attrs(attrs)
 
     # -- what stands -----------------------------------------------------------------------
-    def visits(self, lane: str | None = None) -> list[dict]:
-        """The user attrs of the descent's visit studies (of one lane, or all), in the order
-        they ran; undecided ones included."""
+    def visits(self, lane: str | None = None) -> list[Visit]:
+        """The descent's visits (of one lane, or all), read from their studies' user attrs in
+        the order they ran; undecided ones included."""
         found = [s.user_attrs for s in self.storage.get_all_studies()
                  if s.study_name.startswith(f"{self.run_id}/")
                  and int(s.user_attrs.get(PatternAttr.ROUND) or 0) > 0
                  and (lane is None or s.user_attrs.get(PatternAttr.LANE, "") == lane)]
-        return sorted(found, key=lambda a: a[PatternAttr.ORDER])
+        return [Visit.from_attrs(a) for a in sorted(found, key=lambda a: a[PatternAttr.ORDER])]
 
     def lane_start(self, lane: str) -> dict[str, dict[str, int]]:
         """A lane's start: pattern id -> scheme (indices); patterns it leaves out are float."""
-        starts = self.starts() or {}
-        schemes = (starts.get("lanes") or {}).get(lane, {})
+        starts = self.starts()
+        schemes = (starts.lanes if starts is not None else {}).get(lane, {})
         return {pp.pattern.id: self.space.indices(schemes.get(pp.pattern.id, {}), pp.ids)
                 for pp in self.tunable}
 
-    def standing(self, lane: str, visits: list[dict] | None = None) -> dict[str, dict[str, int]]:
+    def standing(self, lane: str, visits: list[Visit] | None = None
+                 ) -> dict[str, dict[str, int]]:
         """A lane's standing model: its start with every decided visit replayed in order
         (a visit's commit, and the partner schemes of a committed chain move)."""
         schemes = self.lane_start(lane)
-        for attrs in self.visits(lane) if visits is None else visits:
-            decision = Decision.from_attrs(attrs)
+        for visit in self.visits(lane) if visits is None else visits:
+            decision = visit.decision
             if decision is None:
                 continue
-            schemes[attrs[PatternAttr.PATTERN_ID]] = dict(decision.committed)
+            schemes[visit.pattern_id] = dict(decision.committed)
             for pid, scheme in (decision.partner or {}).items():
                 schemes[pid] = dict(scheme)
         return schemes
@@ -432,43 +439,32 @@ class RunRecord:
                 before = combine(before, typed)
         return before, after
 
-    def committed(self, lane: str) -> tuple[dict[Use, str], list[dict]]:
-        """The uses of a lane's standing model, and one report row per pattern: its standing
-        scheme, the product of its visits' gains and the visits (``visits``: its own, and the
-        chain moves of other patterns that changed it)."""
+    def committed(self, lane: str) -> tuple[dict[Use, str], list[PatternStanding]]:
+        """The uses of a lane's standing model, and each pattern's place in it: its standing
+        scheme, the product of its visits' gains and the visits (its own, and the chain moves
+        of other patterns that changed it)."""
         visits = self.visits(lane)
         schemes = self.standing(lane, visits)
         rows = []
         for pp in self.tunable:
             pid = pp.pattern.id
-            own = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
-            row = dict(own[-1]) if own else {PatternAttr.PATTERN_ID: pid}
-            row[PatternAttr.COMMITTED] = schemes[pid]
-            row[PatternAttr.GAIN] = math.prod(float(a.get(PatternAttr.GAIN, 1.0)) for a in own
-                                              if PatternAttr.COMMITTED in a)
-            row["visits"] = [self.visit_entry(a) for a in visits if a[PatternAttr.PATTERN_ID] == pid
-                             or pid in (a.get(PatternAttr.PARTNER) or {})]
-            row["start_scheme"] = self.space.on(self.lane_start(lane)[pid])
-            rows.append(row)
+            own = [v for v in visits if v.pattern_id == pid]
+            rows.append(PatternStanding(
+                pid, schemes[pid], math.prod(v.gain for v in own if v.decided),
+                tuple(self.visit_entry(v) for v in visits
+                      if v.pattern_id == pid or pid in (v.partner or {})),
+                self.space.on(self.lane_start(lane)[pid]), own[-1] if own else None))
         return self.uses(schemes), rows
 
-    def visit_entry(self, attrs: dict) -> dict:
-        """One visit, for the report (from its study's attrs)."""
-        decision = Decision.from_attrs(attrs) or Decision(committed={}, gain=float(
-            attrs.get(PatternAttr.GAIN, 1.0)), reason=attrs.get(PatternAttr.COMMIT_REASON))
-        entry = {"pattern": attrs.get(PatternAttr.PATTERN_ID),
-                 "round": attrs.get(PatternAttr.ROUND), "lane": attrs.get(PatternAttr.LANE, ""),
-                 "status": "committed" if PatternAttr.COMMITTED in attrs else "running",
-                 "from_scheme": attrs.get(PatternAttr.FROM, []),
-                 "committed_scheme": self.space.on(decision.committed),
-                 "gain": decision.gain, "commit_reason": decision.reason,
-                 "moves": attrs.get(PatternAttr.MOVES, 0),
-                 "moves_skipped": attrs.get(PatternAttr.MOVES_SKIPPED, 0)}
-        if decision.partner:
-            entry["partner"] = {p: self.space.on(s) for p, s in decision.partner.items()}
-        if PatternAttr.CONVERGED_AFTER in attrs:
-            entry["converged_after"] = attrs[PatternAttr.CONVERGED_AFTER]
-        return entry
+    def visit_entry(self, visit: Visit) -> VisitEntry:
+        """One visit, for the report (its schemes by point name)."""
+        decision = visit.decision or Decision(committed={}, gain=visit.gain, reason=visit.reason)
+        partner = ({p: self.space.on(s) for p, s in decision.partner.items()}
+                   if decision.partner else None)
+        return VisitEntry(visit.pattern_id, visit.round, visit.lane,
+                          "committed" if visit.decided else "running", visit.from_scheme,
+                          self.space.on(decision.committed), decision.gain, decision.reason,
+                          visit.moves, visit.moves_skipped, partner, visit.converged_after)
 
     # -- trials ----------------------------------------------------------------------------
     def trials(self, pp: PatternPoints, rnd: int = 0, lane: str = "",
@@ -483,10 +479,10 @@ class RunRecord:
                         lane: str = "") -> list[FrozenTrial] | None:
         return self.trials(pp, rnd, lane, (TrialState.COMPLETE,))
 
-    def visit_trials(self, attrs: dict) -> list[FrozenTrial]:
-        """Every trial of a visit (from its study's attrs)."""
-        pp = next(p for p in self.tunable if p.pattern.id == attrs[PatternAttr.PATTERN_ID])
-        return self.trials(pp, int(attrs[PatternAttr.ROUND]), attrs.get(PatternAttr.LANE, "")) or []
+    def visit_trials(self, visit: Visit) -> list[FrozenTrial]:
+        """Every trial of a visit."""
+        pp = next(p for p in self.tunable if p.pattern.id == visit.pattern_id)
+        return self.trials(pp, int(visit.round), visit.lane) or []
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -510,11 +506,13 @@ def progress_curve(storage, run_id: str) -> dict:
     base = float(run[RunAttr.BASELINE_MS])
     x, best = 1, math.inf  # the baseline; the fastest whole model known so far
     curve = [(x, 1.0)]
-    starts = run.get(RunAttr.STARTS) or {}
-    for start in map(StartOutcome.from_attrs, starts.get("starts", [])):  # each measured once
+    starts = AgreedStarts.from_attrs(run[RunAttr.STARTS]) if run.get(RunAttr.STARTS) else None
+    rows = starts.rows if starts is not None else ()
+    for start in rows:  # each measured once
         if start.feasible and start.latency_ms:
             best = min(best, float(start.latency_ms))
-    x += int(starts.get("measurements", len(starts.get("starts", []))))
+    x += int(starts.measurements if starts is not None and starts.measurements is not None
+             else len(rows))
     curve.append((x, base / best if best < math.inf else 1.0))
     for study, attrs in studies_in_order(storage, run_id):
         x += int(attrs.get(PatternAttr.REFERENCE_COST, 1))

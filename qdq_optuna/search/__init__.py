@@ -2,6 +2,8 @@
 docs/architecture.md). Its public names; the modules with a leading underscore are private."""
 
 from qdq_optuna.search._options import OPTION_GROUPS, SearchOutcome, TuneOptions, TuneResult, option
+from qdq_optuna.search._prepare import OpenedRun, PreparedRun, open_run
 from qdq_optuna.search._run import Tuner
 
-__all__ = ["OPTION_GROUPS", "SearchOutcome", "TuneOptions", "TuneResult", "Tuner", "option"]
+__all__ = ["OPTION_GROUPS", "OpenedRun", "PreparedRun", "SearchOutcome", "TuneOptions",
+           "TuneResult", "Tuner", "open_run", "option"]

@@ -27,10 +27,11 @@ from optuna.trial import TrialState
 
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
-from qdq_optuna.record import PatternAttr, TrialAttr
+from qdq_optuna.record import TrialAttr, Visit
 from qdq_optuna.search._moves import MoveSpace, MoveStats
+from qdq_optuna.search._options import DescentFindings
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
-from qdq_optuna.search._unfused import FINAL_LINE, Unfused, skip_reason
+from qdq_optuna.search._unfused import FINAL_LINE, Unfused, kernel_table_entry, skip_reason
 
 log = logging.getLogger("qdq_optuna")
 
@@ -70,6 +71,15 @@ class Descent:
     def run(self) -> None:
         for lane_no, lane in enumerate(self.lanes):
             self.lane(lane, lane_no)
+
+    def findings(self, shipped: bytes | None) -> DescentFindings:
+        """What the descent read of the runtime, with the kernel table's nodes as the
+        ``shipped`` model placed them (its bytes; None: the column is left out)."""
+        u = self.unfused
+        if u is None:
+            return DescentFindings(list(self.skipped))
+        table = kernel_table_entry(u.kernels, shipped) if u.kernels is not None else None
+        return DescentFindings(list(self.skipped), u.reads, table)
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:
         n = len(self.tunable)
@@ -113,9 +123,9 @@ class Descent:
 
     def _decided(self, lane: str) -> Iterator[list]:
         """The trials of each of the lane's decided visits, in the order they ran."""
-        for attrs in self.s.record.visits(lane):
-            if PatternAttr.COMMITTED in attrs:
-                yield self.s.record.visit_trials(attrs)
+        for visit in self.s.record.visits(lane):
+            if visit.decided:
+                yield self.s.record.visit_trials(visit)
 
     @staticmethod
     def _absorb(stats: MoveStats, trials, clear: float | None = None) -> None:
@@ -143,19 +153,19 @@ class Descent:
         schemes = s.record.standing(lane, visits)
         around = s.record.around(pp, schemes)
         key = s.neighbourhood.key(pp, around)
-        mine = [a for a in visits if a[PatternAttr.PATTERN_ID] == pid]
-        this = next((a for a in mine if a[PatternAttr.ROUND] == rnd), None)
-        if this is not None and PatternAttr.COMMITTED in this:
+        mine = [v for v in visits if v.pattern_id == pid]
+        this = next((v for v in mine if v.round == rnd), None)
+        if this is not None and this.decided:
             s.progress.advance()
-            return changed(this)
-        if this is None and mine and mine[-1].get(PatternAttr.CONTEXT_KEY) == key:
+            return this.changed
+        if this is None and mine and mine[-1].context_key == key:
             s.progress.skip(pid, "nothing changed near it since its last visit")
             return False
         if s.settings.multi_objective:  # one study per pattern from float, as a first pass
             attrs = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
                                  seeds=self.seeds(pp) if self.seeds else (),
                                  context_key=key).run()
-            return changed(attrs)
+            return Visit.from_attrs(attrs).changed
         cached = None
         if self.cache is not None:
             seeds = self.cache.seeds_for(pp)
@@ -176,12 +186,4 @@ class Descent:
                              start=schemes[pid], budget=budget, visit=visit, context_key=key)
         attrs = study.run()
         self._absorb(stats, study.study.get_trials(deepcopy=False))
-        return changed(attrs)
-
-
-def changed(attrs: dict) -> bool:
-    """Whether a decided visit changed the standing model."""
-    if PatternAttr.COMMITTED not in attrs:
-        return False
-    on = sorted(p for p, v in attrs[PatternAttr.COMMITTED].items() if v)
-    return on != sorted(attrs.get(PatternAttr.FROM, [])) or bool(attrs.get(PatternAttr.PARTNER))
+        return Visit.from_attrs(attrs).changed

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from qdq_optuna.measure.accuracy import data_kind, data_phrase, default_session_lines
+from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines
 from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.search._plans import PlanMeasurer

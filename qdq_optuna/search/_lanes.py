@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from qdq_optuna.record import AgreedStarts
 from qdq_optuna.search._pattern import Search
 from qdq_optuna.search._starts import RECIPE_LANE
 
 
-def final_lane(s: Search, starts: dict | None, partial: bool) -> str:
+def final_lane(s: Search, starts: AgreedStarts | None, partial: bool) -> str:
     """The lane whose standing model ships: the only one, else the fastest (agreed once
     every lane finished; a run cut short picks among the standing models it has)."""
-    lanes = (starts or {}).get("order") or [""]
+    lanes = (starts.order if starts is not None else None) or [""]
     if len(lanes) == 1:
         return lanes[0]
     if partial:

@@ -23,7 +23,7 @@ from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record import FLOW, WHOLE_MODEL, RunRecord
+from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
 from qdq_optuna.search.objectives import (
@@ -37,7 +37,6 @@ from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
 if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
     from qdq_optuna.measure.timing import Comparison
     from qdq_optuna.placement.export import ExportedModel, QDQExporter, QuantPlan
-    from qdq_optuna.search._descent import Descent
     from qdq_optuna.search._plans import PlanMeasurer
 
 
@@ -257,6 +256,18 @@ class TuneResult:
         return self.output_dir / OPTIMIZED
 
 
+@dataclass(frozen=True)
+class DescentFindings:
+    """What the descent read of the runtime, for the report: the visits the runtime's report
+    of the standing model skipped (lane, round, pattern id, why); how many standing models'
+    reports it read and the kernel table it timed (None: it read none, pruning was off), with
+    how the shipped model placed each node."""
+
+    skipped: list[tuple[str, int, str, str]]
+    what_ran_reads: int | None = None
+    kernel_table: dict | None = None
+
+
 @dataclass
 class SearchOutcome:
     """What a search concluded, for the outputs (:func:`qdq_optuna.outputs.write.write_outputs`):
@@ -271,10 +282,11 @@ class SearchOutcome:
     plans: PlanMeasurer
     prepared: PreparedModel
     backend: Backend
-    #: the descent (None when the run stopped before it)
-    descent: Descent | None
+    #: what the descent read of the runtime (None when the run stopped before it)
+    descent: DescentFindings | None
     lane: str
-    rows: list[dict]
+    #: each pattern's place in the shipped lane's standing model
+    rows: list[PatternStanding]
     #: the shipped model's Q/DQ
     plan: QuantPlan
     #: the exporter with the final scales

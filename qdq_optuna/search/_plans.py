@@ -42,6 +42,10 @@ class Reference:
 class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
+    #: a candidate this much slower than its reference in the screen is dropped (the report
+    #: states it beside the counts)
+    screen_discard_ratio = SCREEN_DISCARD_RATIO
+
     def __init__(self, measurer: Measurer, memo: PlanMemo, scorer: ErrorScorer | None = None,
                  errors: PlanMemo | None = None, regions=None) -> None:
         self.measurer = measurer

@@ -1,8 +1,10 @@
-"""A tuning run, phase by phase: open -> baseline -> starts -> descent -> finish.
+"""A tuning run, phase by phase: open -> baseline -> starts -> descent -> finish, on what
+:mod:`~qdq_optuna.search._prepare` prepared (the options, backend, profile, model and data).
 
-* **open**: the storage and the run record; settings that differ from a stored run's are
-  refused (its fingerprint), and so is a run of the earlier pattern-by-pattern search; seeds,
-  scales and the error scorer are set up;
+* **open**: the storage and the run record, opened by :func:`~qdq_optuna.search._prepare.open_run`
+  (settings that differ from a stored run's are refused, and so is a run of the earlier
+  pattern-by-pattern search; the user's seeds loaded); scales, the error scorer, the plan
+  measurer and the guard are set up;
 * **baseline**: the user's model as given (with ``--high-precision fp16/bf16``: converted to
   that precision, no Q/DQ), measured once for all workers: every speedup is against it;
 * **starts** (:mod:`~qdq_optuna.search._starts`): whole-model placements measured and checked
@@ -31,42 +33,35 @@ from pathlib import Path
 
 import onnx
 
-from qdq_optuna._files import remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
-from qdq_optuna.measure.accuracy import ErrorScorer, metric_drop_bound, validation_data
-from qdq_optuna.measure.timing import Measurer, TimingProtocol
-from qdq_optuna.model.data import data_id, describe_model, fed_names, input_data
+from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import compute_inputs_scheme
-from qdq_optuna.placement.seeds import PatternCache, baseline_seed, baseline_tensors
-from qdq_optuna.record import RunRecord, delete_run, write_pattern_cache, write_state
-from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
-from qdq_optuna.run_folder import RunFolder
+from qdq_optuna.placement.seeds import PatternCache, baseline_seed
+from qdq_optuna.record import (
+    AgreedStarts,
+    RunRecord,
+    write_pattern_cache,
+    write_state,
+)
 from qdq_optuna.runtimes import Runtime
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
-from qdq_optuna.search._guard import Guard, check_default_session
+from qdq_optuna.search._guard import check_default_session
 from qdq_optuna.search._lanes import final_lane
 from qdq_optuna.search._options import (
     SearchOutcome,
-    Settings,
     TuneOptions,
-    backend_for,
-    backend_name,
-    check_runtime_named,
-    digest,
-    fingerprint,
-    measure_label,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
-from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._prepare import OpenedRun, PreparedRun
 from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
-from qdq_optuna.search._workers import Workers, retry_stale_trial
+from qdq_optuna.search._workers import Workers
 
 log = logging.getLogger("qdq_optuna")
 
@@ -74,34 +69,18 @@ log = logging.getLogger("qdq_optuna")
 class Tuner:
     """Runs (or resumes) one tuning run; see :func:`qdq_optuna.tune`."""
 
-    def __init__(self, options: TuneOptions) -> None:
-        self.o = options
-        self.cfg = options.config
-        self.out = Path(options.output_dir)
+    def __init__(self, run: PreparedRun) -> None:
+        """``run``: what :mod:`~qdq_optuna.search._prepare` prepared (the search prepares
+        nothing itself: it opens the run's storage through :func:`open_run` too)."""
+        self.run = run
+        self.o, self.cfg, self.out = run.options, run.options.config, run.out
         #: every file the run leaves there (the search names none)
-        self.folder = RunFolder(self.out)
-        self.backend = backend_for(options)
-        check_runtime_named(options, self.backend)
+        self.folder = run.folder
         #: the runtime's profile, chosen once (rules, defaults, recipe, how the guard runs)
-        self.profile = Settings.profile_of(options, self.backend)
-        self.prepared = PreparedModel.prepare(
-            options.model, runtime=self.profile.rules, quant_type=options.quant_type,
-            input_shapes=options.input_shapes, config=self.cfg, preprocess=options.preprocess,
-            high_precision=self.profile.high_precision(
-                options.high_precision, backend_name(options, self.backend)),
-            keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
-            op_types=options.op_types, upgrade_opset=options.opset_upgrade,
-            fed_inputs=fed_names(options.calibration_data),
-        )
-        # the user's data, read once
-        self.calibration = read_data(options.calibration_data, self.prepared, "calibration data")
-        self.validation = read_data(options.validation_data, self.prepared, "validation data")
-        # a model whose weights stay on disk is exported into work folders of the output folder
-        self.prepared.data_dir = self.out
-        self.measurer = Measurer(self.backend, TimingProtocol.from_name(options.timing))
-        self.settings = Settings.resolve(options, self.backend, self.prepared)
-        self.run_id = options.run_id_or_default
-        self.storage_url = options.storage or default_storage_url(self.out)
+        self.backend, self.profile, self.prepared = run.backend, run.profile, run.prepared
+        self.calibration, self.validation = run.calibration, run.validation
+        self.measurer, self.settings = run.measurer, run.settings
+        self.run_id, self.storage_url = run.run_id, run.storage_url
         self.started = time.monotonic()
         self.fingerprint_digest: str | None = None
         self.record: RunRecord | None = None  # these four once the run is open
@@ -111,7 +90,7 @@ class Tuner:
         self._calibrated: dict | None = None
         self._baseline: tuple | None = None
         #: the agreed starts, once decided
-        self.starts: dict | None = None
+        self.starts: AgreedStarts | None = None
         self.descent: Descent | None = None
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
@@ -150,11 +129,11 @@ class Tuner:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
                 self.backend.close()
 
-    def open(self) -> dict | None:
-        """Open the storage and the run record; a run that finished with these settings
-        returns its stored report (nothing is measured again), else None."""
-        quiet_optuna(self.cfg.verbose)
-        self._open()
+    def open(self, opened: OpenedRun) -> dict | None:
+        """Take the opened run (:func:`~qdq_optuna.search._prepare.open_run`); a run that
+        finished with these settings returns its stored report (nothing is measured again),
+        else None."""
+        self._open(opened)
         return None if self.o.remeasure else self._finished_report()
 
     def search(self) -> SearchOutcome:
@@ -168,9 +147,9 @@ class Tuner:
             self.starts = self._starts(search)
             self._mark("starts")
             self._write_state("running")
-            self._write_standing(self.starts["order"][0])
+            self._write_standing(self.starts.order[0])
             self.descent = Descent(search, rounds=self.settings.rounds,
-                                   lanes=self.starts["order"], cache=self.cache,
+                                   lanes=self.starts.order, cache=self.cache,
                                    seeds=self._seeds, on_change=self._write_standing)
             self.descent.run()
             self._mark("descent")
@@ -179,36 +158,17 @@ class Tuner:
             return self._conclude(partial=True)
         return self._conclude(partial=False)
 
-    def _open(self) -> Search:
-        """The storage, the run record and everything the pattern studies share."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(self.out)  # half-written outputs of a killed process
-        storage = open_storage(self.storage_url, heartbeat=self.o.worker,
-                               grace=self.o.heartbeat_grace, on_stale=retry_stale_trial)
-        fp = fingerprint(self.o, self.settings, self.prepared, self.backend,
-                         validation_id=self.validation[1] if self.validation else None)
-        self.fingerprint_digest = digest(fp)
-        if self.o.fresh and not self.o.worker:
-            delete_run(storage, self.run_id)
-        self.record = RunRecord(storage, self.run_id, self.prepared.tunable, self.settings.space)
-        self.record.check_layout(str(self.out))
-        self.record.settle_fingerprint(fp, self.fingerprint_digest, str(self.out))
-        self._load_seeds()
-        exporter = self.prepared.exporter(self._scales("trials"), self.cfg)
-        scorer, data_name = error_scorer(self.prepared, self.o, self.profile, exporter,
-                                         self.validation, self.calibration, self.backend)
-        plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors,
-                             regions=self.prepared.graph if self.cfg.subgraph_screen else None)
-        calibrated = (exporter if self.settings.scales == "calibrated"
-                      else self.prepared.exporter(self._scales("final"), self.cfg))
-        bound, drop = guard_bound(self.o, self.settings, scorer)
-        guard = Guard(plans, calibrated, bound, measure_label(self.o), data_name, drop)
+    def _open(self, opened: OpenedRun) -> Search:
+        """The run record and what the pattern studies share."""
+        self.record, self.fingerprint_digest = opened.record, opened.fingerprint_digest
+        self.cache, self.baseline_q = opened.cache, opened.baseline_q
+        self._calibrated = opened.scales
         self.search_state = Search(
-            prepared=self.prepared, exporter=exporter, settings=self.settings, config=self.cfg,
-            record=self.record, rule=CommitRule(self.cfg.performance_threshold),
-            sampler=self.o.sampler, seed=self.o.seed, plans=plans,
+            prepared=self.prepared, exporter=opened.exporter, settings=self.settings,
+            config=self.cfg, record=self.record, rule=CommitRule(self.cfg.performance_threshold),
+            sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
-            progress=self.progress, remaining=self.remaining, guard=guard,
+            progress=self.progress, remaining=self.remaining, guard=opened.guard,
             on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend))
         return self.search_state
 
@@ -244,19 +204,7 @@ class Tuner:
             source, key, self.settings.backend, describe_model(self.o.model)), what)
 
     # -- starts ----------------------------------------------------------------------------
-    def _load_seeds(self) -> None:
-        """The user's warm starts (``--pattern-cache``, ``--qdq-baseline``), checked."""
-        if self.o.pattern_cache:
-            self.cache = PatternCache.load(self.o.pattern_cache)
-            self.cache.check_matches(self.o.pattern_cache, self.prepared.tunable)
-        self.baseline_q = baseline_tensors(self.o.qdq_baseline) if self.o.qdq_baseline else None
-        if self.baseline_q is not None:
-            known = set(self.prepared.candidate_tensors())
-            if not self.baseline_q & known:
-                raise UserError(f"--qdq-baseline {self.o.qdq_baseline}: none of its quantized "
-                                "tensors exists in this model")
-
-    def _starts(self, search: Search) -> dict:
+    def _starts(self, search: Search) -> AgreedStarts:
         keep = self.folder.recipe_file(self.profile.name) if self.profile.has_recipe_file \
             else None
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep)
@@ -335,7 +283,9 @@ class Tuner:
         self._mark("finish")
         return SearchOutcome(
             out=self.out, header=self._header(), record=self.record, plans=plans,
-            prepared=self.prepared, backend=self.backend, descent=self.descent, lane=lane,
+            prepared=self.prepared, backend=self.backend, lane=lane,
+            descent=self.descent.findings(final_bytes if isinstance(final_bytes, bytes) else None)
+            if self.descent is not None else None,
             rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
@@ -386,7 +336,7 @@ class Tuner:
 
     def _write_standing(self, lane: str) -> None:
         """The anytime result (:meth:`RunFolder.save_standing`), for the first lane (the fastest start)."""
-        if self.starts is not None and lane == self.starts["order"][0] \
+        if self.starts is not None and lane == self.starts.order[0] \
                 and not self.settings.multi_objective:
             self.folder.save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
                                       self.record.uses(self.record.standing(lane)))
@@ -405,18 +355,16 @@ class Tuner:
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
-        """Calibrated activation scales (None: the default scale inside trials)."""
+        """Calibrated activation scales, as the run was opened with (None: the default scale
+        inside trials)."""
         if purpose == "trials" and self.settings.scales == "default":
             return None
-        if self._calibrated is None:
-            self._calibrated = calibrated_scales(self.prepared, self.o, self.folder,
-                                                 self.calibration)
         return self._calibrated
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
         plans = self.search_state.plans if self.search_state is not None else None
-        order = (self.starts or {}).get("order")
+        order = self.starts.order if self.starts is not None else None
         write_state(self.record, self.out, status, {
             "storage": self.storage_url,
             "fingerprint": self.fingerprint_digest,
@@ -480,94 +428,6 @@ def high_precision_summary(prepared: PreparedModel) -> dict:
     if hp is None:
         return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
     return hp.describe()
-
-
-def guard_bound(options: TuneOptions, settings: Settings, scorer: ErrorScorer
-                ) -> tuple[float, dict | None]:
-    """The guard's bound, and the metric drop it stands for: with ``--max-metric-drop`` the
-    FP32 model's own metric plus the drop, else ``settings.error_bound``."""
-    if options.max_metric_drop is None:
-        return settings.error_bound, None
-    drop = metric_drop_bound(scorer.evaluator, options.max_metric_drop,
-                             options.metric_drop_type)
-    return drop["bound"], drop
-
-
-def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime,
-                 exporter: QDQExporter, validation, calibration,
-                 backend=None) -> tuple[ErrorScorer, str]:
-    """Output errors vs FP32 on the validation data (every run: the accuracy guard), and
-    which data they are measured on; bad validation data or a bad metric fails here, before
-    any measurement. The runtime's profile says how a candidate runs: through ONNX Runtime's
-    fused kernels, as written, or in the runtime itself (OpenVINO)."""
-    shapes = InputShapes.parse(options.input_shapes).shapes
-    data, data_name = validation_data(prepared.graph.model, validation=validation,
-                                      calibration=calibration, input_shapes=shapes)
-    hp = prepared.high_precision  # errors are against FP32, whatever runs
-    reference = (hp.source.full_model().SerializeToString() if hp is not None
-                 else exporter.source(exporter.plan(set())))
-    return ErrorScorer(reference, data, metric=options.metric,
-                       error_measure=options.error_measure, optimize=profile.scores_fused(hp),
-                       bf16=hp is not None and hp.precision == "bf16",
-                       runner=profile.error_runner(shapes, backend)), data_name
-
-
-def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:
-    """``(arrays, id)`` of calibration or validation data given as a path or from Python (read
-    once: a CalibrationDataReader can be drained only once)."""
-    if given is None:
-        return None
-    option = "--" + what.replace(" ", "-")
-    try:
-        arrays = input_data(given, prepared.graph.model, what=what)
-    except UserError as exc:
-        raise type(exc)(f"{option}: {exc}") from exc
-    return arrays, data_id(given, arrays)
-
-
-def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: RunFolder,
-                      data: tuple[dict, str] | None) -> dict:
-    """Activation scales from one calibration pass on the FP32 model (statistics cached in
-    ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
-    from qdq_optuna.model import calibration
-
-    hp = prepared.high_precision
-    source = hp.source if hp is not None else prepared.graph  # statistics of FP32 values
-    tensors = prepared.candidate_tensors()
-    if hp is not None:
-        tensors = hp.source_tensors(tensors)
-    shapes = InputShapes.parse(options.input_shapes).shapes
-    if data is not None:
-        arrays, data_name = data
-    else:
-        log.warning("no --calibration-data: calibrating on random inputs (scales are only "
-                    "placeholders; pass real data for a deployable model)")
-        arrays = calibration.random_calibration_data(source.model, shapes or None, samples=4,
-                                                     seed=0)
-        data_name = "random:4:0"
-    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_name,
-                                    tensors], default=str).encode()).hexdigest()[:16]
-    stats_path = folder.calibration_stats
-    stats = calibration.load_statistics(stats_path, fingerprint=fp)
-    if stats is None:
-        stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
-                                               external_data_dir=source.external_dir)
-        calibration.save_statistics(stats_path, stats, fingerprint=fp)
-    scales = calibration.activation_scales(stats, method=options.calibration_method,
-                                           quant_type=prepared.quant_type)
-    # 8-bit Concat kernels copy inputs of the output's scale and requantize the others:
-    # ONNX Runtime's QLinearConcat, and OpenVINO's Concatenation (NNCF unifies those scales;
-    # without it our export of NNCF's placement ran 0.86x NNCF's file on a real YOLOv8n, with
-    # it 0.99x); how far each runtime shares is its rules' concat_share_ratio
-    ratio = prepared.rules.concat_share_ratio
-    if ratio is not None and hp is None:
-        scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
-                                                 prepared.quant_type, ratio=ratio)
-    for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
-        typed = calibration.activation_scales(stats, method=options.calibration_method,
-                                              quant_type=qtype)
-        scales.update({(t, qtype): v for t, v in typed.items()})
-    return scales
 
 
 def _sha(data: bytes) -> str:

@@ -34,7 +34,7 @@ from qdq_optuna.measure.repair import rank_repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
-from qdq_optuna.record import RunRecord, StartAttr, StartOutcome
+from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
 from qdq_optuna.search._guard import listed
 
 log = logging.getLogger("qdq_optuna")
@@ -77,17 +77,15 @@ class StartsPhase:
             cands.append(recipe)
         return cands + self.seeds()
 
-    def run(self) -> dict:
-        """The agreed starts: ``chosen`` (a start's name), ``lanes`` (lane -> its start's
-        schemes, in descent order), ``lane_starts`` (lane -> start name), ``starts`` (one row
-        per start)."""
+    def run(self) -> AgreedStarts:
+        """The agreed starts (whichever process decided them)."""
         decided = self.record.starts(self.decide)
         if not self.worker or self.record.claim("starts-study"):
             self._write_study(decided)
         return decided
 
     # -- deciding --------------------------------------------------------------------------
-    def decide(self) -> dict:
+    def decide(self) -> AgreedStarts:
         progress = self.s.progress
         spent = self.s.plans.by_phase["starts"]
         cands = self.candidates()
@@ -101,10 +99,9 @@ class StartsPhase:
                         lane=next((lane for lane, name in lanes.items() if name == r.name), None))
                 for r in rows]
         by_name = {r.name: r for r in rows}
-        return {"chosen": chosen, "lane_starts": lanes, "order": list(lanes),
-                "measurements": self.s.plans.by_phase["starts"] - spent,
-                "lanes": {lane: by_name[name].schemes for lane, name in lanes.items()},
-                "starts": [r.to_attrs() for r in rows]}
+        return AgreedStarts(chosen, lanes, list(lanes), self.s.plans.by_phase["starts"] - spent,
+                            {lane: by_name[name].schemes for lane, name in lanes.items()},
+                            tuple(rows))
 
     def _measured(self, start: Start) -> StartOutcome:
         with self.s.progress.pattern(f"start {start.name}", 1) as bar:
@@ -318,11 +315,11 @@ class StartsPhase:
         return lanes
 
     # -- the study -------------------------------------------------------------------------
-    def _write_study(self, decided: dict) -> None:
+    def _write_study(self, decided: AgreedStarts) -> None:
         """One trial per start in ``RUN/_starts`` (those not written yet)."""
         study = self.record.starts_study()
         written = {t.user_attrs.get(StartAttr.START) for t in study.get_trials(deepcopy=False)}
-        for row in map(StartOutcome.from_attrs, decided["starts"]):
+        for row in decided.rows:
             if row.name in written:
                 continue
             if row.failure:

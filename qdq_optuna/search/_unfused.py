@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.measure.kernels import KernelCache, KernelTable
+from qdq_optuna.measure.kernels import KernelCache, KernelTable, units, with_shapes
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -298,4 +298,31 @@ def _numel(graph) -> dict[str, int | None]:
         shape = graph.shapes.get(t)
         ok = shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
         out[t] = math.prod(shape) if ok else None
+    return out
+
+
+#: what the search did with each kernel's evidence
+KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
+                  "float": "removal tried first (float faster)",
+                  "tie": "removal measured (no difference resolved)"}
+
+
+def kernel_table_entry(table: KernelTable, model: bytes | None) -> dict:
+    """The kernel table for the report: per node, integer and float ms on this machine, the
+    ratio float/integer with its interval, what the search did, and how the shipped model
+    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
+    out = table.to_dict()
+    placed = None
+    if isinstance(model, bytes):
+        import onnx
+
+        try:
+            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
+                                            table.output_q)}
+        except Exception:  # the table still ships without the column
+            placed = None
+    for row in out["kernels"]:
+        row["action"] = KERNEL_ACTIONS[row["decision"]]
+        if placed is not None:
+            row["shipped"] = "integer" if row["node"] in placed else "float"
     return out
