@@ -173,6 +173,54 @@ def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
     return "breaks TensorRT's Conv+Add+Relu fusion"
 
 
+#: single-input ops (other inputs constant) that TensorRT runs in the epilogue of the
+#: Conv/Gemm/MatMul kernel producing their input (the cost model fuses the same ones)
+TENSORRT_EPILOGUE_OPS = frozenset(
+    {
+        "BatchNormalization", "Relu", "Clip", "LeakyRelu", "PRelu", "Sigmoid", "HardSigmoid",
+        "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Mish", "Gelu", "ThresholdedRelu",
+    }
+)
+#: binary arithmetic that becomes a per-channel scale/bias in that epilogue when the other
+#: operand is constant
+_SCALE_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _in_epilogue(graph: Graph, idx: int, slot: int) -> bool:
+    """Node ``idx`` reading input ``slot`` can join the kernel of the op producing it."""
+    node = graph.nodes[idx]
+    if node.op_type in TENSORRT_EPILOGUE_OPS:
+        if slot != 0:
+            return False
+    elif node.op_type not in _SCALE_BIAS_OPS:
+        return False
+    return all(graph.is_constant(x) for k, x in enumerate(node.input) if x and k != slot)
+
+
+def _epilogue_edge(graph: Graph, use: Use) -> str | None:
+    """TensorRT runs a Conv/Gemm/MatMul with the BatchNormalization, activation and constant
+    scale/bias after it as one kernel, and quantizes the chain's output in that kernel: its
+    own placement rules (and Model Optimizer's) put Q/DQ on the compute op's inputs and after
+    the activation, never inside the chain. A Q/DQ there cuts the kernel in two (the
+    activation runs stand-alone), so an every-point placement was slower than float."""
+    tensor, consumer, slot = use
+    if consumer == GRAPH_OUTPUT or not _in_epilogue(graph, consumer, slot):
+        return None
+    t = tensor
+    for _ in range(len(graph.nodes)):  # walk back over the chain to its compute op
+        prod = graph.producer.get(t)
+        if prod is None or t in graph.graph_outputs or len(graph.consumers.get(t, [])) != 1:
+            return None
+        node = graph.nodes[prod[0]]
+        if node.op_type in COMPUTE_OPS:
+            return "inside a compute op's fused activation chain (TensorRT: one kernel)"
+        data = [k for k, x in enumerate(node.input) if x and not graph.is_constant(x)]
+        if len(data) != 1 or not _in_epilogue(graph, prod[0], data[0]):
+            return None
+        t = node.input[data[0]]
+    return None
+
+
 def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
     """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
     anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
@@ -324,7 +372,7 @@ TENSORRT = RuntimeRules(
     name="tensorrt",
     default_quant_type="int8",
     quant_types=("int8", "fp8"),
-    use_filters=(_shape_arithmetic, _conv_add_relu_fusion),
+    use_filters=(_shape_arithmetic, _conv_add_relu_fusion, _epilogue_edge),
     promotions=(_promote_concat,),
     fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
 )
