@@ -208,9 +208,11 @@ def test_read_scales_names_a_quantized_graph_output_by_its_own_name(tmp_path: Pa
     assert q.input[0] != "logits" and scales["logits"] == scales[q.input[0]]
 
 
-def _conv_relu_pool(bn: bool = False, fan_out: bool = False) -> onnx.ModelProto:
+def _conv_relu_pool(bn: bool = False, fan_out: bool = False,
+                    silu: bool = False) -> onnx.ModelProto:
     """x -> Conv -> [BatchNormalization ->] Relu -> MaxPool -> Conv -> Relu: the stem of a CNN
-    (SqueezeNet's, ResNet's). ``fan_out``: the first Conv's output is a graph output too."""
+    (SqueezeNet's, ResNet's). ``fan_out``: the first Conv's output is a graph output too;
+    ``silu``: the first activation is ``a * Sigmoid(a)`` (YOLO's, as PyTorch exports it)."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -228,7 +230,12 @@ def _conv_relu_pool(bn: bool = False, fan_out: bool = False) -> onnx.ModelProto:
         nodes.append(helper.make_node("BatchNormalization", ["c1", "g", "beta", "mean", "var"],
                                       ["bn1"], "bn1"))
         act_in = "bn1"
-    nodes += [helper.make_node("Relu", [act_in], ["r1"], "relu1"),
+    if silu:
+        nodes += [helper.make_node("Sigmoid", [act_in], ["s1"], "sig1"),
+                  helper.make_node("Mul", [act_in, "s1"], ["r1"], "relu1")]
+    else:
+        nodes.append(helper.make_node("Relu", [act_in], ["r1"], "relu1"))
+    nodes += [
               helper.make_node("MaxPool", ["r1"], ["p1"], "pool1", kernel_shape=[2, 2],
                                strides=[2, 2]),
               helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], "conv2", pads=[1] * 4),
@@ -241,14 +248,15 @@ def _conv_relu_pool(bn: bool = False, fan_out: bool = False) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("bn", [False, True])
-def test_tensorrt_every_point_keeps_conv_and_activation_one_kernel(bn: bool) -> None:
+@pytest.mark.parametrize(("bn", "silu"), [(False, False), (True, False), (True, True)])
+def test_tensorrt_every_point_keeps_conv_and_activation_one_kernel(bn: bool, silu: bool) -> None:
     """TensorRT runs Conv(+BN)+Relu as one kernel with the Q after the Relu; a point between
     them made the every-point start slower than float (the activation ran stand-alone)."""
-    pm = PreparedModel.prepare(_conv_relu_pool(bn), runtime="tensorrt", high_precision="fp16")
+    pm = PreparedModel.prepare(_conv_relu_pool(bn, silu=silu), runtime="tensorrt",
+                               high_precision="fp16")
     g, rules = pm.graph, pm.rules
-    inside = [(t, n, s) for t, n, s in starts.all_on_start(pm).uses
-              if g.nodes[n].op_type in ("Relu", "BatchNormalization")]
+    chain = {"relu1", "bn1", "sig1"}
+    inside = [(t, n, s) for t, n, s in starts.all_on_start(pm).uses if g.nodes[n].name in chain]
     assert not inside
     relu = next(i for i, n in enumerate(g.nodes) if n.name == "relu1")
     assert rules.use_reason(g, (g.nodes[relu].input[0], relu, 0)) is not None

@@ -197,28 +197,73 @@ def _in_epilogue(graph: Graph, idx: int, slot: int) -> bool:
     return all(graph.is_constant(x) for k, x in enumerate(node.input) if x and k != slot)
 
 
-def _epilogue_edge(graph: Graph, use: Use) -> str | None:
-    """TensorRT runs a Conv/Gemm/MatMul with the BatchNormalization, activation and constant
-    scale/bias after it as one kernel, and quantizes the chain's output in that kernel: its
-    own placement rules (and Model Optimizer's) put Q/DQ on the compute op's inputs and after
-    the activation, never inside the chain. A Q/DQ there cuts the kernel in two (the
-    activation runs stand-alone), so an every-point placement was slower than float."""
-    tensor, consumer, slot = use
-    if consumer == GRAPH_OUTPUT or not _in_epilogue(graph, consumer, slot):
+def _silu(graph: Graph, tensor: str) -> tuple[int, int] | None:
+    """(Sigmoid, Mul) when ``tensor``'s two readers compute ``tensor * Sigmoid(tensor)``."""
+    cons = graph.consumers.get(tensor, [])
+    if len(cons) != 2 or tensor in graph.graph_outputs:
         return None
+    for (sig, _), (mul, _) in (cons, cons[::-1]):
+        if graph.nodes[sig].op_type != "Sigmoid" or graph.nodes[mul].op_type != "Mul":
+            continue
+        s_out = graph.nodes[sig].output[0]
+        if s_out not in graph.graph_outputs and len(graph.consumers.get(s_out, [])) == 1 \
+                and sorted(graph.nodes[mul].input) == sorted([tensor, s_out]):
+            return sig, mul
+    return None
+
+
+def _epilogue_readers(graph: Graph, tensor: str) -> tuple[int, ...]:
+    """The readers of ``tensor`` that join its producer's kernel: its one epilogue reader,
+    or the Sigmoid and Mul of its SiLU; () when none does."""
+    cons = graph.consumers.get(tensor, [])
+    if tensor in graph.graph_outputs:
+        return ()
+    if len(cons) == 1 and _in_epilogue(graph, *cons[0]):
+        return (cons[0][0],)
+    return _silu(graph, tensor) or ()
+
+
+def _next_in_epilogue(graph: Graph, tensor: str) -> str | None:
+    """The tensor after ``tensor``'s epilogue readers (what they write), else None."""
+    readers = _epilogue_readers(graph, tensor)
+    return graph.nodes[readers[-1]].output[0] if readers else None
+
+
+def _kernel_written(graph: Graph, tensor: str) -> bool:
+    """``tensor`` is a Conv/Gemm/MatMul output or inside the epilogue chain after one."""
     t = tensor
     for _ in range(len(graph.nodes)):  # walk back over the chain to its compute op
         prod = graph.producer.get(t)
-        if prod is None or t in graph.graph_outputs or len(graph.consumers.get(t, [])) != 1:
-            return None
+        if prod is None:
+            return False
         node = graph.nodes[prod[0]]
         if node.op_type in COMPUTE_OPS:
-            return "inside a compute op's fused activation chain (TensorRT: one kernel)"
-        data = [k for k, x in enumerate(node.input) if x and not graph.is_constant(x)]
-        if len(data) != 1 or not _in_epilogue(graph, prod[0], data[0]):
-            return None
-        t = node.input[data[0]]
-    return None
+            return True
+        data = [x for x in node.input if x and not graph.is_constant(x)]
+        if node.op_type == "Mul" and len(data) == 2:  # x * Sigmoid(x): back to x
+            data = [x for x in data if graph.producer_op(x) != "Sigmoid"]
+        if len(data) != 1 or _next_in_epilogue(graph, data[0]) != t:
+            return False
+        t = data[0]
+    return False
+
+
+def _epilogue_edge(graph: Graph, use: Use) -> str | None:
+    """TensorRT runs a Conv/Gemm/MatMul with the BatchNormalization, activation (SiLU too)
+    and constant scale/bias after it as one kernel, and quantizes the chain's output in that
+    kernel: its own placement rules (and Model Optimizer's) put Q/DQ on the compute op's
+    inputs and after the activation, never inside the chain. A Q/DQ there cuts the kernel in
+    two (the activation runs stand-alone), so an every-point placement was slower than float."""
+    tensor, consumer, slot = use
+    if consumer == GRAPH_OUTPUT:
+        return None
+    chain_start = tensor
+    if graph.nodes[consumer].op_type == "Mul" and graph.producer_op(tensor) == "Sigmoid":
+        chain_start = graph.nodes[graph.producer[tensor][0]].input[0]  # Sigmoid(x) -> x
+    if consumer not in _epilogue_readers(graph, chain_start) \
+            or not _kernel_written(graph, chain_start):
+        return None
+    return "inside a compute op's fused activation chain (TensorRT: one kernel)"
 
 
 def epilogue_end(graph: Graph, tensor: str) -> str:
@@ -226,10 +271,10 @@ def epilogue_end(graph: Graph, tensor: str) -> str:
     compute op's output): what the fused kernel writes, and where its output Q goes."""
     t = tensor
     for _ in range(len(graph.nodes)):
-        cons = graph.consumers.get(t, [])
-        if t in graph.graph_outputs or len(cons) != 1 or not _in_epilogue(graph, *cons[0]):
+        nxt = _next_in_epilogue(graph, t)
+        if nxt is None:
             break
-        t = graph.nodes[cons[0][0]].output[0]
+        t = nxt
     return t
 
 
