@@ -298,3 +298,18 @@ def test_tensorrt_fusion_group_reaches_past_the_activation(bn: bool) -> None:
     exporter, backend = pm.exporter(), CostModelBackend()
     bd = backend.estimate(exporter.to_bytes(exporter.plan(set(stem[0]))))
     assert bd.node("conv1").precision == "int8" and bd.node("relu1").kind == "fused"
+
+
+def test_tensorrt_offers_no_point_between_a_residual_add_and_its_relu() -> None:
+    """Conv+Add+Relu is one TensorRT kernel: the Add's output into the Relu is inside it, and
+    with every point on each Relu runs in its Conv's kernel (it ran alone)."""
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="tensorrt",
+                               high_precision="fp16")
+    g = pm.graph
+    relus = [(n.input[0], i, 0) for i, n in enumerate(g.nodes)
+             if n.op_type == "Relu" and g.producer_op(n.input[0]) == "Add"]
+    assert relus and all("activation chain" in (pm.rules.use_reason(g, u) or "") for u in relus)
+    exporter = pm.exporter()
+    every = CostModelBackend().estimate(exporter.to_bytes(exporter.plan(
+        set(starts.all_on_start(pm).uses))))
+    assert all(every.node(g.nodes[i].name).kind == "fused" for _, i, _ in relus)

@@ -223,9 +223,26 @@ def _epilogue_readers(graph: Graph, tensor: str) -> tuple[int, ...]:
     return _silu(graph, tensor) or ()
 
 
+def _residual_add(graph: Graph, tensor: str) -> int | None:
+    """The Add that joins the kernel of the Conv writing ``tensor`` (TensorRT's Conv+Add
+    kernel: the Add of a Conv output and a residual, see :func:`residual_conv`)."""
+    cons = graph.consumers.get(tensor, [])
+    if len(cons) != 1 or _fusable_conv(graph, tensor) is None:
+        return None
+    add, slot = cons[0]
+    node = graph.nodes[add]
+    if node.op_type != "Add" or len(node.input) != 2 or graph.is_constant(node.input[1 - slot]) \
+            or node.input[1 - slot] == tensor or residual_conv(graph, add) == slot:
+        return None
+    return add
+
+
 def _next_in_epilogue(graph: Graph, tensor: str) -> str | None:
-    """The tensor after ``tensor``'s epilogue readers (what they write), else None."""
+    """The tensor after ``tensor``'s epilogue readers or residual Add (what they write)."""
     readers = _epilogue_readers(graph, tensor)
+    if not readers:
+        add = _residual_add(graph, tensor)
+        readers = () if add is None else (add,)
     return graph.nodes[readers[-1]].output[0] if readers else None
 
 
@@ -242,6 +259,8 @@ def _kernel_written(graph: Graph, tensor: str) -> bool:
         data = [x for x in node.input if x and not graph.is_constant(x)]
         if node.op_type == "Mul" and len(data) == 2:  # x * Sigmoid(x): back to x
             data = [x for x in data if graph.producer_op(x) != "Sigmoid"]
+        elif node.op_type == "Add" and len(data) == 2:  # back to the Conv that takes the Add
+            data = [x for x in data if _residual_add(graph, x) == prod[0]]
         if len(data) != 1 or _next_in_epilogue(graph, data[0]) != t:
             return False
         t = data[0]
