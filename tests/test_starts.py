@@ -283,23 +283,6 @@ def test_tensorrt_offers_the_activation_input_where_nothing_fuses() -> None:
     assert pm.rules.use_reason(g, ("c1", relu, 0)) is None
 
 
-@pytest.mark.parametrize("bn", [False, True])
-def test_tensorrt_fusion_group_reaches_past_the_activation(bn: bool) -> None:
-    """A Conv's fusion group (its inputs and output switched together) takes the output Q
-    where TensorRT's kernel writes it, after the Relu: one move makes the stem Conv INT8 with
-    its MaxPool, as the recipe (which leaves a 3-channel stem float) cannot."""
-    pm = PreparedModel.prepare(_conv_relu_pool(bn), runtime="tensorrt")
-    g = pm.graph
-    conv1, pool1 = (next(i for i, n in enumerate(g.nodes) if n.name == name)
-                    for name in ("conv1", "pool1"))
-    groups = [pp.uses(group) for pp in pm.tunable for group in pp.fusion_groups]
-    stem = [uses for uses in groups if ("x", conv1, 0) in uses]
-    assert stem and ("r1", pool1, 0) in stem[0]
-    exporter, backend = pm.exporter(), CostModelBackend()
-    bd = backend.estimate(exporter.to_bytes(exporter.plan(set(stem[0]))))
-    assert bd.node("conv1").precision == "int8" and bd.node("relu1").kind == "fused"
-
-
 def test_tensorrt_offers_no_point_between_a_residual_add_and_its_relu() -> None:
     """Conv+Add+Relu is one TensorRT kernel: the Add's output into the Relu is inside it, and
     with every point on each Relu runs in its Conv's kernel (it ran alone)."""

@@ -179,7 +179,7 @@ def _groups(graph: Graph, pp: PatternPoints, rules: RuntimeRules, index_of: dict
                     concat.append(group)
         if node.op_type in rules.fusion_group_ops:
             members = [single[u] for u in in_uses if u in single]
-            for t in (rules.kernel_output(graph, o) for o in node.output if o):
+            for t in node.output:
                 if t in whole:
                     members.append(whole[t])
                 else:

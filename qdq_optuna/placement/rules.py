@@ -285,18 +285,6 @@ def _epilogue_edge(graph: Graph, use: Use) -> str | None:
     return "inside a compute op's fused activation chain (TensorRT: one kernel)"
 
 
-def epilogue_end(graph: Graph, tensor: str) -> str:
-    """The last tensor of the BN/activation/scale-bias chain that starts at ``tensor`` (a
-    compute op's output): what the fused kernel writes, and where its output Q goes."""
-    t = tensor
-    for _ in range(len(graph.nodes)):
-        nxt = _next_in_epilogue(graph, t)
-        if nxt is None:
-            break
-        t = nxt
-    return t
-
-
 def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
     """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
     anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
@@ -367,9 +355,6 @@ class RuntimeRules:
     #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized
     #: when all are in place
     fusion_group_ops: frozenset[str] = frozenset()
-    #: a fusion group op's kernel runs the BN/activation chain after it (TensorRT): the
-    #: group's output points are those after the chain (:func:`epilogue_end`)
-    fused_epilogues: bool = False
     #: quantize Gemm/Conv bias to int32 (scale = input scale * weight scale)
     quantize_bias_ops: frozenset[str] = frozenset()
     #: op -> per-tensor weights (runtime kernels that do not take per-channel weights)
@@ -443,10 +428,6 @@ class RuntimeRules:
             return f"{op} has no quantized kernel on {self.name}"
         return None
 
-    def kernel_output(self, graph: Graph, tensor: str) -> str:
-        """The tensor a fusion group op with output ``tensor`` writes from its kernel."""
-        return epilogue_end(graph, tensor) if self.fused_epilogues else tensor
-
     def quantizable(self, graph: Graph, use: Use) -> bool:
         return self.use_reason(graph, use) is None
 
@@ -458,7 +439,6 @@ TENSORRT = RuntimeRules(
     use_filters=(_shape_arithmetic, _conv_add_relu_fusion, _epilogue_edge),
     promotions=(_promote_concat,),
     fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
-    fused_epilogues=True,
 )
 
 #: ONNX Runtime's QDQ selectors (onnxruntime/core/optimizer/qdq_transformer): ops that run
