@@ -242,7 +242,11 @@ def test_onnxruntime_never_offers_conv_into_relu(analyzed):
     use = ("conv1_out", relu, 0)
     assert use not in ort_a.all_uses()
     assert "fused" in ONNXRUNTIME_CPU.use_reason(ort_a.graph, use)
-    assert use in analyzed("tiny_chain", TENSORRT).all_uses()
+    # TensorRT fuses the Relu into the Conv's kernel too (its Q after the Relu)
+    trt_a = analyzed("tiny_chain", TENSORRT)
+    assert use not in trt_a.all_uses()
+    assert "activation chain" in TENSORRT.use_reason(trt_a.graph, use)
+    assert ("relu1_out", trt_a.node("conv2"), 0) in trt_a.all_uses()
 
 
 # -- golden: YOLO concat groups --------------------------------------------------------------

@@ -258,9 +258,10 @@ def test_bisection_names_the_heavy_tailed_pairs(heavy, runtime):
     found = bisect_plan(exporter, plan, plan_error_function(exporter, evaluator),
                         DEFAULT_MAX_OUTPUT_ERROR)
     assert found.full_error == pytest.approx(error)
-    # the tail: ``heavy`` and the Conv output it runs into (-10 x heavy): nothing else
+    # the tail: ``heavy`` and the Conv output it runs into (-10 x heavy), where that output is
+    # a point (TensorRT runs the Sigmoid in conv2's kernel: no Q/DQ between them)
     tailed = {t for t, s in stats.items() if s.max - s.min > 50}
-    assert {"heavy", "c2"} <= tailed
+    assert "heavy" in tailed and ("c2" in tailed) == ("c2" in set(pm.candidate_tensors()))
     assert found.responsible and set(found.responsible) <= {"heavy", "c2"}
     assert found.within and found.error <= DEFAULT_MAX_OUTPUT_ERROR
     assert set(found.kept.tensors) == set(plan.tensors) - set(found.responsible)

@@ -99,7 +99,8 @@ def test_patterns_whose_surroundings_did_not_change_are_not_visited_again(runs, 
     report = result.report
     rounds = {p["id"]: [v["round"] for v in p["visits"] if v["pattern"] == p["id"]]
               for p in report["patterns"]}
-    assert all(r[0] == 1 for r in rounds.values())
+    # a pattern whose every move only removes Q/DQ the runtime fused is skipped, not visited
+    assert all(r[0] == 1 for r in rounds.values() if r) and any(rounds.values())
     assert any(len(r) == 1 for r in rounds.values()), "every pattern was visited again"
     before = {n: len(s.trials) for n, s in studies(result).items()}
     rerun = tune(resnet, result.output_dir, backend="costmodel", seed=0, progress=False)
@@ -116,8 +117,9 @@ def test_chain_moves_change_the_partner_pattern_too(tmp_path):
     takes them."""
     path = tmp_path / "concat.onnx"
     onnx.save(zoo.build("tiny_concat"), str(path))
+    # from the recipe (Q/DQ on Conv inputs): every point on is already the optimum here
     result = tune(path, tmp_path / "run", backend="costmodel", seed=0, progress=False,
-                  config=Config(refine_rounds=1))
+                  config=Config(refine_rounds=1, start="recipe"))
     chains = [(n, s) for n, s in studies(result).items()
               if is_visit(n) and s.user_attrs.get("partner")]
     assert chains, "no chain move was committed"

@@ -206,3 +206,93 @@ def test_read_scales_names_a_quantized_graph_output_by_its_own_name(tmp_path: Pa
     (q,) = [n for n in recipe.graph.node if n.op_type == "QuantizeLinear"
             and n.input[0].startswith("logits")]
     assert q.input[0] != "logits" and scales["logits"] == scales[q.input[0]]
+
+
+def _conv_relu_pool(bn: bool = False, fan_out: bool = False,
+                    silu: bool = False) -> onnx.ModelProto:
+    """x -> Conv -> [BatchNormalization ->] Relu -> MaxPool -> Conv -> Relu: the stem of a CNN
+    (SqueezeNet's, ResNet's). ``fan_out``: the first Conv's output is a graph output too;
+    ``silu``: the first activation is ``a * Sigmoid(a)`` (YOLO's, as PyTorch exports it)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def init(name: str, *dims: int) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.standard_normal(dims).astype(np.float32) * 0.1, name)
+
+    inits = [init("w1", 64, 3, 3, 3), init("b1", 64), init("w2", 64, 64, 3, 3), init("b2", 64)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], "conv1", pads=[1] * 4)]
+    act_in = "c1"
+    if bn:
+        inits += [numpy_helper.from_array(np.full(64, v, np.float32), n)
+                  for n, v in (("g", 1.0), ("beta", 0.0), ("mean", 0.0), ("var", 1.0))]
+        nodes.append(helper.make_node("BatchNormalization", ["c1", "g", "beta", "mean", "var"],
+                                      ["bn1"], "bn1"))
+        act_in = "bn1"
+    if silu:
+        nodes += [helper.make_node("Sigmoid", [act_in], ["s1"], "sig1"),
+                  helper.make_node("Mul", [act_in, "s1"], ["r1"], "relu1")]
+    else:
+        nodes.append(helper.make_node("Relu", [act_in], ["r1"], "relu1"))
+    nodes += [
+              helper.make_node("MaxPool", ["r1"], ["p1"], "pool1", kernel_shape=[2, 2],
+                               strides=[2, 2]),
+              helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], "conv2", pads=[1] * 4),
+              helper.make_node("Relu", ["c2"], ["y"], "relu2")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 56, 56])]
+    if fan_out:
+        outputs.append(helper.make_tensor_value_info("c1", TensorProto.FLOAT, [1, 64, 112, 112]))
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 112, 112])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("bn", "silu"), [(False, False), (True, False), (True, True)])
+def test_tensorrt_every_point_keeps_conv_and_activation_one_kernel(bn: bool, silu: bool) -> None:
+    """TensorRT runs Conv(+BN)+Relu as one kernel with the Q after the Relu; a point between
+    them made the every-point start slower than float (the activation ran stand-alone)."""
+    pm = PreparedModel.prepare(_conv_relu_pool(bn, silu=silu), runtime="tensorrt",
+                               high_precision="fp16")
+    g, rules = pm.graph, pm.rules
+    chain = {"relu1", "bn1", "sig1"}
+    inside = [(t, n, s) for t, n, s in starts.all_on_start(pm).uses if g.nodes[n].name in chain]
+    assert not inside
+    relu = next(i for i, n in enumerate(g.nodes) if n.name == "relu1")
+    assert rules.use_reason(g, (g.nodes[relu].input[0], relu, 0)) is not None
+    exporter, backend = pm.exporter(), CostModelBackend()
+
+    def breakdown(uses):
+        return backend.estimate(exporter.to_bytes(exporter.plan(set(uses))))
+
+    every = breakdown(starts.all_on_start(pm).uses)
+    assert every.total_ms <= breakdown(()).total_ms
+    # the first Conv reads the quantized graph input: it runs INT8, its Relu in its kernel,
+    # and the MaxPool after it moves INT8 data
+    assert every.node("conv1").precision == "int8"
+    assert every.node("relu1").kind == "fused"
+    assert every.node("pool1").precision == "int8"
+
+
+def test_tensorrt_offers_the_activation_input_where_nothing_fuses() -> None:
+    """A Conv output that is also a graph output has no fused epilogue: its Relu input stays a
+    point (the rule is about fusion, not about Relu)."""
+    pm = PreparedModel.prepare(_conv_relu_pool(fan_out=True), runtime="tensorrt")
+    g = pm.graph
+    relu = next(i for i, n in enumerate(g.nodes) if n.name == "relu1")
+    assert pm.rules.use_reason(g, ("c1", relu, 0)) is None
+
+
+def test_tensorrt_offers_no_point_between_a_residual_add_and_its_relu() -> None:
+    """Conv+Add+Relu is one TensorRT kernel: the Add's output into the Relu is inside it, and
+    with every point on each Relu runs in its Conv's kernel (it ran alone)."""
+    pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="tensorrt",
+                               high_precision="fp16")
+    g = pm.graph
+    relus = [(n.input[0], i, 0) for i, n in enumerate(g.nodes)
+             if n.op_type == "Relu" and g.producer_op(n.input[0]) == "Add"]
+    assert relus and all("activation chain" in (pm.rules.use_reason(g, u) or "") for u in relus)
+    exporter = pm.exporter()
+    every = CostModelBackend().estimate(exporter.to_bytes(exporter.plan(
+        set(starts.all_on_start(pm).uses))))
+    assert all(every.node(g.nodes[i].name).kind == "fused" for _, i, _ in relus)

@@ -173,6 +173,118 @@ def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
     return "breaks TensorRT's Conv+Add+Relu fusion"
 
 
+#: single-input ops (other inputs constant) that TensorRT runs in the epilogue of the
+#: Conv/Gemm/MatMul kernel producing their input (the cost model fuses the same ones)
+TENSORRT_EPILOGUE_OPS = frozenset(
+    {
+        "BatchNormalization", "Relu", "Clip", "LeakyRelu", "PRelu", "Sigmoid", "HardSigmoid",
+        "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Mish", "Gelu", "ThresholdedRelu",
+    }
+)
+#: binary arithmetic that becomes a per-channel scale/bias in that epilogue when the other
+#: operand is constant
+_SCALE_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _in_epilogue(graph: Graph, idx: int, slot: int) -> bool:
+    """Node ``idx`` reading input ``slot`` can join the kernel of the op producing it."""
+    node = graph.nodes[idx]
+    if node.op_type in TENSORRT_EPILOGUE_OPS:
+        if slot != 0:
+            return False
+    elif node.op_type not in _SCALE_BIAS_OPS:
+        return False
+    return all(graph.is_constant(x) for k, x in enumerate(node.input) if x and k != slot)
+
+
+def _silu(graph: Graph, tensor: str) -> tuple[int, int] | None:
+    """(Sigmoid, Mul) when ``tensor``'s two readers compute ``tensor * Sigmoid(tensor)``."""
+    cons = graph.consumers.get(tensor, [])
+    if len(cons) != 2 or tensor in graph.graph_outputs:
+        return None
+    for (sig, _), (mul, _) in (cons, cons[::-1]):
+        if graph.nodes[sig].op_type != "Sigmoid" or graph.nodes[mul].op_type != "Mul":
+            continue
+        s_out = graph.nodes[sig].output[0]
+        if s_out not in graph.graph_outputs and len(graph.consumers.get(s_out, [])) == 1 \
+                and sorted(graph.nodes[mul].input) == sorted([tensor, s_out]):
+            return sig, mul
+    return None
+
+
+def _epilogue_readers(graph: Graph, tensor: str) -> tuple[int, ...]:
+    """The readers of ``tensor`` that join its producer's kernel: its one epilogue reader,
+    or the Sigmoid and Mul of its SiLU; () when none does."""
+    cons = graph.consumers.get(tensor, [])
+    if tensor in graph.graph_outputs:
+        return ()
+    if len(cons) == 1 and _in_epilogue(graph, *cons[0]):
+        return (cons[0][0],)
+    return _silu(graph, tensor) or ()
+
+
+def _residual_add(graph: Graph, tensor: str) -> int | None:
+    """The Add that joins the kernel of the Conv writing ``tensor`` (TensorRT's Conv+Add
+    kernel: the Add of a Conv output and a residual, see :func:`residual_conv`)."""
+    cons = graph.consumers.get(tensor, [])
+    if len(cons) != 1 or _fusable_conv(graph, tensor) is None:
+        return None
+    add, slot = cons[0]
+    node = graph.nodes[add]
+    if node.op_type != "Add" or len(node.input) != 2 or graph.is_constant(node.input[1 - slot]) \
+            or node.input[1 - slot] == tensor or residual_conv(graph, add) == slot:
+        return None
+    return add
+
+
+def _next_in_epilogue(graph: Graph, tensor: str) -> str | None:
+    """The tensor after ``tensor``'s epilogue readers or residual Add (what they write)."""
+    readers = _epilogue_readers(graph, tensor)
+    if not readers:
+        add = _residual_add(graph, tensor)
+        readers = () if add is None else (add,)
+    return graph.nodes[readers[-1]].output[0] if readers else None
+
+
+def _kernel_written(graph: Graph, tensor: str) -> bool:
+    """``tensor`` is a Conv/Gemm/MatMul output or inside the epilogue chain after one."""
+    t = tensor
+    for _ in range(len(graph.nodes)):  # walk back over the chain to its compute op
+        prod = graph.producer.get(t)
+        if prod is None:
+            return False
+        node = graph.nodes[prod[0]]
+        if node.op_type in COMPUTE_OPS:
+            return True
+        data = [x for x in node.input if x and not graph.is_constant(x)]
+        if node.op_type == "Mul" and len(data) == 2:  # x * Sigmoid(x): back to x
+            data = [x for x in data if graph.producer_op(x) != "Sigmoid"]
+        elif node.op_type == "Add" and len(data) == 2:  # back to the Conv that takes the Add
+            data = [x for x in data if _residual_add(graph, x) == prod[0]]
+        if len(data) != 1 or _next_in_epilogue(graph, data[0]) != t:
+            return False
+        t = data[0]
+    return False
+
+
+def _epilogue_edge(graph: Graph, use: Use) -> str | None:
+    """TensorRT runs a Conv/Gemm/MatMul with the BatchNormalization, activation (SiLU too)
+    and constant scale/bias after it as one kernel, and quantizes the chain's output in that
+    kernel: its own placement rules (and Model Optimizer's) put Q/DQ on the compute op's
+    inputs and after the activation, never inside the chain. A Q/DQ there cuts the kernel in
+    two (the activation runs stand-alone), so an every-point placement was slower than float."""
+    tensor, consumer, slot = use
+    if consumer == GRAPH_OUTPUT:
+        return None
+    chain_start = tensor
+    if graph.nodes[consumer].op_type == "Mul" and graph.producer_op(tensor) == "Sigmoid":
+        chain_start = graph.nodes[graph.producer[tensor][0]].input[0]  # Sigmoid(x) -> x
+    if consumer not in _epilogue_readers(graph, chain_start) \
+            or not _kernel_written(graph, chain_start):
+        return None
+    return "inside a compute op's fused activation chain (TensorRT: one kernel)"
+
+
 def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
     """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
     anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
@@ -324,7 +436,7 @@ TENSORRT = RuntimeRules(
     name="tensorrt",
     default_quant_type="int8",
     quant_types=("int8", "fp8"),
-    use_filters=(_shape_arithmetic, _conv_add_relu_fusion),
+    use_filters=(_shape_arithmetic, _conv_add_relu_fusion, _epilogue_edge),
     promotions=(_promote_concat,),
     fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
 )
