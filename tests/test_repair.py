@@ -336,3 +336,40 @@ def test_where_the_ranked_repair_keeps_nothing_bisection_repairs_the_start(tmp_p
     assert "bisection in" in note and "ranked repair kept nothing in" in note
     assert any(t in note for t in TAILED)
     assert not repaired.get("repair")
+
+
+def test_one_data_set_is_split_and_the_claimed_error_is_on_the_held_out_part(tmp_path):
+    """Calibration data of HOLD_OUT_MIN samples and no validation data: a quarter is held out
+    of calibration and the guard's figures are measured on it alone, which the report says;
+    the error it claims for what ships is the one recomputed here on exactly those samples
+    (and, the held-out samples made ten times larger, not the one on the other samples)."""
+    from test_guard_run import _backend, _independent_error
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.measure.accuracy import HOLD_OUT_MIN, hold_out
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    x = np.random.default_rng(0).standard_normal((HOLD_OUT_MIN, 4, 16, 16)).astype(np.float32)
+    (cal, cal_id), (held, held_id) = hold_out(({"x": x}, "probe"))
+    assert len(held["x"]) == HOLD_OUT_MIN // 4 and len(cal["x"]) + len(held["x"]) == len(x)
+    mask = np.isin(x, held["x"]).all(axis=(1, 2, 3))
+    x[mask] *= 10.0  # the held-out samples far outside the calibrated range
+    result = tune(model, tmp_path / "run", backend=_backend(), runtime="onnxruntime",
+                  calibration_data={"x": x}, calibration_method="minmax",
+                  config=Config(schemes_per_region=3), progress=False)
+    acc = result.report["accuracy"]
+    assert acc["data_kind"] == "held-out part of the calibration data"
+    assert f"{HOLD_OUT_MIN // 4} of its {HOLD_OUT_MIN} samples" in acc["data"]
+    on_held = _independent_error(model, result.optimized_model, {"x": x[mask]})
+    on_rest = _independent_error(model, result.optimized_model, {"x": x[~mask]})
+    assert acc["error"] == pytest.approx(on_held["worst_relative_l2"], rel=1e-4)
+    assert on_held["worst_relative_l2"] != pytest.approx(on_rest["worst_relative_l2"], rel=1e-2)
+    md = (result.output_dir / "report.md").read_text()
+    assert "held-out part of the calibration data" in md
+
+
+def test_small_calibration_data_is_not_split():
+    from qdq_optuna.measure.accuracy import HOLD_OUT_MIN, hold_out
+
+    data = ({"x": np.zeros((HOLD_OUT_MIN - 1, 2), np.float32)}, "small")
+    assert hold_out(data) == (data, None) and hold_out(None) == (None, None)

@@ -34,7 +34,12 @@ import onnx
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
-from qdq_optuna.measure.accuracy import ErrorScorer, metric_drop_bound, validation_data
+from qdq_optuna.measure.accuracy import (
+    ErrorScorer,
+    hold_out,
+    metric_drop_bound,
+    validation_data,
+)
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, describe_model, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
@@ -96,6 +101,8 @@ class Tuner:
         # the user's data, read once
         self.calibration = read_data(options.calibration_data, self.prepared, "calibration data")
         self.validation = read_data(options.validation_data, self.prepared, "validation data")
+        if self.validation is None:  # the guard's errors on samples calibration never saw
+            self.calibration, self.validation = hold_out(self.calibration)
         # a model whose weights stay on disk is exported into work folders of the output folder
         self.prepared.data_dir = self.out
         self.measurer = Measurer(self.backend, TimingProtocol.from_name(options.timing))
