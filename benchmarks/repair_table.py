@@ -129,12 +129,12 @@ def one(name: str, args) -> list[dict]:
     cal = dict(np.load(work / "calibration.npz"))
     held = dict(np.load(work / "heldout.npz"))
     report = tune(path, work / "run", work / "calibration.npz", shapes, args.timeout,
-                  args.backend)
+                  "costmodel" if args.dry_run else "onnxruntime")
     models = rebuild(path, work / "run", cal, shapes, report)
     part = hold_out((cal, "cal"))[1][0]  # the samples the run's guard scored
     ref_held, ref_part = run_model(str(path), held), run_model(str(path), part)
     first = {k: v[:1] for k, v in held.items()}
-    ms = timings(models, first, args.rounds if args.backend == "onnxruntime" else 0, args.runs)
+    ms = timings(models, first, 0 if args.dry_run else args.rounds, args.runs)
     starts = {s["name"]: s for s in report["starts"]}
     claimed = {"recipe placement (ours)": starts.get("recipe:onnxruntime", {}).get("error"),
                "every point": starts.get("all", {}).get("error"),
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--backend", default="onnxruntime",
-                    help="the tune's backend (costmodel: a dry run of this script, no timing)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tune on the cost model, time nothing (checks this script quickly)")
     args = ap.parse_args(argv)
     rows = []
     for name in args.models.split(","):
