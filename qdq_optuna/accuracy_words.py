@@ -18,6 +18,8 @@ def data_kind(data: str) -> str:
     ``random inputs``."""
     if data.startswith("--validation-data"):
         return "validation data"
+    if data.startswith("--calibration-data held out"):
+        return "held-out part of the calibration data"
     if data.startswith("--calibration-data"):
         return "calibration data"
     return "random inputs"

@@ -242,5 +242,7 @@ def test_a_fast_start_past_the_bound_comes_back_without_what_broke_it(heavy_run)
     assert set(line.split()[1:]) <= names
     md = (result.output_dir / "report.md").read_text()
     assert "## Repair: all-in-bound" in md and line in md
+    # the table gives each group's share of the error; the start ran faster than float
+    assert "| share of the error |" in md and "x float's speed (measured)." in md
     chosen = next(s for s in starts.values() if s["chosen"])
     assert chosen["feasible"] and chosen["latency_ms"] <= repaired["latency_ms"]

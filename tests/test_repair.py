@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 
 import corpus
+import numpy as np
 import pytest
+from onnx import numpy_helper
 from test_guard_run import _guard
 
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
@@ -212,3 +214,162 @@ def test_errors_that_interact_rank_by_what_returning_a_group_drops(heavy):
     assert [g.name for g in repair.returned] == ["over"]
     assert repair.error == pytest.approx(0.15) and repair.within
     assert "conv2" not in repair.exclude_nodes()
+
+
+# -- latency costs that see the Q/DQ boundaries a return creates ---------------------------------
+def _conv_chain(length: int = 5):
+    """x -> conv1 -> ... -> convN -> y, every Conv 8 -> 8 channels 3x3 on 16x16: one integer
+    chain under ONNX Runtime's rules when every point is on."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(1, length + 1):
+        w = corpus._w(rng, 8, 8, 3, 3)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        out = "y" if i == length else f"t{i}"
+        nodes.append(helper.make_node("Conv", [prev, f"w{i}"], [out], name=f"conv{i}",
+                                      pads=[1, 1, 1, 1]))
+        prev = out
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 16, 16]) for n in "xy"]
+    return corpus._model(nodes, [io[0]], [io[1]], inits)
+
+
+@pytest.fixture(scope="module")
+def chain():
+    from qdq_optuna.backends import make_backend
+    from qdq_optuna.placement.prepared import PreparedModel
+
+    pm = PreparedModel.prepare(_conv_chain(), runtime="onnxruntime")
+    exporter = pm.exporter({})
+    uses = set()
+    for pp in pm.tunable:
+        uses |= pp.uses(pp.ids)
+    plan = exporter.plan(uses)
+    what = make_backend("onnxruntime", threads=1, isolate=False).what_ran(
+        exporter.to_bytes(plan))
+    return exporter, plan, what
+
+
+def _chain_fusion(chain):
+    from qdq_optuna.measure.repair import Fusion, node_weights
+
+    exporter, plan, what = chain
+    graph = exporter.graph
+    return Fusion(graph, plan, node_weights(graph), exporter.rules, what), node_weights(graph)
+
+
+def test_returning_a_tensor_mid_chain_costs_more_than_the_chain_end(chain):
+    """Every Conv of the chain runs integer (ONNX Runtime's own report). Returning the
+    middle Conv's input splits the chain: two Convs lose their integer kernel (a QLinearConv
+    needs its Q out) and the float island gets a stand-alone DQ before it and a stand-alone
+    Q after it, so it costs more than the kernels it takes off integer; returning the chain's
+    end (the graph output's Q/DQ) costs the last Conv alone and removes the output's DQ."""
+    exporter, plan, what = chain
+    assert not what.float_nodes & {f"conv{i}" for i in range(1, 6)}
+    fusion, weights = _chain_fusion(chain)
+    groups = {g.name: g for g in plan_groups(exporter.graph, plan)}
+    mid_cost, mid_lost = fusion.change(groups["conv3"].uses)
+    end_cost, end_lost = fusion.change(groups["graph output y"].uses)
+    assert set(mid_lost) == {"conv2", "conv3"} and set(end_lost) == {"conv5"}
+    assert mid_cost > sum(weights[n] for n in mid_lost)  # the island's borders count
+    assert mid_cost > end_cost > 0
+    # multiply-adds alone (the old cost) could not tell these apart: equal Convs
+    assert len({weights[f"conv{i}"] for i in range(1, 6)}) == 1
+
+
+def test_a_float_islands_neighbour_costs_less_once_the_island_is_there(chain):
+    """After the middle goes back to float, returning its neighbour grows the island instead
+    of cutting a new one: it costs less than it did from the full plan (the greedy and the
+    prefix order read costs against the plan as it is), and nothing changes until told."""
+    exporter, plan, _ = chain
+    fusion, _ = _chain_fusion(chain)
+    groups = {g.name: g for g in plan_groups(exporter.graph, plan)}
+    alone = fusion.change(groups["conv4"].uses)[0]
+    assert fusion.change(groups["conv4"].uses)[0] == alone  # change() leaves the state
+    before = fusion.total()
+    fusion.returned(groups["conv3"].uses)
+    assert fusion.total() > before  # slower than with the whole chain integer
+    assert fusion.change(groups["conv4"].uses)[0] < alone
+    fusion.restored(groups["conv3"].uses)
+    assert fusion.total() == before
+
+
+def test_the_repair_returns_a_chain_end_before_its_middle(chain):
+    """Two groups whose return fixes the error equally well (by construction on the real
+    plan's groups): the chain's end and its middle. The repair returns the end, whose cost
+    counts no new boundary, and the middle stays integer."""
+    exporter, plan, what = chain
+    groups = {g.name: g for g in plan_groups(exporter.graph, plan)}
+
+    def error(p):
+        kept = set(plan_uses(p))
+        mid, end = (set(groups[n].uses) <= kept for n in ("conv3", "graph output y"))
+        return 0.5 if mid and end else 0.1
+
+    repair = rank_repair(exporter, plan, error, 0.2, what=what)
+    assert [g.name for g in repair.returned] == ["graph output y"]
+    assert repair.speed["kept"] > 0  # still faster than float by the repair's own estimate
+
+
+def test_where_the_ranked_repair_keeps_nothing_bisection_repairs_the_start(tmp_path,
+                                                                           monkeypatch):
+    """The fallback: a ranked repair given one error evaluation cannot rank anything and
+    returns every group (nothing kept); the start is then repaired by bisection over tensors
+    (its own budget), measured as ``all-in-bound`` within the bound, its note says so, and it
+    has no sensitivity table (bisection names tensors, not groups)."""
+    from test_guard_run import TAILED, _backend, _calibration
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.search import _starts
+
+    monkeypatch.setattr(_starts, "REPAIR_EVALUATIONS", 1)
+    result = tune(corpus.heavy_tail(3.3, 100.0), tmp_path / "run", backend=_backend(),
+                  runtime="onnxruntime", calibration_data=_calibration(),
+                  calibration_method="minmax", config=Config(schemes_per_region=3),
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    repaired = starts["all-in-bound"]
+    assert repaired["feasible"] and repaired["error"] <= DEFAULT_MAX_OUTPUT_ERROR
+    assert 0 < repaired["qdq"] < starts["all"]["qdq"]
+    note = " ".join(repaired["notes"])
+    assert "bisection in" in note and "ranked repair kept nothing in" in note
+    assert any(t in note for t in TAILED)
+    assert not repaired.get("repair")
+
+
+def test_one_data_set_is_split_and_the_claimed_error_is_on_the_held_out_part(tmp_path):
+    """Calibration data of HOLD_OUT_MIN samples and no validation data: a quarter is held out
+    of calibration and the guard's figures are measured on it alone, which the report says;
+    the error it claims for what ships is the one recomputed here on exactly those samples
+    (and, the held-out samples made ten times larger, not the one on the other samples)."""
+    from test_guard_run import _backend, _independent_error
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.measure.accuracy import HOLD_OUT_MIN, hold_out
+
+    model = corpus.heavy_tail(3.3, 100.0)
+    x = np.random.default_rng(0).standard_normal((HOLD_OUT_MIN, 4, 16, 16)).astype(np.float32)
+    (cal, cal_id), (held, held_id) = hold_out(({"x": x}, "probe"))
+    assert len(held["x"]) == HOLD_OUT_MIN // 4 and len(cal["x"]) + len(held["x"]) == len(x)
+    mask = np.isin(x, held["x"]).all(axis=(1, 2, 3))
+    x[mask] *= 10.0  # the held-out samples far outside the calibrated range
+    result = tune(model, tmp_path / "run", backend=_backend(), runtime="onnxruntime",
+                  calibration_data={"x": x}, calibration_method="minmax",
+                  config=Config(schemes_per_region=3), progress=False)
+    acc = result.report["accuracy"]
+    assert acc["data_kind"] == "held-out part of the calibration data"
+    assert f"{HOLD_OUT_MIN // 4} of its {HOLD_OUT_MIN} samples" in acc["data"]
+    on_held = _independent_error(model, result.optimized_model, {"x": x[mask]})
+    on_rest = _independent_error(model, result.optimized_model, {"x": x[~mask]})
+    assert acc["error"] == pytest.approx(on_held["worst_relative_l2"], rel=1e-4)
+    assert on_held["worst_relative_l2"] != pytest.approx(on_rest["worst_relative_l2"], rel=1e-2)
+    md = (result.output_dir / "report.md").read_text()
+    assert "held-out part of the calibration data" in md
+
+
+def test_small_calibration_data_is_not_split():
+    from qdq_optuna.measure.accuracy import HOLD_OUT_MIN, hold_out
+
+    data = ({"x": np.zeros((HOLD_OUT_MIN - 1, 2), np.float32)}, "small")
+    assert hold_out(data) == (data, None) and hold_out(None) == (None, None)

@@ -87,6 +87,10 @@ class Repair:
     evaluations: int
     #: where the latency costs came from
     costs_from: str
+    #: estimated speed gained over the model without Q/DQ (:meth:`Fusion.total`, the costs'
+    #: units) by the ``full`` plan and by the ``kept`` one: at or below 0, the repaired plan is
+    #: expected to run no faster than float
+    speed: dict = field(default_factory=dict)
 
     @property
     def within(self) -> bool:
@@ -104,6 +108,7 @@ class Repair:
     def to_dict(self) -> dict:
         return {"bound": self.bound, "error": self.error, "full_error": self.full_error,
                 "evaluations": self.evaluations, "costs_from": self.costs_from,
+                "estimated_speed": self.speed,
                 "returned": len(self.returned), "groups_total": len(self.groups),
                 "exclude_nodes": self.exclude_nodes(),
                 "sensitivity": [g.to_dict() for g in self.groups]}
@@ -113,6 +118,115 @@ def _quoted(name: str) -> str:
     """A node name as a shell word."""
     safe = name and all(c.isalnum() or c in "_-./:#" for c in name)
     return name if safe else "'" + name.replace("'", "'\\''") + "'"
+
+
+#: what one element of a stand-alone QuantizeLinear or DequantizeLinear costs, in multiply-adds
+#: an integer kernel saves: a CPU's float kernels run some 30-50 G multiply-adds a second per
+#: core and its u8 x s8 kernels about twice that, so each multiply-add run integer saves ~0.01-
+#: 0.02 ns, while a stand-alone Q or DQ reads and writes each element once (~0.2-0.5 ns)
+BOUNDARY_MACS = 16.0
+
+
+class Fusion:
+    """What runs integer for a set of quantized uses, and what returning groups to float does
+    to it: the runtime's fusion rules (:class:`~qdq_optuna.placement.rules.RuntimeRules`) read
+    as a node runs integer when one of its inputs is quantized, all of them for a fusion
+    group's op, and, for an op the runtime fuses only with a Q after it
+    (``output_quantized_ops``: ONNX Runtime's QLinear kernels), its output quantized too; a
+    node the runtime's report ``what`` names as float never does. A quantized tensor whose
+    producer runs float pays a stand-alone Q, one read by a float node a stand-alone DQ
+    (:data:`BOUNDARY_MACS` per element each), so returning one tensor in the middle of an
+    integer chain costs the kernels it breaks *and* the float island's new boundaries, while
+    returning the end of a chain costs the end alone."""
+
+    def __init__(self, graph: Graph, plan: QuantPlan, weights: Mapping[str, float],
+                 rules=None, what: WhatRan | None = None, boundary: float = BOUNDARY_MACS):
+        self.graph, self.weights = graph, weights
+        self.label = {i: node_label(nd, i) for i, nd in enumerate(graph.nodes)}
+        self.groups_ops = rules.fusion_group_ops if rules is not None else frozenset()
+        self.out_ops = rules.output_quantized_ops if rules is not None else frozenset()
+        self.never = what.float_nodes if what is not None else frozenset()
+        self.boundary = boundary
+        #: tensor -> the nodes (GRAPH_OUTPUT too) that read it quantized, now
+        self.readers: dict[str, set[int]] = {}
+        #: node -> its quantized input tensors in the full plan (a fusion group needs them all)
+        self.wanted: dict[int, set[str]] = {}
+        for t, n, _ in plan_uses(plan):
+            self.readers.setdefault(t, set()).add(n)
+            self.wanted.setdefault(n, set()).add(t)
+
+    def integer(self, n: int) -> bool:
+        if n == GRAPH_OUTPUT or self.label[n] in self.never or n not in self.wanted:
+            return False
+        node = self.graph.nodes[n]
+        have = [t in self.readers and n in self.readers[t] for t in self.wanted[n]]
+        if not any(have) or (node.op_type in self.groups_ops and not all(have)):
+            return False
+        if node.op_type in self.out_ops:
+            return all(self.readers.get(o) for o in node.output if o)
+        return True
+
+    def _numel(self, t: str) -> float:
+        shape = self.graph.shapes.get(t)
+        ok = shape and all(isinstance(d, int) and d > 0 for d in shape)
+        return float(math.prod(shape)) if ok else 1.0
+
+    def _local(self, nodes: set[int], tensors: set[str]) -> tuple[float, set[int]]:
+        """Latency of ``nodes`` and the boundaries at ``tensors`` (less is faster), and which
+        of the nodes run integer."""
+        ints = {n for n in nodes if self.integer(n)}
+        total = -sum(self.weights.get(self.label[n], 1.0) for n in ints)
+        for t in tensors:
+            readers = self.readers.get(t)
+            if not readers:
+                continue
+            producer = self.graph.producer.get(t)
+            if producer is None or not self.integer(producer[0]):
+                total += self.boundary * self._numel(t)  # stand-alone Q
+            if any(not self.integer(r) for r in readers):
+                total += self.boundary * self._numel(t)  # stand-alone DQ
+        return total, ints
+
+    def _around(self, uses) -> tuple[set[int], set[str]]:
+        nodes = {n for _, n, _ in uses if n != GRAPH_OUTPUT}
+        nodes |= {self.graph.producer[t][0] for t, _, _ in uses if t in self.graph.producer}
+        tensors = {t for t, _, _ in uses}
+        for n in nodes:
+            node = self.graph.nodes[n]
+            tensors |= {x for x in list(node.input) + list(node.output) if x}
+        return nodes, tensors
+
+    def _apply(self, uses, on: bool) -> None:
+        for t, n, _ in uses:
+            if on:
+                self.readers.setdefault(t, set()).add(n)
+            elif t in self.readers:
+                self.readers[t].discard(n)
+                if not self.readers[t]:
+                    del self.readers[t]
+
+    def change(self, uses, on: bool = False) -> tuple[float, tuple[str, ...]]:
+        """What quantizing (``on``) or returning ``uses`` to float would cost in latency
+        (positive: slower), and the nodes it takes off integer; nothing changes."""
+        uses = [u for u in uses if (u[1] in self.readers.get(u[0], ())) != on]
+        nodes, tensors = self._around(uses)
+        before, ints = self._local(nodes, tensors)
+        self._apply(uses, on)
+        after, ints_after = self._local(nodes, tensors)
+        self._apply(uses, not on)
+        return after - before, tuple(self.label[n] for n in sorted(ints - ints_after))
+
+    def returned(self, uses) -> None:
+        """``uses`` go back to float from now on."""
+        self._apply(uses, False)
+
+    def restored(self, uses) -> None:
+        self._apply(uses, True)
+
+    def total(self) -> float:
+        """The plan's estimated latency against the model without Q/DQ (negative: faster)."""
+        tensors = set(self.readers)
+        return self._local(set(range(len(self.graph.nodes))), tensors)[0]
 
 
 def plan_groups(graph: Graph, plan: QuantPlan) -> list[Group]:
@@ -151,46 +265,42 @@ def node_weights(graph: Graph) -> dict[str, float]:
 
 def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
                   what: WhatRan | None = None,
-                  node_costs: Mapping[str, float] | None = None) -> str:
-    """Fill each group's ``lost`` and ``cost``: the nodes that run integer with the plan and
-    would not without the group (the group's node; the producer of an input whose only
-    quantized reader it is), each weighed by ``node_costs`` (node -> what running it integer
-    saves, e.g. measured kernel times) where given, else by :func:`node_weights`. A node runs
-    integer when one of its inputs is quantized and, where the runtime's report ``what`` is
-    known, it is not one the runtime ran in float. Returns where the
-    costs came from (for the report)."""
+                  node_costs: Mapping[str, float] | None = None, rules=None) -> str:
+    """Fill each group's ``lost`` and ``cost`` for returning it alone from ``plan``: the
+    nodes it takes off integer and the latency that costs, the stand-alone Q/DQ it creates
+    included (:class:`Fusion`, under the runtime's ``rules`` and its report ``what``), each
+    node weighed by ``node_costs`` (node -> what running it integer saves, e.g. measured
+    kernel times) where given, else by :func:`node_weights`. Returns where the costs came
+    from (for the report)."""
+    fusion, told = _fusion(graph, plan, what, node_costs, rules)
+    _recost(fusion, groups)
+    return told
+
+
+def _fusion(graph: Graph, plan: QuantPlan, what: WhatRan | None,
+            node_costs: Mapping[str, float] | None, rules) -> tuple[Fusion, str]:
     weights = node_weights(graph)
+    boundary = BOUNDARY_MACS
     if node_costs:
+        # a Q/DQ element in the given units: the given costs' median per multiply-add
+        ratios = sorted(float(v) / weights[k] for k, v in node_costs.items()
+                        if weights.get(k, 0) > 0 and v > 0)
+        if ratios:
+            boundary *= ratios[len(ratios) // 2]
         weights.update({k: float(v) for k, v in node_costs.items()})
-    label = {i: node_label(nd, i) for i, nd in enumerate(graph.nodes)}
-    readers: dict[str, set[int]] = {}
-    for t, n, _ in plan_uses(plan):
-        readers.setdefault(t, set()).add(n)
-
-    def integer(n: int) -> bool:
-        # a graph input's Q always runs standalone, so a fused input is no test: a quantized
-        # node runs integer unless the runtime names it among the float nodes
-        return what is None or label[n] not in what.float_nodes
-
-    node_inputs: dict[int, set[str]] = {}
-    for t, n, _ in plan_uses(plan):
-        node_inputs.setdefault(n, set()).add(t)
-    for g in groups:
-        lost = set()
-        mine = {n for _, n, _ in g.uses}
-        for n in mine - {GRAPH_OUTPUT}:
-            if integer(n):
-                lost.add(n)
-        for t in g.tensors:
-            producer = graph.producer.get(t)
-            if producer is not None and readers[t] <= mine and producer[0] in node_inputs \
-                    and integer(producer[0]):
-                lost.add(producer[0])
-        g.lost = tuple(label[n] for n in sorted(lost))
-        g.cost = sum(weights.get(x, 1.0) for x in g.lost)
     told = "the given per-node costs" if node_costs else "multiply-adds of the nodes"
-    return told + (f" the runtime ran integer ({what.how})" if what is not None
-                   else " (every quantized node assumed integer)")
+    told += (f" the runtime ran integer ({what.how})" if what is not None
+             else " (every quantized node assumed integer)")
+    if rules is not None:
+        told += f", and the stand-alone Q/DQ a return creates ({rules.name} fusion rules)"
+    return Fusion(graph, plan, weights, rules, what, boundary), told
+
+
+def _recost(fusion: Fusion, groups: Sequence[Group]) -> None:
+    """Each group's cost of going back to float from the plan as it is now."""
+    for g in groups:
+        if not g.returned:
+            g.cost, g.lost = fusion.change(g.uses)
 
 
 def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bound: float, *,
@@ -223,9 +333,12 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     graph = exporter.graph
     groups = plan_groups(graph, plan)
     full = err(plan)
-    costs_from = latency_costs(graph, plan, groups, what, node_costs)
+    fusion, costs_from = _fusion(graph, plan, what, node_costs, exporter.rules)
+    _recost(fusion, groups)
+    speed = {"full": -fusion.total()}
     if full <= bound or not groups:
-        return Repair(groups, plan, full, full, bound, len(memo), costs_from)
+        return Repair(groups, plan, full, full, bound, len(memo), costs_from, speed | {
+            "kept": speed["full"]})
 
     def without(gone_groups) -> QuantPlan:
         gone = {u for g in gone_groups for u in g.uses}
@@ -241,62 +354,95 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
                   budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
     # evaluations kept for the prefix search should the greedy returns not reach the bound
     reserve = 2 * math.ceil(math.log2(len(groups) + 1))
-    returned = _greedy(groups, drop, full, bound,
+    returned = _greedy(groups, drop, full, bound, fusion,
                        lambda: len(memo) < max_evaluations - reserve and time_left())
     if err(without(returned)) > bound:  # an error spread over many groups: return more at once
-        rest = sorted((g for g in groups if g not in returned),
-                      key=lambda g: (-g.score, g.cost, g.name))
+        rest = _cheapest_order([g for g in groups if g not in returned], fusion)
         k = _shortest_prefix(len(rest), lambda k: err(without(returned + rest[:k])) <= bound,
                              budget)
         returned += rest[:k]
-    returned = _give_back(returned, lambda gs: err(without(gs)) <= bound, budget)
+        for g in rest[:k]:
+            fusion.returned(g.uses)
+    returned = _give_back(returned, lambda gs: err(without(gs)) <= bound, budget, fusion)
     for g in returned:
         g.returned = True
+    _recost(fusion, groups)
     order = {id(g): i for i, g in enumerate(returned)}
     groups.sort(key=lambda g: (order.get(id(g), len(order)), -g.score, g.cost, g.name))
     kept = without(returned)
-    return Repair(groups, kept, err(kept), full, bound, len(memo), costs_from)
+    speed["kept"] = -fusion.total()
+    return Repair(groups, kept, err(kept), full, bound, len(memo), costs_from, speed)
+
+
+def _key(g: Group) -> tuple:
+    return (-g.score, g.cost, g.name)
 
 
 def _greedy(groups: list[Group], drop: Callable[[list[Group], Group, float], float],
-            full: float, bound: float, budget: Callable[[], bool]) -> list[Group]:
+            full: float, bound: float, fusion: Fusion,
+            budget: Callable[[], bool]) -> list[Group]:
     """Groups returned to float one at a time, the best error drop per cost first: before
     each return the :data:`RERANK` best candidates are measured against the plan as it is
     then (a group that only mattered together with one already returned falls back; one
     that only matters once another is gone rises), so each step costs at most that many
-    evaluations. Stops within the bound or when the budget ends."""
+    evaluations; after each, the others' costs are read again against the plan as it is
+    (a neighbour of a float island costs less: its return removes Q/DQ boundaries). Stops
+    within the bound or when the budget ends."""
     returned: list[Group] = []
     now = full
     fresh: set[int] = set()  # groups whose drop was measured against the current plan
     while now > bound and budget():
-        rest = sorted((g for g in groups if g not in returned),
-                      key=lambda g: (-g.score, g.cost, g.name))
+        rest = sorted((g for g in groups if g not in returned), key=_key)
         if not rest:
             break
         for g in rest[:RERANK]:
             if id(g) not in fresh and budget():
                 g.error = drop(returned, g, now)
                 fresh.add(id(g))
-        best = min(rest[:RERANK], key=lambda g: (-g.score, g.cost, g.name))
+        best = min(rest[:RERANK], key=_key)
         if id(best) not in fresh:
             break
         returned.append(best)
+        fusion.returned(best.uses)
+        _recost(fusion, [g for g in rest if g is not best])
         now -= best.error
         fresh = set()
     return returned
 
 
+def _cheapest_order(rest: list[Group], fusion: Fusion) -> list[Group]:
+    """``rest`` in the order the prefix search returns them: each next the best of its last
+    measured drop per latency cost, the cost read against the plan with the ones before it
+    already returned (so float islands grow whole and the integer chains left stay long),
+    no evaluation spent; ``fusion`` is left as it was."""
+    order: list[Group] = []
+    left = list(rest)
+    while left:
+        _recost(fusion, left)
+        best = min(left, key=_key)
+        order.append(best)
+        left.remove(best)
+        fusion.returned(best.uses)
+    for g in order:
+        fusion.restored(g.uses)
+    _recost(fusion, rest)
+    return order
+
+
 def _give_back(returned: list[Group], holds: Callable[[list[Group]], bool],
-               budget: Callable[[], bool]) -> list[Group]:
-    """The groups returned, without those it need not return: each that costs speed, the
-    dearest first, is quantized again when the plan stays within the bound without it (a
-    group returned early can be made unnecessary by later ones)."""
-    for g in sorted((g for g in returned if g.cost > 0), key=lambda g: -g.cost):
+               budget: Callable[[], bool], fusion: Fusion) -> list[Group]:
+    """The groups returned, without those it need not return: each whose quantizing again
+    would gain speed (against the plan as repaired), the most first, is quantized again
+    when the plan stays within the bound without it (a group returned early can be made
+    unnecessary by later ones)."""
+    gain = {id(g): -fusion.change(g.uses, on=True)[0] for g in returned}
+    for g in sorted((g for g in returned if gain[id(g)] > 0), key=lambda g: -gain[id(g)]):
         if len(returned) < 2 or not budget():
             break
         fewer = [x for x in returned if x is not g]
         if holds(fewer):
             returned = fewer
+            fusion.restored(g.uses)
     return returned
 
 

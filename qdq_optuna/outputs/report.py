@@ -360,19 +360,41 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
         if rep.get("exclude_nodes"):
             lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
                       "```", rep["exclude_nodes"], "```", ""]
-        lines += ["| group | tensors | error drop | integer nodes lost | latency cost | "
-                  "returned to float |", "|---|---|---|---|---|---|"]
+        lines += _repair_speed_lines(s, r, rep)
+        lines += ["| group | tensors | error drop | share of the error | integer nodes lost | "
+                  "latency cost | returned to float |", "|---|---|---|---|---|---|---|"]
         rows = rep.get("sensitivity") or []
+        full = rep.get("full_error") or 0.0
         for g in rows[:limit]:
+            share = g["error"] / full if g.get("error") is not None and full > 0 else None
             lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
-                         f"{_f(g.get('error'), '{:.3g}')} | "
+                         f"{_f(g.get('error'), '{:.3g}')} | {_f(share, '{:.1%}')} | "
                          f"{_short(', '.join(g['lost_integer_nodes']), 80)} | "
                          f"{g['latency_cost']:.3g} | "
                          f"{'**yes**' if g['returned_to_float'] else 'no'} |")
         if len(rows) > limit:
-            lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | | |")
+            lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | | | |")
         lines.append("")
     return lines
+
+
+def _repair_speed_lines(s: dict, r: dict, rep: dict) -> list[str]:
+    """Whether the repaired start runs faster than float, and when not, why: the float islands
+    the returns left between integer chains (each with a stand-alone Q/DQ on its borders) cost
+    more than the integer kernels kept save (the search prefers float to such a start)."""
+    est = rep.get("estimated_speed") or {}
+    flt = next((x for x in r.get("starts") or [] if x["name"] == "float"), None)
+    if not flt or flt.get("latency_ms") is None or s.get("latency_ms") is None:
+        return []
+    ratio = flt["latency_ms"] / s["latency_ms"]
+    if ratio > 1.0:
+        return [f"It runs {ratio:.3f}x float's speed (measured).", ""]
+    why = ("the float islands between its integer chains (a stand-alone Q/DQ on each border) "
+           "cost more than the integer kernels kept save")
+    if est.get("kept") is not None and est["kept"] <= 0:
+        why += " (the repair's own estimate said so too)"
+    return [f"It runs {ratio:.3f}x float's speed (measured), no faster than float: {why}; "
+            "the search prefers float to it.", ""]
 
 
 def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:

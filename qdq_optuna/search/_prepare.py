@@ -25,7 +25,7 @@ from pathlib import Path
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.errors import UserError
-from qdq_optuna.measure.accuracy import ErrorScorer, metric_drop_bound, validation_data
+from qdq_optuna.measure.accuracy import ErrorScorer, hold_out, metric_drop_bound, validation_data
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
@@ -93,6 +93,8 @@ class PreparedRun:
         # the user's data, read once
         calibration = read_data(options.calibration_data, prepared, "calibration data")
         validation = read_data(options.validation_data, prepared, "validation data")
+        if validation is None:  # the guard's errors on samples calibration never saw
+            calibration, validation = hold_out(calibration)
         # a model whose weights stay on disk is exported into work folders of the output folder
         prepared.data_dir = out
         measurer = Measurer(backend, TimingProtocol.from_name(options.timing))

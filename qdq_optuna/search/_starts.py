@@ -45,6 +45,8 @@ REPAIRED = "-in-bound"
 #: error evaluations a repair may spend ranking quantizer groups and finding how many to return
 #: to float (:func:`~qdq_optuna.measure.repair.rank_repair`)
 REPAIR_EVALUATIONS = 48
+#: error evaluations the bisection over tensors may spend where the ranked repair kept nothing
+BISECT_EVALUATIONS = 48
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -173,7 +175,7 @@ class StartsPhase:
         if not time_left():
             return None, None
         cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
-                          max_evaluations=REPAIR_EVALUATIONS)
+                          max_evaluations=BISECT_EVALUATIONS)
         if not cut.within or not cut.kept.activations:
             return None, None
         gone = set(cut.responsible)
