@@ -233,6 +233,29 @@ def test_a_busy_round_is_repeated_while_repeats_find_quiet_moments():
     c = m.compare(b"y" * 100, b"y" * 100)
     assert c.candidate.quiet and c.candidate.remeasured == c.rounds
 
+def test_past_its_deadline_a_measurement_takes_its_minimum_rounds_and_says_so():
+    class Busy(NullProbe):
+        def stop(self, token):
+            self.last_other_cores = 1.0
+            return False
+
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=2)
+    m = Measurer(FakeBackend(sigma=0.05), protocol)
+    m.probe = NullProbe()
+    full = m.compare(b"y" * 100, b"y" * 101, until="precision")
+    assert not full.cut_short and full.rounds >= protocol.final_sessions
+    m = Measurer(FakeBackend(sigma=0.05), protocol)
+    m.probe = Busy()  # no busy round is measured again either
+    m.deadline = time.monotonic() - 1.0
+    c = m.compare(b"y" * 100, b"y" * 101, until="precision")
+    assert c.cut_short and c.rounds == 2 and c.to_dict()["cut_short"]
+    assert m.loads == 2 * 2 and m.remeasured == 0  # no warm-up rounds, no repeats
+    one = m.same_model(b"y" * 100)
+    assert one.cut_short and one.candidate.sessions == 1
+    m.deadline = time.monotonic() + 3600  # not yet: the protocol's rounds
+    assert not m.same_model(b"y" * 100).cut_short
+
+
 def test_bad_timings_are_backend_errors():
     class Liar(FakeBackend):
         def load(self, model):

@@ -119,6 +119,9 @@ class Comparison:
     #: candidate and reference are the same file: nothing was compared, the model was
     #: measured once (:meth:`Measurer.same_model`)
     same_model: bool = False
+    #: stopped at fewer rounds than the protocol asks because the run's time was up
+    #: (:attr:`Measurer.deadline`): the interval is what those rounds give
+    cut_short: bool = False
 
     @property
     def significant(self) -> bool:
@@ -146,6 +149,7 @@ class Comparison:
             "decided": self.decided,
             "gave_up": self.gave_up,
             "same_model": self.same_model,
+            "cut_short": self.cut_short,
             "verdict": self.verdict,
             "confidence": self.confidence,
             "ratios": [_r(x) for x in self.ratios],
@@ -442,6 +446,16 @@ class Measurer:
         #: the backend's worker process that the warm-up was done in (isolated backends)
         self._warm_generation: int | None = None
         self._last_model: ModelSource | None = None
+        #: ``time.monotonic()`` past which measurements take their minimum rounds (an A/B two,
+        #: a model one session) and re-measure no busy round (None: no limit). A ``--timeout``
+        #: run's conclusion once spent 560 s past its deadline in full-length A/Bs.
+        self.deadline: float | None = None
+        #: seconds the last session took (load, warm-up and timed runs): what a round costs
+        self.session_s: float | None = None
+
+    def out_of_time(self) -> bool:
+        """Past :attr:`deadline`."""
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     # -- low level ---------------------------------------------------------------------------
     @property
@@ -467,19 +481,23 @@ class Measurer:
 
     def _session(self, model: ModelSource, warmup: int, runs: int, runners: dict | None):
         """One fresh session (or one more ``time`` call on a kept runner)."""
+        t0 = time.monotonic()
         if runners is not None:
-            return self._time(runners[id(model)], warmup, runs)
-        runner = self._load(model)
-        try:
-            return self._time(runner, warmup, runs)
-        finally:
-            runner.close()
+            out = self._time(runners[id(model)], warmup, runs)
+        else:
+            runner = self._load(model)
+            try:
+                out = self._time(runner, warmup, runs)
+            finally:
+                runner.close()
+        self.session_s = time.monotonic() - t0
+        return out
 
     def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners,
                repeat: bool = True):
         """Time each model once; re-measure the round once if the machine was busy (and
         ``repeat``: an A/B whose interval already separates does not repeat its rounds)."""
-        attempts = 2 if self.protocol.remeasure_noisy and repeat else 1
+        attempts = 2 if self.protocol.remeasure_noisy and repeat and not self.out_of_time() else 1
         best: tuple[float, list] | None = None
         for attempt in range(attempts):
             token = self.probe.start()
@@ -590,7 +608,7 @@ class Measurer:
         inference) with itself."""
         m = self.interleaved([model])[0]
         return Comparison(1.0, 1.0, 1.0, m, m, 0, True, [], self.protocol.confidence,
-                          same_model=True)
+                          same_model=True, cut_short=m.sessions < self.protocol.final_sessions)
 
     def measure(self, model: Any) -> Measurement:
         """``protocol.sessions`` fresh sessions of one model."""
@@ -613,9 +631,11 @@ class Measurer:
         quiet, remeasured = True, 0
         runners = self._open_all(srcs)
         try:
-            self._warm(srcs, runners, warm)
+            self._warm(srcs, runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(n_rounds):
+                if r and self.out_of_time():
+                    break
                 order = [(r + i) % len(srcs) for i in range(len(srcs))]
                 results, ok, again = self._round(
                     [srcs[i] for i in order], p.warmup, p.runs, runners
@@ -657,11 +677,11 @@ class Measurer:
         warm = self._warm_rounds()
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
-        quiet, remeasured, decided, gave_up, busy = True, 0, False, False, 0
+        quiet, remeasured, decided, gave_up, busy, cut = True, 0, False, False, 0, False
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
-            self._warm([ref, cand], runners, warm)
+            self._warm([ref, cand], runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
@@ -680,14 +700,15 @@ class Measurer:
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
                 if len(ratios) >= 2:
                     center, lo, hi = ratio_interval(ratios, level)
-                if len(ratios) < max(2, min_rounds):
-                    continue
                 significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
-                if significant or (hi - lo) / (2 * center) < p.target:
+                enough = len(ratios) >= max(2, min_rounds)
+                if enough and (significant or (hi - lo) / (2 * center) < p.target):
                     decided = True
                     break
-                if give_up is not None and len(ratios) >= give_up and center >= 1.0:
-                    gave_up = True
+                cut = len(ratios) >= 2 and self.out_of_time()  # an interval, however wide
+                gave_up = enough and give_up is not None and len(ratios) >= give_up \
+                    and center >= 1.0
+                if cut or gave_up:
                     break
         finally:
             self._close_all(runners)
@@ -706,6 +727,7 @@ class Measurer:
             ratios=ratios,
             confidence=p.confidence,
             gave_up=gave_up,
+            cut_short=cut,
         )
 
     def counters(self) -> dict[str, int]:

@@ -43,7 +43,7 @@ class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
     def __init__(self, measurer: Measurer, memo: PlanMemo, scorer: ErrorScorer | None = None,
-                 errors: PlanMemo | None = None, regions=None) -> None:
+                 errors: PlanMemo | None = None, regions=None, audit: bool = False) -> None:
         self.measurer = measurer
         self.memo = memo
         self.scorer = scorer
@@ -57,6 +57,9 @@ class PlanMeasurer:
         #: the subgraph screen (``Config.subgraph_screen``; ``regions``: the prepared graph):
         #: the graph, and the measurer of its region A/Bs (None: off, or an exact backend)
         self.regions: tuple | None = None
+        #: ``Config.subgraph_screen_audit``: a region measured slower is A/B-timed as a whole
+        #: model all the same (the screen's drops checked, nothing screened out)
+        self.audit = audit
         if regions is not None and not measurer.deterministic:
             from qdq_optuna.measure.kernels import KERNEL_PROTOCOL
 
@@ -65,6 +68,13 @@ class PlanMeasurer:
     @property
     def deterministic(self) -> bool:
         return self.measurer.deterministic
+
+    def set_deadline(self, at: float | None) -> None:
+        """Every measurement of the run takes its minimum rounds past ``at``
+        (``time.monotonic()``; see :attr:`Measurer.deadline`)."""
+        self.measurer.deadline = at
+        if self.regions is not None:
+            self.regions[1].deadline = at
 
     def _count(self, phase: str, n: int = 1) -> None:
         self.measurements += n
@@ -184,7 +194,7 @@ class PlanMeasurer:
                                rounds=1, sessions=m.sessions, reference_ms=ref.ms,
                                stats=m.to_dict())
         sub = self._region(data, ref, plan) if plan is not None else None
-        if sub is not None and sub.verdict == "slower":  # its region alone is slower
+        if sub is not None and sub.verdict == "slower" and not self.audit:  # region slower
             return Measurement(kind="screened_out", screened_out=True,
                                latency_ms=ref.ms * sub.ratio, ratio=sub.ratio, rounds=0,
                                sessions=0, reference_ms=ref.ms,
@@ -207,7 +217,8 @@ class PlanMeasurer:
         cmp = self.measurer.compare(data, ref.source)
         self._count("descent")
         extra = {} if sub is None else {  # did the region rank it as the whole model did?
-            "subgraph": {**sub.to_dict(), "agrees": (sub.ratio < 1) == (cmp.ratio < 1)}}
+            "subgraph": {**sub.to_dict(), "agrees": (sub.ratio < 1) == (cmp.ratio < 1),
+                         "whole_verdict": cmp.verdict}}
         return Measurement(kind="ab", latency_ms=ref.ms * cmp.ratio, ratio=cmp.ratio,
                            ci=[cmp.ci_low, cmp.ci_high], rounds=cmp.rounds, decided=cmp.decided,
                            verdict=cmp.verdict, reference_ms=ref.ms,

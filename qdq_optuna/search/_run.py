@@ -70,6 +70,13 @@ from qdq_optuna.search._workers import Workers, retry_stale_trial
 
 log = logging.getLogger("qdq_optuna")
 
+#: ``--timeout``: the share of the timeout the conclusion may keep at most; the search stops
+#: that much earlier. Inception v1 (300 s) once concluded 560 s past its deadline.
+CONCLUSION_SHARE = 0.15
+#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, and the
+#: lanes' and the recipe file's A/Bs at about their minimum
+CONCLUSION_ROUNDS = 16
+
 
 class Tuner:
     """Runs (or resumes) one tuning run; see :func:`qdq_optuna.tune`."""
@@ -116,14 +123,28 @@ class Tuner:
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
+        #: seconds of ``--timeout`` kept for the conclusion (:func:`conclusion_reserve`)
+        self.reserve = 0.0
         #: called with (study, pattern) after each stored decision (given by the caller: the
         #: dashboard's pictures, see :mod:`qdq_optuna._tune`)
         self.on_commit: list[Callable] = []
 
     def remaining(self) -> float | None:
+        """Seconds the search has left: ``--timeout`` less what the conclusion keeps."""
         if self.o.timeout is None:
             return None
-        return self.o.timeout - (time.monotonic() - self.started)
+        return self.o.timeout - self.reserve - (time.monotonic() - self.started)
+
+    def _deadlines(self, concluding: bool) -> None:
+        """``--timeout``: measurements take their minimum rounds past the search's deadline
+        (the conclusion's: the timeout itself), and the conclusion's share is sized to what
+        a round of this model cost (:func:`conclusion_reserve`)."""
+        if self.o.timeout is None:
+            return
+        if not concluding:
+            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s)
+        self.search_state.plans.set_deadline(
+            self.started + self.o.timeout - (0.0 if concluding else self.reserve))
 
     # -- the run ---------------------------------------------------------------------------
     @contextmanager
@@ -161,7 +182,9 @@ class Tuner:
         """Baseline, starts, descent and the conclusion: what ships, measured."""
         search = self.search_state
         self._say_resuming()
+        self._deadlines(concluding=False)
         search.baseline_ms = self._measure_baseline(search)
+        self._deadlines(concluding=False)  # sized to the baseline's sessions
         self._mark("baseline")
         self._write_state("running")
         try:
@@ -198,7 +221,8 @@ class Tuner:
         scorer, data_name = error_scorer(self.prepared, self.o, self.profile, exporter,
                                          self.validation, self.calibration, self.backend)
         plans = PlanMeasurer(self.measurer, self.record.measured, scorer, self.record.errors,
-                             regions=self.prepared.graph if self.cfg.subgraph_screen else None)
+                             regions=self.prepared.graph if self.cfg.subgraph_screen else None,
+                             audit=self.cfg.subgraph_screen_audit)
         calibrated = (exporter if self.settings.scales == "calibrated"
                       else self.prepared.exporter(self._scales("final"), self.cfg))
         bound, drop = guard_bound(self.o, self.settings, scorer)
@@ -304,6 +328,7 @@ class Tuner:
         """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
         A/B against the baseline (the multi-objective front is measured by the outputs)."""
         plans = self.search_state.plans
+        self._deadlines(concluding=True)
         lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
@@ -434,6 +459,15 @@ class Tuner:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def conclusion_reserve(timeout: float, session_s: float | None) -> float:
+    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe file's A/Bs,
+    the final A/B): :data:`CONCLUSION_ROUNDS` rounds of two sessions as long as the last one
+    measured, at most :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was
+    measured yet)."""
+    share = CONCLUSION_SHARE * timeout
+    return share if session_s is None else min(share, CONCLUSION_ROUNDS * 2 * session_s)
 
 
 def run_recipe_file(tuner: Tuner) -> RecipeFile:

@@ -111,7 +111,8 @@ class Unfused:
             log.info("what the runtime ran could not be read (%s): nothing is pruned", exc)
             return None
         self.reads += 1
-        if what is not None and self.evidence:
+        left = getattr(self.s, "remaining", lambda: None)()
+        if what is not None and self.evidence and (left is None or left > 0):  # time left
             self._time_kernels(exporter, model, what)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
