@@ -247,6 +247,33 @@ def test_the_subgraph_screen_drops_a_slower_region_and_records_agreement(
         assert whole.loads > 0
 
 
+def test_the_subgraph_screen_audit_times_a_slower_region_as_a_whole_model_too(resnet):
+    import optuna
+
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.outputs.report import trial_statistics
+    from qdq_optuna.record import TrialAttr
+    from qdq_optuna.search._plans import PlanMeasurer, Reference
+
+    pm = resnet[0]
+    ex, full, less, _ = _pair(pm)
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, min_rounds=2,
+                                             max_rounds=3, runs=1, warmup=0)
+    whole = Measurer(CallableBackend(_qs), protocol)
+    plans = PlanMeasurer(whole, memo=None, regions=pm.graph, audit=True)
+    plans.regions = (pm.graph, Measurer(whole.backend, protocol))
+    ref_bytes = ex.to_bytes(less)
+    ref_ms = _qs(onnx.load_from_string(ref_bytes))
+    m = plans._time(ex.to_bytes(full), Reference(less, ref_bytes, ref_ms, ref_ms), full)
+    sub = m.extra["subgraph"]  # the region is slower, and so is the whole model: a right drop
+    assert sub["verdict"] == "slower" and m.kind == "ab" and whole.loads > 0
+    assert sub["whole_verdict"] == "slower" and sub["agrees"]
+    st = trial_statistics([optuna.trial.create_trial(
+        value=m.latency_ms, user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})])
+    assert (st["subgraph_slower_audited"], st["subgraph_slower_right"]) == (1, 1)
+    assert st["subgraph_screened_out"] == 0
+
+
 def test_openvino_units_read_integer_and_write_float_and_are_timed():
     pytest.importorskip("openvino")
     from qdq_optuna.backends.openvino import OpenVinoBackend
