@@ -337,13 +337,15 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
-                 output_q: bool | None = None) -> KernelTable:
+                 output_q: bool | None = None, deadline: float | None = None) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
     A unit that cannot be cut or run is left out (logged), never the run's failure.
     ``output_q`` (see :func:`units`) follows the backend's rules: an integer kernel that
-    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``)."""
+    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``).
+    Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
+    Inception v1's 57 uncached units once took minutes after the run's time was up."""
     if output_q is None:
         rules = RULES.get(runtime_for_backend(getattr(backend, "name", "")) or "")
         output_q = bool(rules is not None and rules.output_quantized_ops)
@@ -355,6 +357,7 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     qdq, flt = with_shapes(qdq_model), with_shapes(float_model)
     skip = set(skip)
     measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
+    measurer.deadline = deadline
     done: dict[str, KernelTiming] = {}
     for unit in units(qdq, output_q):
         if unit.node in skip:
@@ -363,6 +366,8 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                                               if cache is not None else None)
         if timing is not None and unit.signature not in done:
             table.cached += 1
+        if timing is None and measurer.out_of_time():
+            continue
         if timing is None:
             try:
                 timing = time_unit(measurer, unit, *unit_models(unit, qdq, flt))

@@ -129,7 +129,8 @@ class Unfused:
             table = self.s.kernel_timing(
                 onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
                 onnx.load_from_string(model), cache=self._cache(),
-                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()))
+                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()),
+                deadline=self.s.plans.measurer.deadline)
         except Exception as exc:  # evidence is an optimisation: never the run's failure
             log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
             return
