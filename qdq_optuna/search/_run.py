@@ -198,6 +198,7 @@ class Tuner:
             self.descent.run()
             self._mark("descent")
         except OutOfTime:
+            self._mark("descent")
             self._write_state("timeout")
             return self._conclude(partial=True)
         return self._conclude(partial=False)
@@ -330,6 +331,7 @@ class Tuner:
         plans = self.search_state.plans
         self._deadlines(concluding=True)
         lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
+        self._mark("lanes")  # the conclusion's steps too: where the time after a deadline goes
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         guard = self.search_state.guard
@@ -338,11 +340,14 @@ class Tuner:
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
+        self._mark("guard")
         plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
                                                                        final_exporter)
+        self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
                else plans.compare(final_bytes, base_bytes, "final", until="precision"))
+        self._mark("final")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
