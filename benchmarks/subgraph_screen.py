@@ -66,9 +66,11 @@ def summarize(report: dict, wall_s: float) -> dict:
     }
 
 
-def tune_once(model: Path, config: Config, timeout: float, work: Path) -> dict:
+def tune_once(name: str, config: Config, timeout: float, work: Path) -> dict:
+    model = real_models.fetch(name)
     t0 = time.monotonic()
     result = qdq_optuna.tune(str(model), work, config=config, timeout=timeout, fresh=True,
+                             input_shapes=real_models.MODELS[name].input_shapes or None,
                              progress=False)
     return summarize(result.report, time.monotonic() - t0)
 
@@ -112,11 +114,10 @@ def main() -> None:
                "audit": Config(subgraph_screen=True, subgraph_screen_audit=True)}
     rows = []
     for name, timeout in zip(args.models, timeouts):
-        model = real_models.fetch(name)
         for screen in args.screens:
             load = _common.wait_quiet(args.max_load)
             with tempfile.TemporaryDirectory() as work:
-                run = tune_once(model, configs[screen], timeout, Path(work) / "run")
+                run = tune_once(name, configs[screen], timeout, Path(work) / "run")
             rows.append({"model": name, "screen": screen, "timeout_s": timeout, "load": load,
                          "run": run})
             print(json.dumps(rows[-1]), flush=True)
