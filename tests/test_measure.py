@@ -336,6 +336,43 @@ def test_measure_screen_interleaved_and_counters():
     assert m.counters()["loads"] == m.loads
 
 
+def test_a_model_not_timed_yet_or_after_a_short_idle_gets_one_warm_up_session():
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=2, sessions=3,
+                                             model_warmup_after_s=0.2)
+    m = Measurer(FakeBackend(), protocol)
+    m.probe = NullProbe()
+    m.measure(b"a" * 10)
+    assert m.loads == 2 + 3  # the process's warm-up covers the first model
+    m.measure(b"a" * 10)
+    assert m.loads == 5 + 3  # timed just now: no warm-up
+    m.measure(b"b" * 10)
+    assert m.loads == 8 + 1 + 3  # a model not timed yet: one session thrown away
+    c = m.compare(b"b" * 10, b"c" * 10, until="precision")
+    n = m.loads
+    assert n == 12 + 2 + 2 * c.rounds  # one round of both thrown away: "c" is new
+    time.sleep(0.3)  # the worker idled: every model of the next measurement warms up once
+    m.measure(b"a" * 10)
+    assert m.loads == n + 1 + 3
+    m.screen(b"d" * 10)  # a screen stays one session
+    assert m.loads == n + 4 + 1
+    off = Measurer(FakeBackend(), protocol.with_(model_warmup_after_s=None))
+    off.probe = NullProbe()
+    off.measure(b"a" * 10)
+    off.measure(b"b" * 10)
+    assert off.loads == 2 + 3 + 3
+
+
+def test_the_baselines_model_a_b_timed_against_its_own_copy_reads_one():
+    """The float start is the baseline's model (a copy, never timed before): an interleaved
+    A/B of the two, right after the baseline was measured, contains 1."""
+    m = Measurer(OnnxRuntimeBackend(), TimingProtocol.robust().with_(confidence=0.99))
+    m.measure(FAST_MODEL)
+    copy = onnx.load_from_string(FAST_MODEL)
+    copy.doc_string = "the same model, other bytes"
+    c = m.compare(copy.SerializeToString(), FAST_MODEL, until="precision")
+    assert c.ci_low <= 1.0 <= c.ci_high, c.to_dict()
+
+
 def test_warm_up_runs_once_then_again_after_idle():
     protocol = TimingProtocol.fast().with_(process_warmup_rounds=2, rewarm_after_s=0.05)
     m = Measurer(FakeBackend(), protocol)

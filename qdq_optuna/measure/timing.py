@@ -184,6 +184,12 @@ class TimingProtocol:
     process_warmup_rounds: int = 2
     #: warm up again after this long without measuring (None: never)
     rewarm_after_s: float | None = 60.0
+    #: a measurement of models (:meth:`Measurer.interleaved`, :meth:`Measurer.compare`) first
+    #: throws away one session of each when one of them was not timed in this process yet or
+    #: nothing was timed for this long (the worker idled while the search built, exported or
+    #: scored models): such first sessions read slow, and the float start, the baseline's own
+    #: model, read 0.77-0.87x of the baseline measured right after its warm-up (None: never)
+    model_warmup_after_s: float | None = 2.0
     #: CPU used by other processes, in cores, above which a round counts as not quiet
     quiet_threshold: float = 0.25
     remeasure_noisy: bool = True
@@ -428,6 +434,13 @@ def _as_source(model: Any) -> ModelSource:
     raise TypeError(f"expected model bytes, a path or a ModelProto, got {type(model).__name__}")
 
 
+def _key(model: ModelSource):
+    """A model as :attr:`Measurer._seen` knows it: its path, or its bytes' length and hash."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    return len(model), hash(model)
+
+
 class Measurer:
     """Applies a :class:`TimingProtocol` to any :class:`Backend`.
 
@@ -452,6 +465,8 @@ class Measurer:
         self.deadline: float | None = None
         #: seconds the last session took (load, warm-up and timed runs): what a round costs
         self.session_s: float | None = None
+        #: the models timed in this process (:func:`_key`), oldest first
+        self._seen: dict = {}
 
     def out_of_time(self) -> bool:
         """Past :attr:`deadline`."""
@@ -491,6 +506,9 @@ class Measurer:
             finally:
                 runner.close()
         self.session_s = time.monotonic() - t0
+        self._seen[_key(model)] = None
+        if len(self._seen) > 512:  # the oldest go: a model timed long ago is cold again
+            del self._seen[next(iter(self._seen))]
         return out
 
     def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners,
@@ -546,13 +564,20 @@ class Measurer:
         fn = getattr(self.backend, "worker_generation", None)
         return fn() if callable(fn) else None
 
-    def _warm_rounds(self, force: bool = False) -> int:
+    def _warm_rounds(self, force: bool = False, models: Sequence[ModelSource] = ()) -> int:
+        """Rounds to throw away before measuring ``models``: the process's first ones, after
+        a long idle one, and one before models not timed yet or after a short idle
+        (``protocol.model_warmup_after_s``; ``models`` empty: the process rules only)."""
         p = self.protocol
         if self.deterministic:
             return 0
         if force or self._warm_at is None or self._generation() != self._warm_generation:
             return p.process_warmup_rounds  # a new worker process is as cold as a new process
-        if p.rewarm_after_s is not None and time.monotonic() - self._warm_at > p.rewarm_after_s:
+        idle = time.monotonic() - self._warm_at
+        if p.rewarm_after_s is not None and idle > p.rewarm_after_s:
+            return min(1, p.process_warmup_rounds)
+        if models and p.model_warmup_after_s is not None and (
+                idle > p.model_warmup_after_s or any(_key(m) not in self._seen for m in models)):
             return min(1, p.process_warmup_rounds)
         return 0
 
@@ -626,7 +651,7 @@ class Measurer:
             return [self._deterministic(m) for m in srcs]
         p = self.protocol
         n_rounds = sessions or p.final_sessions
-        warm = self._warm_rounds()
+        warm = self._warm_rounds(models=srcs)
         accs = [_Acc() for _ in srcs]
         quiet, remeasured = True, 0
         runners = self._open_all(srcs)
@@ -674,7 +699,7 @@ class Measurer:
         level = per_look_confidence(p.confidence, looks)
         give_up = (max(min_rounds, math.ceil(p.give_up_at * p.max_rounds))
                    if until == "verdict" and p.give_up_at is not None else None)
-        warm = self._warm_rounds()
+        warm = self._warm_rounds(models=[ref, cand])
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
         quiet, remeasured, decided, gave_up, busy, cut = True, 0, False, False, 0, False
