@@ -203,6 +203,28 @@ def _pair(pm):
     return ex, ex.plan(uses), ex.plan({u for u in uses if u[1] != conv}), conv
 
 
+def test_a_region_holds_the_op_whose_fusion_a_q_after_its_relu_decides(resnet):
+    pm = resnet[0]
+    g = pm.graph
+    ex = pm.exporter()
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    relu = next(i for i, n in enumerate(g.nodes) if n.op_type == "Relu"
+                and g.nodes[g.producer[n.input[0]][0]].op_type == "Conv"
+                and any(u[0] == n.output[0] for u in uses))
+    conv = g.producer[g.nodes[relu].input[0]][0]
+    out = g.nodes[relu].output[0]
+    full, less = ex.plan(uses), ex.plan({u for u in uses if u[0] != out})
+    nodes = K.changed_nodes(g, full, less)
+    assert relu in nodes and conv in nodes  # the Conv runs integer only with the Q after it
+    cuts = []
+    for p in (full, less):
+        cut = onnx.load_from_string(K.region_model(K.with_shapes(
+            onnx.load_from_string(ex.to_bytes(p))), *K.region_cut(g, nodes)))
+        onnx.checker.check_model(cut, full_check=True)
+        cuts.append(cut)
+    assert all(g.nodes[conv].name in {n.name for n in c.graph.node} for c in cuts)
+
+
 def test_a_region_is_cut_from_both_models_around_the_changed_qdq(resnet):
     pm = resnet[0]
     ex, full, less, conv = _pair(pm)

@@ -418,12 +418,34 @@ def region_model(model: onnx.ModelProto, inputs: Iterable[str],
 
 def changed_nodes(graph, plan, reference_plan) -> set[int]:
     """Nodes (indices) next to the Q/DQ two plans place differently: the consumers of every
-    changed activation or weight pair, and the producers of the changed tensors."""
+    changed activation or weight pair, the producers of the changed tensors, and the ops
+    their fusion joins (:func:`with_tails`)."""
     changed = set(plan.activations) ^ set(reference_plan.activations)
     nodes = {n for _, consumers, _ in changed for n, _ in consumers if n >= 0}
     nodes |= {n for n, _, _ in set(plan.weights) ^ set(reference_plan.weights)}
     nodes |= {graph.producer[t][0] for t, _, _ in changed if t in graph.producer}
-    return {n for n in nodes if 0 <= n < len(graph.nodes)}
+    return with_tails(graph, {n for n in nodes if 0 <= n < len(graph.nodes)})
+
+
+def with_tails(graph, nodes: set[int]) -> set[int]:
+    """``nodes`` with the ops a runtime fuses with them: the op a Relu/Clip of theirs folds
+    into, and the Relu/Clip folded into one of theirs. Why: a Q after Conv -> Relu decides
+    whether the Conv runs integer; a region of the Relu alone (Inception v1's typical move)
+    timed only the Q/DQ's own cost, never the integer Conv it buys."""
+    out, todo = set(nodes), list(nodes)
+    while todo:
+        node = graph.nodes[todo.pop()]
+        near = []
+        if node.op_type in TAIL_OPS and node.input and node.input[0] in graph.producer:
+            near.append(graph.producer[node.input[0]][0])  # the op it folds into
+        readers = graph.consumers.get(node.output[0], []) if node.output else []
+        if len(readers) == 1 and graph.nodes[readers[0][0]].op_type in TAIL_OPS:
+            near.append(readers[0][0])  # its folded Relu/Clip
+        for n in near:
+            if 0 <= n < len(graph.nodes) and n not in out:
+                out.add(n)
+                todo.append(n)
+    return out
 
 
 @dataclass(frozen=True)
