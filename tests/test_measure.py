@@ -248,8 +248,8 @@ def test_past_its_deadline_a_measurement_takes_its_minimum_rounds_and_says_so():
     m.probe = Busy()  # no busy round is measured again either
     m.deadline = time.monotonic() - 1.0
     c = m.compare(b"y" * 100, b"y" * 101, until="precision")
-    assert c.cut_short and c.rounds == 2 and c.to_dict()["cut_short"]
-    assert m.loads == 2 * 2 and m.remeasured == 0  # no warm-up rounds, no repeats
+    assert c.cut_short and c.rounds == measure.CUT_SHORT_ROUNDS and c.to_dict()["cut_short"]
+    assert m.loads == 2 * c.rounds and m.remeasured == 0  # no warm-up rounds, no repeats
     one = m.same_model(b"y" * 100)
     assert one.cut_short and one.candidate.sessions == 1
     m.deadline = time.monotonic() + 3600  # not yet: the protocol's rounds
@@ -429,3 +429,34 @@ def test_quiet_probe_without_proc_is_a_no_op():
     probe = QuietProbe()
     probe.available = False
     assert probe.start() is None and probe.stop(None) is True
+
+
+def test_models_timed_together_with_the_baseline_cancel_the_drift_between_them(tmp_path):
+    """The starts are timed in the baseline's rounds: on a machine that slows down as it
+    goes, the baseline's own model timed afterwards reads slower alone, and the same as the
+    baseline timed together with it (each latency scaled by its ratio in those rounds)."""
+    import optuna
+
+    from qdq_optuna.record import Measurement as Record
+    from qdq_optuna.record import PlanMemo
+    from qdq_optuna.search._plans import PlanMeasurer
+
+    class Drifting(FakeBackend):
+        def load(self, model):  # every session 2 % slower than the one before
+            self.loads += 1
+            return _FakeRunner(self, len(model) * 1.02 ** self.loads)
+
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, sessions=5)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'run.db'}")
+    m = Measurer(Drifting(sigma=0.005), protocol)
+    m.probe = NullProbe()
+    plans = PlanMeasurer(m, PlanMemo(study, "measured:", Record))
+    base, same = b"b" * 100, b"c" * 100  # the same latency, other bytes
+    base_ms = plans.measure(base, "baseline", "baseline")[0]
+    alone = plans.measure(same, "alone", "starts")[0]
+    assert alone / base_ms > 1.08  # five sessions later: the drift alone
+    plans.measure_together(base, base_ms, [("float", same, 0), ("alone", same, 0)], "starts")
+    together, record = plans.measure(same, "float", "starts")
+    assert abs(together / base_ms - 1) < 0.03, record.stats
+    assert "alone" not in plans.together  # measured before: not timed again
+    assert plans.by_phase["starts"] == 2 and plans.cache_hits == 0

@@ -57,6 +57,9 @@ SCREEN_DISCARD_RATIO = 1.3
 #: too: the machine is loaded for good and a repeat only doubles the round's cost (a real
 #: YOLOv8n's A/B took 74 s instead of about 35 s at load average 5 on 2 cores)
 BUSY_STREAK = 2
+#: rounds an A/B takes past :attr:`Measurer.deadline`: two leave one degree of freedom, and
+#: Inception v1's final A/B cut at two read "1.07x, interval 0.00-10^13"
+CUT_SHORT_ROUNDS = 3
 
 
 def far_off(candidate_ms: float, reference_ms: float) -> bool:
@@ -459,8 +462,8 @@ class Measurer:
         #: the backend's worker process that the warm-up was done in (isolated backends)
         self._warm_generation: int | None = None
         self._last_model: ModelSource | None = None
-        #: ``time.monotonic()`` past which measurements take their minimum rounds (an A/B two,
-        #: a model one session) and re-measure no busy round (None: no limit). A ``--timeout``
+        #: ``time.monotonic()`` past which measurements take their minimum rounds (an A/B
+        #: :data:`CUT_SHORT_ROUNDS`, a model one session) and re-measure no busy round (None: no limit). A ``--timeout``
         #: run's conclusion once spent 560 s past its deadline in full-length A/Bs.
         self.deadline: float | None = None
         #: seconds the last session took (load, warm-up and timed runs): what a round costs
@@ -730,7 +733,7 @@ class Measurer:
                 if enough and (significant or (hi - lo) / (2 * center) < p.target):
                     decided = True
                     break
-                cut = len(ratios) >= 2 and self.out_of_time()  # an interval, however wide
+                cut = len(ratios) >= CUT_SHORT_ROUNDS and self.out_of_time()
                 gave_up = enough and give_up is not None and len(ratios) >= give_up \
                     and center >= 1.0
                 if cut or gave_up:

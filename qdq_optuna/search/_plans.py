@@ -51,6 +51,9 @@ class PlanMeasurer:
         self.measurements = 0
         self.by_phase: Counter[str] = Counter()
         self.cache_hits = 0
+        #: plan key -> its measurement by :meth:`measure_together`, not yet read by
+        #: :meth:`measure` (which then counts no cache hit)
+        self.together: dict[str, Measurement] = {}
         #: plan key -> where that model failed in this process; the sampler does not avoid
         #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
         self.failed: dict[str, str] = {}
@@ -102,6 +105,9 @@ class PlanMeasurer:
     def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, Measurement]:
         """One model's own latency (not against a reference), once per run: the baseline and
         the starts. ``key``: the plan key (or another name) the memo keeps it under."""
+        if key in self.together:
+            record = self.together.pop(key)
+            return record.latency_ms, record
         cached = self._cached_key(key)
         if cached is not None:
             return cached.latency_ms, cached
@@ -110,6 +116,28 @@ class PlanMeasurer:
         record = Measurement(latency_ms=m.score_ms, stats=m.to_dict(), qdq=qdq)
         self.memo.put(key, record)
         return m.score_ms, record
+
+    def measure_together(self, baseline, baseline_ms: float, items: list, phase: str) -> None:
+        """Models not measured yet in this run (``items``: ``(key, source, qdq)``), timed in
+        the same interleaved rounds as the ``baseline`` model: each one's latency is
+        ``baseline_ms`` times its ratio to the baseline in those rounds (drift between
+        measurements minutes apart cancels), kept in the memo that :meth:`measure` reads."""
+        todo, seen = [], set()
+        for key, source, qdq in items:
+            if key not in seen and self.memo.get(key) is None:
+                seen.add(key)
+                todo.append((key, source, qdq))
+        if not todo:
+            return
+        ms = self.measurer.interleaved([baseline] + [src for _, src, _ in todo],
+                                       sessions=self.measurer.protocol.sessions)
+        now = ms[0].score_ms
+        for (key, _, qdq), m in zip(todo, ms[1:]):
+            self._count(phase)
+            stats = {**m.to_dict(), "baseline_now_ms": now}
+            record = Measurement(latency_ms=baseline_ms * m.score_ms / now, stats=stats, qdq=qdq)
+            self.memo.put(key, record)
+            self.together[key] = record
 
     def reference(self, source, key: str | None = None) -> list[float]:
         """``[latency_ms, screen_ms]`` of a visit's reference model (the standing model). On a

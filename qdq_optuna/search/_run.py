@@ -286,7 +286,8 @@ class Tuner:
             else None
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
-                           seeds=self._seed_starts, worker=self.o.worker).run()
+                           seeds=self._seed_starts, worker=self.o.worker,
+                           baseline=self.baseline_source()[0]).run()
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
