@@ -13,6 +13,12 @@ model was not faster either: ``drops right``).
         --models inception-v1-caffe2-light nudenet-320n ppocr-det --timeout 300 \\
         --out benchmarks/results/subgraph_screen
 
+``--pairs K`` measures the agreement alone, without a tune (a tune's starts can take its whole
+``--timeout`` on a large model): K activation tensors drawn from the model's every-point
+placement, each pair (every point on, and the same without that tensor's Q/DQ: a descent
+move, both ways) timed as its changed region and as whole models, both interleaved A/Bs; a
+region's verdict agrees when the whole model's is the same (faster, slower, or neither).
+
 Writes ``OUT.json`` (every run's figures) and ``OUT.md`` (the table). Never run two
 benchmarks at once: the timings mean nothing on a busy machine.
 """
@@ -75,6 +81,75 @@ def tune_once(name: str, config: Config, timeout: float, work: Path) -> dict:
     return summarize(result.report, time.monotonic() - t0)
 
 
+def pairs(name: str, k: int, seed: int = 0) -> dict:
+    """The region's and the whole model's A/B verdicts of ``k`` one-tensor moves."""
+    import random
+
+    import onnx
+
+    from qdq_optuna import PreparedModel
+    from qdq_optuna.backends import make_backend
+    from qdq_optuna.measure import kernels
+    from qdq_optuna.measure.timing import Measurer, TimingProtocol
+    from qdq_optuna.placement import starts
+
+    pm = PreparedModel.prepare(str(real_models.fetch(name)),
+                               input_shapes=real_models.MODELS[name].input_shapes or None)
+    ex = pm.exporter()
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    full = ex.plan(uses)
+    tensors = sorted({u[0] for u in uses})
+    backend = make_backend("onnxruntime")
+    whole = Measurer(backend, TimingProtocol.robust())
+    region = Measurer(backend, kernels.KERNEL_PROTOCOL)
+    full_bytes = ex.to_bytes(full)
+    rows = []
+    for tensor in random.Random(seed).sample(tensors, min(k, len(tensors))):
+        less = ex.plan({u for u in uses if u[0] != tensor})
+        less_bytes = ex.to_bytes(less)
+        t0 = time.monotonic()
+        sub = kernels.time_region(region, pm.graph, onnx.load_from_string(full_bytes),
+                                  onnx.load_from_string(less_bytes), full, less)
+        t1 = time.monotonic()
+        whole.screen(full_bytes)  # as in the descent: the candidate's screen, then its A/B
+        cmp = whole.compare(full_bytes, less_bytes)
+        t2 = time.monotonic()
+        rows.append({"tensor": tensor, "region": sub and sub.to_dict(),
+                     "region_s": round(t1 - t0, 2), "whole_s": round(t2 - t1, 2),
+                     "whole": {"ratio": cmp.ratio, "ci": [cmp.ci_low, cmp.ci_high],
+                               "rounds": cmp.rounds, "verdict": cmp.verdict},
+                     "agrees": sub is not None and _side(sub.verdict) == _side(cmp.verdict),
+                     "same_direction": sub is not None and (sub.ratio < 1) == (cmp.ratio < 1),
+                     "contradicts": sub is not None and {_side(sub.verdict), _side(cmp.verdict)}
+                     == {"faster", "slower"}})
+        print(json.dumps(rows[-1]), flush=True)
+    timed = [r for r in rows if r["region"]]
+    slower = [r for r in timed if r["region"]["verdict"] == "slower"]
+    return {"model": name, "pairs": rows, "timed": len(timed),
+            "agreed": sum(r["agrees"] for r in timed),
+            "same_direction": sum(r["same_direction"] for r in timed),
+            "contradicts": sum(r["contradicts"] for r in timed),
+            "region_slower": len(slower),
+            "drops_right": sum(r["whole"]["verdict"] != "faster" for r in slower),
+            "region_s": round(sum(r["region_s"] for r in rows), 1),
+            "whole_s": round(sum(r["whole_s"] for r in rows), 1)}
+
+
+def _side(verdict: str) -> str:
+    """faster, slower, or neither (same, undecided, not faster)."""
+    return verdict if verdict in ("faster", "slower") else "neither"
+
+
+def pairs_table(results: list[dict]) -> str:
+    head = ["model", "pairs timed", "verdicts agreed", "same side of 1", "opposite verdicts",
+            "region slower", "drops right", "region A/B s", "whole A/B s"]
+    return _common.markdown_table(head, [[
+        r["model"], str(r["timed"]), f"{r['agreed']}/{r['timed']}",
+        f"{r['same_direction']}/{r['timed']}", str(r["contradicts"]), str(r["region_slower"]),
+        f"{r['drops_right']}/{r['region_slower']}", str(r["region_s"]), str(r["whole_s"])]
+        for r in results])
+
+
 def table(rows: list[dict]) -> str:
     head = ["model", "screen", "best start", "final", "descent", "recipe start", "wall s",
             "measured", "trials", "screened out", "agreed", "drops right"]
@@ -107,7 +182,22 @@ def main() -> None:
                     choices=["off", "on", "audit"])
     ap.add_argument("--out", type=Path, default=_common.RESULTS / "subgraph_screen")
     ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="measure K one-tensor moves per model instead of tuning")
     args = ap.parse_args()
+    if args.pairs:
+        results = []
+        for name in args.models:
+            load = _common.wait_quiet(args.max_load)
+            results.append({**pairs(name, args.pairs), "load": load})
+            out = {"cpu": current_cpu().to_json(), "runtime": "onnxruntime CPU, 1 thread",
+                   "pairs": results}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str))
+            args.out.with_suffix(".md").write_text(
+                f"# Subgraph screen agreement, ONNX Runtime CPU (1 thread)\n\nCPU: "
+                f"{json.dumps(out['cpu'])}\n\n{pairs_table(results)}\n")
+        return
     timeouts = (args.timeout * len(args.models))[:len(args.models)] \
         if len(args.timeout) == 1 else args.timeout
     configs = {"off": Config(), "on": Config(subgraph_screen=True),
