@@ -140,14 +140,34 @@ def _side(verdict: str) -> str:
     return verdict if verdict in ("faster", "slower") else "neither"
 
 
+def drops(pairs_: list[dict]) -> tuple[int, int]:
+    """Both ways of each pair (adding the Q/DQ, and removing it: the inverse verdicts): how
+    often the region measured the move slower, and how often the whole model then was not
+    faster either (the screen's drop was right)."""
+    inverse = {"faster": "slower", "slower": "faster"}
+    slower = right = 0
+    for p in pairs_:
+        if not p["region"]:
+            continue
+        for region, whole in ((p["region"]["verdict"], p["whole"]["verdict"]),
+                              (inverse.get(p["region"]["verdict"]),
+                               inverse.get(p["whole"]["verdict"]))):
+            if region == "slower":
+                slower += 1
+                right += whole != "faster"
+    return slower, right
+
+
 def pairs_table(results: list[dict]) -> str:
     head = ["model", "pairs timed", "verdicts agreed", "same side of 1", "opposite verdicts",
-            "region slower", "drops right", "region A/B s", "whole A/B s"]
-    return _common.markdown_table(head, [[
-        r["model"], str(r["timed"]), f"{r['agreed']}/{r['timed']}",
-        f"{r['same_direction']}/{r['timed']}", str(r["contradicts"]), str(r["region_slower"]),
-        f"{r['drops_right']}/{r['region_slower']}", str(r["region_s"]), str(r["whole_s"])]
-        for r in results])
+            "region slower (both ways)", "drops right", "region A/B s", "whole A/B s"]
+    rows = []
+    for r in results:
+        slower, right = drops(r["pairs"])
+        rows.append([r["model"], str(r["timed"]), f"{r['agreed']}/{r['timed']}",
+                     f"{r['same_direction']}/{r['timed']}", str(r["contradicts"]), str(slower),
+                     f"{right}/{slower}", str(r["region_s"]), str(r["whole_s"])])
+    return _common.markdown_table(head, rows)
 
 
 def table(rows: list[dict]) -> str:
