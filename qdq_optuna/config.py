@@ -103,6 +103,10 @@ class Config:
     it changes, cut from the candidate and its reference (an interleaved A/B of the two small
     models); a region measured slower is screened out, every other candidate gets the
     whole-model A/B, and the report counts how often the two rankings agreed"""
+    subgraph_screen_audit: bool = False
+    """with subgraph_screen: a candidate whose region measured slower still gets its
+    whole-model A/B (nothing is screened out), so the report counts how often the screen's
+    drops were right (benchmarks/subgraph_screen.py measures the screen this way)"""
     seed_compute_inputs: bool = True
     """our sampler also starts from the scheme with Q/DQ on Conv/Gemm/MatMul inputs only"""
     top_percent_to_mutate: float = 0.1
@@ -193,7 +197,8 @@ class Config:
         d.pop("pattern_cache_minimum_distance", None)
         d.pop("pattern_cache_max_entries_per_pattern", None)
         # settings added later count only when changed: a run stored before them resumes
-        for key, default in (("kernel_evidence", True), ("subgraph_screen", False)):
+        for key, default in (("kernel_evidence", True), ("subgraph_screen", False),
+                             ("subgraph_screen_audit", False)):
             if d.get(key) == default:
                 d.pop(key)
         return d

@@ -204,6 +204,28 @@ def _pair(pm):
     return ex, ex.plan(uses), ex.plan({u for u in uses if u[1] != conv}), conv
 
 
+def test_a_region_holds_the_op_whose_fusion_a_q_after_its_relu_decides(resnet):
+    pm = resnet[0]
+    g = pm.graph
+    ex = pm.exporter()
+    uses = set(starts.all_on_start(pm).scheme_uses)
+    relu = next(i for i, n in enumerate(g.nodes) if n.op_type == "Relu"
+                and g.nodes[g.producer[n.input[0]][0]].op_type == "Conv"
+                and any(u[0] == n.output[0] for u in uses))
+    conv = g.producer[g.nodes[relu].input[0]][0]
+    out = g.nodes[relu].output[0]
+    full, less = ex.plan(uses), ex.plan({u for u in uses if u[0] != out})
+    nodes = K.changed_nodes(g, full, less)
+    assert relu in nodes and conv in nodes  # the Conv runs integer only with the Q after it
+    cuts = []
+    for p in (full, less):
+        cut = onnx.load_from_string(K.region_model(K.with_shapes(
+            onnx.load_from_string(ex.to_bytes(p))), *K.region_cut(g, nodes)))
+        onnx.checker.check_model(cut, full_check=True)
+        cuts.append(cut)
+    assert all(g.nodes[conv].name in {n.name for n in c.graph.node} for c in cuts)
+
+
 def test_a_region_is_cut_from_both_models_around_the_changed_qdq(resnet):
     pm = resnet[0]
     ex, full, less, conv = _pair(pm)
@@ -246,6 +268,33 @@ def test_the_subgraph_screen_drops_a_slower_region_and_records_agreement(
     else:  # faster region: the whole model is A/B-compared, and the two rankings agree
         assert m.kind == "ab" and sub["ratio"] < 1 and m.ratio < 1 and sub["agrees"]
         assert whole.loads > 0
+
+
+def test_the_subgraph_screen_audit_times_a_slower_region_as_a_whole_model_too(resnet):
+    import optuna
+
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.outputs.report import trial_statistics
+    from qdq_optuna.record import TrialAttr
+    from qdq_optuna.search._plans import PlanMeasurer, Reference
+
+    pm = resnet[0]
+    ex, full, less, _ = _pair(pm)
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, min_rounds=2,
+                                             max_rounds=3, runs=1, warmup=0)
+    whole = Measurer(CallableBackend(_qs), protocol)
+    plans = PlanMeasurer(whole, memo=None, regions=pm.graph, audit=True)
+    plans.regions = (pm.graph, Measurer(whole.backend, protocol))
+    ref_bytes = ex.to_bytes(less)
+    ref_ms = _qs(onnx.load_from_string(ref_bytes))
+    m = plans._time(ex.to_bytes(full), Reference(less, ref_bytes, ref_ms, ref_ms), full)
+    sub = m.extra["subgraph"]  # the region is slower, and so is the whole model: a right drop
+    assert sub["verdict"] == "slower" and m.kind == "ab" and whole.loads > 0
+    assert sub["whole_verdict"] == "slower" and sub["agrees"]
+    st = trial_statistics([optuna.trial.create_trial(
+        value=m.latency_ms, user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})])
+    assert (st["subgraph_slower_audited"], st["subgraph_slower_right"]) == (1, 1)
+    assert st["subgraph_screened_out"] == 0
 
 
 def test_openvino_units_read_integer_and_write_float_and_are_timed():

@@ -233,6 +233,29 @@ def test_a_busy_round_is_repeated_while_repeats_find_quiet_moments():
     c = m.compare(b"y" * 100, b"y" * 100)
     assert c.candidate.quiet and c.candidate.remeasured == c.rounds
 
+def test_past_its_deadline_a_measurement_takes_its_minimum_rounds_and_says_so():
+    class Busy(NullProbe):
+        def stop(self, token):
+            self.last_other_cores = 1.0
+            return False
+
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=2)
+    m = Measurer(FakeBackend(sigma=0.05), protocol)
+    m.probe = NullProbe()
+    full = m.compare(b"y" * 100, b"y" * 101, until="precision")
+    assert not full.cut_short and full.rounds >= protocol.final_sessions
+    m = Measurer(FakeBackend(sigma=0.05), protocol)
+    m.probe = Busy()  # no busy round is measured again either
+    m.deadline = time.monotonic() - 1.0
+    c = m.compare(b"y" * 100, b"y" * 101, until="precision")
+    assert c.cut_short and c.rounds == measure.CUT_SHORT_ROUNDS and c.to_dict()["cut_short"]
+    assert m.loads == 2 * c.rounds and m.remeasured == 0  # no warm-up rounds, no repeats
+    one = m.same_model(b"y" * 100)
+    assert one.cut_short and one.candidate.sessions == 1
+    m.deadline = time.monotonic() + 3600  # not yet: the protocol's rounds
+    assert not m.same_model(b"y" * 100).cut_short
+
+
 def test_bad_timings_are_backend_errors():
     class Liar(FakeBackend):
         def load(self, model):
@@ -313,6 +336,43 @@ def test_measure_screen_interleaved_and_counters():
     assert m.counters()["loads"] == m.loads
 
 
+def test_a_model_not_timed_yet_or_after_a_short_idle_gets_one_warm_up_session():
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=2, sessions=3,
+                                             model_warmup_after_s=0.2)
+    m = Measurer(FakeBackend(), protocol)
+    m.probe = NullProbe()
+    m.measure(b"a" * 10)
+    assert m.loads == 2 + 3  # the process's warm-up covers the first model
+    m.measure(b"a" * 10)
+    assert m.loads == 5 + 3  # timed just now: no warm-up
+    m.measure(b"b" * 10)
+    assert m.loads == 8 + 1 + 3  # a model not timed yet: one session thrown away
+    c = m.compare(b"b" * 10, b"c" * 10, until="precision")
+    n = m.loads
+    assert n == 12 + 2 + 2 * c.rounds  # one round of both thrown away: "c" is new
+    time.sleep(0.3)  # the worker idled: every model of the next measurement warms up once
+    m.measure(b"a" * 10)
+    assert m.loads == n + 1 + 3
+    m.screen(b"d" * 10)  # a screen stays one session
+    assert m.loads == n + 4 + 1
+    off = Measurer(FakeBackend(), protocol.with_(model_warmup_after_s=None))
+    off.probe = NullProbe()
+    off.measure(b"a" * 10)
+    off.measure(b"b" * 10)
+    assert off.loads == 2 + 3 + 3
+
+
+def test_the_baselines_model_a_b_timed_against_its_own_copy_reads_one():
+    """The float start is the baseline's model (a copy, never timed before): an interleaved
+    A/B of the two, right after the baseline was measured, contains 1."""
+    m = Measurer(OnnxRuntimeBackend(), TimingProtocol.robust().with_(confidence=0.99))
+    m.measure(FAST_MODEL)
+    copy = onnx.load_from_string(FAST_MODEL)
+    copy.doc_string = "the same model, other bytes"
+    c = m.compare(copy.SerializeToString(), FAST_MODEL, until="precision")
+    assert c.ci_low <= 1.0 <= c.ci_high, c.to_dict()
+
+
 def test_warm_up_runs_once_then_again_after_idle():
     protocol = TimingProtocol.fast().with_(process_warmup_rounds=2, rewarm_after_s=0.05)
     m = Measurer(FakeBackend(), protocol)
@@ -369,3 +429,34 @@ def test_quiet_probe_without_proc_is_a_no_op():
     probe = QuietProbe()
     probe.available = False
     assert probe.start() is None and probe.stop(None) is True
+
+
+def test_models_timed_together_with_the_baseline_cancel_the_drift_between_them(tmp_path):
+    """The starts are timed in the baseline's rounds: on a machine that slows down as it
+    goes, the baseline's own model timed afterwards reads slower alone, and the same as the
+    baseline timed together with it (each latency scaled by its ratio in those rounds)."""
+    import optuna
+
+    from qdq_optuna.record import Measurement as Record
+    from qdq_optuna.record import PlanMemo
+    from qdq_optuna.search._plans import PlanMeasurer
+
+    class Drifting(FakeBackend):
+        def load(self, model):  # every session 2 % slower than the one before
+            self.loads += 1
+            return _FakeRunner(self, len(model) * 1.02 ** self.loads)
+
+    protocol = TimingProtocol.robust().with_(process_warmup_rounds=0, sessions=5)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'run.db'}")
+    m = Measurer(Drifting(sigma=0.005), protocol)
+    m.probe = NullProbe()
+    plans = PlanMeasurer(m, PlanMemo(study, "measured:", Record))
+    base, same = b"b" * 100, b"c" * 100  # the same latency, other bytes
+    base_ms = plans.measure(base, "baseline", "baseline")[0]
+    alone = plans.measure(same, "alone", "starts")[0]
+    assert alone / base_ms > 1.08  # five sessions later: the drift alone
+    plans.measure_together(base, base_ms, [("float", same, 0), ("alone", same, 0)], "starts")
+    together, record = plans.measure(same, "float", "starts")
+    assert abs(together / base_ms - 1) < 0.03, record.stats
+    assert "alone" not in plans.together  # measured before: not timed again
+    assert plans.by_phase["starts"] == 2 and plans.cache_hits == 0

@@ -34,7 +34,7 @@ from qdq_optuna.backends.base import Backend, Runner
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.cli import commands as cli
 from qdq_optuna.errors import UserError
-from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO
+from qdq_optuna.measure.timing import CUT_SHORT_ROUNDS, SCREEN_DISCARD_RATIO
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import RunRecord
 from qdq_optuna.record.storage import open_storage
@@ -396,3 +396,28 @@ def test_cli_trtexec_missing_then_a_stand_in_on_path(residual, tmp_path, monkeyp
         assert "--warmUp=200" in c and "--duration=3" in c
         (iters,) = [int(a.split("=")[1]) for a in c if a.startswith("--iterations=")]
         assert iters >= 100
+
+
+def test_a_timeout_bounds_the_run_its_conclusion_included(tmp_path):
+    """``--timeout`` bounds the whole run: the search stops early enough for the conclusion,
+    and past the deadline every A/B takes three rounds and says it was cut short (Inception v1
+    with ``--timeout 300`` once concluded 560 s past it, in full-length A/Bs)."""
+    from qdq_optuna.examples import zoo
+
+    timeout = 1.0
+    result = tune(zoo.build("resnet", "medium"), tmp_path / "out", timeout=timeout,
+                  progress=False)
+    r = result.report
+    assert not r["complete"]
+    assert r["elapsed_s"]["starts"] > timeout  # the whole conclusion ran past the deadline:
+    final = r["final_comparison"]  # its A/Bs took their minimum, and say so
+    assert final["cut_short"], final
+    assert final["rounds"] == CUT_SHORT_ROUNDS or (
+        final["same_model"] and final["candidate"]["sessions"] == 1)
+    for ab in ("tuned_vs_file", "reexport_vs_file"):
+        cmp = (r.get("recipe_file") or {}).get(ab)
+        assert cmp is None or cmp["rounds"] <= CUT_SHORT_ROUNDS, cmp
+    # the margin: the trial in flight and the conclusion's A/Bs at three rounds each, the
+    # guard's scoring and the report; generous for a loaded 2-core machine
+    assert r["elapsed_s"]["finish"] <= timeout + 45, r["elapsed_s"]
+    assert "cut short" in (tmp_path / "out" / "report.md").read_text()

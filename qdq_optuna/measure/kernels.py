@@ -337,13 +337,15 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
-                 output_q: bool | None = None) -> KernelTable:
+                 output_q: bool | None = None, deadline: float | None = None) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
     A unit that cannot be cut or run is left out (logged), never the run's failure.
     ``output_q`` (see :func:`units`) follows the backend's rules: an integer kernel that
-    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``)."""
+    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``).
+    Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
+    Inception v1's 57 uncached units once took minutes after the run's time was up."""
     if output_q is None:
         rules = RULES.get(runtime_for_backend(getattr(backend, "name", "")) or "")
         output_q = bool(rules is not None and rules.output_quantized_ops)
@@ -355,6 +357,7 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     qdq, flt = with_shapes(qdq_model), with_shapes(float_model)
     skip = set(skip)
     measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
+    measurer.deadline = deadline
     done: dict[str, KernelTiming] = {}
     for unit in units(qdq, output_q):
         if unit.node in skip:
@@ -363,6 +366,8 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                                               if cache is not None else None)
         if timing is not None and unit.signature not in done:
             table.cached += 1
+        if timing is None and measurer.out_of_time():
+            continue
         if timing is None:
             try:
                 timing = time_unit(measurer, unit, *unit_models(unit, qdq, flt))
@@ -413,12 +418,34 @@ def region_model(model: onnx.ModelProto, inputs: Iterable[str],
 
 def changed_nodes(graph, plan, reference_plan) -> set[int]:
     """Nodes (indices) next to the Q/DQ two plans place differently: the consumers of every
-    changed activation or weight pair, and the producers of the changed tensors."""
+    changed activation or weight pair, the producers of the changed tensors, and the ops
+    their fusion joins (:func:`with_tails`)."""
     changed = set(plan.activations) ^ set(reference_plan.activations)
     nodes = {n for _, consumers, _ in changed for n, _ in consumers if n >= 0}
     nodes |= {n for n, _, _ in set(plan.weights) ^ set(reference_plan.weights)}
     nodes |= {graph.producer[t][0] for t, _, _ in changed if t in graph.producer}
-    return {n for n in nodes if 0 <= n < len(graph.nodes)}
+    return with_tails(graph, {n for n in nodes if 0 <= n < len(graph.nodes)})
+
+
+def with_tails(graph, nodes: set[int]) -> set[int]:
+    """``nodes`` with the ops a runtime fuses with them: the op a Relu/Clip of theirs folds
+    into, and the Relu/Clip folded into one of theirs. Why: a Q after Conv -> Relu decides
+    whether the Conv runs integer; a region of the Relu alone (Inception v1's typical move)
+    timed only the Q/DQ's own cost, never the integer Conv it buys."""
+    out, todo = set(nodes), list(nodes)
+    while todo:
+        node = graph.nodes[todo.pop()]
+        near = []
+        if node.op_type in TAIL_OPS and node.input and node.input[0] in graph.producer:
+            near.append(graph.producer[node.input[0]][0])  # the op it folds into
+        readers = graph.consumers.get(node.output[0], []) if node.output else []
+        if len(readers) == 1 and graph.nodes[readers[0][0]].op_type in TAIL_OPS:
+            near.append(readers[0][0])  # its folded Relu/Clip
+        for n in near:
+            if 0 <= n < len(graph.nodes) and n not in out:
+                out.add(n)
+                todo.append(n)
+    return out
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ SCREEN_DISCARD_RATIO = 1.3
 #: too: the machine is loaded for good and a repeat only doubles the round's cost (a real
 #: YOLOv8n's A/B took 74 s instead of about 35 s at load average 5 on 2 cores)
 BUSY_STREAK = 2
+#: rounds an A/B takes past :attr:`Measurer.deadline`: two leave one degree of freedom, and
+#: Inception v1's final A/B cut at two read "1.07x, interval 0.00-10^13"
+CUT_SHORT_ROUNDS = 3
 
 
 def far_off(candidate_ms: float, reference_ms: float) -> bool:
@@ -119,6 +122,9 @@ class Comparison:
     #: candidate and reference are the same file: nothing was compared, the model was
     #: measured once (:meth:`Measurer.same_model`)
     same_model: bool = False
+    #: stopped at fewer rounds than the protocol asks because the run's time was up
+    #: (:attr:`Measurer.deadline`): the interval is what those rounds give
+    cut_short: bool = False
 
     @property
     def significant(self) -> bool:
@@ -146,6 +152,7 @@ class Comparison:
             "decided": self.decided,
             "gave_up": self.gave_up,
             "same_model": self.same_model,
+            "cut_short": self.cut_short,
             "verdict": self.verdict,
             "confidence": self.confidence,
             "ratios": [_r(x) for x in self.ratios],
@@ -180,6 +187,12 @@ class TimingProtocol:
     process_warmup_rounds: int = 2
     #: warm up again after this long without measuring (None: never)
     rewarm_after_s: float | None = 60.0
+    #: a measurement of models (:meth:`Measurer.interleaved`, :meth:`Measurer.compare`) first
+    #: throws away one session of each when one of them was not timed in this process yet or
+    #: nothing was timed for this long (the worker idled while the search built, exported or
+    #: scored models): such first sessions read slow, and the float start, the baseline's own
+    #: model, read 0.77-0.87x of the baseline measured right after its warm-up (None: never)
+    model_warmup_after_s: float | None = 2.0
     #: CPU used by other processes, in cores, above which a round counts as not quiet
     quiet_threshold: float = 0.25
     remeasure_noisy: bool = True
@@ -424,6 +437,13 @@ def _as_source(model: Any) -> ModelSource:
     raise TypeError(f"expected model bytes, a path or a ModelProto, got {type(model).__name__}")
 
 
+def _key(model: ModelSource):
+    """A model as :attr:`Measurer._seen` knows it: its path, or its bytes' length and hash."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    return len(model), hash(model)
+
+
 class Measurer:
     """Applies a :class:`TimingProtocol` to any :class:`Backend`.
 
@@ -442,6 +462,18 @@ class Measurer:
         #: the backend's worker process that the warm-up was done in (isolated backends)
         self._warm_generation: int | None = None
         self._last_model: ModelSource | None = None
+        #: ``time.monotonic()`` past which measurements take their minimum rounds (an A/B
+        #: :data:`CUT_SHORT_ROUNDS`, a model one session) and re-measure no busy round (None: no limit). A ``--timeout``
+        #: run's conclusion once spent 560 s past its deadline in full-length A/Bs.
+        self.deadline: float | None = None
+        #: seconds the last session took (load, warm-up and timed runs): what a round costs
+        self.session_s: float | None = None
+        #: the models timed in this process (:func:`_key`), oldest first
+        self._seen: dict = {}
+
+    def out_of_time(self) -> bool:
+        """Past :attr:`deadline`."""
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     # -- low level ---------------------------------------------------------------------------
     @property
@@ -467,19 +499,26 @@ class Measurer:
 
     def _session(self, model: ModelSource, warmup: int, runs: int, runners: dict | None):
         """One fresh session (or one more ``time`` call on a kept runner)."""
+        t0 = time.monotonic()
         if runners is not None:
-            return self._time(runners[id(model)], warmup, runs)
-        runner = self._load(model)
-        try:
-            return self._time(runner, warmup, runs)
-        finally:
-            runner.close()
+            out = self._time(runners[id(model)], warmup, runs)
+        else:
+            runner = self._load(model)
+            try:
+                out = self._time(runner, warmup, runs)
+            finally:
+                runner.close()
+        self.session_s = time.monotonic() - t0
+        self._seen[_key(model)] = None
+        if len(self._seen) > 512:  # the oldest go: a model timed long ago is cold again
+            del self._seen[next(iter(self._seen))]
+        return out
 
     def _round(self, models: Sequence[ModelSource], warmup: int, runs: int, runners,
                repeat: bool = True):
         """Time each model once; re-measure the round once if the machine was busy (and
         ``repeat``: an A/B whose interval already separates does not repeat its rounds)."""
-        attempts = 2 if self.protocol.remeasure_noisy and repeat else 1
+        attempts = 2 if self.protocol.remeasure_noisy and repeat and not self.out_of_time() else 1
         best: tuple[float, list] | None = None
         for attempt in range(attempts):
             token = self.probe.start()
@@ -528,13 +567,20 @@ class Measurer:
         fn = getattr(self.backend, "worker_generation", None)
         return fn() if callable(fn) else None
 
-    def _warm_rounds(self, force: bool = False) -> int:
+    def _warm_rounds(self, force: bool = False, models: Sequence[ModelSource] = ()) -> int:
+        """Rounds to throw away before measuring ``models``: the process's first ones, after
+        a long idle one, and one before models not timed yet or after a short idle
+        (``protocol.model_warmup_after_s``; ``models`` empty: the process rules only)."""
         p = self.protocol
         if self.deterministic:
             return 0
         if force or self._warm_at is None or self._generation() != self._warm_generation:
             return p.process_warmup_rounds  # a new worker process is as cold as a new process
-        if p.rewarm_after_s is not None and time.monotonic() - self._warm_at > p.rewarm_after_s:
+        idle = time.monotonic() - self._warm_at
+        if p.rewarm_after_s is not None and idle > p.rewarm_after_s:
+            return min(1, p.process_warmup_rounds)
+        if models and p.model_warmup_after_s is not None and (
+                idle > p.model_warmup_after_s or any(_key(m) not in self._seen for m in models)):
             return min(1, p.process_warmup_rounds)
         return 0
 
@@ -590,7 +636,7 @@ class Measurer:
         inference) with itself."""
         m = self.interleaved([model])[0]
         return Comparison(1.0, 1.0, 1.0, m, m, 0, True, [], self.protocol.confidence,
-                          same_model=True)
+                          same_model=True, cut_short=m.sessions < self.protocol.final_sessions)
 
     def measure(self, model: Any) -> Measurement:
         """``protocol.sessions`` fresh sessions of one model."""
@@ -608,14 +654,16 @@ class Measurer:
             return [self._deterministic(m) for m in srcs]
         p = self.protocol
         n_rounds = sessions or p.final_sessions
-        warm = self._warm_rounds()
+        warm = self._warm_rounds(models=srcs)
         accs = [_Acc() for _ in srcs]
         quiet, remeasured = True, 0
         runners = self._open_all(srcs)
         try:
-            self._warm(srcs, runners, warm)
+            self._warm(srcs, runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(n_rounds):
+                if r and self.out_of_time():
+                    break
                 order = [(r + i) % len(srcs) for i in range(len(srcs))]
                 results, ok, again = self._round(
                     [srcs[i] for i in order], p.warmup, p.runs, runners
@@ -654,14 +702,14 @@ class Measurer:
         level = per_look_confidence(p.confidence, looks)
         give_up = (max(min_rounds, math.ceil(p.give_up_at * p.max_rounds))
                    if until == "verdict" and p.give_up_at is not None else None)
-        warm = self._warm_rounds()
+        warm = self._warm_rounds(models=[ref, cand])
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
-        quiet, remeasured, decided, gave_up, busy = True, 0, False, False, 0
+        quiet, remeasured, decided, gave_up, busy, cut = True, 0, False, False, 0, False
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
-            self._warm([ref, cand], runners, warm)
+            self._warm([ref, cand], runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
@@ -680,14 +728,15 @@ class Measurer:
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
                 if len(ratios) >= 2:
                     center, lo, hi = ratio_interval(ratios, level)
-                if len(ratios) < max(2, min_rounds):
-                    continue
                 significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
-                if significant or (hi - lo) / (2 * center) < p.target:
+                enough = len(ratios) >= max(2, min_rounds)
+                if enough and (significant or (hi - lo) / (2 * center) < p.target):
                     decided = True
                     break
-                if give_up is not None and len(ratios) >= give_up and center >= 1.0:
-                    gave_up = True
+                cut = len(ratios) >= CUT_SHORT_ROUNDS and self.out_of_time()
+                gave_up = enough and give_up is not None and len(ratios) >= give_up \
+                    and center >= 1.0
+                if cut or gave_up:
                     break
         finally:
             self._close_all(runners)
@@ -706,6 +755,7 @@ class Measurer:
             ratios=ratios,
             confidence=p.confidence,
             gave_up=gave_up,
+            cut_short=cut,
         )
 
     def counters(self) -> dict[str, int]:

@@ -206,8 +206,9 @@ def trial_statistics(trials, screen_discard_ratio: float) -> dict:
            "pruned_known_failure": 0, "measured": 0, "ab_compared": 0, "ab_decided": 0,
            "ab_gave_up": 0,
            "screened_out": 0, "screen_only": 0, "deterministic": 0, "cache_hits": 0,
-           "screen_discard_ratio": screen_discard_ratio,
-           "subgraph_screened_out": 0, "subgraph_compared": 0, "subgraph_agreed": 0}
+            "screen_discard_ratio": screen_discard_ratio,
+            "subgraph_screened_out": 0, "subgraph_compared": 0, "subgraph_agreed": 0,
+            "subgraph_slower_audited": 0, "subgraph_slower_right": 0}
     kinds = {"ab": "ab_compared", "screened_out": "screened_out", "screen": "screen_only",
              "deterministic": "deterministic"}
     for t in trials:
@@ -234,6 +235,9 @@ def trial_statistics(trials, screen_discard_ratio: float) -> dict:
                 out["subgraph_screened_out"] += key == "screened_out"
                 out["subgraph_compared"] += "agrees" in sub
                 out["subgraph_agreed"] += bool(sub.get("agrees"))
+                if key == "ab_compared" and sub.get("verdict") == "slower":  # an audited drop:
+                    out["subgraph_slower_audited"] += 1  # right unless the whole model is faster
+                    out["subgraph_slower_right"] += sub.get("whole_verdict") != "faster"
             out["ab_decided"] += key == "ab_compared" and bool(m.decided)
             out["ab_gave_up"] += key == "ab_compared" and m.verdict == "not faster"
     return out
@@ -260,7 +264,11 @@ def _statistics_lines(st: dict | None) -> list[str]:
         [f"Subgraph screen: {st['subgraph_screened_out']} candidate(s) screened out by their "
          f"changed region alone; of {st['subgraph_compared']} also A/B-compared as whole "
          f"models, the region ranked {st['subgraph_agreed']} as the whole model did (faster "
-         "or not)."] if st.get("subgraph_screened_out") or st.get("subgraph_compared") else [])
+         "or not)."] if st.get("subgraph_screened_out") or st.get("subgraph_compared") else []) + (
+        [f"Subgraph screen audit: {st['subgraph_slower_audited']} region(s) measured slower "
+         f"were A/B-compared as whole models anyway; {st['subgraph_slower_right']} of those "
+         "whole models were not faster either (a drop would have been right)."]
+        if st.get("subgraph_slower_audited") else [])
 
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -530,11 +538,14 @@ def _speedup_line(r: dict, lo, hi) -> str:
     final = r.get("final_comparison") or {}
     if final.get("same_model"):
         return (f"**Speedup {_f(r['speedup'])}x**: `optimized.onnx` is the baseline itself, "
-                f"measured once more ({final['candidate']['sessions']} fresh sessions); "
-                "there is nothing to compare.")
+                f"measured once more ({final['candidate']['sessions']} fresh sessions"
+                + (", cut short: the run's time was up" if final.get("cut_short") else "")
+                + "); there is nothing to compare.")
+    cut = (f" The run's time was up: this A/B was cut short at {final.get('rounds')} rounds."
+           if final.get("cut_short") else "")
     return (f"**Speedup {_f(r['speedup'])}x** ({int(r['speedup_confidence'] * 100)} % interval "
             f"{_f(lo)}–{_f(hi)}, interleaved re-measurement of the saved model against the "
-            "baseline).")
+            "baseline)." + cut)
 
 
 def _defaults_lines(taken: list[str] | None) -> list[str]:

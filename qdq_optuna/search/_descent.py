@@ -30,7 +30,7 @@ from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._options import DescentFindings
-from qdq_optuna.search._pattern import PatternStudy, Search, Seed
+from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import FINAL_LINE, Unfused, kernel_table_entry, skip_reason
 
 log = logging.getLogger("qdq_optuna")
@@ -161,6 +161,9 @@ class Descent:
         if this is None and mine and mine[-1].context_key == key:
             s.progress.skip(pid, "nothing changed near it since its last visit")
             return False
+        left = s.remaining()
+        if left is not None and left <= 0:  # no visit starts (reads, kernels) out of time
+            raise OutOfTime()
         if s.settings.multi_objective:  # one study per pattern from float, as a first pass
             attrs = PatternStudy(s, pp, order=order, around=around, rnd=rnd, lane=lane,
                                  seeds=self.seeds(pp) if self.seeds else (),

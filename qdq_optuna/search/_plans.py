@@ -47,7 +47,7 @@ class PlanMeasurer:
     screen_discard_ratio = SCREEN_DISCARD_RATIO
 
     def __init__(self, measurer: Measurer, memo: PlanMemo, scorer: ErrorScorer | None = None,
-                 errors: PlanMemo | None = None, regions=None) -> None:
+                 errors: PlanMemo | None = None, regions=None, audit: bool = False) -> None:
         self.measurer = measurer
         self.memo = memo
         self.scorer = scorer
@@ -55,12 +55,18 @@ class PlanMeasurer:
         self.measurements = 0
         self.by_phase: Counter[str] = Counter()
         self.cache_hits = 0
+        #: plan key -> its measurement by :meth:`measure_together`, not yet read by
+        #: :meth:`measure` (which then counts no cache hit)
+        self.together: dict[str, Measurement] = {}
         #: plan key -> where that model failed in this process; the sampler does not avoid
         #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
         self.failed: dict[str, str] = {}
         #: the subgraph screen (``Config.subgraph_screen``; ``regions``: the prepared graph):
         #: the graph, and the measurer of its region A/Bs (None: off, or an exact backend)
         self.regions: tuple | None = None
+        #: ``Config.subgraph_screen_audit``: a region measured slower is A/B-timed as a whole
+        #: model all the same (the screen's drops checked, nothing screened out)
+        self.audit = audit
         if regions is not None and not measurer.deterministic:
             from qdq_optuna.measure.kernels import KERNEL_PROTOCOL
 
@@ -69,6 +75,13 @@ class PlanMeasurer:
     @property
     def deterministic(self) -> bool:
         return self.measurer.deterministic
+
+    def set_deadline(self, at: float | None) -> None:
+        """Every measurement of the run takes its minimum rounds past ``at``
+        (``time.monotonic()``; see :attr:`Measurer.deadline`)."""
+        self.measurer.deadline = at
+        if self.regions is not None:
+            self.regions[1].deadline = at
 
     def _count(self, phase: str, n: int = 1) -> None:
         self.measurements += n
@@ -96,6 +109,9 @@ class PlanMeasurer:
     def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, Measurement]:
         """One model's own latency (not against a reference), once per run: the baseline and
         the starts. ``key``: the plan key (or another name) the memo keeps it under."""
+        if key in self.together:
+            record = self.together.pop(key)
+            return record.latency_ms, record
         cached = self._cached_key(key)
         if cached is not None:
             return cached.latency_ms, cached
@@ -104,6 +120,28 @@ class PlanMeasurer:
         record = Measurement(latency_ms=m.score_ms, stats=m.to_dict(), qdq=qdq)
         self.memo.put(key, record)
         return m.score_ms, record
+
+    def measure_together(self, baseline, baseline_ms: float, items: list, phase: str) -> None:
+        """Models not measured yet in this run (``items``: ``(key, source, qdq)``), timed in
+        the same interleaved rounds as the ``baseline`` model: each one's latency is
+        ``baseline_ms`` times its ratio to the baseline in those rounds (drift between
+        measurements minutes apart cancels), kept in the memo that :meth:`measure` reads."""
+        todo, seen = [], set()
+        for key, source, qdq in items:
+            if key not in seen and self.memo.get(key) is None:
+                seen.add(key)
+                todo.append((key, source, qdq))
+        if not todo:
+            return
+        ms = self.measurer.interleaved([baseline] + [src for _, src, _ in todo],
+                                       sessions=self.measurer.protocol.sessions)
+        now = ms[0].score_ms
+        for (key, _, qdq), m in zip(todo, ms[1:]):
+            self._count(phase)
+            stats = {**m.to_dict(), "baseline_now_ms": now}
+            record = Measurement(latency_ms=baseline_ms * m.score_ms / now, stats=stats, qdq=qdq)
+            self.memo.put(key, record)
+            self.together[key] = record
 
     def reference(self, source, key: str | None = None) -> list[float]:
         """``[latency_ms, screen_ms]`` of a visit's reference model (the standing model). On a
@@ -188,7 +226,7 @@ class PlanMeasurer:
                                rounds=1, sessions=m.sessions, reference_ms=ref.ms,
                                stats=m.to_dict())
         sub = self._region(data, ref, plan) if plan is not None else None
-        if sub is not None and sub.verdict == "slower":  # its region alone is slower
+        if sub is not None and sub.verdict == "slower" and not self.audit:  # region slower
             return Measurement(kind="screened_out", screened_out=True,
                                latency_ms=ref.ms * sub.ratio, ratio=sub.ratio, rounds=0,
                                sessions=0, reference_ms=ref.ms,
@@ -211,7 +249,8 @@ class PlanMeasurer:
         cmp = self.measurer.compare(data, ref.source)
         self._count("descent")
         extra = {} if sub is None else {  # did the region rank it as the whole model did?
-            "subgraph": {**sub.to_dict(), "agrees": (sub.ratio < 1) == (cmp.ratio < 1)}}
+            "subgraph": {**sub.to_dict(), "agrees": (sub.ratio < 1) == (cmp.ratio < 1),
+                         "whole_verdict": cmp.verdict}}
         return Measurement(kind="ab", latency_ms=ref.ms * cmp.ratio, ratio=cmp.ratio,
                            ci=[cmp.ci_low, cmp.ci_high], rounds=cmp.rounds, decided=cmp.decided,
                            verdict=cmp.verdict, reference_ms=ref.ms,

@@ -142,7 +142,8 @@ def open_run(run: PreparedRun) -> OpenedRun:
     scorer, data_name = error_scorer(prepared, o, run.profile, exporter, run.validation,
                                      run.calibration, run.backend)
     plans = PlanMeasurer(run.measurer, record.measured, scorer, record.errors,
-                         regions=prepared.graph if cfg.subgraph_screen else None)
+                         regions=prepared.graph if cfg.subgraph_screen else None,
+                         audit=cfg.subgraph_screen_audit)
     calibrated = (exporter if run.settings.scales == "calibrated"
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)

@@ -65,6 +65,13 @@ from qdq_optuna.search._workers import Workers
 
 log = logging.getLogger("qdq_optuna")
 
+#: ``--timeout``: the share of the timeout the conclusion may keep at most; the search stops
+#: that much earlier. Inception v1 (300 s) once concluded 560 s past its deadline.
+CONCLUSION_SHARE = 0.15
+#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, and the
+#: lanes' and the recipe file's A/Bs at about their minimum
+CONCLUSION_ROUNDS = 16
+
 
 class Tuner:
     """Runs (or resumes) one tuning run; see :func:`qdq_optuna.tune`."""
@@ -95,14 +102,28 @@ class Tuner:
         #: phase -> seconds from this process's start to the phase's end (the report's
         #: ``elapsed_s``: when the standing model was known, when the descent ended)
         self.elapsed: dict[str, float] = {}
+        #: seconds of ``--timeout`` kept for the conclusion (:func:`conclusion_reserve`)
+        self.reserve = 0.0
         #: called with (study, pattern) after each stored decision (given by the caller: the
         #: dashboard's pictures, see :mod:`qdq_optuna._tune`)
         self.on_commit: list[Callable] = []
 
     def remaining(self) -> float | None:
+        """Seconds the search has left: ``--timeout`` less what the conclusion keeps."""
         if self.o.timeout is None:
             return None
-        return self.o.timeout - (time.monotonic() - self.started)
+        return self.o.timeout - self.reserve - (time.monotonic() - self.started)
+
+    def _deadlines(self, concluding: bool) -> None:
+        """``--timeout``: measurements take their minimum rounds past the search's deadline
+        (the conclusion's: the timeout itself), and the conclusion's share is sized to what
+        a round of this model cost (:func:`conclusion_reserve`)."""
+        if self.o.timeout is None:
+            return
+        if not concluding:
+            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s)
+        self.search_state.plans.set_deadline(
+            self.started + self.o.timeout - (0.0 if concluding else self.reserve))
 
     # -- the run ---------------------------------------------------------------------------
     @contextmanager
@@ -146,6 +167,9 @@ class Tuner:
         try:
             self.starts = self._starts(search)
             self._mark("starts")
+            # the starts' A/Bs run whole: cut short, none confirmed a quantized start and a
+            # YOLOv8n run with --timeout 60 shipped float (1.04x) instead of "all" (1.87x)
+            self._deadlines(concluding=False)
             self._write_state("running")
             self._write_standing(self.starts.order[0])
             self.descent = Descent(search, rounds=self.settings.rounds,
@@ -154,6 +178,7 @@ class Tuner:
             self.descent.run()
             self._mark("descent")
         except OutOfTime:
+            self._mark("descent")
             self._write_state("timeout")
             return self._conclude(partial=True)
         return self._conclude(partial=False)
@@ -209,7 +234,8 @@ class Tuner:
             else None
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
-                           seeds=self._seed_starts, worker=self.o.worker).run()
+                           seeds=self._seed_starts, worker=self.o.worker,
+                           baseline=self.baseline_source()[0]).run()
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -252,7 +278,9 @@ class Tuner:
         """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
         A/B against the baseline (the multi-objective front is measured by the outputs)."""
         plans = self.search_state.plans
+        self._deadlines(concluding=True)
         lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
+        self._mark("lanes")  # the conclusion's steps too: where the time after a deadline goes
         uses, rows = self.record.committed(lane)
         final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
         guard = self.search_state.guard
@@ -261,11 +289,14 @@ class Tuner:
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
         final_bytes = self._save_final(final_exporter, plan)
+        self._mark("guard")
         plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
                                                                        final_exporter)
+        self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
                else plans.compare(final_bytes, base_bytes, "final", until="precision"))
+        self._mark("final")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
@@ -382,6 +413,15 @@ class Tuner:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
                 log.debug("state.yaml not written", exc_info=True)
+
+
+def conclusion_reserve(timeout: float, session_s: float | None) -> float:
+    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe file's A/Bs,
+    the final A/B): :data:`CONCLUSION_ROUNDS` rounds of two sessions as long as the last one
+    measured, at most :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was
+    measured yet)."""
+    share = CONCLUSION_SHARE * timeout
+    return share if session_s is None else min(share, CONCLUSION_ROUNDS * 2 * session_s)
 
 
 def run_recipe_file(tuner: Tuner) -> RecipeFile:

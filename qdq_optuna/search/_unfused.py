@@ -111,7 +111,8 @@ class Unfused:
             log.info("what the runtime ran could not be read (%s): nothing is pruned", exc)
             return None
         self.reads += 1
-        if what is not None and self.evidence:
+        left = getattr(self.s, "remaining", lambda: None)()
+        if what is not None and self.evidence and (left is None or left > 0):  # time left
             self._time_kernels(exporter, model, what)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
@@ -128,7 +129,8 @@ class Unfused:
             table = self.s.kernel_timing(
                 onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
                 onnx.load_from_string(model), cache=self._cache(),
-                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()))
+                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()),
+                deadline=self.s.plans.measurer.deadline)
         except Exception as exc:  # evidence is an optimisation: never the run's failure
             log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
             return
