@@ -292,7 +292,8 @@ def test_the_subgraph_screen_audit_times_a_slower_region_as_a_whole_model_too(re
     assert sub["verdict"] == "slower" and m.kind == "ab" and whole.loads > 0
     assert sub["whole_verdict"] == "slower" and sub["agrees"]
     st = trial_statistics([optuna.trial.create_trial(
-        value=m.latency_ms, user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})])
+        value=m.latency_ms, user_attrs={TrialAttr.MEASUREMENT: m.to_attrs()})],
+        plans.screen_discard_ratio)
     assert (st["subgraph_slower_audited"], st["subgraph_slower_right"]) == (1, 1)
     assert st["subgraph_screened_out"] == 0
 
