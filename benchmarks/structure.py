@@ -193,6 +193,20 @@ def reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
 
 
 # -- the per-trial path --------------------------------------------------------------------------
+#: the child scripts' one profiled ``tune`` run (a tiny residual model on the cost model)
+_ONE_TUNE = r"""
+with tempfile.TemporaryDirectory() as tmp:
+    model = Path(tmp) / "m.onnx"
+    model.write_bytes(zoo.build("tiny_residual").SerializeToString())
+    sys.setprofile(profile)
+    try:
+        qdq_optuna.tune(str(model), str(Path(tmp) / "out"), benchmark="costmodel",
+                        config=Config(schemes_per_region=6, refine_rounds=0),
+                        max_output_error=1e9, progress=False)
+    finally:
+        sys.setprofile(None)
+"""
+
 _TRACE_CHILD = r"""
 import json, sys, tempfile, os
 from pathlib import Path
@@ -241,17 +255,7 @@ def profile(frame, event, arg):
         trials.append(current)
         current = None
 
-with tempfile.TemporaryDirectory() as tmp:
-    model = Path(tmp) / "m.onnx"
-    model.write_bytes(zoo.build("tiny_residual").SerializeToString())
-    sys.setprofile(profile)
-    try:
-        qdq_optuna.tune(str(model), str(Path(tmp) / "out"), benchmark="costmodel",
-                        config=Config(schemes_per_region=6, refine_rounds=0),
-                        max_output_error=1e9, progress=False)
-    finally:
-        sys.setprofile(None)
-json.dump(trials, sys.stdout)
+"""+_ONE_TUNE+r"""json.dump(trials, sys.stdout)
 """
 
 
@@ -349,17 +353,7 @@ def profile(frame, event, arg):
     if c is not None and c != o:
         calls.append([c, o, m.removeprefix("qdq_optuna.") + "." + frame.f_code.co_qualname])
 
-with tempfile.TemporaryDirectory() as tmp:
-    model = Path(tmp) / "m.onnx"
-    model.write_bytes(zoo.build("tiny_residual").SerializeToString())
-    sys.setprofile(profile)
-    try:
-        qdq_optuna.tune(str(model), str(Path(tmp) / "out"), benchmark="costmodel",
-                        config=Config(schemes_per_region=6, refine_rounds=0),
-                        max_output_error=1e9, progress=False)
-    finally:
-        sys.setprofile(None)
-json.dump({"steps": steps, "calls": calls}, sys.stdout)
+"""+_ONE_TUNE+r"""json.dump({"steps": steps, "calls": calls}, sys.stdout)
 """
 
 #: the run's owners in pipeline order (a call into an earlier one is a hop back)

@@ -192,6 +192,16 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.3f}x"
 
 
+
+def write_results(out: Path, key: str, rows: list, title: str, markdown_table: str) -> None:
+    """The results so far as JSON and Markdown (rewritten after each row: a cut run keeps
+    what it measured)."""
+    data = {"cpu": current_cpu().to_json(), "runtime": "onnxruntime CPU, 1 thread", key: rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
+    out.with_suffix(".md").write_text(f"# {title}, ONNX Runtime CPU (1 thread)\n\nCPU: "
+                                      f"{json.dumps(data['cpu'])}\n\n{markdown_table}\n")
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["inception-v1-caffe2-light", "nudenet-320n",
@@ -210,13 +220,8 @@ def main() -> None:
         for name in args.models:
             load = _common.wait_quiet(args.max_load)
             results.append({**pairs(name, args.pairs), "load": load})
-            out = {"cpu": current_cpu().to_json(), "runtime": "onnxruntime CPU, 1 thread",
-                   "pairs": results}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str))
-            args.out.with_suffix(".md").write_text(
-                f"# Subgraph screen agreement, ONNX Runtime CPU (1 thread)\n\nCPU: "
-                f"{json.dumps(out['cpu'])}\n\n{pairs_table(results)}\n")
+            write_results(args.out, "pairs", results, "Subgraph screen agreement",
+                          pairs_table(results))
         return
     timeouts = (args.timeout * len(args.models))[:len(args.models)] \
         if len(args.timeout) == 1 else args.timeout
@@ -231,13 +236,7 @@ def main() -> None:
             rows.append({"model": name, "screen": screen, "timeout_s": timeout, "load": load,
                          "run": run})
             print(json.dumps(rows[-1]), flush=True)
-            out = {"cpu": current_cpu().to_json(), "runtime": "onnxruntime CPU, 1 thread",
-                   "rows": rows}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str))
-            args.out.with_suffix(".md").write_text(
-                f"# Subgraph screen, ONNX Runtime CPU (1 thread)\n\nCPU: "
-                f"{json.dumps(out['cpu'])}\n\n{table(rows)}\n")
+            write_results(args.out, "rows", rows, "Subgraph screen", table(rows))
 
 
 if __name__ == "__main__":

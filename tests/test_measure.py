@@ -78,6 +78,14 @@ class NullProbe:
         return self.answers.pop(0) if self.answers else True
 
 
+class BusyProbe(NullProbe):
+    """Every round finds another process on the cores."""
+
+    def stop(self, token):
+        self.last_other_cores = 1.0
+        return False
+
+
 # -- protocol and statistics ---------------------------------------------------------------
 
 
@@ -207,20 +215,15 @@ def test_noisy_rounds_are_remeasured_once():
 
 
 def test_a_busy_round_is_not_repeated_once_the_interval_separates():
-    class Busy(NullProbe):
-        def stop(self, token):
-            self.last_other_cores = 1.0
-            return False
-
     protocol = TimingProtocol.robust().with_(process_warmup_rounds=0)
     m = Measurer(FakeBackend(sigma=0.01), protocol)
-    m.probe = Busy()
+    m.probe = BusyProbe()
     c = m.compare(b"x" * 200, b"x" * 100, until="precision")
     assert c.ci_low > 1.0 and c.rounds >= protocol.final_sessions
     # rounds 1 and 2 are repeated (no interval yet after the first); none after it separated
     assert c.candidate.remeasured == 2 and m.loads == 2 * (c.rounds + 2)
     m = Measurer(FakeBackend(sigma=0.01), protocol)
-    m.probe = Busy()
+    m.probe = BusyProbe()
     c = m.compare(b"y" * 100, b"y" * 100)  # never separates, but the machine stays busy:
     assert not c.significant and c.rounds > measure.BUSY_STREAK
     assert c.candidate.remeasured == measure.BUSY_STREAK  # no repeat after the busy streak
@@ -234,18 +237,13 @@ def test_a_busy_round_is_repeated_while_repeats_find_quiet_moments():
     assert c.candidate.quiet and c.candidate.remeasured == c.rounds
 
 def test_past_its_deadline_a_measurement_takes_its_minimum_rounds_and_says_so():
-    class Busy(NullProbe):
-        def stop(self, token):
-            self.last_other_cores = 1.0
-            return False
-
     protocol = TimingProtocol.robust().with_(process_warmup_rounds=2)
     m = Measurer(FakeBackend(sigma=0.05), protocol)
     m.probe = NullProbe()
     full = m.compare(b"y" * 100, b"y" * 101, until="precision")
     assert not full.cut_short and full.rounds >= protocol.final_sessions
     m = Measurer(FakeBackend(sigma=0.05), protocol)
-    m.probe = Busy()  # no busy round is measured again either
+    m.probe = BusyProbe()  # no busy round is measured again either
     m.deadline = time.monotonic() - 1.0
     c = m.compare(b"y" * 100, b"y" * 101, until="precision")
     assert c.cut_short and c.rounds == measure.CUT_SHORT_ROUNDS and c.to_dict()["cut_short"]
