@@ -485,6 +485,11 @@ def test_start_all_descends_once_from_every_distinct_feasible_start(residual, tm
     starts = {s["name"]: s for s in report["starts"]}
     assert report["final_latency_ms"] <= min(
         starts[lane["start"]]["latency_ms"] for lane in lanes.values()) + 1e-12
+    # the descent's gain the report gives is its start's latency over what it shipped
+    shipped = lanes[report["descent"]["shipped"]]
+    assert shipped["gain"] == pytest.approx(
+        starts[shipped["start"]]["latency_ms"] / report["final_latency_ms"], rel=1e-6)
+    assert "The descent from" in (tmp_path / "all" / "report.md").read_text()
 
 
 def test_a_later_lane_takes_only_clear_losses_as_its_prior():

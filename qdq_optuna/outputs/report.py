@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,8 +130,9 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
 
 
 def descent_summary(record, lane: str) -> dict:
-    """Per lane: rounds run, visits (decided, changed the standing model), moves queued and
-    moves left out because their kind kept failing."""
+    """Per lane: rounds run, visits (decided, changed the standing model), moves queued, moves
+    left out because their kind kept failing, and ``gain``: the descent's gain over the lane's
+    start, the product of the whole-model gains its committed visits measured."""
     starts = record.starts()
     lanes = {}
     for name in starts.order if starts is not None else []:
@@ -142,6 +144,7 @@ def descent_summary(record, lane: str) -> dict:
             "changed": sum(1 for v in visits if v.changed),
             "moves": sum(int(v.moves) for v in visits),
             "moves_skipped": sum(int(v.moves_skipped) for v in visits),
+            "gain": math.prod(float(v.gain or 1.0) for v in visits if v.changed),
         }
     return {"lanes": lanes, "shipped": lane or "main"}
 
@@ -347,6 +350,12 @@ def _starts_lines(r: dict) -> list[str]:
                      f"{_f(s.get('latency_ms'), '{:.4f}')} | {_f(s.get('speedup'))}x | "
                      f"{_f(s.get('error'), '{:.3g}')} | {'yes' if s.get('feasible') else 'no'} | "
                      f"{lane} | {_short(notes, 160)} |")
+    lanes = (r.get("descent") or {}).get("lanes") or {}
+    shipped = lanes.get((r.get("descent") or {}).get("shipped") or "main")
+    if shipped:
+        lines += ["", f"The descent from `{shipped.get('start') or 'its start'}` gained {_f(shipped['gain'])}x over "
+                  f"it ({shipped['changed']} of {shipped['visits']} visits changed the standing "
+                  "model; each visit's gain is a whole-model A/B)."]
     return lines + [""]
 
 
