@@ -580,9 +580,20 @@ class Measurer:
         if p.rewarm_after_s is not None and idle > p.rewarm_after_s:
             return min(1, p.process_warmup_rounds)
         if models and p.model_warmup_after_s is not None and (
-                idle > p.model_warmup_after_s or any(_key(m) not in self._seen for m in models)):
+                idle > p.model_warmup_after_s or self._unseen(models)):
             return min(1, p.process_warmup_rounds)
         return 0
+
+    def _unseen(self, models: Sequence[ModelSource]) -> list[ModelSource]:
+        return [m for m in models if _key(m) not in self._seen]
+
+    def _cold(self, models: Sequence[ModelSource]) -> list[ModelSource]:
+        """The models a warm-up round must cover: all of them after an idle spell, else only
+        those not timed yet (a descent's A/B meets a new candidate every trial; its reference
+        was timed moments ago and needs no session thrown away)."""
+        idle = self._warm_at is None or self._generation() != self._warm_generation or (
+            time.monotonic() - self._warm_at > (self.protocol.model_warmup_after_s or 0.0))
+        return list(models) if idle else self._unseen(models)
 
     def _warm(self, models: Sequence[ModelSource], runners: dict | None, rounds: int) -> None:
         p = self.protocol
@@ -654,12 +665,12 @@ class Measurer:
             return [self._deterministic(m) for m in srcs]
         p = self.protocol
         n_rounds = sessions or p.final_sessions
-        warm = self._warm_rounds(models=srcs)
+        warm, cold = self._warm_rounds(models=srcs), self._cold(srcs)
         accs = [_Acc() for _ in srcs]
         quiet, remeasured = True, 0
         runners = self._open_all(srcs)
         try:
-            self._warm(srcs, runners, 0 if self.out_of_time() else warm)
+            self._warm(cold, runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(n_rounds):
                 if r and self.out_of_time():
@@ -702,14 +713,14 @@ class Measurer:
         level = per_look_confidence(p.confidence, looks)
         give_up = (max(min_rounds, math.ceil(p.give_up_at * p.max_rounds))
                    if until == "verdict" and p.give_up_at is not None else None)
-        warm = self._warm_rounds(models=[ref, cand])
+        warm, cold = self._warm_rounds(models=[ref, cand]), self._cold([ref, cand])
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
         quiet, remeasured, decided, gave_up, busy, cut = True, 0, False, False, 0, False
         center, lo, hi = 1.0, 0.0, math.inf
         runners = self._open_all([ref, cand])
         try:
-            self._warm([ref, cand], runners, 0 if self.out_of_time() else warm)
+            self._warm(cold, runners, 0 if self.out_of_time() else warm)
             t0 = time.perf_counter()
             for r in range(p.max_rounds):
                 order = [ref, cand] if r % 2 == 0 else [cand, ref]  # ABBA: cancel order bias
