@@ -185,6 +185,9 @@ class OpenVinoBackend(Backend):
                 "inference_precision_why": self.precision_why,
                 "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
                 "input_data": sorted(self.input_data), "seed": self.seed,
+                # what every measurement and the guard compiled with: a check of the shipped
+                # file compiles with the same (OpenVINO's bf16 kernels differ by thread count)
+                "properties": self.config(),
                 "how_to_run": "openvino.Core().compile_model('optimized.onnx', 'CPU', "
                               f"{self.config()!r})"}
 

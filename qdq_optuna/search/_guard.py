@@ -101,6 +101,7 @@ class Guard:
                 "data_kind": data_kind(self.data),
                 "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize,
                                        self.plans.scorer.evaluator.runner is not None),
+                **scored_with(self.plans.scorer.evaluator.runner),
                 "status": verdict.status,
                 "shipped": verdict.shipped,
                 "error": errors["error"],
@@ -168,6 +169,14 @@ def scored_as(bf16: bool, fused: bool, openvino: bool = False) -> str:
     return ("the saved model in ONNX Runtime CPU with graph optimizations off: each Q/DQ "
             "computed as written, which is what TensorRT's kernels compute up to their "
             "rounding (ONNX Runtime's own fusions refuse FP16 Q/DQ graphs)")
+
+
+def scored_with(runner) -> dict:
+    """``{"scored_with": properties}`` when the guard ran candidates in the runtime itself
+    (OpenVINO: the compile properties, the inference precision hint among them, that a check
+    of the shipped file must use to see the same values), else nothing."""
+    config = getattr(getattr(runner, "__self__", None), "config", None)
+    return {"scored_with": config()} if callable(config) else {}
 
 
 def check_default_session(accuracy: dict, scorer, saved) -> None:
