@@ -7,16 +7,18 @@ Runs, each through the command line (``python -m qdq_optuna``), so this keeps wo
 the library's insides become:
 
 * ``inspect --json`` under both runtimes' rules (``--input-shapes`` as the model table says);
-* ``tune`` with each of ``--runs``: ``costmodel-tensorrt`` and ``costmodel-onnxruntime`` (the
-  analytical TensorRT-like cost model, placing Q/DQ by TensorRT's or ONNX Runtime's rules) and
-  ``onnxruntime`` (ONNX Runtime CPU timings: only on a quiet machine), all ``--mode quick``
+* ``tune`` with each of ``--runs``: ``costmodel-tensorrt``, ``costmodel-onnxruntime`` and
+  ``costmodel-openvino`` (the analytical cost model, placing Q/DQ by TensorRT's, ONNX
+  Runtime's or OpenVINO's rules), ``onnxruntime`` and ``openvino`` (the runtimes' CPU timings:
+  only on a quiet machine), all ``--mode quick``
   by default, calibrated on 8 natural-looking inputs (``--calibration-data``; see
   ``real_models.natural_inputs``).
 
 Every ``optimized.onnx`` is checked: ``onnx.checker`` (full check), it loads and runs in ONNX
 Runtime, its opset imports name only domains its nodes use, and its worst output's cosine /
 relative L2 error against the FP32 model on 8 *held-out* inputs (ONNX Runtime rules: run with
-ORT's optimizations, the deployed kernels; TensorRT rules: plain ONNX semantics) is within the
+ORT's optimizations, the deployed kernels; TensorRT rules: plain ONNX semantics; OpenVINO
+rules: in OpenVINO, compiled as the report's ``accuracy.scored_with`` says) is within the
 guard's bound (``qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
 
     python benchmarks/real_model_check.py                           # cost model runs (~50 min)
@@ -54,6 +56,8 @@ RUNS = {  # name -> (backend, rules, further tune arguments)
     "costmodel-tensorrt-fp32": ("costmodel", "tensorrt", ("--high-precision", "fp32")),
     "costmodel-onnxruntime": ("costmodel", "onnxruntime", ()),
     "onnxruntime": ("onnxruntime", "onnxruntime", ()),
+    "costmodel-openvino": ("costmodel", "openvino", ()),
+    "openvino": ("openvino", "openvino", ()),
 }
 
 
@@ -118,14 +122,31 @@ def tune_row(path: Path, shapes: str | None, cal: Path, held: dict, run: str, ou
                (f"{default['error']:.3f}" if default["loads"] else "refused"))
     fused = profile_for(runtime).scores_fused(None)  # ONNX Runtime's fused kernels
     row.update(check_model(out / "optimized.onnx", path, held, optimize=fused,
-                           bf16=row["precision"] == "bf16"))
+                           bf16=row["precision"] == "bf16", openvino=acc.get("scored_with")))
     return row
 
 
+def openvino_outputs(path: Path, held: dict, properties: dict) -> dict:
+    """``path`` compiled by OpenVINO's CPU plugin with ``properties`` (the report's
+    ``accuracy.scored_with``), one held-out sample at a time, outputs concatenated."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(path), "CPU", properties)
+    count = len(next(iter(held.values())))
+    parts: dict = {}
+    for i in range(count):
+        result = compiled({k: v[i:i + 1] for k, v in held.items()})
+        for port in compiled.outputs:
+            parts.setdefault(port.get_any_name(), []).append(np.asarray(result[port]))
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
 def check_model(optimized: Path, original: Path, held: dict, optimize: bool,
-                bf16: bool = False) -> dict:
+                bf16: bool = False, openvino: dict | None = None) -> dict:
     """``bf16``: the BF16 model computed in FP32 arithmetic, as the run's guard scores it (ONNX
-    Runtime's CPU provider has no BF16 kernels)."""
+    Runtime's CPU provider has no BF16 kernels). ``openvino``: compile properties; the file is
+    run in OpenVINO's CPU plugin with them (OpenVINO rules), the FP32 reference in ONNX
+    Runtime."""
     import onnx
 
     from qdq_optuna.model.precision import bf16_computed_in_fp32
@@ -141,8 +162,11 @@ def check_model(optimized: Path, original: Path, held: dict, optimize: bool,
     out["domains"] = "ok" if not extra else f"unused {sorted(extra)}"
     try:
         reference = run_model(str(original), held, optimize=optimize)
-        candidate = run_model(bf16_computed_in_fp32(model) if bf16 else str(optimized), held,
-                              optimize=optimize)
+        if openvino is not None:
+            candidate = openvino_outputs(optimized, held, openvino)
+        else:
+            candidate = run_model(bf16_computed_in_fp32(model) if bf16 else str(optimized),
+                                  held, optimize=optimize)
     except Exception as exc:  # ORT raises its own types
         out["runs"] = f"FAIL {str(exc).splitlines()[0][:80]}"
         return out
