@@ -8,7 +8,8 @@ timing: the placements and the calibration are the run's, only the scales differ
     python benchmarks/reader_ranges.py --models ppocr-det,ppocr-cls,nudenet-320n \\
         --out /tmp/rr --json benchmarks/results/reader_ranges.json
 
-``--leave-one-in NAME`` adds, for that model's every-point placement with the cut, each
+``--weight-bits NAME`` splits the error of that model's every-point placement between this
+CPU's arithmetic and 7-bit weights; ``--leave-one-in NAME`` adds, for that model's every-point placement with the cut, each
 quantized tensor's own error alone (only it quantized) on the held-out text crops: which
 tensors still carry the error.
 """
@@ -129,6 +130,35 @@ def leave_one_in(name: str, work: Path, top: int) -> dict:
             "worst": [{"tensor": t, **v} for t, v in worst[:top]]}
 
 
+def weight_bits(name: str, work: Path) -> list[dict]:
+    """Every point on with the cut, its weights at 7 bits (ONNX Runtime's ``reduce_range``,
+    what this project writes for a CPU without VNNI) and at 8 (a VNNI CPU, simulated), each run
+    with ONNX Runtime's fused kernels (this machine's u8 x s8 arithmetic) and as written (the
+    ONNX semantics, exact integer products: what a VNNI CPU computes); held-out errors, all
+    crops and the text crops alone."""
+    from qdq_optuna.machine import simulated_cpu
+
+    path, _, fit, _, held, pm = prepared(name, work)
+    text = {k: v[0::2] for k, v in held.items()}
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), fit)
+    uses = whole.scheme_uses(pm, whole.all_on_start(pm).schemes)
+    refs = {"all": run_model(str(path), held), "text": run_model(str(path), text)}
+    rows = []
+    for cpu in ("avx2", "vnni"):
+        with simulated_cpu(cpu):
+            exporter = pm.exporter(scales(pm, stats, True))
+            data = exporter.to_bytes(exporter.plan(uses))
+        for fused in (True, False):
+            row = {"model": name, "weights": "7-bit" if cpu == "avx2" else "8-bit",
+                   "run": "fused (this CPU)" if fused else "as written (exact)"}
+            for part, feeds in (("all", held), ("text", text)):
+                e = errors(refs[part], run_model(data, feeds, optimize=fused))
+                row[f"{part}_cosine"], row[f"{part}_relative_l2"] = e["cosine"], e["relative_l2"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="ppocr-det")
@@ -136,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--leave-one-in", help="a model: each tensor's own error on text crops")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--weight-bits", help="a model: 7- vs 8-bit weights, fused vs as written")
     args = ap.parse_args(argv)
     result: dict = {"rows": []}
     for name in [m for m in args.models.split(",") if m]:
         result["rows"] += one(name, args.out / name)
+    if args.weight_bits:
+        result["weight_bits"] = weight_bits(args.weight_bits, args.out / args.weight_bits)
     if args.leave_one_in:
         result["leave_one_in"] = leave_one_in(args.leave_one_in, args.out / args.leave_one_in,
                                               args.top)
