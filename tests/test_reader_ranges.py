@@ -185,3 +185,65 @@ def test_the_report_counts_the_ranges_cut(tmp_path):
     assert result.report["reader_clipped_ranges"] == 1
     text = (tmp_path / "out" / "report.md").read_text()
     assert "activation ranges cut to what their readers distinguish: 1 tensors" in text
+
+
+def _hard_swish_written_out() -> list:
+    """logits -> * scale -> + shift -> y * Clip(y + 3, 0, 6) / 6 (how Paddle exports it)."""
+    return [helper.make_node("Mul", ["logits", "k_mul"], ["scaled"]),
+            helper.make_node("Add", ["scaled", "k_add"], ["y"]),
+            helper.make_node("Add", ["y", "three"], ["y3"]),
+            helper.make_node("Clip", ["y3", "zero", "six"], ["gate"]),
+            helper.make_node("Mul", ["y", "gate"], ["prod"]),
+            helper.make_node("Div", ["prod", "six"], ["hs"])]
+
+
+def _hard_swish_inits(scale: float, shift: float) -> dict:
+    return {"k_mul": np.array([scale], np.float32), "k_add": np.array([shift], np.float32),
+            "three": np.array(3.0, np.float32), "zero": np.array(0.0, np.float32),
+            "six": np.array(6.0, np.float32)}
+
+
+def test_a_hard_swish_written_out_cuts_below_minus_three_through_scalar_maps():
+    """y * Clip(y + 3, 0, 6) is 0 for y <= -3: y is cut there, and the cut passes back through
+    the scalar Add and Mul before it (logits = (y - shift) / scale), so the Conv's output is
+    cut too; y + 3 takes the Clip's exact ends."""
+    model = _model(_hard_swish_written_out(), ["hs"], _hard_swish_inits(2.0, 0.5))
+    bounds = _bounds(model)
+    assert bounds["y"] == (-3.0, math.inf)
+    assert bounds["y3"] == (0.0, 6.0)
+    assert bounds["scaled"] == pytest.approx((-3.5, math.inf))
+    assert bounds["logits"] == pytest.approx((-1.75, math.inf))
+    # a negative factor turns the interval around
+    flipped = _bounds(_model(_hard_swish_written_out(), ["hs"], _hard_swish_inits(-2.0, 0.5)))
+    assert flipped["logits"] == pytest.approx((-math.inf, 1.75))
+    # a gate that is not 0 below a point (Clip from -1) cuts nothing at the product
+    inits = _hard_swish_inits(2.0, 0.5) | {"zero": np.array(-1.0, np.float32)}
+    assert "y" not in _bounds(_model(_hard_swish_written_out(), ["hs"], inits))
+
+
+def test_x_times_hard_sigmoid_of_x_is_cut_where_the_gate_closes():
+    nodes = [helper.make_node("HardSigmoid", ["logits"], ["g"], alpha=1 / 6, beta=0.5),
+             helper.make_node("Mul", ["logits", "g"], ["hs"])]
+    assert _bounds(_model(nodes, ["hs"], {}))["logits"] == pytest.approx((-3.0, math.inf))
+    silu = [helper.make_node("Sigmoid", ["logits"], ["g"]),
+            helper.make_node("Mul", ["logits", "g"], ["s"])]  # never exactly 0: no cut
+    assert "logits" not in _bounds(_model(silu, ["s"], {}))
+
+
+def test_cut_hard_swish_input_gives_a_lower_output_error():
+    """The written-out HardSwish on wide Conv outputs, only its input y quantized (uint8):
+    cut at -3 the 256 levels cover half the range, and the output error drops."""
+    model = _model(_hard_swish_written_out(), ["hs"], _hard_swish_inits(1.0, 0.0))
+    pm = PreparedModel.prepare(model, runtime="onnxruntime")
+    data = _data()
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)
+    ref = run_model(pm.graph.full_model(), data)
+    errs = []
+    for bounds in (None, calibration.reader_bounds(pm.graph)):
+        exporter = pm.exporter(calibration.activation_scales(
+            stats, method="minmax", quant_type="uint8", bounds=bounds))
+        uses = {u for pp in pm.tunable for u in pp.uses(pp.ids) if u[0] == "logits"}
+        assert uses
+        got = run_model(exporter.to_bytes(exporter.plan(uses)), data)
+        errs.append(output_errors(ref, got)["hs"]["relative_l2"])
+    assert errs[1] < 0.75 * errs[0], errs

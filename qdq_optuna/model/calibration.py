@@ -813,32 +813,111 @@ def reader_bounds(graph: Graph) -> dict[str, tuple[float, float]]:
     """Per tensor of ``graph``, the interval outside which every reader saturates or clips
     (:data:`READER_RANGES`; several readers: the hull of their intervals). A tensor that is a
     graph output, is read by any other op or in another input slot, or by a node whose bound
-    is unknown (a Clip limit computed at run time) gets none. ``graph``: the float graph,
-    before any Q/DQ is placed (an export's DequantizeLinear stands between a tensor and these
-    same readers)."""
+    is unknown (a Clip limit computed at run time) gets none. Readers that only move values
+    (:data:`PASS_THROUGH_OPS`) or map them by a scalar constant (``x * a``, ``x + b``, ...)
+    pass their output's interval back; ``x * gate(x)`` with a gate that is exactly 0 below
+    ``t`` (a HardSwish written out: ``x * Clip(x + 3, 0, 6)``, or ``x * HardSigmoid(x)``) cuts
+    ``x`` below ``t``. ``graph``: the float graph, before any Q/DQ is placed (an export's
+    DequantizeLinear stands between a tensor and these same readers)."""
     def constant(name: str):
         return graph.array(name) if name in graph.initializers else None
 
     hull: dict[str, tuple[float, float]] = {}
     barred = set(graph.graph_outputs) | _subgraph_reads(graph.nodes)
-    # readers before producers: a pass-through node's outputs are settled when it is reached
+
+    def settled(name: str) -> tuple[float, float] | None:
+        return None if name in barred else hull.get(name)
+
+    # readers before producers: a node's outputs are settled when it is reached
     for node in reversed(graph.nodes):
-        rule = READER_RANGES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        bound = rule(node, constant) if callable(rule) else rule
-        if node.op_type in PASS_THROUGH_OPS and node.domain in ("", "ai.onnx"):
-            outs = [o for o in node.output if o]
-            bound = None if any(o in barred or o not in hull for o in outs) else (
-                min(hull[o][0] for o in outs), max(hull[o][1] for o in outs))
-        for slot, name in enumerate(node.input):
+        reads = (_node_reads(node, graph, settled, constant)
+                 if node.domain in ("", "ai.onnx") else {})
+        for name in node.input:
+            bound = reads.get(name)
             if not name:
                 continue
-            if slot > 0 or bound is None:
+            if bound is None:
                 barred.add(name)
             elif name in hull:
                 hull[name] = (min(hull[name][0], bound[0]), max(hull[name][1], bound[1]))
             else:
                 hull[name] = bound
     return {name: b for name, b in hull.items() if name not in barred}
+
+
+def _node_reads(node, graph: Graph, settled, constant) -> dict[str, tuple[float, float]]:
+    """What one node tells apart of each input it reads (inputs left out: everything)."""
+    data = node.input[0] if node.input else ""
+    rule = READER_RANGES.get(node.op_type)
+    if rule is not None:
+        bound = rule(node, constant) if callable(rule) else rule
+        return {data: bound} if bound is not None else {}
+    outs = [settled(o) for o in node.output if o]
+    if node.op_type in PASS_THROUGH_OPS:
+        if not outs or None in outs:
+            return {}
+        return {data: (min(b[0] for b in outs), max(b[1] for b in outs))}
+    gated = _gated_product(node, graph, constant)
+    if gated is not None:
+        return gated
+    if node.op_type in _AFFINE and len(node.input) == 2 and outs and outs[0] is not None:
+        for slot in (0, 1):
+            value = constant(node.input[1 - slot])
+            if value is not None and np.size(value) == 1 and node.input[slot] != \
+                    node.input[1 - slot]:
+                bound = _affine_back(node.op_type, slot, float(np.ravel(value)[0]), outs[0])
+                return {node.input[slot]: bound} if bound is not None else {}
+    return {}
+
+
+#: elementwise ops that map a tensor by a scalar constant (monotone, so an interval of the
+#: output is an interval of the input)
+_AFFINE = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _affine_back(op: str, slot: int, c: float,
+                 out: tuple[float, float]) -> tuple[float, float] | None:
+    """The interval of the data input (``slot``) that ``op`` with the scalar ``c`` maps onto
+    ``out``; None where the map is not invertible (a factor 0)."""
+    lo, hi = out
+    if op == "Add":
+        ends = (lo - c, hi - c)
+    elif op == "Sub":
+        ends = (lo + c, hi + c) if slot == 0 else (c - hi, c - lo)
+    elif c == 0 or (op == "Div" and slot == 1):
+        return None
+    elif op == "Mul":
+        ends = (lo / c, hi / c)
+    else:  # x / c
+        ends = (lo * c, hi * c)
+    return min(ends), max(ends)
+
+
+def _gated_product(node, graph: Graph, constant) -> dict[str, tuple[float, float]] | None:
+    """``Mul(x, gate)`` where ``gate`` is computed from ``x`` and is exactly 0 for ``x <= t``
+    (so is the product): ``{x: (t, inf)}``; None for any other node. Gates: ``HardSigmoid(x)``
+    (alpha > 0: t = -beta / alpha) and ``Clip(x + c, 0, hi)`` (t = -c)."""
+    if node.op_type != "Mul" or len(node.input) != 2:
+        return None
+    for x, gate in (node.input, node.input[::-1]):
+        made = graph.producer.get(gate)
+        g = graph.nodes[made[0]] if made else None
+        if g is None or not g.input:
+            continue
+        if g.op_type == "HardSigmoid" and g.input[0] == x:
+            attrs = {a.name: helper.get_attribute_value(a) for a in g.attribute}
+            alpha, beta = float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5))
+            if alpha > 0:
+                return {x: (-beta / alpha, _INF)}
+        if g.op_type == "Clip" and _clip(g, constant) is not None and _clip(g, constant)[0] == 0:
+            made = graph.producer.get(g.input[0])
+            add = graph.nodes[made[0]] if made else None
+            if add is not None and add.op_type == "Add" and x in add.input:
+                other = add.input[1] if add.input[0] == x else add.input[0]
+                value = constant(other)
+                if value is not None and np.size(value) == 1:
+                    return {x: (-float(np.ravel(value)[0]), _INF)}
+    return None
 
 
 #: ops ONNX Runtime runs on 8-bit data when each output carries its input's scale and zero
