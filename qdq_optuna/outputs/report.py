@@ -571,7 +571,8 @@ def _reader_clipped_lines(count: int | None) -> list[str]:
     if not count:
         return []
     return [f"- activation ranges cut to what their readers distinguish: {count} tensors "
-            "(inputs of Sigmoid, Tanh, HardSigmoid, Clip, Relu or HardSwish and nothing else)"]
+            "(read only by ops that saturate or clip them: Sigmoid, Tanh, HardSigmoid, Clip, "
+            "Relu, HardSwish, also written out as x * Clip(x + 3, 0, 6))"]
 
 
 def render_markdown(r: dict) -> str:

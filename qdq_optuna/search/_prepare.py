@@ -108,8 +108,8 @@ class PreparedRun:
 class OpenedRun:
     """The run's storage opened: its record (settings agreed), the settings' digest, the
     user's warm starts (``--pattern-cache``; ``--qdq-baseline``'s quantized tensors), the
-    calibrated activation scales (and how many ranges their readers cut), the trials' exporter, the plan measurer (latencies and
-    errors) and the accuracy guard."""
+    calibrated activation scales (and how many ranges their readers cut), the trials'
+    exporter, the plan measurer (latencies and errors) and the accuracy guard."""
 
     record: RunRecord
     fingerprint_digest: str
