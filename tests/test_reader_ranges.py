@@ -247,3 +247,32 @@ def test_cut_hard_swish_input_gives_a_lower_output_error():
         got = run_model(exporter.to_bytes(exporter.plan(uses)), data)
         errs.append(output_errors(ref, got)["hs"]["relative_l2"])
     assert errs[1] < 0.75 * errs[0], errs
+
+
+def test_a_run_stored_before_the_cut_does_not_resume_with_other_scales(tmp_path, monkeypatch):
+    """Scales are made from the cached statistics each time: a run stored without the cut
+    (its settings lack ``activation_ranges``) is refused, naming what changed."""
+    from qdq_optuna import Config, tune
+    from qdq_optuna.errors import UserError
+    from qdq_optuna.search import _prepare
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_sigmoid_model(), str(path))
+    np.savez(tmp_path / "cal.npz", **_data())
+    real = _prepare.fingerprint
+
+    def before(*args, **kwargs):
+        fp = real(*args, **kwargs)
+        fp.pop("activation_ranges")
+        return fp
+
+    def run():
+        return tune(str(path), tmp_path / "out", backend="costmodel", runtime="onnxruntime",
+                    progress=False, calibration_data=str(tmp_path / "cal.npz"),
+                    config=Config.preset("quick"))
+
+    monkeypatch.setattr(_prepare, "fingerprint", before)
+    run()
+    monkeypatch.setattr(_prepare, "fingerprint", real)
+    with pytest.raises(UserError, match="activation_ranges"):
+        run()
