@@ -61,7 +61,8 @@ def measure(name: str, runtime: str, args) -> dict:
            "tensors": len(pm.candidate_tensors()), "methods": {}}
     exporters = {}
     for method in METHODS:
-        scales = calibration.activation_scales(stats, method=method, quant_type=qtype)
+        scales = calibration.activation_scales(stats, method=method, quant_type=qtype,
+                                               bounds=calibration.reader_bounds(pm.graph))
         exporter = exporters[method] = pm.exporter(scales)
         plan = exporter.plan(uses)
         _, details = evaluator.evaluate(exporter.to_bytes(plan))

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe_path, _ = vs_recipe.usable_recipe(path, cal, work, shapes)
     pm = PreparedModel.prepare(str(path), runtime="onnxruntime", input_shapes=shapes)
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    own = calibration.activation_scales(stats, method="percentile", quant_type=pm.quant_type)
+    own = calibration.activation_scales(stats, method="percentile", quant_type=pm.quant_type,
+                                        bounds=calibration.reader_bounds(pm.graph))
     variants = {"own scales, SAME_SCALE ties": calibration.share_input_scales(pm.graph.nodes, own),
                 "Concat sharing": calibration.share_concat_scales(pm.graph.nodes, own,
                                                                   pm.quant_type)}

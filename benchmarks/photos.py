@@ -134,7 +134,8 @@ def every_point(name: str, folder: Path, held_out: int = 8):
                                input_shapes=real_models.MODELS[name].input_shapes)
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
     exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
+        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type,
+        bounds=calibration.reader_bounds(pm.graph)))
     uses = set()
     for pp in pm.tunable:
         uses |= pp.uses(pp.ids)

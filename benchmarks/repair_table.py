@@ -60,7 +60,8 @@ def rebuild(path: Path, out: Path, cal: dict, shapes: str | None, report: dict) 
     stats = calibration.load_statistics(out / "calibration_stats.json",
                                         fingerprint=payload["fingerprint"])
     scales = calibration.activation_scales(stats, method=calibration.DEFAULT_METHOD,
-                                           quant_type=pm.quant_type)
+                                           quant_type=pm.quant_type,
+                                           bounds=calibration.reader_bounds(pm.graph))
     if pm.rules.concat_share_ratio is not None:
         scales = calibration.share_concat_scales(pm.graph.nodes, scales, pm.quant_type,
                                                  ratio=pm.rules.concat_share_ratio)

@@ -227,14 +227,15 @@ def test_concat_inputs_share_the_output_scale_under_openvino_rules(tmp_path):
 
     model = zoo.build("tiny_concat")
     pm = PreparedModel.prepare(model, runtime="openvino")
-    scales = calibrated_scales(pm, TuneOptions(model=model, output_dir=str(tmp_path)),
-                               RunFolder(tmp_path), None)
+    scales, _ = calibrated_scales(pm, TuneOptions(model=model, output_dir=str(tmp_path)),
+                                  RunFolder(tmp_path), None)
     from qdq_optuna.model import calibration
 
     data = calibration.random_calibration_data(pm.graph.model, None, samples=4, seed=0)
     own = calibration.activation_scales(
         calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data),
-        method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type)
+        method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type,
+        bounds=calibration.reader_bounds(pm.graph))
     concats = [n for n in pm.graph.nodes if n.op_type == "Concat"]
 
     def sharing(table: dict) -> int:

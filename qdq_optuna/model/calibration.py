@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -31,6 +31,9 @@ from onnx import TensorProto, helper, numpy_helper
 from qdq_optuna._files import atomic_write_bytes, map_external_sources
 from qdq_optuna.errors import ModelError, OptionError, UserError
 from qdq_optuna.machine import current_cpu
+
+if TYPE_CHECKING:
+    from qdq_optuna.model.graph import Graph
 
 #: A model for ONNX Runtime: a ``ModelProto``, or a path (required when the weights live in
 #: external data files, or the model is too large to serialize in memory).
@@ -662,11 +665,15 @@ def activation_params(
     method: str,
     quant_type: str,
     percentile: float = 99.99,
+    bound: tuple[float, float] | None = None,
 ) -> tuple[float, int]:
     """``(scale, zero_point)`` for one activation.
 
     ``percentile``, ``entropy`` and ``mse`` find a clipping threshold on |x|; for ``uint8`` it
     clips both ends of the observed range (``max' = min(max, t)``, ``min' = max(min, -t)``).
+    ``bound``: the interval outside which every reader of the tensor saturates
+    (:func:`reader_bounds`); the observed range is cut to it first (for the symmetric types
+    the threshold is then at most the cut range's larger end).
     """
     if method not in METHODS:
         raise OptionError(
@@ -687,7 +694,8 @@ def activation_params(
         threshold = _entropy_threshold(stats.hist, stats.bin_width, nq)
     else:
         threshold = _mse_threshold(stats, quant_type)
-    return _params(stats, min(threshold, amax), quant_type)
+    lo, hi = _cut_range(stats, bound)
+    return _params(lo, hi, min(threshold, amax, max(-lo, hi, 0.0)), quant_type)
 
 
 def activation_scales(
@@ -696,12 +704,220 @@ def activation_scales(
     method: str,
     quant_type: str,
     percentile: float = 99.99,
+    bounds: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, tuple[float, int]]:
-    """``activation_params`` for every tensor."""
+    """``activation_params`` for every tensor; ``bounds``: :func:`reader_bounds` of the graph
+    the tensors belong to (None: each tensor's own statistics alone)."""
+    bounds = bounds or {}
     return {
-        name: activation_params(s, method=method, quant_type=quant_type, percentile=percentile)
+        name: activation_params(s, method=method, quant_type=quant_type, percentile=percentile,
+                                bound=bounds.get(name))
         for name, s in stats.items()
     }
+
+
+def _cut_range(stats: TensorStatistics,
+               bound: tuple[float, float] | None) -> tuple[float, float]:
+    """The observed range cut to ``bound`` (a range entirely outside it shrinks to its edge)."""
+    if bound is None:
+        return stats.min, stats.max
+    lo = min(max(stats.min, bound[0]), bound[1])
+    return lo, max(min(stats.max, bound[1]), lo)
+
+
+def clipped_by_readers(stats: Mapping[str, TensorStatistics],
+                       bounds: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The tensors whose observed range reaches past what their readers distinguish (the
+    ones :func:`activation_scales` cuts), sorted."""
+    return sorted(name for name, s in stats.items() if name in bounds and s.count
+                  and (s.min < bounds[name][0] or s.max > bounds[name][1]))
+
+
+# --------------------------------------------------------------------------------------------
+# ranges that stop where the readers stop caring
+
+#: how far a saturating reader's output may still move beyond the cut, in steps of an 8-bit
+#: quantizer over its output range: the rounding error of 8 bits is uniform, RMS step/sqrt(12)
+#: (0.29 step); a tail of 1/8 step lost at the cut adds under 10 % to that
+#: (sqrt(1/12 + 1/64) = 1.09 x sqrt(1/12)), while a cut range makes every step finer. Sigmoid
+#: (output range 1): 1 - sigmoid(b) = 1/2040 at b = ln(2039) = 7.62; Tanh (output range 2):
+#: 1 - tanh(b) = 2/2040 at b = ln(2039) / 2 = 3.81.
+SATURATION_TAIL_STEPS = 1 / 8
+_TAIL = SATURATION_TAIL_STEPS / 255.0
+_SIGMOID_EDGE = math.log((1 - _TAIL) / _TAIL)
+_INF = math.inf
+
+
+def _hard_sigmoid(node, constant) -> tuple[float, float] | None:
+    """max(0, min(1, alpha * x + beta)) is flat outside (0 - beta) / alpha .. (1 - beta) / alpha."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    alpha, beta = float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5))
+    if alpha == 0:
+        return None
+    ends = sorted(((0 - beta) / alpha, (1 - beta) / alpha))
+    return ends[0], ends[1]
+
+
+def _clip(node, constant) -> tuple[float, float] | None:
+    """Clip's min / max: its inputs (opset 11 on; absent: unbounded; not a constant: unknown)
+    or its attributes (before opset 11). Relu6 is a Clip at 0 and 6."""
+    ends = []
+    for slot, attr, default in ((1, "min", -_INF), (2, "max", _INF)):
+        given = [helper.get_attribute_value(a) for a in node.attribute if a.name == attr]
+        if given:
+            ends.append(float(given[0]))
+        elif len(node.input) > slot and node.input[slot]:
+            value = constant(node.input[slot])
+            if value is None or np.size(value) != 1:
+                return None
+            ends.append(float(np.asarray(value).reshape(-1)[0]))
+        else:
+            ends.append(default)
+    return (ends[0], ends[1]) if ends[0] <= ends[1] else None
+
+
+#: op type -> the interval of its data input outside which its output no longer moves (within
+#: :data:`SATURATION_TAIL_STEPS` of an 8-bit step where it only approaches its limit): a tuple,
+#: or a function of the node and a constant's value (None: not known for this node)
+READER_RANGES = {
+    "Sigmoid": (-_SIGMOID_EDGE, _SIGMOID_EDGE),
+    "Tanh": (-_SIGMOID_EDGE / 2, _SIGMOID_EDGE / 2),  # tanh(x) = 2 * sigmoid(2x) - 1
+    "HardSigmoid": _hard_sigmoid,
+    "Clip": _clip,
+    "Relu": (0.0, _INF),
+    "HardSwish": (-3.0, _INF),  # x * max(0, min(1, x / 6 + 1 / 2)): 0 below -3
+}
+
+
+#: ops whose outputs hold only values of their data input (moved, picked, or the largest of a
+#: window): cutting the input to the interval its outputs' readers distinguish is the same as
+#: cutting the outputs (``x -> Reshape -> Sigmoid``); Resize and AveragePool mix values, so they
+#: are no such op
+PASS_THROUGH_OPS = frozenset({"Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
+                              "Flatten", "MaxPool", "Slice", "Split", "Gather",
+                              "GatherElements", "DepthToSpace", "SpaceToDepth"})
+
+
+def _subgraph_reads(nodes: Sequence) -> set[str]:
+    """Every tensor a node inside an If / Loop / Scan body reads (outer tensors included)."""
+    reads: set[str] = set()
+    for node in nodes:
+        for attr in node.attribute:
+            for body in [attr.g] * attr.HasField("g") + list(attr.graphs):
+                reads.update(body_input for n in body.node for body_input in n.input)
+                reads |= _subgraph_reads(body.node)
+    return reads
+
+
+def reader_bounds(graph: Graph) -> dict[str, tuple[float, float]]:
+    """Per tensor of ``graph``, the interval outside which every reader saturates or clips
+    (:data:`READER_RANGES`; several readers: the hull of their intervals). A tensor that is a
+    graph output, is read by any other op or in another input slot, or by a node whose bound
+    is unknown (a Clip limit computed at run time) gets none. Readers that only move values
+    (:data:`PASS_THROUGH_OPS`) or map them by a scalar constant (``x * a``, ``x + b``, ...)
+    pass their output's interval back; ``x * gate(x)`` with a gate that is exactly 0 below
+    ``t`` (a HardSwish written out: ``x * Clip(x + 3, 0, 6)``, or ``x * HardSigmoid(x)``) cuts
+    ``x`` below ``t``. ``graph``: the float graph, before any Q/DQ is placed (an export's
+    DequantizeLinear stands between a tensor and these same readers)."""
+    def constant(name: str):
+        return graph.array(name) if name in graph.initializers else None
+
+    hull: dict[str, tuple[float, float]] = {}
+    barred = set(graph.graph_outputs) | _subgraph_reads(graph.nodes)
+
+    def settled(name: str) -> tuple[float, float] | None:
+        return None if name in barred else hull.get(name)
+
+    # readers before producers: a node's outputs are settled when it is reached
+    for node in reversed(graph.nodes):
+        reads = (_node_reads(node, graph, settled, constant)
+                 if node.domain in ("", "ai.onnx") else {})
+        for name in node.input:
+            bound = reads.get(name)
+            if not name:
+                continue
+            if bound is None:
+                barred.add(name)
+            elif name in hull:
+                hull[name] = (min(hull[name][0], bound[0]), max(hull[name][1], bound[1]))
+            else:
+                hull[name] = bound
+    return {name: b for name, b in hull.items() if name not in barred}
+
+
+def _node_reads(node, graph: Graph, settled, constant) -> dict[str, tuple[float, float]]:
+    """What one node tells apart of each input it reads (inputs left out: everything)."""
+    data = node.input[0] if node.input else ""
+    rule = READER_RANGES.get(node.op_type)
+    if rule is not None:
+        bound = rule(node, constant) if callable(rule) else rule
+        return {data: bound} if bound is not None else {}
+    outs = [settled(o) for o in node.output if o]
+    if node.op_type in PASS_THROUGH_OPS:
+        if not outs or None in outs:
+            return {}
+        return {data: (min(b[0] for b in outs), max(b[1] for b in outs))}
+    gated = _gated_product(node, graph, constant)
+    if gated is not None:
+        return gated
+    if node.op_type in _AFFINE and len(node.input) == 2 and outs and outs[0] is not None:
+        for slot in (0, 1):
+            value = constant(node.input[1 - slot])
+            if value is not None and np.size(value) == 1 and node.input[slot] != \
+                    node.input[1 - slot]:
+                bound = _affine_back(node.op_type, slot, float(np.ravel(value)[0]), outs[0])
+                return {node.input[slot]: bound} if bound is not None else {}
+    return {}
+
+
+#: elementwise ops that map a tensor by a scalar constant (monotone, so an interval of the
+#: output is an interval of the input)
+_AFFINE = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _affine_back(op: str, slot: int, c: float,
+                 out: tuple[float, float]) -> tuple[float, float] | None:
+    """The interval of the data input (``slot``) that ``op`` with the scalar ``c`` maps onto
+    ``out``; None where the map is not invertible (a factor 0)."""
+    lo, hi = out
+    if op == "Add":
+        ends = (lo - c, hi - c)
+    elif op == "Sub":
+        ends = (lo + c, hi + c) if slot == 0 else (c - hi, c - lo)
+    elif c == 0 or (op == "Div" and slot == 1):
+        return None
+    elif op == "Mul":
+        ends = (lo / c, hi / c)
+    else:  # x / c
+        ends = (lo * c, hi * c)
+    return min(ends), max(ends)
+
+
+def _gated_product(node, graph: Graph, constant) -> dict[str, tuple[float, float]] | None:
+    """``Mul(x, gate)`` where ``gate`` is computed from ``x`` and is exactly 0 for ``x <= t``
+    (so is the product): ``{x: (t, inf)}``; None for any other node. Gates: ``HardSigmoid(x)``
+    (alpha > 0: t = -beta / alpha) and ``Clip(x + c, 0, hi)`` (t = -c)."""
+    if node.op_type != "Mul" or len(node.input) != 2:
+        return None
+    for x, gate in (node.input, node.input[::-1]):
+        made = graph.producer.get(gate)
+        g = graph.nodes[made[0]] if made else None
+        if g is None or not g.input:
+            continue
+        if g.op_type == "HardSigmoid" and g.input[0] == x:
+            attrs = {a.name: helper.get_attribute_value(a) for a in g.attribute}
+            alpha, beta = float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5))
+            if alpha > 0:
+                return {x: (-beta / alpha, _INF)}
+        if g.op_type == "Clip" and _clip(g, constant) is not None and _clip(g, constant)[0] == 0:
+            made = graph.producer.get(g.input[0])
+            add = graph.nodes[made[0]] if made else None
+            if add is not None and add.op_type == "Add" and x in add.input:
+                other = add.input[1] if add.input[0] == x else add.input[0]
+                value = constant(other)
+                if value is not None and np.size(value) == 1:
+                    return {x: (-float(np.ravel(value)[0]), _INF)}
+    return None
 
 
 #: ops ONNX Runtime runs on 8-bit data when each output carries its input's scale and zero
@@ -809,9 +1025,10 @@ def _range_params(lo: float, hi: float, quant_type: str) -> tuple[float, int]:
     return _floor_scale(max(-lo, hi) / QMAX[quant_type]), 0
 
 
-def _params(stats: TensorStatistics, threshold: float, quant_type: str) -> tuple[float, int]:
+def _params(lo: float, hi: float, threshold: float, quant_type: str) -> tuple[float, int]:
+    """``lo`` .. ``hi``: the observed range (cut to the readers' bound)."""
     if quant_type == QuantType.UINT8:  # the observed range, clipped at the threshold
-        return _range_params(max(stats.min, -threshold), min(stats.max, threshold), quant_type)
+        return _range_params(max(lo, -threshold), min(hi, threshold), quant_type)
     return _range_params(-threshold, threshold, quant_type)
 
 

@@ -566,6 +566,15 @@ def _defaults_lines(taken: list[str] | None) -> list[str]:
             "`optimized.onnx`.", ""]
 
 
+def _reader_clipped_lines(count: int | None) -> list[str]:
+    """One line: how many activation ranges calibration cut where every reader saturates."""
+    if not count:
+        return []
+    return [f"- activation ranges cut to what their readers distinguish: {count} tensors "
+            "(read only by ops that saturate or clip them: Sigmoid, Tanh, HardSigmoid, Clip, "
+            "Relu, HardSwish, also written out as x * Clip(x + 3, 0, 6))"]
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -575,6 +584,7 @@ def render_markdown(r: dict) -> str:
         f"- backend: `{r['backend'].get('name')}` (rules: {r['runtime']}), quant type `{r['quant_type']}`,"
         f" sampler `{r['sampler']}`, timing `{r['timing']}`, scales `{r['scales']}`",
         f"- high precision: {_precision_line(r.get('high_precision'))}",
+        *_reader_clipped_lines(r.get("reader_clipped_ranges")),
         *_how_to_run_lines(r.get("backend") or {}),
         *_cpu_lines(r.get("cpu")),
         f"- run: `{r['run_id']}` in `{r['storage']}`" + ("" if r["complete"] else " — **incomplete (timeout)**"),

@@ -429,6 +429,10 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         "timing": o.timing,
         "scales": settings.scales,
         "calibration_method": o.calibration_method,
+        # scales are made from the cached statistics each time: a run stored before activation
+        # ranges were cut at their readers' saturation measured other scales, and must not
+        # resume with these
+        "activation_ranges": "cut at readers",
         "preprocess": prepared.preprocess,
     }
     # the accuracy / mixed-precision modes are absent when off, so runs made before these

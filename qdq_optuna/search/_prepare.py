@@ -108,8 +108,8 @@ class PreparedRun:
 class OpenedRun:
     """The run's storage opened: its record (settings agreed), the settings' digest, the
     user's warm starts (``--pattern-cache``; ``--qdq-baseline``'s quantized tensors), the
-    calibrated activation scales, the trials' exporter, the plan measurer (latencies and
-    errors) and the accuracy guard."""
+    calibrated activation scales (and how many ranges their readers cut), the trials'
+    exporter, the plan measurer (latencies and errors) and the accuracy guard."""
 
     record: RunRecord
     fingerprint_digest: str
@@ -119,6 +119,8 @@ class OpenedRun:
     exporter: QDQExporter
     plans: PlanMeasurer
     guard: Guard
+    #: how many activation ranges were cut to what their readers distinguish
+    reader_clipped_ranges: int = 0
 
 
 def open_run(run: PreparedRun) -> OpenedRun:
@@ -129,14 +131,14 @@ def open_run(run: PreparedRun) -> OpenedRun:
     quiet_optuna(cfg.verbose)
     record, fingerprint_digest = _open_record(run)
     cache, baseline_q = warm_starts(run)
-    scales: list[dict] = []  # computed when first needed, once
+    scales: list[tuple[dict, int]] = []  # computed when first needed, once
 
     def scales_for(purpose: str) -> dict | None:
         if purpose == "trials" and run.settings.scales == "default":
             return None
         if not scales:
             scales.append(calibrated_scales(prepared, o, run.folder, run.calibration))
-        return scales[0]
+        return scales[0][0]
 
     exporter = prepared.exporter(scales_for("trials"), cfg)
     scorer, data_name = error_scorer(prepared, o, run.profile, exporter, run.validation,
@@ -148,8 +150,8 @@ def open_run(run: PreparedRun) -> OpenedRun:
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop)
-    return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0], exporter, plans,
-                     guard)
+    return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
+                     guard, scales[0][1])
 
 
 def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
@@ -229,9 +231,11 @@ def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | N
 
 
 def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: RunFolder,
-                      data: tuple[dict, str] | None) -> dict:
+                      data: tuple[dict, str] | None) -> tuple[dict, int]:
     """Activation scales from one calibration pass on the FP32 model (statistics cached in
-    ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data)."""
+    ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data; the
+    scales are made from them each time, so a change of how is never served from the cache),
+    and how many ranges their readers cut."""
     from qdq_optuna.model import calibration
 
     hp = prepared.high_precision
@@ -256,8 +260,15 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
                                                external_data_dir=source.external_dir)
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
+    # a range reaching past what every reader of the tensor distinguishes (a Sigmoid's
+    # saturated logits, a Relu's negatives) is cut there: finer steps where they count
+    bounds = calibration.reader_bounds(source)
+    clipped = calibration.clipped_by_readers(stats, bounds)
+    if clipped:
+        log.info("%d activation ranges cut to what their readers distinguish (Sigmoid, Tanh, "
+                 "Clip, Relu, ...)", len(clipped))
     scales = calibration.activation_scales(stats, method=options.calibration_method,
-                                           quant_type=prepared.quant_type)
+                                           quant_type=prepared.quant_type, bounds=bounds)
     # 8-bit Concat kernels copy inputs of the output's scale and requantize the others:
     # ONNX Runtime's QLinearConcat, and OpenVINO's Concatenation (NNCF unifies those scales;
     # without it our export of NNCF's placement ran 0.86x NNCF's file on a real YOLOv8n, with
@@ -268,6 +279,6 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
                                                  prepared.quant_type, ratio=ratio)
     for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
         typed = calibration.activation_scales(stats, method=options.calibration_method,
-                                              quant_type=qtype)
+                                              quant_type=qtype, bounds=bounds)
         scales.update({(t, qtype): v for t, v in typed.items()})
-    return scales
+    return scales, len(clipped)

@@ -95,6 +95,7 @@ class Tuner:
         self.cache: PatternCache | None = None
         self.baseline_q: set[str] | None = None
         self._calibrated: dict | None = None
+        self._reader_clipped = 0
         self._baseline: tuple | None = None
         #: the agreed starts, once decided
         self.starts: AgreedStarts | None = None
@@ -188,6 +189,7 @@ class Tuner:
         self.record, self.fingerprint_digest = opened.record, opened.fingerprint_digest
         self.cache, self.baseline_q = opened.cache, opened.baseline_q
         self._calibrated = opened.scales
+        self._reader_clipped = opened.reader_clipped_ranges
         self.search_state = Search(
             prepared=self.prepared, exporter=opened.exporter, settings=self.settings,
             config=self.cfg, record=self.record, rule=CommitRule(self.cfg.performance_threshold),
@@ -382,7 +384,8 @@ class Tuner:
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
                 "sampler": self.o.sampler, "timing": self.o.timing,
-                "scales": self.settings.scales, "high_precision": high_precision_summary(self.prepared)}
+                "scales": self.settings.scales, "reader_clipped_ranges": self._reader_clipped,
+                "high_precision": high_precision_summary(self.prepared)}
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
