@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import photos
 import real_models
@@ -39,7 +40,26 @@ def placements(name: str, folder: Path):
         k: exporter.to_bytes(p) for k, p in plans.items()}
 
 
+def speed(name: str, args) -> list[dict]:
+    """The timing alone, of the files an accuracy run saved: FP32, each placement as exported
+    and as corrected (the first mode), interleaved in this one process."""
+    folder = args.out / name
+    held = dict(np.load(folder / "heldout.npz"))
+    timed = {"FP32": real_models.fetch(name, None).read_bytes()}
+    for f in sorted(folder.glob("model__*.onnx")):
+        label = f.stem.removeprefix("model__").replace("__", ", ")
+        timed[label] = f.read_bytes()
+    first = {k: v[:1] for k, v in held.items()}
+    ms = timings(timed, first, args.rounds, args.runs)
+    row = {"model": name, "placement": "(speed)", "ms": ms,
+           "vs_fp32": {k: ms["FP32"] / v for k, v in ms.items()}}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def one(name: str, args) -> list[dict]:
+    if args.time_only:
+        return speed(name, args)
     cal, held, path, float_proto, models = placements(name, args.out / name)
     ref_held = run_model(str(path), held)
     ref_cal = run_model(str(path), cal)
@@ -53,7 +73,8 @@ def one(name: str, args) -> list[dict]:
         variants = {"none": (data, None, 0.0)}
         for mode in args.modes:
             t = time.perf_counter()
-            res = correct_biases(proto, fmeans, cal, mode=mode)
+            res = correct_biases(proto, fmeans, cal, mode=mode.removesuffix("+fused"),
+                                 optimize=mode.endswith("+fused"))
             variants[mode] = (res.model.SerializeToString(), res, time.perf_counter() - t)
         for mode, (blob, res, seconds) in variants.items():
             e = errors(ref_held, run_model(blob, held))
@@ -72,6 +93,9 @@ def one(name: str, args) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
         timed[f"{placement}"] = data
         timed[f"{placement}, corrected"] = variants[args.modes[0]][0]
+        for label, blob in ((placement, data),
+                            (f"{placement}__{args.modes[0]}", variants[args.modes[0]][0])):
+            (args.out / name / f"model__{label.replace(' ', '_')}.onnx").write_bytes(blob)
     if args.rounds:
         first = {k: v[:1] for k, v in held.items()}
         ms = timings(timed, first, args.rounds, args.runs)
@@ -86,7 +110,7 @@ def table(rows: list[dict]) -> str:
            "same, ONNX semantics (cos / rel. L2) | calibration rel. L2 | seconds |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["placement"] == "(speed)":
+        if r["placement"] == "(speed)" or "correction" not in r:
             continue
         out.append(f"| {r['model']} | {r['placement']} | {r['correction']} | "
                    f"{r['layers_corrected']} | {r['held_out_cosine']:.4f} | "
@@ -101,11 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="ppocr-det")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--modes", default="isolated,sequential,joint",
-                    help="correction modes to compare; the first is the one timed")
+    ap.add_argument("--modes", default="sequential,sequential+fused,isolated,joint",
+                    help="correction modes to compare (MODE+fused: the Q/DQ model measured "
+                         "with ONNX Runtime's fusions); the first is the one timed")
     ap.add_argument("--rounds", type=int, default=0, help="timing rounds (0: no timing)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--time-only", action="store_true",
+                    help="time the files an earlier run of this script saved in --out")
     args = ap.parse_args(argv)
     args.modes = args.modes.split(",")
     rows = []

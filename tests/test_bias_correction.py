@@ -217,3 +217,28 @@ def test_the_run_scores_and_ships_the_corrected_model(two_runs):
     assert collections.Counter(n.op_type for n in plain_model.graph.node) == \
         collections.Counter(n.op_type for n in shipped.graph.node)
     assert acc["error"] < plain["accuracy"]["error"]
+
+
+def test_a_layer_upstream_of_every_difference_is_not_measured_again(exported):
+    """The corrector caches a layer's shift by the graph upstream of it: the same plan again
+    runs nothing and gives the same model; a plan that quantizes only the first Conv reuses
+    its shift."""
+    from qdq_optuna.measure.bias import BiasCorrector
+
+    float_model, cal, qdq = exported
+    corrector = BiasCorrector(float_model, cal)
+    first = corrector.correct(qdq)
+    assert first.runs == 2  # two levels: conv2 reads conv1
+    again = corrector.correct(qdq)
+    assert again.runs == 0
+    assert again.model.SerializeToString() == first.model.SerializeToString()
+    pm = PreparedModel.prepare(biased_conv_model(), runtime="onnxruntime")
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
+    exporter = pm.exporter(calibration.activation_scales(
+        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
+    only_first = exporter.to_model(exporter.plan({("x", 0, 0)}))
+    done = corrector.correct(only_first)
+    assert done.layers == ["conv1"] and done.runs == 0
+    b1 = {t.name: numpy_helper.to_array(t) for t in first.model.graph.initializer}["b1"]
+    np.testing.assert_array_equal(
+        {t.name: numpy_helper.to_array(t) for t in done.model.graph.initializer}["b1"], b1)

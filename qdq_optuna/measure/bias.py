@@ -2,15 +2,19 @@
 outputs are shifted on average from the float ones, per output channel, by weight and input
 rounding; that mean shift, measured on the calibration data, is folded into each layer's bias.
 
-The idea is NNCF's fast bias correction; the measurement differs: NNCF feeds each quantized
-layer alone the float input's per-channel mean, we run the whole Q/DQ model on the calibration
-samples (ONNX semantics, graph optimizations off) with every layer's output added as a graph
-output, and keep only per-channel sums, so memory does not grow with the data. One pass measures
-every layer against upstream layers that are still uncorrected; each further pass measures what
-is left after the previous pass's corrections (the shift of a later layer partly came from the
-earlier ones), so two passes approximate sequential, layer-by-layer statistics at the cost of two
-runs of the model. The float model's means do not depend on the placement: computed once
-(:class:`FloatMeans`) and reused for every plan corrected.
+The idea is NNCF's fast bias correction; the measurement differs. NNCF feeds each quantized
+layer alone the float input's per-channel mean: that sees the layer's own rounding only. On a
+real PP-OCR detector most of the shift is carried in from upstream (rounding noise through
+Hardswish/ReLU has a mean), so by default a layer's shift is measured in the Q/DQ model itself
+after every layer upstream of it is corrected (Nagel et al.'s empirical bias correction),
+level by level (the layers of one level are not upstream of each other: one run measures
+them all), each run on the part of the model the level needs, keeping only per-channel sums
+(memory does not grow with the data). Correcting every layer from one run instead counts a
+shift twice (the upstream layers' corrections remove it too) and diverges. The float model's
+means do not depend on the placement: computed once (:class:`FloatMeans`). A layer's shift
+depends only on the exported graph upstream of it: cached by its digest, so plans that share
+a prefix (the starts, a descent's commits) measure only the layers after their first
+difference.
 
 The integer kernels are unchanged: only bias values move (a float bias, or the int32 values
 behind a bias DequantizeLinear); a Conv/ConvTranspose/Gemm without a bias gets one.
@@ -56,6 +60,8 @@ class BiasCorrection:
     layers: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     mean_abs_shift: float = 0.0
+    #: runs of a model over the data this correction made (the rest came from the cache)
+    runs: int = 0
 
 
 def channel_means(model: onnx.ModelProto | bytes, tensors: Mapping[str, int],
@@ -187,22 +193,25 @@ def quantized_layers(qdq: onnx.ModelProto, float_model: onnx.ModelProto) -> tupl
     return layers, skipped
 
 
-#: how the shifts are measured: ``isolated`` (each layer fed the float model's own tensors
-#: through its Q/DQ, one run), ``sequential`` (the Q/DQ model itself, one run per layer, each
-#: after the corrections before it), ``joint`` (the Q/DQ model, one run for every layer: a
-#: later layer's shift includes the earlier ones' and is corrected twice)
+#: how the shifts are measured: ``sequential`` (the Q/DQ model itself, each layer after every
+#: layer upstream of it is corrected: one run per level of layers, the shifts that upstream
+#: rounding carries through nonlinearities included), ``isolated`` (each layer fed the float
+#: model's own tensors through its Q/DQ, one run: NNCF's measure, its own rounding only),
+#: ``joint`` (the Q/DQ model, one run for every layer: a later layer's shift includes the
+#: earlier ones', which their own corrections remove too: corrected twice, it diverges)
 MODES = ("isolated", "sequential", "joint")
-DEFAULT_MODE = "isolated"
+DEFAULT_MODE = "sequential"
 
 
 def correct_biases(qdq: onnx.ModelProto, float_means: FloatMeans, data: Mapping[str, np.ndarray],
-                   *, mode: str = DEFAULT_MODE, threads: int = 1,
+                   *, mode: str = DEFAULT_MODE, threads: int = 1, optimize: bool = False,
                    cache: dict[str, np.ndarray] | None = None) -> BiasCorrection:
     """A copy of ``qdq`` with each quantized layer's mean per-channel shift from the float
     model (``float_means``, the same ``data``) folded into its bias, measured as ``mode``
-    says (:data:`MODES`). The input model is not changed. ``cache`` (isolated mode): layers'
-    means kept from earlier calls, so a layer whose quantized form another plan already had
-    is not run again."""
+    says (:data:`MODES`; ``optimize``: the Q/DQ model run with ONNX Runtime's fusions rather
+    than as written). The input model is not changed. ``cache``: what earlier calls measured,
+    by what a layer's measurement depends on (isolated: the layer and its Q/DQ; sequential:
+    everything upstream of it), so a plan sharing that with an earlier one runs less."""
     if mode not in MODES:
         raise ValueError(f"bias correction mode {mode!r}: one of {', '.join(MODES)}")
     model = copy.deepcopy(qdq)
@@ -210,30 +219,103 @@ def correct_biases(qdq: onnx.ModelProto, float_means: FloatMeans, data: Mapping[
     ref = float_means.means()
     layers = [lay for lay in layers if lay.f_output in ref]
     result = BiasCorrection(model, [], skipped)
-    if mode == "isolated":
-        got = _isolated_means(model, float_means.model, layers, data, threads, cache)
-        layers = [lay for lay in layers if lay.q_output in got]
-        groups = [layers]
+    cache = {} if cache is None else cache
+    if mode == "sequential":
+        folded = _sequential(model, layers, ref, data, threads, optimize, cache, result)
     else:
-        groups = [[lay] for lay in layers] if mode == "sequential" else [layers]
-    folded: set[str] = set()
-    shifts = []
-    for group in groups if layers else []:
-        if mode != "isolated":
-            got = channel_means(model, {lay.q_output: lay.axis for lay in group}, data,
-                                threads=threads)
+        if mode == "isolated":
+            before = len(cache)
+            got = _isolated_means(model, float_means.model, layers, data, threads, cache)
+            result.runs = int(len(cache) > before)
+        else:
+            result.runs = 1
+            got = channel_means(model, {lay.q_output: lay.axis for lay in layers}, data,
+                                threads=threads, optimize=optimize) if layers else {}
         g = _Index(model)
-        for lay in group:
-            delta = ref[lay.f_output] - got[lay.q_output]
-            if delta.shape == ref[lay.f_output].shape and np.all(np.isfinite(delta)) \
-                    and _fold(g, lay, delta):
-                shifts.append(np.abs(delta))
-                folded.add(lay.name)
+        folded = {lay.name: delta for lay in layers if lay.q_output in got
+                  if _fold(g, lay, delta := ref[lay.f_output] - got[lay.q_output])}
+    shifts = [np.abs(d) for d in folded.values()]
     result.mean_abs_shift = float(np.mean(np.concatenate(shifts))) if shifts else 0.0
     result.layers = [lay.name for lay in layers if lay.name in folded]
     result.skipped.update({lay.name: "its bias cannot take a per-channel shift"
                            for lay in layers if lay.name not in folded})
     return result
+
+
+def _sequential(model: onnx.ModelProto, layers: list[Layer], ref: Mapping[str, np.ndarray],
+                data: Mapping[str, np.ndarray], threads: int, optimize: bool,
+                cache: dict[str, np.ndarray], result: BiasCorrection) -> dict[str, np.ndarray]:
+    """Shifts measured level by level (a layer after every layer upstream of it is
+    corrected; the layers of one level are not upstream of each other, so one run measures
+    them all), each run on the part of the model the level's layers need. A layer whose
+    upstream graph (as exported, uncorrected) an earlier plan had reuses that plan's shift."""
+    digests = _digests(model)
+    depth = _depths(model, {lay.q_output for lay in layers})
+    folded: dict[str, np.ndarray] = {}
+    for level in sorted({depth[lay.q_output] for lay in layers}):
+        here = [lay for lay in layers if depth[lay.q_output] == level]
+        key = {lay.name: "sequential:" + digests[lay.q_output] for lay in here}
+        todo = [lay for lay in here if key[lay.name] not in cache]
+        if todo:
+            got = channel_means(_pruned(model, [lay.q_output for lay in todo]),
+                                {lay.q_output: lay.axis for lay in todo}, data,
+                                threads=threads, optimize=optimize)
+            result.runs += 1
+            for lay in todo:
+                cache[key[lay.name]] = ref[lay.f_output] - got[lay.q_output]
+        g = _Index(model)
+        for lay in here:
+            delta = cache[key[lay.name]]
+            if delta.shape == ref[lay.f_output].shape and np.all(np.isfinite(delta)) \
+                    and _fold(g, lay, delta):
+                folded[lay.name] = delta
+    return folded
+
+
+def _digests(model: onnx.ModelProto) -> dict[str, str]:
+    """Each tensor's digest of everything it is computed from (ops, attributes, initializer
+    values, graph inputs by name): equal digests, equal values."""
+    out = {i.name: "input:" + i.name for i in model.graph.input}
+    for t in model.graph.initializer:
+        out[t.name] = hashlib.sha1(numpy_helper.to_array(t).tobytes()
+                                   + repr((t.data_type, tuple(t.dims))).encode()).hexdigest()
+    for node in model.graph.node:
+        h = hashlib.sha1(f"{node.domain}:{node.op_type}".encode())
+        for a in sorted(node.attribute, key=lambda a: a.name):
+            h.update(a.SerializeToString())
+        for t in node.input:
+            h.update(out.get(t, "missing:" + t).encode() + b"|")
+        for k, o in enumerate(node.output):
+            out[o] = hashlib.sha1(h.digest() + str(k).encode()).hexdigest()
+    return out
+
+
+def _depths(model: onnx.ModelProto, measured: set[str]) -> dict[str, int]:
+    """How many measured tensors lie on the longest path into each tensor (itself included)."""
+    depth: dict[str, int] = {}
+    for node in model.graph.node:  # ONNX graphs are topologically sorted
+        d = max((depth.get(t, 0) for t in node.input if t), default=0)
+        for o in node.output:
+            depth[o] = d + (o in measured)
+    return depth
+
+
+def _pruned(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """The part of ``model`` that computes ``outputs`` (no graph outputs of its own)."""
+    need, keep = set(outputs), []
+    for node in reversed(model.graph.node):
+        if any(o in need for o in node.output):
+            keep.append(node)
+            need.update(t for t in node.input if t)
+    graph = onnx.GraphProto(name=model.graph.name)
+    graph.node.extend(reversed(keep))
+    graph.input.extend(model.graph.input)
+    graph.initializer.extend(t for t in model.graph.initializer if t.name in need)
+    graph.value_info.extend(v for v in model.graph.value_info if v.name in need)
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(model)
+    pruned.graph.CopyFrom(graph)
+    return pruned
 
 
 def _isolated_means(qdq: onnx.ModelProto, float_model: onnx.ModelProto, layers: list[Layer],
@@ -408,14 +490,14 @@ class BiasCorrector:
     correction run about once)."""
 
     def __init__(self, float_model: onnx.ModelProto, data: Mapping[str, np.ndarray], *,
-                 threads: int = 1) -> None:
+                 mode: str = DEFAULT_MODE, threads: int = 1, optimize: bool = False) -> None:
         self.float_means = FloatMeans(float_model, data, threads=threads)
-        self.data, self.threads = data, threads
+        self.data, self.mode, self.threads, self.optimize = data, mode, threads, optimize
         self._cache: dict[str, np.ndarray] = {}
 
     def correct(self, qdq: onnx.ModelProto) -> BiasCorrection:
-        return correct_biases(qdq, self.float_means, self.data, threads=self.threads,
-                              cache=self._cache)
+        return correct_biases(qdq, self.float_means, self.data, mode=self.mode,
+                              threads=self.threads, optimize=self.optimize, cache=self._cache)
 
 
 class CorrectedExports:
