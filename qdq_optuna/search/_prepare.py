@@ -149,20 +149,22 @@ def open_run(run: PreparedRun) -> OpenedRun:
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
-                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration))
+                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer))
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0], exporter, plans,
                      guard)
 
 
 def _bias_corrected(o: TuneOptions, prepared: PreparedModel, exporter: QDQExporter,
-                    calibration) -> CorrectedExports | None:
+                    calibration, scorer: ErrorScorer) -> CorrectedExports | None:
     """``--bias-correction``: the guard's exports with their biases corrected on the
-    calibration data the scales came from, or None (off; one line saying why not)."""
+    calibration data the scales came from (the shifts measured the way the guard runs a
+    model in ONNX Runtime: fused or as written), or None (off; one line saying why not)."""
     if not o.bias_correction:
         return None
     hp = prepared.high_precision
-    corrected, why = corrected_exports(exporter, calibration,
-                                       bf16=hp is not None and hp.precision == "bf16")
+    corrected, why = corrected_exports(
+        exporter, calibration, bf16=hp is not None and hp.precision == "bf16",
+        fused=scorer.evaluator.optimize and scorer.evaluator.runner is None)
     if corrected is None:
         log.warning("--bias-correction: not applied (%s)", why)
     return corrected
