@@ -242,3 +242,35 @@ def test_a_layer_upstream_of_every_difference_is_not_measured_again(exported):
     b1 = {t.name: numpy_helper.to_array(t) for t in first.model.graph.initializer}["b1"]
     np.testing.assert_array_equal(
         {t.name: numpy_helper.to_array(t) for t in done.model.graph.initializer}["b1"], b1)
+
+
+def _conv_transpose_model() -> onnx.ModelProto:
+    """x -> Conv(bias) -> Relu -> ConvTranspose(no bias) -> y."""
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(_coarse_weights(rng, 8, 4, 3), "w1"),
+             numpy_helper.from_array(rng.normal(0, 0.1, 8).astype(np.float32), "b1"),
+             numpy_helper.from_array(_coarse_weights(rng, 8, 4, 2), "wt")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("ConvTranspose", ["r1", "wt"], ["y"], name="up", strides=[2, 2])]
+    graph = helper.make_graph(
+        nodes, "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_no_bias_is_added_where_it_would_change_the_kernels():
+    """ONNX Runtime fuses a quantized ConvTranspose without a bias into its integer kernel but
+    not one with a float bias: the correction leaves a bias-less ConvTranspose alone."""
+    pm = PreparedModel.prepare(_conv_transpose_model(), runtime="onnxruntime")
+    cal = _data(16, 1)
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
+    exporter = pm.exporter(calibration.activation_scales(
+        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
+    uses = set()
+    for pp in pm.tunable:
+        uses |= pp.uses(pp.ids)
+    qdq = exporter.to_model(exporter.plan(uses))
+    result = correct_biases(qdq, FloatMeans(pm.graph.full_model(), cal), cal)
+    assert result.layers == ["conv1"] and "up" in result.skipped
+    assert kernels_of(result.model).ops == kernels_of(qdq).ops

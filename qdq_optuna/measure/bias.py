@@ -17,7 +17,8 @@ a prefix (the starts, a descent's commits) measure only the layers after their f
 difference.
 
 The integer kernels are unchanged: only bias values move (a float bias, or the int32 values
-behind a bias DequantizeLinear); a Conv/ConvTranspose/Gemm without a bias gets one.
+behind a bias DequantizeLinear); a Conv without a bias gets a float one (ONNX Runtime fuses
+that too); a ConvTranspose or Gemm without one is left as it is.
 """
 
 from __future__ import annotations
@@ -462,7 +463,12 @@ def _fold(g: _Index, layer: Layer, delta: np.ndarray) -> bool:
 
 
 def _new_bias(g: _Index, node: onnx.NodeProto, slot: int, delta: np.ndarray) -> bool:
-    """A bias input for a Conv/Gemm that had none, in its weight's float type."""
+    """A float bias input for a Conv that had none, in its weight's float type. Only a Conv:
+    ONNX Runtime still fuses a quantized Conv with a float bias into its integer kernel, but
+    not a ConvTranspose (a real PP-OCRv4 detector's two stayed float) nor a Gemm: the
+    correction must not change the kernels."""
+    if node.op_type != "Conv":
+        return False
     w = node.input[1]
     dq = g.producer.get(w)
     source = g.inits.get(dq.input[1] if dq is not None and dq.op_type == "DequantizeLinear"
