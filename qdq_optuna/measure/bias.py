@@ -4,8 +4,8 @@ rounding; that mean shift, measured on the calibration data, is folded into each
 
 The idea is NNCF's fast bias correction; the measurement differs. NNCF feeds each quantized
 layer alone the float input's per-channel mean: that sees the layer's own rounding only. On a
-real PP-OCR detector most of the shift is carried in from upstream (rounding noise through
-Hardswish/ReLU has a mean), so by default a layer's shift is measured in the Q/DQ model itself
+real PP-OCR detector most of the shift is carried in from upstream (rounding noise passed
+through nonlinear ops has a mean), so by default a layer's shift is measured in the Q/DQ model itself
 after every layer upstream of it is corrected (Nagel et al.'s empirical bias correction),
 level by level (the layers of one level are not upstream of each other: one run measures
 them all), each run on the part of the model the level needs, keeping only per-channel sums
@@ -99,7 +99,7 @@ class FloatMeans:
 
     def means(self) -> dict[str, np.ndarray]:
         if self._means is None:
-            wanted = {t: axis for t, axis in _float_layer_outputs(self.model).items()}
+            wanted = _float_layer_outputs(self.model)
             self._means = channel_means(self.model, wanted, self.data, threads=self.threads,
                                         optimize=False) if wanted else {}
         return self._means
@@ -482,11 +482,6 @@ def _new_bias(g: _Index, node: onnx.NodeProto, slot: int, delta: np.ndarray) -> 
         node.input.append("")
     node.input.append(g.add(delta.astype(dtype), f"{node.name or node.output[0]}_bias", node))
     return True
-
-
-def applied_layers(results: Sequence[BiasCorrection]) -> int:
-    """How many layers the corrections touched, in all."""
-    return sum(len(r.layers) for r in results)
 
 
 class BiasCorrector:
