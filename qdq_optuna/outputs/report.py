@@ -291,6 +291,19 @@ def _precision_line(hp: dict | None) -> str:
             f"{io}; {len(kept)} nodes kept FP32{': ' + shown if kept else ''})")
 
 
+def bias_correction_lines(bc: dict | None) -> list[str]:
+    """``--bias-correction``'s line: applied (to how many layers) or not."""
+    if bc is None:
+        return []
+    if not bc.get("applied"):
+        return ["Bias correction: on, but not applied to what ships (no quantized layer "
+                "with a bias to correct in it).", ""]
+    return [f"Bias correction: applied to {bc['layers']} quantized layers of `optimized.onnx` "
+            f"(each layer's mean output shift from float, per channel, measured on the "
+            f"calibration data, folded into its bias; mean |shift| {bc['mean_abs_shift']:.3g}); "
+            "the error above is the corrected model's.", ""]
+
+
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
@@ -309,6 +322,7 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
                   f"allowed drop {drop['max_metric_drop']:g}{per} ({drop['drop_type']}).", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
+    lines += bias_correction_lines(acc.get("bias_correction"))
     for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
         lines += [line, ""]
     if acc.get("data_kind") == "random inputs":

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 
 from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines
+from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
+from qdq_optuna.measure.bias import CorrectedExports
 from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.search._plans import PlanMeasurer
@@ -35,11 +37,32 @@ class Guard:
     #: ``--max-metric-drop``: the FP32 model's metric and the drop the bound allows
     #: (:func:`~qdq_optuna.measure.accuracy.metric_drop_bound`), None otherwise
     drop: dict | None = None
+    #: ``--bias-correction``: the exporter's models with their biases corrected, scored and
+    #: shipped instead of the plain exports (None: off, or not possible for this run)
+    corrected: CorrectedExports | None = None
 
     def error(self, plan: QuantPlan) -> dict:
         """Output errors of ``plan`` vs FP32 (``error``: the worst output's, in
-        :attr:`measure`), scored once per run."""
+        :attr:`measure`), scored once per run; of its bias-corrected export when the run
+        corrects biases (what would ship)."""
+        if self.corrected is not None:
+            return self.plans.error(self.corrected, plan, tag=BIAS_TAG)
         return self.plans.error(self.exporter, plan)
+
+    def shipped_exporter(self, exporter: QDQExporter) -> QDQExporter | CorrectedExports:
+        """What writes ``optimized.onnx`` from ``exporter``'s plans: the model this guard
+        scored (bias-corrected when the run corrects biases)."""
+        return exporter if self.corrected is None else self.corrected.over(exporter)
+
+    def correction_keys(self, plan: QuantPlan) -> dict:
+        """report.json's ``bias_correction``: whether the shipped plan's biases were
+        corrected, in how many layers, how they were measured."""
+        if self.corrected is None:
+            return {"applied": False}
+        done, _ = self.corrected.correction(plan)
+        return {"applied": bool(done.layers), "layers": len(done.layers),
+                "skipped": len(done.skipped), "mode": BIAS_MODE,
+                "mean_abs_shift": done.mean_abs_shift}
 
     def allows(self, plan: QuantPlan) -> bool:
         return self.error(plan)["error"] <= self.bound
@@ -117,6 +140,8 @@ class Guard:
         }
 
 
+#: the error memo's tag for a plan's bias-corrected export
+BIAS_TAG = "+bias"
 #: :attr:`Verdict.status`: the tuned model ships
 WITHIN_BOUND = "within bound"
 #: the tuned model broke the bound: a model within it ships instead

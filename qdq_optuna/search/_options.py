@@ -18,6 +18,7 @@ from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
+from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
@@ -215,6 +216,12 @@ class TuneOptions:
         True, group="model",
         help="upgrade the model's opset when the precision or the quant type needs it "
              "(default; --no-opset-upgrade refuses such a model instead)")
+    bias_correction: bool = option(
+        False, group="model",
+        help="fold each quantized Conv/Gemm/MatMul's mean output shift from float (per "
+             "channel, measured on the calibration data) into its bias, in every model the "
+             "accuracy guard scores and in optimized.onnx; the kernels, and so the speed, "
+             "stay the same")
 
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
@@ -439,6 +446,8 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
     # options existed still resume
     if settings.space.mixed:
         fp["mixed_types"] = list(settings.space.types)
+    if o.bias_correction:
+        fp["bias_correction"] = BIAS_MODE
     if prepared.high_precision is not None:
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:

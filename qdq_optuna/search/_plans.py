@@ -271,13 +271,15 @@ class PlanMeasurer:
         return cmp
 
     # -- errors --------------------------------------------------------------------------
-    def error(self, exporter, plan: QuantPlan) -> dict:
+    def error(self, exporter, plan: QuantPlan, tag: str = "") -> dict:
         """Output errors of ``plan`` vs FP32 on the validation data (accuracy modes), scored
-        once per run (the record's error memo, shared by workers)."""
-        hit = self.errors.get(plan.key) if self.errors is not None else None
+        once per run (the record's error memo, shared by workers); ``tag`` names another
+        model of the same plan (its bias-corrected export), memoized apart."""
+        key = plan.key + tag
+        hit = self.errors.get(key) if self.errors is not None else None
         if hit is not None:
             return dict(hit)
         record = self.scorer.score_bytes(exporter.source(plan))  # bytes, or a path
         if self.errors is not None:
-            self.errors.put(plan.key, record)
+            self.errors.put(key, record)
         return record

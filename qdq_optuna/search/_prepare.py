@@ -26,6 +26,7 @@ from qdq_optuna._files import remove_stale_temps
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure.accuracy import ErrorScorer, hold_out, metric_drop_bound, validation_data
+from qdq_optuna.measure.bias import CorrectedExports, corrected_exports
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
@@ -149,9 +150,26 @@ def open_run(run: PreparedRun) -> OpenedRun:
     calibrated = (exporter if run.settings.scales == "calibrated"
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
-    guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop)
+    guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
+                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer))
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
+
+
+def _bias_corrected(o: TuneOptions, prepared: PreparedModel, exporter: QDQExporter,
+                    calibration, scorer: ErrorScorer) -> CorrectedExports | None:
+    """``--bias-correction``: the guard's exports with their biases corrected on the
+    calibration data the scales came from (the shifts measured the way the guard runs a
+    model in ONNX Runtime: fused or as written), or None (off; one line saying why not)."""
+    if not o.bias_correction:
+        return None
+    hp = prepared.high_precision
+    corrected, why = corrected_exports(
+        exporter, calibration, bf16=hp is not None and hp.precision == "bf16",
+        fused=scorer.evaluator.optimize and scorer.evaluator.runner is None)
+    if corrected is None:
+        log.warning("--bias-correction: not applied (%s)", why)
+    return corrected
 
 
 def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:

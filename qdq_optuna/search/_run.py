@@ -290,7 +290,8 @@ class Tuner:
                              self.prepared.high_precision.precision
                              if self.prepared.high_precision else "fp32")
         plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
-        final_bytes = self._save_final(final_exporter, plan)
+        final_bytes = self._save_final(guard.shipped_exporter(final_exporter), plan)
+        corrected = guard.correction_keys(plan)
         self._mark("guard")
         plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
                                                                        final_exporter)
@@ -308,6 +309,10 @@ class Tuner:
             recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
+        if guard.corrected is not None:  # what ships: the recipe file, or no Q/DQ, has none
+            accuracy["accuracy"]["bias_correction"] = (
+                corrected if kept is None and not (recipe_file or {}).get("shipped")
+                else {"applied": False})
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
             accuracy.update({"objectives": list(self.settings.objectives),
@@ -371,7 +376,9 @@ class Tuner:
         """The anytime result (:meth:`RunFolder.save_standing`), for the first lane (the fastest start)."""
         if self.starts is not None and lane == self.starts.order[0] \
                 and not self.settings.multi_objective:
-            self.folder.save_standing(self.prepared.exporter(self._scales("final"), self.cfg),
+            exporter = self.prepared.exporter(self._scales("final"), self.cfg)
+            guard = self.search_state.guard if self.search_state is not None else None
+            self.folder.save_standing(guard.shipped_exporter(exporter) if guard else exporter,
                                       self.record.uses(self.record.standing(lane)))
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
