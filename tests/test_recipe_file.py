@@ -101,6 +101,22 @@ def test_what_differs_is_nothing_for_the_same_file(residual, tmp_path):
     assert qdq_differences(recipe, recipe) == []
 
 
+def test_what_differs_reads_models_with_constant_nodes(residual, tmp_path):
+    """Paddle exports hold their weights in Constant nodes, which read no input (a real PP-OCR
+    classifier's run under OpenVINO's rules once ended in an IndexError here)."""
+    recipe = _recipe(residual, tmp_path)
+    with_constant = onnx.ModelProto()
+    with_constant.CopyFrom(recipe)
+    q = next(n for n in with_constant.graph.node if n.op_type == "QuantizeLinear")
+    inits = {t.name: t for t in with_constant.graph.initializer}
+    scale = inits[q.input[1]]
+    with_constant.graph.initializer.remove(scale)
+    with_constant.graph.node.insert(0, onnx.helper.make_node(
+        "Constant", [], [scale.name], value=scale))
+    assert qdq_params(with_constant) == qdq_params(recipe)
+    assert qdq_differences(with_constant, recipe) == []
+
+
 def test_what_differs_names_a_changed_scale_and_zero_point(residual, tmp_path):
     recipe = _recipe(residual, tmp_path)
     changed = onnx.ModelProto()

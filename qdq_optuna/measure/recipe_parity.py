@@ -96,9 +96,13 @@ def qdq_params(model: bytes | onnx.ModelProto | str) -> dict[str, QParams]:
         model = onnx.load(str(model))
     ix = _QDQIndex.of(model)
     inits = {t.name: t for t in model.graph.initializer}
+    inits.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
+                  for a in n.attribute if a.name == "value"})
     outputs = {o.name for o in model.graph.output}
     out: dict[str, QParams] = {}
     for node in ix.nodes:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue  # a Constant node (paddle2onnx writes weights so) has no input at all
         const = node.input[0] in ix.constants
         if node.op_type == "QuantizeLinear" and not const:
             # a quantized graph output by its name (each tool renames the float tensor)
