@@ -46,10 +46,9 @@ def _data(n: int, seed: int) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).uniform(0, 1, (n, 4, 8, 8)).astype(np.float32)}
 
 
-@pytest.fixture(scope="module")
-def exported():
+def _every_point(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict, onnx.ModelProto]:
     """(float model, calibration data, Q/DQ model with every offered point on)."""
-    pm = PreparedModel.prepare(biased_conv_model(), runtime="onnxruntime")
+    pm = PreparedModel.prepare(model, runtime="onnxruntime")
     cal = _data(16, 1)
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
     exporter = pm.exporter(calibration.activation_scales(
@@ -57,8 +56,13 @@ def exported():
     uses = set()
     for pp in pm.tunable:
         uses |= pp.uses(pp.ids)
-    qdq = exporter.to_model(exporter.plan(uses))
-    return pm.graph.full_model(), cal, qdq
+    return pm.graph.full_model(), cal, exporter.to_model(exporter.plan(uses))
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """(float model, calibration data, Q/DQ model with every offered point on)."""
+    return _every_point(biased_conv_model())
 
 
 def _layer_outputs(model: onnx.ModelProto) -> dict[str, str]:
@@ -262,15 +266,7 @@ def _conv_transpose_model() -> onnx.ModelProto:
 def test_no_bias_is_added_where_it_would_change_the_kernels():
     """ONNX Runtime fuses a quantized ConvTranspose without a bias into its integer kernel but
     not one with a float bias: the correction leaves a bias-less ConvTranspose alone."""
-    pm = PreparedModel.prepare(_conv_transpose_model(), runtime="onnxruntime")
-    cal = _data(16, 1)
-    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
-    uses = set()
-    for pp in pm.tunable:
-        uses |= pp.uses(pp.ids)
-    qdq = exporter.to_model(exporter.plan(uses))
-    result = correct_biases(qdq, FloatMeans(pm.graph.full_model(), cal), cal)
+    model, cal, qdq = _every_point(_conv_transpose_model())
+    result = correct_biases(qdq, FloatMeans(model, cal), cal)
     assert result.layers == ["conv1"] and "up" in result.skipped
     assert kernels_of(result.model).ops == kernels_of(qdq).ops
