@@ -10,7 +10,7 @@ import math
 import corpus
 import numpy as np
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from test_guard_run import _guard
 
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
@@ -126,6 +126,10 @@ def test_a_metric_drop_bound_is_kept_by_what_ships(tmp_path, metric_module, drop
     from qdq_optuna.measure.accuracy import AccuracyEvaluator
 
     model = corpus.heavy_tail(3.3, 100.0)
+    # the Sigmoid's input a graph output too, so its range stays whole (no reader's cut,
+    # calibration.reader_bounds): every point on then breaks the bound, as this test needs
+    model.graph.output.append(helper.make_tensor_value_info(
+        "c2", TensorProto.FLOAT, [1, 8, 16, 16]))
     result = tune(model, tmp_path / "run", backend=_backend(), runtime="onnxruntime",
                   calibration_data=_calibration(), calibration_method="minmax",
                   metric=metric_module, max_metric_drop=drop, metric_drop_type=kind,
