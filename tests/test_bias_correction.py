@@ -46,10 +46,11 @@ def _data(n: int, seed: int) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).uniform(0, 1, (n, 4, 8, 8)).astype(np.float32)}
 
 
-def _every_point(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict, onnx.ModelProto]:
+def _every_point(model: onnx.ModelProto, cal: dict | None = None
+                 ) -> tuple[onnx.ModelProto, dict, onnx.ModelProto]:
     """(float model, calibration data, Q/DQ model with every offered point on)."""
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
-    cal = _data(16, 1)
+    cal = _data(16, 1) if cal is None else cal
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
     exporter = pm.exporter(calibration.activation_scales(
         stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
@@ -153,26 +154,18 @@ def _gemm_model() -> onnx.ModelProto:
 def test_an_int32_bias_behind_a_dequantize_moves_in_its_own_steps():
     """ONNX Runtime's QGemm wants its bias as int32 (exported behind a DequantizeLinear): the
     correction moves those integers, in steps of the bias scale."""
-    pm = PreparedModel.prepare(_gemm_model(), runtime="onnxruntime")
-    cal = {"x": np.random.default_rng(4).uniform(0, 1, (16, 1, 16)).astype(np.float32)}
-    cal = {"x": cal["x"].reshape(16, 16)}
-    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type))
-    uses = set()
-    for pp in pm.tunable:
-        uses |= pp.uses(pp.ids)
-    qdq = exporter.to_model(exporter.plan(uses))
+    model, cal, qdq = _every_point(_gemm_model(), {
+        "x": np.random.default_rng(4).uniform(0, 1, (16, 16)).astype(np.float32)})
     gemm = next(n for n in qdq.graph.node if n.op_type == "Gemm")
     producers = {o: n for n in qdq.graph.node for o in n.output}
     assert producers[gemm.input[2]].op_type == "DequantizeLinear"
-    result = correct_biases(qdq, FloatMeans(pm.graph.full_model(), cal), cal)
+    result = correct_biases(qdq, FloatMeans(model, cal), cal)
     assert result.layers == ["fc"]
     ints = producers[gemm.input[2]].input[0]
     old = {t.name: numpy_helper.to_array(t) for t in qdq.graph.initializer}[ints]
     new = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}[ints]
     assert new.dtype == np.int32 and not np.array_equal(old, new)
-    ref = run_model(pm.graph.full_model(), cal)
+    ref = run_model(model, cal)
     err = {k: float(np.abs(run_model(m, cal)["y"] - ref["y"]).mean(axis=0).mean())
            for k, m in (("before", qdq), ("after", result.model))}
     assert err["after"] < 0.5 * err["before"]
