@@ -52,3 +52,8 @@ def default_session_lines(check: dict | None, guard_error: float) -> list[str]:
                 f"{check['error']:.4g}, over {DEFAULT_SESSION_FACTOR:g}x the {guard_error:.4g} "
                 f"above (its fused integer kernels, not the Q/DQ as written); {how}."]
     return []
+
+
+def share_words(share: float) -> str:
+    """A share of the bound in words: ``0.74`` -> ``74% of``, ``14.2`` -> ``14.2 times``."""
+    return f"{share:.3g} times" if share >= 2 else f"{100 * share:.0f}% of"

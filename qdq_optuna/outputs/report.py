@@ -125,6 +125,8 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
             entry["ab_vs_best"] = row.ab_vs_best
         if row.repair:
             entry["repair"] = row.repair
+        if row.repair_outcome:
+            entry["repair_outcome"] = row.repair_outcome
         out.append(entry)
     return out
 
@@ -304,6 +306,25 @@ def bias_correction_lines(bc: dict | None) -> list[str]:
             "the error above is the corrected model's.", ""]
 
 
+def floor_lines(floor: dict | None, bound: float) -> list[str]:
+    """The FP32 model's own noise floor on the guard's data, and what it means for the bound."""
+    from qdq_optuna.accuracy_words import share_words
+
+    if not floor:
+        return []
+    share = floor.get("share_of_bound")
+    line = (f"Noise floor: the FP32 model's own output error is {floor['error']:.4g} when its "
+            f"inputs move by up to half an 8-bit step of their range ({floor['draws']} noise "
+            "draws)" + (f": {share_words(share)} what the bound {bound:g} allows."
+                        if share is not None else "."))
+    if share is not None and share >= 0.5:
+        line += (" 8-bit placements will hardly stay within such a bound: each quantized "
+                 "tensor adds noise of about that order. A task-level `--metric` with "
+                 "`--max-metric-drop` (what the user's task sees) or a looser "
+                 "`--max-output-error` lets the guard keep a quantized model.")
+    return [line, ""]
+
+
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
@@ -322,6 +343,7 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
                   f"allowed drop {drop['max_metric_drop']:g}{per} ({drop['drop_type']}).", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
+    lines += floor_lines(acc.get("input_noise_floor"), acc["bound"])
     lines += bias_correction_lines(acc.get("bias_correction"))
     for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
         lines += [line, ""]
@@ -379,9 +401,15 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
     lines: list[str] = []
     for s in r.get("starts") or []:
         rep = s.get("repair")
+        if not rep and s.get("repair_outcome") and not s["repair_outcome"].startswith("repaired"):
+            lines += [f"## Repair of {s['name']}", "", f"{s['name']} broke the accuracy bound: "
+                      f"{s['repair_outcome']}.", ""]
         if not rep:
             continue
-        lines += [f"## Repair: {s['name']}", "",
+        repaired = not s.get("repair_outcome")
+        lines += [f"## Repair: {s['name']}" if repaired else f"## Repair of {s['name']}", "",
+                  *([] if repaired else [f"{s['name']} broke the accuracy bound: "
+                                         f"{s['repair_outcome']}.", ""]),
                   f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
                   "float, ranked by the output error drop (that group alone returned to "
                   "float from the quantized plan) per latency cost "
@@ -391,7 +419,8 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
         if rep.get("exclude_nodes"):
             lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
                       "```", rep["exclude_nodes"], "```", ""]
-        lines += _repair_speed_lines(s, r, rep)
+        if repaired:
+            lines += _repair_speed_lines(s, r, rep)
         lines += ["| group | tensors | error drop | share of the error | integer nodes lost | "
                   "latency cost | returned to float |", "|---|---|---|---|---|---|---|"]
         rows = rep.get("sensitivity") or []

@@ -194,8 +194,12 @@ class StartOutcome:
     lane: str | None = None
     ab_vs_float: dict | None = None
     ab_vs_best: dict | None = None
-    #: a repaired start's sensitivity table (:meth:`qdq_optuna.measure.repair.Repair.to_dict`)
+    #: the repair's sensitivity table (:meth:`qdq_optuna.measure.repair.Repair.to_dict`): on a
+    #: repaired start's row, or on the row of a start whose repair yielded no start
     repair: dict | None = None
+    #: on a start that broke the accuracy bound: what its repair came to (the repaired start's
+    #: name, or why there is none)
+    repair_outcome: str | None = None
 
     #: stored in every row (the rest only when set)
     _ALWAYS = ("name", "points_on", "notes", "exact", "qdq", "plan_key", "latency_ms", "error",
@@ -212,6 +216,8 @@ class StartOutcome:
             out["ab_vs_best"] = self.ab_vs_best
         if self.repair is not None:
             out["repair"] = self.repair
+        if self.repair_outcome is not None:
+            out["repair_outcome"] = self.repair_outcome
         out["chosen"] = self.chosen
         out["lane"] = self.lane
         return out

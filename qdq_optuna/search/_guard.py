@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines
+from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines, share_words
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
 from qdq_optuna.measure.bisect import bisect_plan
@@ -40,6 +40,37 @@ class Guard:
     #: ``--bias-correction``: the exporter's models with their biases corrected, scored and
     #: shipped instead of the plain exports (None: off, or not possible for this run)
     corrected: CorrectedExports | None = None
+    #: :meth:`~qdq_optuna.measure.accuracy.ErrorScorer.noise_floor` on the guard's data, with
+    #: its share of the room the bound leaves (None: not measured)
+    floor: dict | None = None
+
+    def measure_floor(self) -> dict | None:
+        """The FP32 model's own error under half an 8-bit step of input noise, and its share
+        of the room the bound leaves over the FP32 model's own value (the bound itself for an
+        output error); one warning line when that share is :data:`FLOOR_WARN` or more: no
+        8-bit placement is likely to stay within such a bound, and a repair that returns
+        quantizer groups to float cannot help much (each quantized tensor adds noise of that
+        order)."""
+        try:
+            floor = self.plans.scorer.noise_floor()
+        except Exception as exc:  # a diagnosis only: never the run's failure
+            log.info("the FP32 model's noise floor could not be measured (%s)", exc)
+            return None
+        if floor is None:
+            return None
+        own = self.drop["fp32_metric"] if self.drop else 0.0
+        room = self.bound - own
+        floor["share_of_bound"] = (floor["error"] - own) / room if room > 0 else None
+        self.floor = floor
+        if room > 0 and floor["share_of_bound"] >= FLOOR_WARN:
+            log.warning(
+                "noise floor: the FP32 model itself moves by %.3g (%s, worst output, on %s) "
+                "when its inputs move by half an 8-bit step, %s what the bound %g allows: "
+                "8-bit placements will hardly stay within it; give a task-level --metric with "
+                "--max-metric-drop, or a --max-output-error you can accept", floor["error"],
+                self.measure, data_phrase(self.data), share_words(floor["share_of_bound"]),
+                self.bound)
+        return floor
 
     def error(self, plan: QuantPlan) -> dict:
         """Output errors of ``plan`` vs FP32 (``error``: the worst output's, in
@@ -134,12 +165,16 @@ class Guard:
                 "tuned_tensors": verdict.tuned_tensors,
                 "responsible_tensors": verdict.responsible,
                 "bisection_evaluations": verdict.evaluations,
+                **({"input_noise_floor": self.floor} if self.floor else {}),
             },
             "final_output_error": errors["error"],
             "final_output_errors": errors["output_errors"],
         }
 
 
+#: the noise floor's share of the bound's room at which the guard warns that 8-bit placements
+#: will hardly fit (PP-OCRv5's detector on text photos: 0.77)
+FLOOR_WARN = 0.5
 #: the error memo's tag for a plan's bias-corrected export
 BIAS_TAG = "+bias"
 #: :attr:`Verdict.status`: the tuned model ships

@@ -152,6 +152,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
                   corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer))
+    guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
 

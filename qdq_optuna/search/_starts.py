@@ -47,6 +47,15 @@ REPAIRED = "-in-bound"
 REPAIR_EVALUATIONS = 48
 #: error evaluations the bisection over tensors may spend where the ranked repair kept nothing
 BISECT_EVALUATIONS = 48
+#: a start's ``repair_outcome`` when its repair yielded no start to measure
+NO_TIME = "not repaired: no time left under --timeout"
+KEPT_NOTHING = ("not repaired: no quantized part of it kept the accuracy bound (ranked groups, "
+                "then bisection over tensors)")
+SAME_MODEL = "not measured: the repaired start is the same model as another start"
+#: a start whose quantized uses overlap this much (Jaccard) with a start whose repair yielded
+#: nothing is not repaired again (PP-OCRv5's detector: every point and ONNX Runtime's recipe
+#: differ in 1 of 264 points, and each repair costs 48 error evaluations)
+TWIN = 0.9
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -138,7 +147,9 @@ class StartsPhase:
         groups (one node's quantized inputs) go back in order of error per latency cost
         (:func:`~qdq_optuna.measure.repair.rank_repair`), so the integer chains left still
         fuse; a repaired start is measured and checked like any other (its row, with the
-        sensitivity table, is returned)."""
+        sensitivity table, is returned). Each start that needed a repair says on its row what
+        it came to (``repair_outcome``), with the table when no repaired start was measured,
+        so the report shows where the error was even when float ships."""
         s = self.s
         flt = next((r for r in rows if r.name == "float"), None)
         if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
@@ -147,19 +158,33 @@ class StartsPhase:
         # fastest first: a repair only takes Q/DQ out, so a start slower than a model already
         # within the bound is not worth its bisection (dnsmos-p835: 40 evaluations, 8 minutes)
         best = min((r.latency_ms for r in rows if r.usable), default=math.inf)
+        failed: dict[str, set] = {}  # starts whose repair yielded nothing: their quantized uses
         for start, row in sorted(zip(cands, rows), key=lambda sr: sr[1].latency_ms or math.inf):
             if row.feasible or row.latency_ms is None or \
                     row.latency_ms >= min(flt.latency_ms, best):
                 continue
+            i = rows.index(row)
             remaining = s.remaining()
             if remaining is not None and remaining <= 0:
-                break
+                rows[i] = replace(row, repair_outcome=NO_TIME)
+                continue
             plan = self._plan(row.schemes)
-            repaired, table = self._repaired(start, plan)
+            twin = next((name for name, uses in failed.items() if _overlap(uses, plan) >= TWIN),
+                        None)
+            if twin is not None:
+                rows[i] = replace(row, repair_outcome=f"not repaired: nearly the placement of "
+                                  f"{twin}, whose repair yielded no start to measure")
+                continue
+            repaired, table, outcome = self._repaired(start, plan)
             if repaired is None:
-                log.info("start %s: no part of it keeps the accuracy bound", start.name)
+                log.info("start %s: %s", start.name, outcome)
+                rows[i] = replace(row, repair_outcome=outcome, repair=table)
+                if outcome != NO_TIME:
+                    failed[start.name] = set(plan_uses(plan))
                 continue
             key = self._plan(self._schemes(repaired)).key
+            rows[i] = replace(row, repair_outcome=f"repaired: {repaired.name}" if key not in seen
+                              else SAME_MODEL, repair=None if key not in seen else table)
             if key not in seen:  # float's key is among them: nothing left on
                 seen.add(key)
                 done = len(rows) + len(out)
@@ -170,11 +195,13 @@ class StartsPhase:
                     best = min(best, repaired_row.latency_ms)
         return out
 
-    def _repaired(self, start: Start, plan) -> tuple[Start | None, dict | None]:
-        """``start`` within the bound, and the repair's sensitivity table: quantizer groups
-        returned to float by error per latency cost; where that keeps nothing within the
-        evaluations (an error spread over hundreds of groups ranks coarsely: a real PP-OCR
-        detector and text-line classifier), bisection over tensors, as before."""
+    def _repaired(self, start: Start, plan) -> tuple[Start | None, dict | None, str]:
+        """``start`` within the bound, the repair's sensitivity table, and what the repair came
+        to: quantizer groups returned to float by error per latency cost; where that keeps
+        nothing within the evaluations (an error spread over hundreds of groups ranks
+        coarsely: a real PP-OCR detector and text-line classifier), bisection over tensors, as
+        before (a repaired start is measured even where the repair's own estimate says it
+        runs no faster than float: the runtime decides, and the report says why)."""
         s = self.s
         error = lambda p: s.guard.error(p)["error"]  # noqa: E731
         time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
@@ -182,6 +209,7 @@ class StartsPhase:
                             node_costs=getattr(s, "node_costs", None),
                             max_evaluations=REPAIR_EVALUATIONS, time_left=time_left)
         name = f"{start.name}{REPAIRED}"
+        table = found.to_dict()
         if found.within and found.kept.activations:
             nodes = [g.name for g in found.returned]
             return whole.start_from_uses(
@@ -189,20 +217,20 @@ class StartsPhase:
                 notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
                        f"group(s) returned to float, ranked by output error per latency "
                        f"cost ({found.evaluations} error evaluations) until within the "
-                       f"accuracy bound: {listed(nodes)}"]), found.to_dict()
+                       f"accuracy bound: {listed(nodes)}"]), table, ""
         if not time_left():
-            return None, None
+            return None, table, NO_TIME
         cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
                           max_evaluations=BISECT_EVALUATIONS)
         if not cut.within or not cut.kept.activations:
-            return None, None
+            return None, table, KEPT_NOTHING
         gone = set(cut.responsible)
         return whole.start_from_uses(
             s.prepared, name, [u for u in plan_uses(plan) if u[0] not in gone],
             notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke the "
                    f"accuracy bound (bisection in {cut.evaluations} error evaluations, after "
                    f"the ranked repair kept nothing in {found.evaluations}): "
-                   f"{listed(cut.responsible)}"]), None
+                   f"{listed(cut.responsible)}"]), None, ""
 
     def _what_ran(self, plan):
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
@@ -348,6 +376,12 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
+
+
+def _overlap(uses: set, plan) -> float:
+    """Jaccard overlap of a plan's quantized uses with ``uses``."""
+    other = set(plan_uses(plan))
+    return len(uses & other) / max(len(uses | other), 1)
 
 
 def _recipe(rows: list[StartOutcome]) -> StartOutcome | None:
