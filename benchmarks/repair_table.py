@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ import onnxruntime as ort
 import photos
 import real_models
 
-from qdq_optuna.measure.accuracy import hold_out, run_model
+from qdq_optuna.measure.accuracy import hold_out, load_metric, run_model
 from qdq_optuna.measure.repair import plan_groups
 from qdq_optuna.model import calibration
 from qdq_optuna.placement import starts as whole
@@ -37,8 +38,8 @@ from qdq_optuna.placement.prepared import PreparedModel
 
 
 def tune(path: Path, out: Path, cal: Path, shapes: str | None, timeout: int,
-         backend: str = "onnxruntime") -> dict:
-    extra = ["--input-shapes", shapes] if shapes else []
+         backend: str = "onnxruntime", more: tuple[str, ...] = ()) -> dict:
+    extra = (["--input-shapes", shapes] if shapes else []) + list(more)
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "qdq_optuna", "tune", "--model", str(path),
                            "--output", str(out), "--backend", backend, "--runtime",
@@ -129,8 +130,10 @@ def one(name: str, args) -> list[dict]:
     shapes = real_models.MODELS[name].input_shapes
     cal = dict(np.load(work / "calibration.npz"))
     held = dict(np.load(work / "heldout.npz"))
+    more = tuple(shlex.split(args.tune_args))
     report = tune(path, work / "run", work / "calibration.npz", shapes, args.timeout,
-                  "costmodel" if args.dry_run else "onnxruntime")
+                  "costmodel" if args.dry_run else "onnxruntime", more)
+    metric = load_metric(more[more.index("--metric") + 1]) if "--metric" in more else None
     models = rebuild(path, work / "run", cal, shapes, report)
     part = hold_out((cal, "cal"))[1][0]  # the samples the run's guard scored
     ref_held, ref_part = run_model(str(path), held), run_model(str(path), part)
@@ -145,11 +148,13 @@ def one(name: str, args) -> list[dict]:
                "shipped": report["accuracy"]["error"]}
     rows = []
     for k, data in models.items():
-        e = errors(ref_held, run_model(data, held))
         own = errors(ref_part, run_model(data, part))["relative_l2"]
+        got = run_model(data, held)
+        e = errors(ref_held, got)
         rows.append({"model": name, "placement": k, "vs_fp32": ms["FP32"] / ms[k],
                      "ms": ms[k], "claimed_error": claimed.get(k), "error_on_guard_part": own,
-                     "held_out_cosine": e["cosine"], "held_out_relative_l2": e["relative_l2"]})
+                     "held_out_cosine": e["cosine"], "held_out_relative_l2": e["relative_l2"],
+                     **({"held_out_metric": float(metric(ref_held, got))} if metric else {})})
     rows.append({"model": name, "placement": "(run)", "seconds": report["_seconds"],
                  "speedup_claimed": report.get("speedup"), "shipped": report["accuracy"][
                      "shipped"], "data": report["accuracy"]["data"],
@@ -159,22 +164,28 @@ def one(name: str, args) -> list[dict]:
                          g["group"] for g in s["repair"]["sensitivity"]
                          if g["returned_to_float"]]}
                      for s in report["starts"] if s.get("repair")},
+                 "tune_args": list(more),
+                 "noise_floor": report["accuracy"].get("input_noise_floor"),
                  "starts": [{k: s.get(k) for k in ("name", "speedup", "error", "feasible",
-                                                   "chosen", "qdq")}
+                                                   "chosen", "qdq", "repair_outcome")}
                             for s in report["starts"]]})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | placement | vs FP32 | claimed error (rel. L2, guard's data) | rel. L2 "
-           "recomputed there | held-out cosine | held-out rel. L2 |", "|---|---|---|---|---|---|---|"]
+    metric = any("held_out_metric" in r for r in rows)
+    out = ["| model | placement | vs FP32 | claimed error (guard's measure and data) | rel. L2 "
+           "recomputed there | held-out cosine | held-out rel. L2 |"
+           + (" held-out metric |" if metric else ""),
+           "|---|---|---|---|---|---|---|" + ("---|" if metric else "")]
     for r in rows:
         if r["placement"] == "(run)":
             continue
-        c = "-" if r["claimed_error"] is None else f"{r['claimed_error']:.3f}"
+        c = "-" if r["claimed_error"] is None else f"{r['claimed_error']:.4g}"
         out.append(f"| {r['model']} | {r['placement']} | {r['vs_fp32']:.3f}x | {c} | "
                    f"{r['error_on_guard_part']:.3f} | {r['held_out_cosine']:.3f} | "
-                   f"{r['held_out_relative_l2']:.3f} |")
+                   f"{r['held_out_relative_l2']:.3f} |"
+                   + (f" {r.get('held_out_metric', float('nan')):.4g} |" if metric else ""))
     return "\n".join(out)
 
 
@@ -186,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--tune-args", default="",
+                    help="more options for the tune command, e.g. \"--metric "
+                         "benchmarks/det_metric.py:flips --max-metric-drop 0.002\" (the "
+                         "metric is then also computed on the held-out photos)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tune on the cost model, time nothing (checks this script quickly)")
     args = ap.parse_args(argv)
