@@ -61,9 +61,7 @@ def measure(name: str, runtime: str, args) -> dict:
            "tensors": len(pm.candidate_tensors()), "methods": {}}
     exporters = {}
     for method in METHODS:
-        scales = calibration.activation_scales(stats, method=method, quant_type=qtype,
-                                               bounds=calibration.reader_bounds(pm.graph))
-        exporter = exporters[method] = pm.exporter(scales)
+        exporter = exporters[method] = pm.exporter(pm.run_scales(stats, method))
         plan = exporter.plan(uses)
         _, details = evaluator.evaluate(exporter.to_bytes(plan))
         row["methods"][method] = {"cosine": details["worst_cosine"],

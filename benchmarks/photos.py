@@ -122,8 +122,8 @@ def write(name: str, folder: Path, calibration: int = 16, held_out: int = 8) -> 
 
 def every_point(name: str, folder: Path, held_out: int = 8):
     """``name`` written with its photo sets into ``folder`` and prepared for ONNX Runtime:
-    (calibration feeds, held-out feeds, the prepared model, its exporter with calibrated
-    scales, the plan with every candidate point on)."""
+    (calibration feeds, held-out feeds, the prepared model, its exporter with scales made as a
+    run makes them, the plan with every candidate point on)."""
     from qdq_optuna.model import calibration
     from qdq_optuna.placement.prepared import PreparedModel
 
@@ -133,9 +133,7 @@ def every_point(name: str, folder: Path, held_out: int = 8):
     pm = PreparedModel.prepare(str(path), runtime="onnxruntime",
                                input_shapes=real_models.MODELS[name].input_shapes)
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), cal)
-    exporter = pm.exporter(calibration.activation_scales(
-        stats, method=calibration.DEFAULT_METHOD, quant_type=pm.quant_type,
-        bounds=calibration.reader_bounds(pm.graph)))
+    exporter = pm.exporter(pm.run_scales(stats))
     uses = set()
     for pp in pm.tunable:
         uses |= pp.uses(pp.ids)

@@ -60,13 +60,7 @@ def rebuild(path: Path, out: Path, cal: dict, shapes: str | None, report: dict) 
     payload = json.loads((out / "calibration_stats.json").read_text())
     stats = calibration.load_statistics(out / "calibration_stats.json",
                                         fingerprint=payload["fingerprint"])
-    scales = calibration.activation_scales(stats, method=calibration.DEFAULT_METHOD,
-                                           quant_type=pm.quant_type,
-                                           bounds=calibration.reader_bounds(pm.graph))
-    if pm.rules.concat_share_ratio is not None:
-        scales = calibration.share_concat_scales(pm.graph.nodes, scales, pm.quant_type,
-                                                 ratio=pm.rules.concat_share_ratio)
-    exporter = pm.exporter(scales)
+    exporter = pm.exporter(pm.run_scales(stats))
     recipe_file = out / "recipe_onnxruntime.onnx"
     bases = {"all": whole.all_on_start(pm)}
     if recipe_file.exists():

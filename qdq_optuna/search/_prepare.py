@@ -279,25 +279,9 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
                                                external_data_dir=source.external_dir)
         calibration.save_statistics(stats_path, stats, fingerprint=fp)
-    # a range reaching past what every reader of the tensor distinguishes (a Sigmoid's
-    # saturated logits, a Relu's negatives) is cut there: finer steps where they count
-    bounds = calibration.reader_bounds(source)
-    clipped = calibration.clipped_by_readers(stats, bounds)
+    # counted for the report; the cut itself is run_scales'
+    clipped = calibration.clipped_by_readers(stats, calibration.reader_bounds(source))
     if clipped:
         log.info("%d activation ranges cut to what their readers distinguish (Sigmoid, Tanh, "
                  "Clip, Relu, ...)", len(clipped))
-    scales = calibration.activation_scales(stats, method=options.calibration_method,
-                                           quant_type=prepared.quant_type, bounds=bounds)
-    # 8-bit Concat kernels copy inputs of the output's scale and requantize the others:
-    # ONNX Runtime's QLinearConcat, and OpenVINO's Concatenation (NNCF unifies those scales;
-    # without it our export of NNCF's placement ran 0.86x NNCF's file on a real YOLOv8n, with
-    # it 0.99x); how far each runtime shares is its rules' concat_share_ratio
-    ratio = prepared.rules.concat_share_ratio
-    if ratio is not None and hp is None:
-        scales = calibration.share_concat_scales(prepared.graph.nodes, scales,
-                                                 prepared.quant_type, ratio=ratio)
-    for qtype in prepared.mixed_types:  # mixed precision: one scale per (tensor, type)
-        typed = calibration.activation_scales(stats, method=options.calibration_method,
-                                              quant_type=qtype, bounds=bounds)
-        scales.update({(t, qtype): v for t, v in typed.items()})
-    return scales, len(clipped)
+    return prepared.run_scales(stats, options.calibration_method), len(clipped)
