@@ -159,3 +159,31 @@ def test_a_start_whose_repair_kept_nothing_says_so_with_its_sensitivity_table(tm
     for twin in broke:
         if twin is not first:
             assert twin["repair_outcome"].startswith("not repaired: nearly the placement of")
+
+
+def test_a_repaired_start_slower_than_float_is_measured_and_the_report_says_why(tmp_path):
+    """A repaired start runs no faster than float when the returns break the integer chains
+    (here: any part of the placement is slower than float, only all of it fast): it is
+    measured all the same (the runtime decides, not the repair's estimate), float stands,
+    and report.md says why next to the sensitivity table."""
+    import _latency_fns as fns
+    from test_guard_run import _calibration
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.search import _starts
+
+    result = tune(corpus.heavy_tail(3.3, 100.0), tmp_path / "run",
+                  backend=CallableBackend(fns.only_everything_quantized_is_fast,
+                                          deterministic=True),
+                  runtime="onnxruntime", calibration_data=_calibration(),
+                  calibration_method="minmax", config=Config(schemes_per_region=3),
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert starts["all"]["latency_ms"] == 5.0 and not starts["all"]["feasible"]
+    repaired = starts["all" + _starts.REPAIRED]
+    assert starts["all"]["repair_outcome"] == "repaired: all" + _starts.REPAIRED
+    assert repaired["feasible"] and repaired["latency_ms"] > starts["float"]["latency_ms"]
+    assert not repaired["chosen"] and starts["float"]["chosen"]
+    md = (result.output_dir / "report.md").read_text()
+    assert "no faster than float: the float islands between its integer chains" in md
