@@ -158,7 +158,8 @@ def test_a_start_whose_repair_kept_nothing_says_so_with_its_sensitivity_table(tm
     assert f"## Repair of {first['name']}" in md and "| group |" in md
     for twin in broke:
         if twin is not first:
-            assert twin["repair_outcome"].startswith("not repaired: nearly the placement of")
+            assert twin["repair_outcome"] == (f"not repaired: nearly the placement of "
+                                              f"{first['name']}, repaired already")
 
 
 def test_a_repaired_start_slower_than_float_is_measured_and_the_report_says_why(tmp_path):

@@ -377,3 +377,42 @@ def test_small_calibration_data_is_not_split():
 
     data = ({"x": np.zeros((HOLD_OUT_MIN - 1, 2), np.float32)}, "small")
     assert hold_out(data) == (data, None) and hold_out(None) == (None, None)
+
+
+def _branch():
+    """x -> conv1 -> t1, read by conv2 -> y1 and by conv3 -> y2."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(corpus._w(rng, 8, 8, 3, 3), f"w{i}") for i in (1, 2, 3)]
+    nodes = [helper.make_node("Conv", [x, f"w{i}"], [y], name=f"conv{i}", pads=[1, 1, 1, 1])
+             for i, x, y in ((1, "x", "t1"), (2, "t1", "y1"), (3, "t1", "y2"))]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 16, 16])
+          for n in ("x", "y1", "y2")]
+    return corpus._model(nodes, [io[0]], io[1:], inits)
+
+
+def test_a_node_whose_output_one_reader_reads_float_runs_float():
+    """ONNX Runtime fuses a Conv into its QLinearConv only when every consumer of its output
+    is a QuantizeLinear. Returning conv3's group leaves conv1's output read float by conv3:
+    ONNX Runtime's own report has conv1 float then, and so does the repair's cost model (it
+    once counted any quantized reader as enough, and ranked such returns as nearly free)."""
+    from qdq_optuna.backends import make_backend
+    from qdq_optuna.measure.repair import Fusion, node_weights
+    from qdq_optuna.placement.prepared import PreparedModel
+
+    pm = PreparedModel.prepare(_branch(), runtime="onnxruntime")
+    exporter = pm.exporter({})
+    plan = exporter.plan(set().union(*(pp.uses(pp.ids) for pp in pm.tunable)))
+    backend = make_backend("onnxruntime", threads=1, isolate=False)
+    what = backend.what_ran(exporter.to_bytes(plan))
+    assert "conv1" not in what.float_nodes
+    groups = {g.name: g for g in plan_groups(exporter.graph, plan)}
+    fusion = Fusion(exporter.graph, plan, node_weights(exporter.graph), exporter.rules, what)
+    conv1 = next(i for i, n in enumerate(exporter.graph.nodes) if n.name == "conv1")
+    assert fusion.integer(conv1)
+    _, lost = fusion.change(groups["conv3"].uses)
+    assert "conv1" in lost and "conv3" in lost
+    gone = set(groups["conv3"].uses)
+    partial = exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+    assert "conv1" in backend.what_ran(exporter.to_bytes(partial)).float_nodes

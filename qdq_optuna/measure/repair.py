@@ -132,7 +132,8 @@ class Fusion:
     to it: the runtime's fusion rules (:class:`~qdq_optuna.placement.rules.RuntimeRules`) read
     as a node runs integer when one of its inputs is quantized, all of them for a fusion
     group's op, and, for an op the runtime fuses only with a Q after it
-    (``output_quantized_ops``: ONNX Runtime's QLinear kernels), its output quantized too; a
+    (``output_quantized_ops``: ONNX Runtime's QLinear kernels), its output quantized for every
+    reader too; a
     node the runtime's report ``what`` names as float never does. A quantized tensor whose
     producer runs float pays a stand-alone Q, one read by a float node a stand-alone DQ
     (:data:`BOUNDARY_MACS` per element each), so returning one tensor in the middle of an
@@ -163,8 +164,22 @@ class Fusion:
         if not any(have) or (node.op_type in self.groups_ops and not all(have)):
             return False
         if node.op_type in self.out_ops:
-            return all(self.readers.get(o) for o in node.output if o)
+            return all(self._all_read_quantized(o) for o in node.output if o)
         return True
+
+    def _all_read_quantized(self, tensor: str) -> bool:
+        """Every reader of ``tensor`` (a graph output too) reads it through its Q: ONNX
+        Runtime fuses a node into its QLinear kernel only when each consumer of its output is
+        a QuantizeLinear; one float reader leaves the node float (a real PP-OCRv4 detector:
+        four large Convs whose output also fed a returned group ran float, 27 % of its
+        multiply-adds, where counting any quantized reader had them integer)."""
+        readers = self.readers.get(tensor)
+        if not readers:
+            return False
+        wanted = {n for n, _ in self.graph.consumers.get(tensor, [])}
+        if tensor in self.graph.graph_outputs:
+            wanted.add(GRAPH_OUTPUT)
+        return wanted <= readers
 
     def _numel(self, t: str) -> float:
         shape = self.graph.shapes.get(t)

@@ -52,9 +52,9 @@ NO_TIME = "not repaired: no time left under --timeout"
 KEPT_NOTHING = ("not repaired: no quantized part of it kept the accuracy bound (ranked groups, "
                 "then bisection over tensors)")
 SAME_MODEL = "not measured: the repaired start is the same model as another start"
-#: a start whose quantized uses overlap this much (Jaccard) with a start whose repair yielded
-#: nothing is not repaired again (PP-OCRv5's detector: every point and ONNX Runtime's recipe
-#: differ in 1 of 264 points, and each repair costs 48 error evaluations)
+#: a start whose quantized uses overlap this much (Jaccard) with a start repaired already (or
+#: found beyond repair) is not repaired again (PP-OCRv5's detector: every point and ONNX
+#: Runtime's recipe differ in 1 of 264 points, and each repair costs 48 error evaluations)
 TWIN = 0.9
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
@@ -158,7 +158,7 @@ class StartsPhase:
         # fastest first: a repair only takes Q/DQ out, so a start slower than a model already
         # within the bound is not worth its bisection (dnsmos-p835: 40 evaluations, 8 minutes)
         best = min((r.latency_ms for r in rows if r.usable), default=math.inf)
-        failed: dict[str, set] = {}  # starts whose repair yielded nothing: their quantized uses
+        tried: dict[str, set] = {}  # starts repaired (or found beyond repair): their uses
         for start, row in sorted(zip(cands, rows), key=lambda sr: sr[1].latency_ms or math.inf):
             if row.feasible or row.latency_ms is None or \
                     row.latency_ms >= min(flt.latency_ms, best):
@@ -169,19 +169,20 @@ class StartsPhase:
                 rows[i] = replace(row, repair_outcome=NO_TIME)
                 continue
             plan = self._plan(row.schemes)
-            twin = next((name for name, uses in failed.items() if _overlap(uses, plan) >= TWIN),
+            twin = next((name for name, uses in tried.items() if _overlap(uses, plan) >= TWIN),
                         None)
             if twin is not None:
                 rows[i] = replace(row, repair_outcome=f"not repaired: nearly the placement of "
-                                  f"{twin}, whose repair yielded no start to measure")
+                                  f"{twin}, repaired already")
                 continue
             repaired, table, outcome = self._repaired(start, plan)
             if repaired is None:
                 log.info("start %s: %s", start.name, outcome)
                 rows[i] = replace(row, repair_outcome=outcome, repair=table)
                 if outcome != NO_TIME:
-                    failed[start.name] = set(plan_uses(plan))
+                    tried[start.name] = set(plan_uses(plan))
                 continue
+            tried[start.name] = set(plan_uses(plan))
             key = self._plan(self._schemes(repaired)).key
             rows[i] = replace(row, repair_outcome=f"repaired: {repaired.name}" if key not in seen
                               else SAME_MODEL, repair=None if key not in seen else table)
