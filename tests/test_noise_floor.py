@@ -188,3 +188,17 @@ def test_a_repaired_start_slower_than_float_is_measured_and_the_report_says_why(
     assert not repaired["chosen"] and starts["float"]["chosen"]
     md = (result.output_dir / "report.md").read_text()
     assert "no faster than float: the float islands between its integer chains" in md
+
+
+def test_the_fastest_start_past_the_bound_is_repaired_even_with_no_time_left(tmp_path,
+                                                                              monkeypatch):
+    """On a large model the starts' timing can outlast a short --timeout; the fastest start
+    past the bound is repaired all the same (bounded by its evaluations, as the starts' A/Bs
+    run whole). Fails with the deadline checked before the first repair too."""
+    from qdq_optuna.search import _run, _starts
+
+    monkeypatch.setattr(_run.Tuner, "remaining", lambda self: 0.0)
+    result = _tune_heavy(tmp_path)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    repaired = starts["all" + _starts.REPAIRED]
+    assert repaired["feasible"] and starts["all"]["repair_outcome"].startswith("repaired")
