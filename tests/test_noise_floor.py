@@ -202,3 +202,18 @@ def test_the_fastest_start_past_the_bound_is_repaired_even_with_no_time_left(tmp
     starts = {s["name"]: s for s in result.report["starts"]}
     repaired = starts["all" + _starts.REPAIRED]
     assert repaired["feasible"] and starts["all"]["repair_outcome"].startswith("repaired")
+
+
+def test_a_repaired_recipe_has_no_standing_of_the_recipe():
+    """The runtime's recipe stands unless float beats it in an A/B (it is what the runtime's
+    users get without us); its repair is not that model, so it stands on its speed alone: a
+    repaired PP-OCRv4 recipe that ran 0.75x float once stood and shipped."""
+    from qdq_optuna.record import StartOutcome
+    from qdq_optuna.search._starts import REPAIRED, _recipe
+
+    rows = [StartOutcome("float", latency_ms=10.0, feasible=True),
+            StartOutcome("recipe:onnxruntime", latency_ms=7.0, feasible=False),
+            StartOutcome("recipe:onnxruntime" + REPAIRED, latency_ms=13.0, feasible=True)]
+    assert _recipe(rows) is None
+    rows[1] = StartOutcome("recipe:onnxruntime", latency_ms=7.0, feasible=True)
+    assert _recipe(rows).name == "recipe:onnxruntime"
