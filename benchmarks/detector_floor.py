@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import photos
 import real_models
+import repair_table
 
 from qdq_optuna.backends.onnxruntime_kernels import what_onnxruntime_ran
 from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
@@ -40,13 +41,8 @@ EVALUATIONS = 64
 
 def concat_errors(ref: dict, got: dict) -> tuple[float, float]:
     """(cosine, relative L2) of the worst output over all samples concatenated."""
-    cos, rel = 1.0, 0.0
-    for name, r in ref.items():
-        a, b = r.astype(np.float64).ravel(), got[name].astype(np.float64).ravel()
-        na, nb = np.linalg.norm(a), np.linalg.norm(b)
-        cos = min(cos, float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb))
-        rel = max(rel, float(np.linalg.norm(a - b) / max(na, 1e-12)))
-    return cos, rel
+    e = repair_table.errors(ref, got)
+    return e["cosine"], e["relative_l2"]
 
 
 def one(name: str, out: Path) -> dict:
