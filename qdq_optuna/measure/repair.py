@@ -292,6 +292,17 @@ def latency_costs(graph: Graph, plan: QuantPlan, groups: Sequence[Group],
     return told
 
 
+def estimated_speed(exporter: QDQExporter, plan: QuantPlan, what: WhatRan | None = None,
+                    node_costs: Mapping[str, float] | None = None) -> float:
+    """What the plan's integer kernels gain over float by the repair's cost model
+    (:class:`Fusion`, the costs' units): how much speed its integer chains hold, which is
+    what survives a repair; ONNX Runtime's recipe placement of a real PP-OCRv4 detector
+    measured faster than every point on but holds half its estimated gain, and its repair
+    within the bound ran 0.9x FP32 where every point's ran 1.3x."""
+    fusion, _ = _fusion(exporter.graph, plan, what, node_costs, exporter.rules)
+    return -fusion.total()
+
+
 def _fusion(graph: Graph, plan: QuantPlan, what: WhatRan | None,
             node_costs: Mapping[str, float] | None, rules) -> tuple[Fusion, str]:
     weights = node_weights(graph)

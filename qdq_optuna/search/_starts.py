@@ -30,7 +30,7 @@ from optuna.trial import TrialState
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO
 from qdq_optuna.measure.bisect import bisect_plan
-from qdq_optuna.measure.repair import rank_repair
+from qdq_optuna.measure.repair import estimated_speed, rank_repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
@@ -155,13 +155,20 @@ class StartsPhase:
         if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
             return []
         out, seen = [], {r.plan_key for r in rows}
-        # fastest first: a repair only takes Q/DQ out, so a start slower than a model already
-        # within the bound is not worth its bisection (dnsmos-p835: 40 evaluations, 8 minutes)
+        # a repair only takes Q/DQ out, so a start slower than a model already within the
+        # bound is not worth its bisection (dnsmos-p835: 40 evaluations, 8 minutes)
         best = min((r.latency_ms for r in rows if r.usable), default=math.inf)
         tried: dict[str, set] = {}  # starts repaired (or found beyond repair): their uses
-        for start, row in sorted(zip(cands, rows), key=lambda sr: sr[1].latency_ms or math.inf):
-            if row.feasible or row.latency_ms is None or \
-                    row.latency_ms >= min(flt.latency_ms, best):
+        todo = [(start, row) for start, row in zip(cands, rows)
+                if not row.feasible and row.latency_ms is not None
+                and row.latency_ms < min(flt.latency_ms, best)]
+        # the start whose integer chains hold the most speed by the repair's cost model first
+        # (what survives returning groups to float; measured speed breaks ties): the first
+        # repair is the one that runs past the deadline
+        held = {row.name: self._holds(row) for _, row in todo} if len(todo) > 1 else {}
+        for start, row in sorted(todo, key=lambda sr: (-held.get(sr[1].name, 0.0),
+                                                       sr[1].latency_ms)):
+            if row.latency_ms >= min(flt.latency_ms, best):
                 continue
             i = rows.index(row)
             # the fastest start past the bound is repaired whole even past the search's
@@ -241,6 +248,12 @@ class StartsPhase:
                    f"accuracy bound (bisection in {cut.evaluations} error evaluations, after "
                    f"the ranked repair kept nothing in {found.evaluations}): "
                    f"{listed(cut.responsible)}"]), None, ""
+
+    def _holds(self, row: StartOutcome) -> float:
+        """The integer speed a start's placement holds by the repair's cost model."""
+        plan = self._plan(row.schemes)
+        return estimated_speed(self.s.exporter, plan, self._what_ran(plan),
+                               getattr(self.s, "node_costs", None))
 
     def _what_ran(self, plan):
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
