@@ -298,7 +298,7 @@ def estimated_speed(exporter: QDQExporter, plan: QuantPlan, what: WhatRan | None
     (:class:`Fusion`, the costs' units): how much speed its integer chains hold, which is
     what survives a repair; ONNX Runtime's recipe placement of a real PP-OCRv4 detector
     measured faster than every point on but holds half its estimated gain, and its repair
-    within the bound ran 0.9x FP32 where every point's ran 1.3x."""
+    within the bound ran 0.9x FP32 where every point's repaired placement ran 1.3x."""
     fusion, _ = _fusion(exporter.graph, plan, what, node_costs, exporter.rules)
     return -fusion.total()
 

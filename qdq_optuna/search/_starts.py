@@ -174,7 +174,7 @@ class StartsPhase:
             # the fastest start past the bound is repaired whole even past the search's
             # deadline, as the starts' A/Bs run whole: on a large model the starts' timing
             # outlasts a short --timeout (PP-OCRv4's detector: 330 s of 300), and a repair cut
-            # there ships float where a repaired start runs 1.3x (its cost is bounded by
+            # there ships float where the repair's placement runs 1.3x (its cost is bounded by
             # REPAIR_EVALUATIONS); later ones only while time is left
             remaining = s.remaining()
             if tried and remaining is not None and remaining <= 0:
