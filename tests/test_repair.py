@@ -416,3 +416,20 @@ def test_a_node_whose_output_one_reader_reads_float_runs_float():
     gone = set(groups["conv3"].uses)
     partial = exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
     assert "conv1" in backend.what_ran(exporter.to_bytes(partial)).float_nodes
+
+
+def test_a_placement_whose_chains_are_cut_holds_less_estimated_speed():
+    """``estimated_speed`` (the order in which starts past the bound are repaired): the
+    branch model with every point on holds more integer speed than the same placement with
+    conv3's inputs float, which takes conv1 off integer too (its output read float) and leaves
+    stand-alone Q/DQ on a model this small that cost more than what stays integer."""
+    from qdq_optuna.measure.repair import estimated_speed
+    from qdq_optuna.placement.prepared import PreparedModel
+
+    pm = PreparedModel.prepare(_branch(), runtime="onnxruntime")
+    exporter = pm.exporter({})
+    plan = exporter.plan(set().union(*(pp.uses(pp.ids) for pp in pm.tunable)))
+    gone = set(next(g for g in plan_groups(exporter.graph, plan) if g.name == "conv3").uses)
+    cut = exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+    assert estimated_speed(exporter, plan) > 0 > estimated_speed(exporter, cut)
+    assert estimated_speed(exporter, exporter.plan(set())) == 0

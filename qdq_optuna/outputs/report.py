@@ -396,21 +396,23 @@ def _starts_lines(r: dict) -> list[str]:
 
 
 def _repair_lines(r: dict, limit: int = 40) -> list[str]:
-    """Each repaired start's sensitivity table: its quantizer groups in the order the repair
-    would return them to float, and the ``--exclude-nodes`` line for those it returned."""
+    """Each repair's sensitivity table (on the repaired start, or on the start that broke the
+    bound when no repaired start was measured, with what its repair came to): its quantizer
+    groups in the order the repair would return them to float, and the ``--exclude-nodes``
+    line for those it returned."""
     lines: list[str] = []
     for s in r.get("starts") or []:
-        rep = s.get("repair")
-        if not rep and s.get("repair_outcome") and not s["repair_outcome"].startswith("repaired"):
-            lines += [f"## Repair of {s['name']}", "", f"{s['name']} broke the accuracy bound: "
-                      f"{s['repair_outcome']}.", ""]
+        rep, outcome = s.get("repair"), s.get("repair_outcome")
+        # a repaired start's own row has the table and no outcome; the row of a start that
+        # broke the bound has its outcome, and the table when no repaired start was measured
+        if outcome and not outcome.startswith("repaired"):
+            lines += [f"## Repair of {s['name']}", "",
+                      f"{s['name']} broke the accuracy bound: {outcome}.", ""]
+        elif rep and not outcome:
+            lines += [f"## Repair: {s['name']}", ""]
         if not rep:
             continue
-        repaired = not s.get("repair_outcome")
-        lines += [f"## Repair: {s['name']}" if repaired else f"## Repair of {s['name']}", "",
-                  *([] if repaired else [f"{s['name']} broke the accuracy bound: "
-                                         f"{s['repair_outcome']}.", ""]),
-                  f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
+        lines += [f"{rep['returned']} of {rep['groups_total']} quantizer groups returned to "
                   "float, ranked by the output error drop (that group alone returned to "
                   "float from the quantized plan) per latency cost "
                   f"({rep['costs_from']}); output error {rep['full_error']:.4g} -> "
@@ -419,7 +421,7 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
         if rep.get("exclude_nodes"):
             lines += ["The same placement from a new run (paste into `qdq-optuna tune`):", "",
                       "```", rep["exclude_nodes"], "```", ""]
-        if repaired:
+        if not outcome:  # measured: say whether it runs faster than float
             lines += _repair_speed_lines(s, r, rep)
         lines += ["| group | tensors | error drop | share of the error | integer nodes lost | "
                   "latency cost | returned to float |", "|---|---|---|---|---|---|---|"]

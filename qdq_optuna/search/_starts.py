@@ -77,6 +77,8 @@ class StartsPhase:
         self.recipe = recipe
         self.seeds = seeds
         self.worker = worker
+        #: plan key -> what the runtime ran for it (the backend's report, None: not readable)
+        self._ran: dict[str, object] = {}
 
     @property
     def record(self) -> RunRecord:
@@ -171,41 +173,42 @@ class StartsPhase:
             if row.latency_ms >= min(flt.latency_ms, best):
                 continue
             i = rows.index(row)
-            # the fastest start past the bound is repaired whole even past the search's
-            # deadline, as the starts' A/Bs run whole: on a large model the starts' timing
-            # outlasts a short --timeout (PP-OCRv4's detector: 330 s of 300), and a repair cut
-            # there ships float where the repair's placement runs 1.3x (its cost is bounded by
-            # REPAIR_EVALUATIONS); later ones only while time is left
+            # the first start repaired runs whole even past the search's deadline, as the
+            # starts' A/Bs do: on a large model the starts' timing outlasts a short --timeout
+            # (PP-OCRv4's detector: 330 s of 300), and a repair cut there ships float where the
+            # repair's placement runs 1.3x (its cost is bounded by REPAIR_EVALUATIONS); later
+            # ones only while time is left
             remaining = s.remaining()
             if tried and remaining is not None and remaining <= 0:
                 rows[i] = replace(row, repair_outcome=NO_TIME)
                 continue
             plan = self._plan(row.schemes)
-            twin = next((name for name, uses in tried.items() if _overlap(uses, plan) >= TWIN),
+            uses = set(plan_uses(plan))
+            twin = next((name for name, other in tried.items() if _overlap(uses, other) >= TWIN),
                         None)
             if twin is not None:
                 rows[i] = replace(row, repair_outcome=f"not repaired: nearly the placement of "
                                   f"{twin}, repaired already")
                 continue
             repaired, table, outcome = self._repaired(start, plan, past_deadline=not tried)
+            if outcome != NO_TIME:
+                tried[start.name] = uses
             if repaired is None:
                 log.info("start %s: %s", start.name, outcome)
                 rows[i] = replace(row, repair_outcome=outcome, repair=table)
-                if outcome != NO_TIME:
-                    tried[start.name] = set(plan_uses(plan))
                 continue
-            tried[start.name] = set(plan_uses(plan))
             key = self._plan(self._schemes(repaired)).key
-            rows[i] = replace(row, repair_outcome=f"repaired: {repaired.name}" if key not in seen
-                              else SAME_MODEL, repair=None if key not in seen else table)
-            if key not in seen:  # float's key is among them: nothing left on
-                seen.add(key)
-                done = len(rows) + len(out)
-                s.progress.stage("starts", done + 1, done=done)
-                repaired_row = replace(self._measured(repaired), repair=table)
-                out.append(repaired_row)
-                if repaired_row.usable:
-                    best = min(best, repaired_row.latency_ms)
+            if key in seen:  # float's key is among them: nothing left on
+                rows[i] = replace(row, repair_outcome=SAME_MODEL, repair=table)
+                continue
+            rows[i] = replace(row, repair_outcome=f"repaired: {repaired.name}")
+            seen.add(key)
+            done = len(rows) + len(out)
+            s.progress.stage("starts", done + 1, done=done)
+            repaired_row = replace(self._measured(repaired), repair=table)
+            out.append(repaired_row)
+            if repaired_row.usable:
+                best = min(best, repaired_row.latency_ms)
         return out
 
     def _repaired(self, start: Start, plan, *, past_deadline: bool = False
@@ -258,11 +261,14 @@ class StartsPhase:
     def _what_ran(self, plan):
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
         when the backend cannot tell."""
-        try:
-            return self.s.plans.measurer.backend.what_ran(self.s.exporter.to_bytes(plan))
-        except Exception as exc:  # a report only sharpens the costs: never the run's failure
-            log.info("what the runtime ran could not be read (%s)", exc)
-            return None
+        if plan.key not in self._ran:  # the repair order and the repair read the same plan
+            try:
+                self._ran[plan.key] = self.s.plans.measurer.backend.what_ran(
+                    self.s.exporter.to_bytes(plan))
+            except Exception as exc:  # a report only sharpens the costs: never the failure
+                log.info("what the runtime ran could not be read (%s)", exc)
+                self._ran[plan.key] = None
+        return self._ran[plan.key]
 
     def _summary(self, row: StartOutcome) -> str:
         if row.failure:
@@ -401,10 +407,9 @@ class StartsPhase:
                                                           user_attrs=row.trial_attrs()))
 
 
-def _overlap(uses: set, plan) -> float:
-    """Jaccard overlap of a plan's quantized uses with ``uses``."""
-    other = set(plan_uses(plan))
-    return len(uses & other) / max(len(uses | other), 1)
+def _overlap(a: set, b: set) -> float:
+    """Jaccard overlap of two sets of quantized uses."""
+    return len(a & b) / max(len(a | b), 1)
 
 
 def _recipe(rows: list[StartOutcome]) -> StartOutcome | None:
