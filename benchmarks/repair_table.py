@@ -66,7 +66,9 @@ def rebuild(path: Path, out: Path, cal: dict, shapes: str | None, report: dict) 
     if recipe_file.exists():
         bases["recipe:onnxruntime"] = whole.start_from_uses(
             pm, "recipe", whole.read_placement(pm, str(recipe_file))[0])
-    models = {"FP32": path.read_bytes()}
+    # the tool's float: the graph the search works on (ONNX Runtime's preprocessing), no Q/DQ
+    models = {"FP32": path.read_bytes(), "float (preprocessed)": exporter.to_bytes(
+        exporter.plan(set()))}
     if recipe_file.exists():
         models["recipe file (ORT quantize_static)"] = recipe_file.read_bytes()
     for name, start in bases.items():
@@ -78,11 +80,10 @@ def rebuild(path: Path, out: Path, cal: dict, shapes: str | None, report: dict) 
             gone = {g["group"] for g in row["repair"]["sensitivity"] if g["returned_to_float"]}
             kept = [u for g in plan_groups(pm.graph, plan) if g.name not in gone
                     for u in g.uses]
+            # as the run places a start: its schemes and the uses they cannot express
             rep = whole.start_from_uses(pm, "repaired", kept)
-            models[f"{name} repaired"] = exporter.to_bytes(
-                exporter.plan(whole.scheme_uses(pm, rep.schemes)))
-            assert set(plan_uses(exporter.plan(whole.scheme_uses(pm, rep.schemes)))) <= \
-                set(plan_uses(plan))
+            models[f"{name} repaired"] = exporter.to_bytes(exporter.plan(rep.uses))
+            assert set(plan_uses(exporter.plan(rep.uses))) <= set(plan_uses(plan))
     models["shipped"] = (out / "optimized.onnx").read_bytes()
     return models
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 from pathlib import Path
 
 import onnx
@@ -11,6 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import qdq_optuna
+from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import UserError
 from qdq_optuna.examples import zoo
@@ -296,3 +298,71 @@ def test_tensorrt_offers_no_point_between_a_residual_add_and_its_relu() -> None:
     every = CostModelBackend().estimate(exporter.to_bytes(exporter.plan(
         set(starts.all_on_start(pm).uses))))
     assert all(every.node(g.nodes[i].name).kind == "fused" for _, i, _ in relus)
+
+
+def _quantized_reads(model: onnx.ModelProto) -> set[tuple[str, str]]:
+    """(tensor, reader op) of every activation a DequantizeLinear hands to a reader."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name for i in model.graph.initializer}
+    out = set()
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        for name in node.input:
+            dq = producer.get(name)
+            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
+                else None
+            if q is not None and q.op_type == "QuantizeLinear" and q.input[0] not in inits:
+                out.add((q.input[0], node.name))
+    return out
+
+
+def test_a_start_its_schemes_cannot_express_is_measured_and_ships_as_placed(tmp_path: Path
+                                                                             ) -> None:
+    """A placement whose member regions of one pattern differ (a repaired start, a user's
+    Q/DQ model) is measured as placed, and the lane descending from it keeps the uses its
+    schemes cannot express: projected onto the schemes it lost them and shipped float."""
+    path = tmp_path / "resnet.onnx"
+    onnx.save(zoo.build("resnet", "small"), str(path))
+    pm = PreparedModel.prepare(str(path), runtime="tensorrt")
+    pp = next(p for p in pm.tunable if len(p.pattern.regions) > 1 and len(p.ids) > 1)
+    every = starts.all_on_start(pm).uses
+    one_region = next(u for u in pp.uses(pp.ids[:1]) if all(u not in q.uses(q.ids) for q in
+                                                               pm.tunable if q is not pp))
+    placed = every - {one_region}
+    exporter = pm.exporter()
+    baseline = tmp_path / "baseline.onnx"
+    baseline.write_bytes(exporter.to_bytes(exporter.plan(placed)))
+    start = starts.baseline_start(pm, baseline)
+    assert not start.exact and start.pinned  # the projection leaves point 1 off everywhere
+    wanted = _quantized_reads(onnx.load(str(baseline)))
+
+    def fast_only_as_placed(model: onnx.ModelProto) -> float:
+        reads = _quantized_reads(model)
+        return (5.0 if wanted <= reads else 10.0) + 0.01 * len(reads - wanted)
+
+    result = qdq_optuna.tune(path, tmp_path / "out", benchmark=CallableBackend(
+        fast_only_as_placed, deterministic=True), runtime="tensorrt", high_precision="fp32",
+        qdq_baseline=str(baseline), config=qdq_optuna.Config(schemes_per_region=4),
+        progress=False)
+    rows = {r["name"]: r for r in result.report["starts"]}
+    assert rows["qdq-baseline"]["latency_ms"] == pytest.approx(5.0)
+    assert rows["qdq-baseline"]["chosen"]
+    shipped = onnx.load(str(result.output_dir / "optimized.onnx"))
+    assert _quantized_reads(shipped) == wanted
+    assert result.speedup == pytest.approx(2.0)
+
+
+def test_pinned_uses_are_stored_with_the_agreed_starts() -> None:
+    """A resumed run (or a worker) reads a lane's pinned uses back as the first process
+    agreed them; runs stored before pinned uses existed read none."""
+    from qdq_optuna.record import AgreedStarts
+
+    agreed = AgreedStarts("qdq-baseline", {"": "qdq-baseline"}, [""], 3, {"": {}},
+                          pinned={"": [("layer2.0/relu2_out", 29, 0)], "recipe": []})
+    attrs = json.loads(json.dumps(agreed.to_attrs()))  # as the storage keeps it
+    back = AgreedStarts.from_attrs(attrs)
+    assert [tuple(u) for u in back.pinned[""]] == [("layer2.0/relu2_out", 29, 0)]
+    del attrs["pinned"]
+    assert AgreedStarts.from_attrs(attrs).pinned == {}
+    assert "pinned" not in AgreedStarts("float", {"": "float"}, [""]).to_attrs()

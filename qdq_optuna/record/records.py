@@ -200,6 +200,9 @@ class StartOutcome:
     #: on a start that broke the accuracy bound: what its repair came to (the repaired start's
     #: name, or why there is none)
     repair_outcome: str | None = None
+    #: the uses the start quantizes beyond its schemes (:attr:`Start.pinned`; kept out of the
+    #: stored row like ``schemes``: the lanes hold them)
+    pinned: tuple = ()
 
     #: stored in every row (the rest only when set)
     _ALWAYS = ("name", "points_on", "notes", "exact", "qdq", "plan_key", "latency_ms", "error",
@@ -277,19 +280,25 @@ class AgreedStarts:
     measurements: int | None = None
     lanes: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     rows: tuple[StartOutcome, ...] = ()
+    pinned: dict[str, list] = field(default_factory=dict)
 
     def to_attrs(self) -> dict[str, Any]:
-        """The stored value (its keys in the order they were always stored)."""
-        return {"chosen": self.chosen, "lane_starts": self.lane_starts, "order": self.order,
-                "measurements": self.measurements, "lanes": self.lanes,
-                "starts": [r.to_attrs() for r in self.rows]}
+        """The stored value (its keys in the order they were always stored; ``pinned`` only
+        when a lane has any, so earlier runs' values read the same)."""
+        out = {"chosen": self.chosen, "lane_starts": self.lane_starts, "order": self.order,
+               "measurements": self.measurements, "lanes": self.lanes,
+               "starts": [r.to_attrs() for r in self.rows]}
+        if any(self.pinned.values()):
+            out["pinned"] = {lane: [list(u) for u in uses]
+                             for lane, uses in self.pinned.items() if uses}
+        return out
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> AgreedStarts:
         rows = tuple(StartOutcome.from_attrs(r) for r in attrs.get("starts") or [])
         return cls(attrs["chosen"], dict(attrs.get("lane_starts") or {}),
                    list(attrs.get("order") or []), attrs.get("measurements"),
-                   dict(attrs.get("lanes") or {}), rows)
+                   dict(attrs.get("lanes") or {}), rows, dict(attrs.get("pinned") or {}))
 
 
 @dataclass(frozen=True)

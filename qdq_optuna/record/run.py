@@ -416,15 +416,31 @@ class RunRecord:
                 schemes[pid] = dict(scheme)
         return schemes
 
-    def uses(self, schemes: dict[str, dict[str, int]]) -> dict[Use, str]:
-        """The typed uses of whole-model schemes (earlier patterns' types stand)."""
+    def uses(self, schemes: dict[str, dict[str, int]],
+             pinned: dict[Use, str] | None = None) -> dict[Use, str]:
+        """The typed uses of whole-model schemes (earlier patterns' types stand), with a
+        lane's ``pinned`` uses (:meth:`pinned`)."""
         uses: dict[Use, str] = {}
         for pp in self.tunable:
             uses = combine(uses, self.space.typed_uses(pp, schemes.get(pp.pattern.id, {})))
-        return uses
+        return combine(uses, pinned) if pinned else uses
 
-    def around(self, pp: PatternPoints, schemes: dict[str, dict[str, int]]) -> Around:
-        """The uses of the other patterns' schemes, before ``pp`` and after it."""
+    def pinned(self, lane: str | None) -> dict[Use, str]:
+        """The uses a lane's start quantizes beyond its schemes (member regions of a pattern
+        placed differently: a repaired start), as the first quant type: every model of the
+        lane keeps them (``AgreedStarts.pinned``)."""
+        starts = self.starts() if lane is not None else None
+        stored = (starts.pinned if starts is not None else {}).get(lane) or []
+        return {(str(t), int(n), int(slot)): self.space.types[0] for t, n, slot in stored}
+
+    def standing_uses(self, lane: str, visits: list[Visit] | None = None) -> dict[Use, str]:
+        """The typed uses of a lane's standing model (its pinned uses included)."""
+        return self.uses(self.standing(lane, visits), self.pinned(lane))
+
+    def around(self, pp: PatternPoints, schemes: dict[str, dict[str, int]],
+               lane: str | None = None) -> Around:
+        """The uses of the other patterns' schemes, before ``pp`` and after it (``lane``'s
+        pinned uses after: every trial of the lane keeps them)."""
         before: dict[Use, str] = {}
         after: dict[Use, str] = {}
         seen = False
@@ -437,7 +453,8 @@ class RunRecord:
                 after = combine(after, typed)
             else:
                 before = combine(before, typed)
-        return before, after
+        pinned = self.pinned(lane)
+        return before, combine(after, pinned) if pinned else after
 
     def committed(self, lane: str) -> tuple[dict[Use, str], list[PatternStanding]]:
         """The uses of a lane's standing model, and each pattern's place in it: its standing
@@ -454,7 +471,7 @@ class RunRecord:
                 tuple(self.visit_entry(v) for v in visits
                       if v.pattern_id == pid or pid in (v.partner or {})),
                 self.space.on(self.lane_start(lane)[pid]), own[-1] if own else None))
-        return self.uses(schemes), rows
+        return self.uses(schemes, self.pinned(lane)), rows
 
     def visit_entry(self, visit: Visit) -> VisitEntry:
         """One visit, for the report (its schemes by point name)."""

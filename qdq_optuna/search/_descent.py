@@ -151,7 +151,7 @@ class Descent:
         pid = pp.pattern.id
         visits = s.record.visits(lane)
         schemes = s.record.standing(lane, visits)
-        around = s.record.around(pp, schemes)
+        around = s.record.around(pp, schemes, lane)
         key = s.neighbourhood.key(pp, around)
         mine = [v for v in visits if v.pattern_id == pid]
         this = next((v for v in mine if v.round == rnd), None)
@@ -174,7 +174,7 @@ class Descent:
             seeds = self.cache.seeds_for(pp)
             cached = seeds[0] if seeds else None
         visit = self.space.visit(pid, schemes, stats, cached,
-                                 **(self.unfused.pruning(schemes) if self.unfused else {}))
+                                 **(self.unfused.pruning(schemes, lane) if self.unfused else {}))
         dropped = Counter(visit.dropped)
         if dropped:  # a visit skipped outright is in the report: only the log's detail
             log.log(logging.INFO if visit.moves else logging.DEBUG, "%s round %d: %d move(s) "

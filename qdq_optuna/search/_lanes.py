@@ -32,7 +32,7 @@ def fastest_lane(s: Search, lanes: list[str]) -> str:
     rule = s.rule
     sources = {}
     for lane in lanes:
-        plan = s.exporter.plan(s.record.uses(s.record.standing(lane)))
+        plan = s.exporter.plan(s.record.standing_uses(lane))
         sources[lane] = (plan, s.exporter.source(plan))
     if not s.plans.deterministic and RECIPE_LANE in lanes and len(sources[lanes[0]][0]):
         lanes = [RECIPE_LANE] + [lane for lane in lanes if lane != RECIPE_LANE]

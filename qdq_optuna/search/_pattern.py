@@ -146,7 +146,7 @@ class PatternStudy:
     def _around(self, partner: dict | None) -> Around:
         if not partner or self.visit is None:
             return self.around
-        return self.s.record.around(self.pp, self.visit.schemes({}, partner))
+        return self.s.record.around(self.pp, self.visit.schemes({}, partner), self.lane)
 
     def _scheme_key(self, values: dict) -> str:
         """The model a sampler's scheme builds (its ``P005:<point>`` values: a chain move's

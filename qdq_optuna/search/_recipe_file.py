@@ -75,10 +75,11 @@ class RecipeFile:
             return plan, final_bytes, None
         pm, space = self.s.prepared, self.s.settings.space
         uses, _, _ = starts.read_placement(pm, onnx.load_from_string(data))
-        start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase projects it
+        start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase places it
         reexport = exporter.plan(self.s.record.uses({
             pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
-                                         pp.ids) for pp in pm.tunable}))
+                                         pp.ids) for pp in pm.tunable},
+            dict.fromkeys(start.pinned, space.types[0])))
         # measured once per run and agreed in the stored run: a rerun, --remeasure or a
         # second worker reads the decision instead of measuring again
         report = self.s.record.agree(Agreed.RECIPE_FILE, lambda: self._measure(

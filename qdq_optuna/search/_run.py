@@ -379,7 +379,7 @@ class Tuner:
             exporter = self.prepared.exporter(self._scales("final"), self.cfg)
             guard = self.search_state.guard if self.search_state is not None else None
             self.folder.save_standing(guard.shipped_exporter(exporter) if guard else exporter,
-                                      self.record.uses(self.record.standing(lane)))
+                                      self.record.standing_uses(lane))
 
     def _save_final(self, exporter: QDQExporter, plan) -> bytes:
         """Write ``optimized.onnx``; returns what the final comparison times."""

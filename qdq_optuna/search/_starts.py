@@ -117,7 +117,8 @@ class StartsPhase:
         by_name = {r.name: r for r in rows}
         return AgreedStarts(chosen, lanes, list(lanes), self.s.plans.by_phase["starts"] - spent,
                             {lane: by_name[name].schemes for lane, name in lanes.items()},
-                            tuple(rows))
+                            tuple(rows), {lane: sorted(by_name[name].pinned)
+                                          for lane, name in lanes.items()})
 
     def _together(self, cands: list[Start]) -> None:
         """The starts timed in the same rounds as the baseline (a measured backend), each
@@ -127,7 +128,7 @@ class StartsPhase:
         s = self.s
         if self.baseline is None or s.plans.deterministic or not s.baseline_ms:
             return
-        plans = [self._plan(self._schemes(start)) for start in cands]
+        plans = [self._plan(self._schemes(start), start.pinned) for start in cands]
         try:
             s.plans.measure_together(self.baseline, s.baseline_ms, [
                 (p.key, s.exporter.source(p), len(p)) for p in plans], "starts")
@@ -182,7 +183,7 @@ class StartsPhase:
             if tried and remaining is not None and remaining <= 0:
                 rows[i] = replace(row, repair_outcome=NO_TIME)
                 continue
-            plan = self._plan(row.schemes)
+            plan = self._row_plan(row)
             uses = set(plan_uses(plan))
             twin = next((name for name, other in tried.items() if _overlap(uses, other) >= TWIN),
                         None)
@@ -197,7 +198,7 @@ class StartsPhase:
                 log.info("start %s: %s", start.name, outcome)
                 rows[i] = replace(row, repair_outcome=outcome, repair=table)
                 continue
-            key = self._plan(self._schemes(repaired)).key
+            key = self._plan(self._schemes(repaired), repaired.pinned).key
             if key in seen:  # float's key is among them: nothing left on
                 rows[i] = replace(row, repair_outcome=SAME_MODEL, repair=table)
                 continue
@@ -254,7 +255,7 @@ class StartsPhase:
 
     def _holds(self, row: StartOutcome) -> float:
         """The integer speed a start's placement holds by the repair's cost model."""
-        plan = self._plan(row.schemes)
+        plan = self._row_plan(row)
         return estimated_speed(self.s.exporter, plan, self._what_ran(plan),
                                getattr(self.s, "node_costs", None))
 
@@ -284,17 +285,21 @@ class StartsPhase:
         return {pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
                                              pp.ids) for pp in self.s.prepared.tunable}
 
-    def _plan(self, schemes: dict[str, dict[str, int]]):
-        """The whole model of a row's schemes."""
-        return self.s.exporter.plan(self.record.uses(schemes))
+    def _plan(self, schemes: dict[str, dict[str, int]], pinned=()):
+        """The whole model of a start's schemes and its pinned uses."""
+        kind = self.s.settings.space.types[0]
+        return self.s.exporter.plan(self.record.uses(schemes, dict.fromkeys(pinned, kind)))
+
+    def _row_plan(self, row: StartOutcome):
+        return self._plan(row.schemes, row.pinned)
 
     def _measure(self, start: Start) -> StartOutcome:
         s = self.s
         schemes = self._schemes(start)
-        plan = self._plan(schemes)
+        plan = self._plan(schemes, start.pinned)
         row = StartOutcome(name=start.name, schemes=schemes, points_on=start.on(),
                            notes=list(start.notes), exact=start.exact, qdq=len(plan),
-                           plan_key=plan.key)
+                           plan_key=plan.key, pinned=tuple(sorted(start.pinned)))
         try:
             ms, _ = s.plans.measure(s.exporter.source(plan), plan.key, "starts", qdq=len(plan))
         except BackendError as exc:
@@ -365,7 +370,7 @@ class StartsPhase:
         return best.name if beaten else recipe.name
 
     def _source(self, row: StartOutcome):
-        return self.s.exporter.source(self._plan(row.schemes))
+        return self.s.exporter.source(self._row_plan(row))
 
     def _lanes(self, rows: list[StartOutcome], chosen: str) -> dict[str, str]:
         """Lane name -> start name, in descent order (see ``Config.start``)."""

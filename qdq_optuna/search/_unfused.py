@@ -93,12 +93,14 @@ class Unfused:
             getattr(search, "kernel_timing", None) is not None and \
             getattr(search.config, "kernel_evidence", False)
 
-    def of(self, schemes: dict[str, dict[str, int]]) -> WhatRan | None:
-        """The report for the whole model at ``schemes`` (read at most once per model)."""
+    def of(self, schemes: dict[str, dict[str, int]], lane: str | None = None
+           ) -> WhatRan | None:
+        """The report for the whole model at ``schemes`` (with ``lane``'s pinned uses; read
+        at most once per model)."""
         if self.backend is None:
             return None
         exporter = self.s.exporter
-        plan = exporter.plan(self.s.record.uses(schemes))
+        plan = exporter.plan(self.s.record.uses(schemes, self.s.record.pinned(lane)))
         if plan.key not in self.read:
             self.read[plan.key] = self._read(exporter, plan)
         return self.read[plan.key]
@@ -254,10 +256,10 @@ class Unfused:
         nodes |= {g.producer[t][0] for t in tensors if t in g.producer}
         return tensors, nodes
 
-    def pruning(self, schemes: dict[str, dict[str, int]]) -> dict:
+    def pruning(self, schemes: dict[str, dict[str, int]], lane: str | None = None) -> dict:
         """The standing model's report as the keyword arguments of
         :meth:`~qdq_optuna.search._moves.MoveSpace.visit` (read once per standing model)."""
-        return self.pruning_of(self.of(schemes))
+        return self.pruning_of(self.of(schemes, lane))
 
     def pruning_of(self, what: WhatRan | None) -> dict:
         """:meth:`pruning` from a report (and the kernel evidence so far)."""
