@@ -643,6 +643,10 @@ def test_on_a_measured_backend_the_recipe_gets_its_ab_when_float_measured_fastes
     recipe = starts["recipe:onnxruntime"]
     assert recipe["latency_ms"] > starts["float"]["latency_ms"]  # float measured fastest
     assert recipe["chosen"] and recipe["ab_vs_float"]["ratio"] < 1
+    # report.md says what the A/B that decided it read
+    line = next(x for x in (result.output_dir / "report.md").read_text().splitlines()
+                if x.startswith("- `recipe:onnxruntime` against float, interleaved A/B"))
+    assert f"{recipe['ab_vs_float']['ratio']:.3f}" in line and line.endswith("; chosen.")
 
 
 def _by_start(recipe_ms: float, moved: float = 12.0):

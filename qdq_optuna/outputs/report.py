@@ -386,6 +386,7 @@ def _starts_lines(r: dict) -> list[str]:
                      f"{_f(s.get('latency_ms'), '{:.4f}')} | {_f(s.get('speedup'))}x | "
                      f"{_f(s.get('error'), '{:.3g}')} | {'yes' if s.get('feasible') else 'no'} | "
                      f"{lane} | {_short(notes, 160)} |")
+    lines += _ab_lines(starts)
     lanes = (r.get("descent") or {}).get("lanes") or {}
     shipped = lanes.get((r.get("descent") or {}).get("shipped") or "main")
     if shipped:
@@ -393,6 +394,22 @@ def _starts_lines(r: dict) -> list[str]:
                   f"it ({shipped['changed']} of {shipped['visits']} visits changed the standing "
                   "model; each visit's gain is a whole-model A/B)."]
     return lines + [""]
+
+
+def _ab_lines(starts: list[dict]) -> list[str]:
+    """What the A/Bs that decided the standing model read: a start measured faster than float
+    once ships only when an interleaved A/B confirms it (on a noisy machine it may not)."""
+    lines = []
+    for s in starts:
+        ab = s.get("ab_vs_float")
+        if not ab:
+            continue
+        verdict = "faster" if ab["ci"][1] < 1.0 else "not confirmed faster"
+        lines.append(f"- `{s['name']}` against float, interleaved A/B: latency ratio "
+                     f"{ab['ratio']:.3f} (interval {ab['ci'][0]:.3f}-{ab['ci'][1]:.3f}, "
+                     f"{ab['rounds']} rounds), {verdict}; "
+                     f"{'chosen' if s.get('chosen') else 'not chosen'}.")
+    return ["", *lines] if lines else []
 
 
 def _repair_lines(r: dict, limit: int = 40) -> list[str]:
