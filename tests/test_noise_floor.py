@@ -217,3 +217,32 @@ def test_a_repaired_recipe_has_no_standing_of_the_recipe():
     assert _recipe(rows) is None
     rows[1] = StartOutcome("recipe:onnxruntime", latency_ms=7.0, feasible=True)
     assert _recipe(rows).name == "recipe:onnxruntime"
+
+
+def test_a_repaired_start_is_timed_with_the_baseline_as_the_other_starts(tmp_path):
+    """The starts are timed in the same rounds as the baseline, so drift between measurements
+    minutes apart cancels; a repaired start is made after those rounds and is timed with the
+    baseline too. Here each call of the backend reads 1 % slower than the one before: timed
+    alone after the repair, the repaired start (0.6x float's latency) read 0.76x."""
+    import _latency_fns as fns
+    from test_guard_run import _calibration
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.backends.callable import CallableBackend
+    from qdq_optuna.search import _starts
+
+    calls = [0]
+
+    def drifting(model) -> float:
+        calls[0] += 1
+        return (6.0 if fns.activation_qs(model) else 10.0) * (1 + 0.01 * calls[0])
+
+    result = tune(corpus.heavy_tail(3.3, 100.0), tmp_path / "run",
+                  backend=CallableBackend(drifting), runtime="onnxruntime",
+                  calibration_data=_calibration(), calibration_method="minmax",
+                  config=Config(schemes_per_region=3, refine_rounds=0), timeout=120,
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    repaired = starts["all" + _starts.REPAIRED]
+    assert repaired["feasible"]
+    assert repaired["latency_ms"] / starts["float"]["latency_ms"] == pytest.approx(0.6, rel=0.1)
