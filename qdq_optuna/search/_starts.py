@@ -4,8 +4,9 @@ Candidates (:mod:`qdq_optuna.placement.starts`): float; every offered point on; 
 recipe (ONNX Runtime rules: ``quant_pre_process`` + ``quantize_static`` run on the user's model
 with the user's calibration data, read back; TensorRT rules: Model Optimizer's default INT8
 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
-the insertion points (the descent moves points), measured once (the plan memo), and checked by
-the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
+the insertion points (the descent moves points), the uses no point expresses *pinned*
+(measured with the start, kept by every model of its lane: ``Start.pinned``), measured once
+(the plan memo), and checked by the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
 never chosen; when it measured faster than float, it comes back with the quantizer groups that
 cost the most error per unit of speed returned to float, as one more start (``NAME-in-bound``). The fastest feasible
 start becomes the standing model when it beats float as a commit must (the run's commit rule;
