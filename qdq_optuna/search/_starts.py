@@ -1,18 +1,18 @@
 """The starts phase: whole-model placements measured before any pattern is tuned.
 
-Candidates (:mod:`qdq_optuna.placement.starts`): float; every offered point on; the runtime's classic
-recipe (ONNX Runtime rules: ``quant_pre_process`` + ``quantize_static`` run on the user's model
-with the user's calibration data, read back; TensorRT rules: Model Optimizer's default INT8
-placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is projected onto
-the insertion points (the descent moves points), the uses no point expresses *pinned*
-(measured with the start, kept by every model of its lane: ``Start.pinned``), measured once
-(the plan memo), and checked by the accuracy guard: a start whose output error breaks the bound is recorded as infeasible and
-never chosen; when it measured faster than float, it comes back with the quantizer groups that
-cost the most error per unit of speed returned to float, as one more start (``NAME-in-bound``). The fastest feasible
-start becomes the standing model when it beats float as a commit must (the run's commit rule;
-on a measured backend an interleaved A/B against float confirms it; there the runtime's
-recipe stands unless an A/B shows the fastest start beats it). Which starts the descent runs
-from (its *lanes*) follows ``Config.start``.
+Candidates (:mod:`qdq_optuna.placement.starts`): float; every offered point on; the runtime's
+classic recipe (ONNX Runtime rules: ``quant_pre_process`` + ``quantize_static`` run on the
+user's model with the user's calibration data, read back; TensorRT rules: Model Optimizer's
+default INT8 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache``). Each is
+projected onto the insertion points (the descent moves points), the uses no point expresses
+*pinned* (measured with the start, kept by every model of its lane: ``Start.pinned``), measured
+once (the plan memo), and checked by the accuracy guard: a start whose output error breaks the
+bound is recorded as infeasible and never chosen; when it measured faster than float, it comes
+back with the quantizer groups that cost the most error per unit of speed returned to float, as
+one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when
+it beats float as a commit must (the run's commit rule; on a measured backend an interleaved A/B
+against float confirms it; there the runtime's recipe stands unless an A/B shows the fastest
+start beats it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
