@@ -194,6 +194,9 @@ class RunRecord:
                                              load_if_exists=True)
         self.measured = PlanMemo(self.run_study, RunAttr.MEASURED, Measurement)
         self.errors = PlanMemo(self.run_study, RunAttr.ERROR)
+        #: lane -> its pinned uses, read once the starts are agreed (they never change then;
+        #: a chain move's trials ask for them on every scheme the sampler proposes)
+        self._pinned: dict[str, frozenset[Use]] = {}
 
     # -- agreement -------------------------------------------------------------------------
     def agree(self, key: str, value):
@@ -417,21 +420,32 @@ class RunRecord:
         return schemes
 
     def uses(self, schemes: dict[str, dict[str, int]],
-             pinned: dict[Use, str] | None = None) -> dict[Use, str]:
-        """The typed uses of whole-model schemes (earlier patterns' types stand), with a
-        lane's ``pinned`` uses (:meth:`pinned`)."""
+             pinned: Iterable[Use] = ()) -> dict[Use, str]:
+        """The typed uses of whole-model schemes (earlier patterns' types stand), with
+        ``pinned`` uses (a lane's: :meth:`pinned`) after them."""
         uses: dict[Use, str] = {}
         for pp in self.tunable:
             uses = combine(uses, self.space.typed_uses(pp, schemes.get(pp.pattern.id, {})))
-        return combine(uses, pinned) if pinned else uses
+        return self._with_pinned(uses, pinned)
 
-    def pinned(self, lane: str | None) -> dict[Use, str]:
+    def _with_pinned(self, uses: dict[Use, str], pinned: Iterable[Use]) -> dict[Use, str]:
+        """``uses`` and the ``pinned`` ones, these as the first quant type (a use both have
+        keeps its scheme's type)."""
+        return combine(uses, dict.fromkeys(pinned, self.space.types[0]))
+
+    def pinned(self, lane: str | None) -> frozenset[Use]:
         """The uses a lane's start quantizes beyond its schemes (member regions of a pattern
-        placed differently: a repaired start), as the first quant type: every model of the
-        lane keeps them (``AgreedStarts.pinned``)."""
-        starts = self.starts() if lane is not None else None
-        stored = (starts.pinned if starts is not None else {}).get(lane) or []
-        return {(str(t), int(n), int(slot)): self.space.types[0] for t, n, slot in stored}
+        placed differently: a repaired start): every model of the lane keeps them
+        (``AgreedStarts.pinned``)."""
+        if lane is None:
+            return frozenset()
+        if lane not in self._pinned:
+            starts = self.starts()
+            if starts is None:  # not agreed yet: nothing to keep
+                return frozenset()
+            self._pinned[lane] = frozenset(
+                (str(t), int(n), int(slot)) for t, n, slot in starts.pinned.get(lane) or [])
+        return self._pinned[lane]
 
     def standing_uses(self, lane: str, visits: list[Visit] | None = None) -> dict[Use, str]:
         """The typed uses of a lane's standing model (its pinned uses included)."""
@@ -453,8 +467,7 @@ class RunRecord:
                 after = combine(after, typed)
             else:
                 before = combine(before, typed)
-        pinned = self.pinned(lane)
-        return before, combine(after, pinned) if pinned else after
+        return before, self._with_pinned(after, self.pinned(lane))
 
     def committed(self, lane: str) -> tuple[dict[Use, str], list[PatternStanding]]:
         """The uses of a lane's standing model, and each pattern's place in it: its standing

@@ -78,8 +78,7 @@ class RecipeFile:
         start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase places it
         reexport = exporter.plan(self.s.record.uses({
             pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
-                                         pp.ids) for pp in pm.tunable},
-            dict.fromkeys(start.pinned, space.types[0])))
+                                         pp.ids) for pp in pm.tunable}, start.pinned))
         # measured once per run and agreed in the stored run: a rerun, --remeasure or a
         # second worker reads the decision instead of measuring again
         report = self.s.record.agree(Agreed.RECIPE_FILE, lambda: self._measure(

@@ -291,8 +291,7 @@ class StartsPhase:
 
     def _plan(self, schemes: dict[str, dict[str, int]], pinned=()):
         """The whole model of a start's schemes and its pinned uses."""
-        kind = self.s.settings.space.types[0]
-        return self.s.exporter.plan(self.record.uses(schemes, dict.fromkeys(pinned, kind)))
+        return self.s.exporter.plan(self.record.uses(schemes, pinned))
 
     def _row_plan(self, row: StartOutcome):
         return self._plan(row.schemes, row.pinned)
