@@ -63,12 +63,18 @@ def _config(config: Config | None, mode: str | None) -> Config:
 def run(options: TuneOptions) -> TuneResult:
     """Run (or resume) the tuning run ``options`` describe."""
     tuner = Tuner(PreparedRun.from_options(options))  # prepare
-    tuner.on_commit.append(PatternPictures(tuner.out, tuner.prepared))
+    pictures = PatternPictures(tuner.out, tuner.prepared)
+    tuner.on_commit.append(pictures)
     with tuner.session():
         done = tuner.open(open_run(tuner.run))  # prepare: the storage, the run record
         if done is not None:  # a finished run: its result, nothing measured again
             return TuneResult(tuner.out, done, finished_before=True)
-        outcome = tuner.search()  # search
+        try:
+            outcome = tuner.search()  # search
+        except Exception:  # what the last commits decided (not on Ctrl-C: a prompt exit)
+            pictures.flush()
+            raise
+        pictures.flush()
         report = write_outputs(outcome)  # write outputs
         tuner.close(outcome, report)
         save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))

@@ -182,6 +182,40 @@ def server(run, tmp_path_factory):
 
 
 # -- artifacts and notes --------------------------------------------------------------------
+def test_pictures_are_drawn_at_most_every_interval_and_all_at_the_end(tmp_path, monkeypatch):
+    """Drawing costs about a second; a cost-model run commits faster than that. Within the
+    interval commits wait, and the run's end draws every one of them."""
+    from qdq_optuna.outputs import dashboard
+
+    batches: list[int] = []
+    real = dashboard.PatternPictures.flush
+
+    def flush(self):
+        batches.append(len(self._pending))
+        real(self)
+
+    monkeypatch.setattr(dashboard.PatternPictures, "flush", flush)
+    model = tmp_path / "tiny_concat.onnx"
+    onnx.save(zoo.build("tiny_concat"), str(model))
+    for every_s, out in ((3600.0, tmp_path / "slow"), (0.0, tmp_path / "fast")):
+        monkeypatch.setattr(dashboard, "REDRAW_S", every_s)
+        batches.clear()
+        tune(model, out, benchmark=CallableBackend(fns.rewards_groups, deterministic=True),
+             runtime="onnxruntime", timing="fast", config=Config(schemes_per_region=4),
+             run_id=RUN_ID, progress=False)
+        studies = pattern_studies(out)
+        assert len(studies) >= 2
+        assert sum(batches) == len(studies)
+        if every_s:  # the first commit at once, the others at the run's end
+            assert batches == [1, len(studies) - 1]
+        else:  # each commit drawn as it lands; the end has nothing left
+            assert batches == [1] * len(studies) + [0]
+        for name, study in studies.items():
+            assert {a["file"] for a in study.user_attrs["artifacts"]} == {
+                f"{visit_stem(study.user_attrs)}_convergence.png",
+                f"{visit_stem(study.user_attrs)}_region.svg"}, name
+
+
 def test_every_pattern_study_has_note_attrs_and_artifacts(run):
     studies = pattern_studies(run)
     assert len(studies) >= 2

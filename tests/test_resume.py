@@ -267,3 +267,46 @@ def test_a_trial_killed_before_all_its_points_were_suggested_is_not_redone(how, 
     queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert len(queued) == 1
     assert queued[0].system_attrs.get("fixed_params", queued[0].params) == whole.params
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import optuna
+from qdq_optuna.record.storage import open_storage
+storage = open_storage(sys.argv[1], heartbeat=False)
+study = optuna.create_study(study_name="w", storage=storage)
+for i in range(int(sys.argv[2])):
+    trial = study.ask()
+    study.tell(trial, float(i))
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint
+"""
+
+
+@pytest.mark.parametrize("write_ahead", [True, False])
+def test_a_sqlite_run_writes_ahead_and_a_killed_writer_loses_no_commit(tmp_path, monkeypatch,
+                                                                      write_ahead):
+    """SQLite is opened in write-ahead-log mode (commits are not synced one by one); a process
+    killed before any checkpoint leaves its commits in the log, and the next open has them."""
+    import qdq_optuna.record.storage as storage_mod
+
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if not write_ahead:  # the default rollback journal, for contrast
+        monkeypatch.setattr(storage_mod, "SQLITE_WRITE_AHEAD", False)
+        code = _KILLED_WRITER.replace("storage = open_storage",
+                                      "import qdq_optuna.record.storage as m\n"
+                                      "m.SQLITE_WRITE_AHEAD = False\nstorage = open_storage")
+    else:
+        code = _KILLED_WRITER
+    proc = subprocess.run([sys.executable, "-c", code, url, "7"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert (tmp_path / "s.db-wal").exists() == write_ahead
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == ("wal" if write_ahead
+                                                                   else "delete")
+    storage = open_storage(url, heartbeat=False)
+    trials = optuna.load_study(study_name="w", storage=storage).get_trials(deepcopy=False)
+    assert [t.value for t in trials] == [float(i) for i in range(7)]
+    assert all(t.state == TrialState.COMPLETE for t in trials)

@@ -168,22 +168,48 @@ def pattern_note(attrs: dict, metric_names: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-class PatternPictures:
-    """The commit callback of a run: a pattern study's pictures and note, once decided."""
+#: the least time between two drawings of the commit callback: drawing a pattern's pictures
+#: and the run's note takes about a second on a 2-core CPU, and a cost-model run commits a
+#: pattern every second or two (drawing each took 30 % of a small YOLO-like model's run;
+#: ``benchmarks/results/run_overhead.md``)
+REDRAW_S = 10.0
 
-    def __init__(self, output_dir: str | Path, prepared: PreparedModel) -> None:
+
+class PatternPictures:
+    """The commit callback of a run: a pattern study's pictures and note, and the run's note,
+    once decided. Drawn at most every ``every_s`` seconds; what a commit in between decided
+    waits for the next drawing or :meth:`flush` (the run's end). A measured run's visits
+    take longer than that, so its dashboard follows each commit."""
+
+    def __init__(self, output_dir: str | Path, prepared: PreparedModel, *,
+                 every_s: float | None = None) -> None:
         self.out = Path(output_dir)
         self.prepared = prepared
+        self.every_s = REDRAW_S if every_s is None else every_s
+        self._pending: dict[str, tuple[optuna.Study, PatternPoints]] = {}
+        self._drawn = -math.inf
 
     def __call__(self, study: optuna.Study, pp: PatternPoints) -> None:
-        save_pattern_artifacts(study, self.out, pp, self.prepared)  # logs, never raises
-        save_pattern_note(study)
-        run_id = study.user_attrs.get(A.RUN_ID)
-        if run_id is not None:  # the run's note follows the run as it goes
+        self._pending[study.study_name] = (study, pp)
+        if time.monotonic() - self._drawn >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Draw every pattern study committed since the last drawing, and the run's note."""
+        pending, self._pending = self._pending, {}
+        runs = {}
+        for study, pp in pending.values():
+            save_pattern_artifacts(study, self.out, pp, self.prepared)  # logs, never raises
+            save_pattern_note(study)
+            run_id = study.user_attrs.get(A.RUN_ID)
+            if run_id is not None:
+                runs[run_id] = storage_of(study)
+        for run_id, storage in runs.items():  # the run's note follows the run as it goes
             try:
-                save_run_note(storage_of(study), run_id)
+                save_run_note(storage, run_id)
             except Exception as exc:  # a note must never cost a run
                 log.warning("dashboard note of run %s not saved: %s", run_id, exc)
+        self._drawn = time.monotonic()
 
 
 def save_pattern_note(study: optuna.Study) -> None:
@@ -208,6 +234,8 @@ def convergence_png(path: str | Path, trials: list[tuple[int, float]], *,
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    # fixed margins: a tight layout draws the figure twice (a third of the picture's time)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.14, top=0.9)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     if trials:
@@ -231,7 +259,6 @@ def convergence_png(path: str | Path, trials: list[tuple[int, float]], *,
     ax.grid(True, alpha=0.3)
     if trials or reference_ms is not None:
         ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
     fig.savefig(str(path), format="png")
 
 
