@@ -79,6 +79,7 @@ from qdq_optuna.record.storage import (
     default_storage_url,
     open_storage,
     quiet_optuna,
+    release,
 )
 
 __all__ = [
@@ -88,7 +89,7 @@ __all__ = [
     "VisitEntry", "agree", "agreed", "claim",
     "default_storage_url", "delete_run", "key_table", "note_error", "note_failure",
     "note_measurement", "note_scheme", "open_storage", "overview_study_name",
-    "pattern_attrs", "pattern_study_name", "progress_curve", "quiet_optuna", "run_attrs",
+    "pattern_attrs", "pattern_study_name", "progress_curve", "quiet_optuna", "release", "run_attrs",
     "run_study_name", "run_study_of", "set_system_attr", "starts_study_name",
     "studies_in_order", "trial_measurement", "write_pattern_cache", "write_state",
     "is_visit", "visit_cap", "visit_problems",

@@ -149,6 +149,15 @@ def _write_ahead(engine) -> None:
     engine.dispose()  # connections opened while the tables were made get the pragmas too
 
 
+def release(storage) -> None:
+    """Close the storage's idle connections (it reconnects if used again): the last
+    connection to a SQLite file folds its write-ahead log into the file, so a finished run's
+    folder holds one self-contained ``studies.db`` while its process lives on (a notebook)."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
 class _NoInterruptTraceback(logging.Filter):
     """Optuna logs a trial that Ctrl-C failed with the KeyboardInterrupt's traceback; the CLI
     already says what happened and how to resume, in one line."""

@@ -45,6 +45,7 @@ from qdq_optuna.placement.seeds import PatternCache, baseline_seed
 from qdq_optuna.record import (
     AgreedStarts,
     RunRecord,
+    release,
     write_pattern_cache,
     write_state,
 )
@@ -150,6 +151,8 @@ class Tuner:
         finally:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
                 self.backend.close()
+            if self.record is not None:  # a SQLite log folded into its file
+                release(self.record.storage)
 
     def open(self, opened: OpenedRun) -> dict | None:
         """Take the opened run (:func:`~qdq_optuna.search._prepare.open_run`); a run that
