@@ -30,6 +30,7 @@ from _common import load_now
 import qdq_optuna
 from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
+from qdq_optuna.model.calibration import random_calibration_data
 from qdq_optuna.outputs import dashboard
 from qdq_optuna.record import storage
 
@@ -44,17 +45,16 @@ def _arm(name: str) -> None:
 
 
 def _model(work: Path, spec: str) -> tuple[Path, Path, Path]:
+    """The zoo model ``kind[:size]`` and random calibration (8) and validation (4) inputs."""
     kind, _, size = spec.partition(":")
     model = zoo.build(kind, size) if size else zoo.build(kind)
     path = work / f"{kind}_{size or 'default'}.onnx"
     onnx.save(model, str(path))
-    inp = model.graph.input[0]
-    shape = [d.dim_value or 1 for d in inp.type.tensor_type.shape.dim]
-    rng = np.random.default_rng(3)
-    cal, val = work / f"{path.stem}_cal.npz", work / f"{path.stem}_val.npz"
-    np.savez(cal, **{inp.name: rng.random([8, *shape[1:]]).astype(np.float32)})
-    np.savez(val, **{inp.name: rng.random([4, *shape[1:]]).astype(np.float32)})
-    return path, cal, val
+    files = []
+    for part, samples, seed in (("cal", 8, 3), ("val", 4, 4)):
+        files.append(work / f"{path.stem}_{part}.npz")
+        np.savez(files[-1], **random_calibration_data(model, samples=samples, seed=seed))
+    return path, files[0], files[1]
 
 
 def run(spec: str, work: Path, arm: str, rep: int, backend: str, rules: str) -> dict:
