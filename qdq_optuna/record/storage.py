@@ -87,7 +87,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
     A RUNNING trial whose worker has not beaten for ``grace`` seconds (see
     :func:`heartbeat_grace`) is failed by the next worker that looks, and ``on_stale`` queues it
     again (the search's ``retry_stale_trial``; default:
-    Optuna's :class:`~optuna.storages.RetryFailedTrialCallback`)."""
+    Optuna's :class:`~optuna.storages.RetryHeartbeatStaleTrialCallback`)."""
     if not url.startswith(("sqlite://", "postgresql", "mysql")):
         raise OptionError(
             f"--storage: {url!r} is not an Optuna RDB URL (sqlite:///path.db, postgresql://...)"
@@ -99,7 +99,8 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
             # several beats per grace period, so one late beat never kills a live trial
             heartbeat_interval=max(1, min(HEARTBEAT_INTERVAL_S, grace_s // 3)),
             grace_period=grace_s,
-            heartbeat_stale_trial_callback=on_stale or optuna.storages.RetryFailedTrialCallback(),
+            heartbeat_stale_trial_callback=(on_stale
+                                           or optuna.storages.RetryHeartbeatStaleTrialCallback()),
         )
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     from sqlalchemy.exc import IntegrityError, OperationalError
