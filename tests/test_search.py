@@ -8,8 +8,10 @@ known in advance.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import sqlite3
 
 import _latency_fns as fns
 import numpy as np
@@ -99,8 +101,10 @@ def test_outputs_exist_and_optimized_model_runs(e2e, residual):
                  "state.yaml", "studies.db"):
         assert (out / name).is_file(), name
     # the storage's write-ahead log is folded into studies.db when tune returns, though the
-    # process (this one) lives on: the folder is self-contained
+    # process (this one) lives on: the folder is self-contained, the file a plain SQLite one
     assert not list(out.glob("studies.db-*"))
+    with contextlib.closing(sqlite3.connect(out / "studies.db")) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     assert e2e.optimized_model == out / "optimized.onnx"
     optimized = onnx.load(str(out / "optimized.onnx"))
     onnx.checker.check_model(optimized, full_check=True)

@@ -9,6 +9,7 @@ knows only Optuna's public API (its private parts are :mod:`qdq_optuna.record._o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -151,11 +152,19 @@ def _write_ahead(engine) -> None:
 
 
 def release(storage) -> None:
-    """Close the storage's idle connections (it reconnects if used again): the last
-    connection to a SQLite file folds its write-ahead log into the file, so a finished run's
-    folder holds one self-contained ``studies.db`` while its process lives on (a notebook)."""
+    """Close the storage's connections (it reconnects if used again). A SQLite file goes back
+    to the default rollback journal, its log folded in: a finished run's ``studies.db`` is one
+    self-contained file while its process lives on (a notebook), and opens from a read-only
+    copy (a write-ahead file needs a writable folder to be read). Where another worker still
+    has the file open, it stays in write-ahead mode: the last one out switches it back."""
     engine = getattr(storage, "engine", None)
-    if engine is not None:
+    if engine is None:
+        return
+    engine.dispose()
+    if engine.dialect.name == "sqlite":
+        with contextlib.suppress(Exception), engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA busy_timeout=0")  # busy: another worker is in
+            connection.exec_driver_sql("PRAGMA journal_mode=DELETE")
         engine.dispose()
 
 
