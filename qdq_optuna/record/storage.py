@@ -161,7 +161,8 @@ def release(storage) -> None:
     if engine is None:
         return
     engine.dispose()
-    if engine.dialect.name == "sqlite":
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and Path(database).is_file():  # never made
         with contextlib.suppress(Exception), engine.connect() as connection:
             connection.exec_driver_sql("PRAGMA busy_timeout=0")  # busy: another worker is in
             connection.exec_driver_sql("PRAGMA journal_mode=DELETE")

@@ -144,6 +144,8 @@ class Tuner:
         except Exception as exc:
             if not interrupted_by(exc):
                 if self.search_state is None or self.search_state.baseline_ms is None:
+                    if self.record is not None:  # its connections closed before its file goes
+                        release(self.record.storage)
                     self.folder.remove_new(before)
                 raise
             self._interrupted()
