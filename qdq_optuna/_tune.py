@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import onnx
 
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.config import Config
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, interrupted_by
 from qdq_optuna.model.data import model_argument
 from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
 from qdq_optuna.outputs.write import write_outputs
@@ -71,10 +72,9 @@ def run(options: TuneOptions) -> TuneResult:
             return TuneResult(tuner.out, done, finished_before=True)
         try:
             outcome = tuner.search()  # search
-        except Exception:  # what the last commits decided (not on Ctrl-C: a prompt exit)
-            pictures.flush()
-            raise
-        pictures.flush()
+        finally:  # what the last commits decided (not on Ctrl-C: a prompt exit)
+            if not interrupted_by(sys.exc_info()[1]):
+                pictures.flush()
         report = write_outputs(outcome)  # write outputs
         tuner.close(outcome, report)
         save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))

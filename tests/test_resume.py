@@ -272,8 +272,9 @@ def test_a_trial_killed_before_all_its_points_were_suggested_is_not_redone(how, 
 _KILLED_WRITER = """
 import os, signal, sys
 import optuna
-from qdq_optuna.record.storage import open_storage
-storage = open_storage(sys.argv[1], heartbeat=False)
+import qdq_optuna.record.storage as m
+m.SQLITE_WRITE_AHEAD = sys.argv[3] == "1"
+storage = m.open_storage(sys.argv[1], heartbeat=False)
 study = optuna.create_study(study_name="w", storage=storage)
 for i in range(int(sys.argv[2])):
     trial = study.ask()
@@ -291,15 +292,10 @@ def test_a_sqlite_run_writes_ahead_and_a_killed_writer_loses_no_commit(tmp_path,
 
     db = tmp_path / "s.db"
     url = f"sqlite:///{db}"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if not write_ahead:  # the default rollback journal, for contrast
-        monkeypatch.setattr(storage_mod, "SQLITE_WRITE_AHEAD", False)
-        code = _KILLED_WRITER.replace("storage = open_storage",
-                                      "import qdq_optuna.record.storage as m\n"
-                                      "m.SQLITE_WRITE_AHEAD = False\nstorage = open_storage")
-    else:
-        code = _KILLED_WRITER
-    proc = subprocess.run([sys.executable, "-c", code, url, "7"], env=env, capture_output=True,
+    # off: the default rollback journal, for contrast (here too, for the reopening below)
+    monkeypatch.setattr(storage_mod, "SQLITE_WRITE_AHEAD", write_ahead)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, url, "7", str(int(write_ahead))],
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (tmp_path / "s.db-wal").exists() == write_ahead

@@ -134,6 +134,7 @@ class Tuner:
         backend's worker process (ours) stops at the end. A run that fails before its first
         measurement leaves no files behind (a resumed run's earlier files stay)."""
         before = self.folder.listing()
+        failed_unmeasured = False
         try:
             with Progress(self.o.progress) as progress:
                 self.progress = progress
@@ -143,10 +144,8 @@ class Tuner:
             raise
         except Exception as exc:
             if not interrupted_by(exc):
-                if self.search_state is None or self.search_state.baseline_ms is None:
-                    if self.record is not None:  # its connections closed before its file goes
-                        release(self.record.storage)
-                    self.folder.remove_new(before)
+                failed_unmeasured = (self.search_state is None
+                                     or self.search_state.baseline_ms is None)
                 raise
             self._interrupted()
             raise KeyboardInterrupt from exc
@@ -155,6 +154,8 @@ class Tuner:
                 self.backend.close()
             if self.record is not None:  # a SQLite log folded into its file
                 release(self.record.storage)
+            if failed_unmeasured:  # after its storage let go of its files
+                self.folder.remove_new(before)
 
     def open(self, opened: OpenedRun) -> dict | None:
         """Take the opened run (:func:`~qdq_optuna.search._prepare.open_run`); a run that
