@@ -249,12 +249,12 @@ def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | N
     return arrays, data_id(given, arrays)
 
 
-def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: RunFolder,
+def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: RunFolder | None,
                       data: tuple[dict, str] | None) -> tuple[dict, int]:
     """Activation scales from one calibration pass on the FP32 model (statistics cached in
     ``OUT/calibration_stats.json``, keyed by the model, its preprocessing and the data; the
-    scales are made from them each time, so a change of how is never served from the cache),
-    and how many ranges their readers cut."""
+    scales are made from them each time, so a change of how is never served from the cache;
+    ``folder`` None: not cached), and how many ranges their readers cut."""
     from qdq_optuna.model import calibration
 
     hp = prepared.high_precision
@@ -273,12 +273,13 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
         data_name = "random:4:0"
     fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_name,
                                     tensors], default=str).encode()).hexdigest()[:16]
-    stats_path = folder.calibration_stats
-    stats = calibration.load_statistics(stats_path, fingerprint=fp)
+    stats_path = folder.calibration_stats if folder is not None else None
+    stats = calibration.load_statistics(stats_path, fingerprint=fp) if stats_path else None
     if stats is None:
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
                                                external_data_dir=source.external_dir)
-        calibration.save_statistics(stats_path, stats, fingerprint=fp)
+        if stats_path is not None:
+            calibration.save_statistics(stats_path, stats, fingerprint=fp)
     # counted for the report; the cut itself is run_scales'
     clipped = calibration.clipped_by_readers(stats, calibration.reader_bounds(source))
     if clipped:
