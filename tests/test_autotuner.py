@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,6 +17,8 @@ from qdq_optuna.examples import zoo
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import random_calibration_data
 from qdq_optuna.placement.export import quantized_tensors
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _qdq_latency(model_bytes: bytes) -> float:
@@ -130,3 +135,28 @@ def test_trials_use_the_scales_tunes_trials_use() -> None:
 
     assert scales("tensorrt") == {0.1}
     assert scales("onnxruntime") and 0.1 not in scales("onnxruntime")
+
+
+def _python_block(text: str, containing: str) -> str:
+    """The first fenced Python block of ``text`` (Markdown or a docstring) holding
+    ``containing``, dedented."""
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return next(textwrap.dedent(b) for b in blocks if containing in b)
+
+
+def test_the_ask_tell_example_runs_as_written(tmp_path, monkeypatch) -> None:
+    """docs/api.md's ask/tell script, run as written (its 30 trials per pattern cut to 2) on
+    an example model and calibration data under the names it reads; the Autotuner docstring
+    shows the same script."""
+    page = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    script = _python_block(page, "Autotuner(")
+    assert script == _python_block(Autotuner.__doc__, "Autotuner(")
+    assert script.count("range(30)") == 1
+    model = zoo.build("tiny_residual")
+    onnx.save(model, tmp_path / "model.onnx")
+    np.savez(tmp_path / "cal.npz", **random_calibration_data(model, None, samples=8, seed=1))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(script.replace("range(30)", "range(2)"), "docs/api.md", "exec"), {})
+    final = onnx.load(tmp_path / "optimized.onnx")
+    onnx.checker.check_model(final)
+    assert (tmp_path / "model.onnx").read_bytes() == model.SerializeToString()  # not modified
