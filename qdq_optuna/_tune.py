@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import onnx
 
@@ -28,37 +30,88 @@ from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult, open_
 
 
 def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
-         backend: Callable | Backend | str | None = None, config: Config | None = None,
+         backend: Callable | Backend | str | None = None,
+         config: Config | str | os.PathLike | None = None,
          benchmark: Callable | Backend | str | None = None, mode: str | None = None,
-         **options) -> TuneResult:
+         **options: Any) -> TuneResult:
     """Tune ``model``; results go to ``output_dir`` (see the docs: outputs).
 
-    ``backend`` (or its older name ``benchmark``) is a backend name (``"onnxruntime"``,
-    ``"openvino"``, ``"tensorrt"``, ``"costmodel"``, ...), a
-    ``Backend`` (``qdq_optuna.backends.base``), or any callable
-    ``fn(model: onnx.ModelProto) -> ms``.
+    Every option of ``qdq-optuna tune`` is a keyword, named as its flag without the dashes
+    (``--input-shapes`` is ``input_shapes=``, ``--refine-rounds`` is ``refine_rounds=``); an
+    unknown keyword raises :class:`~qdq_optuna.errors.OptionError` naming it.
 
-    ``mode`` is ``--mode``: ``"quick"``, ``"default"`` or ``"extensive"`` sets the budget
-    fields of [`Config`][qdq_optuna.config.Config]; with ``config`` too, the fields ``config``
-    changes from their defaults win over the preset's, as ``--config`` does over ``--mode``.
-    Other keyword arguments are the fields of [`TuneOptions`][qdq_optuna.search.TuneOptions]
-    (``--input-shapes`` is ``input_shapes=``, and so on).
+    Args:
+        model: the float model, a path or an ``onnx.ModelProto`` (never modified).
+        output_dir: the output folder (``--output``); also holds the studies.
+        backend: what measures latency: a backend name (``"onnxruntime"``, ``"openvino"``,
+            ``"tensorrt"``, ``"costmodel"``, ...), a ``Backend`` (``qdq_optuna.backends.base``)
+            or any callable ``fn(model: onnx.ModelProto) -> ms``; ``benchmark`` is the same.
+        config: search settings: a [`Config`][qdq_optuna.config.Config], or the path of a YAML
+            file of its fields (``--config``).
+        benchmark: the same as ``backend`` (give one of them).
+        mode: ``--mode``: ``"quick"``, ``"default"`` or ``"extensive"`` sets the budget fields
+            of ``Config``; the fields ``config`` changes from their defaults win over the
+            preset's, as ``--config`` does over ``--mode``.
+        **options: the other options: the fields of
+            [`TuneOptions`][qdq_optuna.search.TuneOptions] (``input_shapes=``,
+            ``calibration_data=``, ``sampler=``, ``seed=``, ``timeout=``, ...), the fields of
+            ``Config`` (``refine_rounds=``, ``schemes_per_region=``, ...: they win over
+            ``config``'s, as a flag over the file), ``verbose=`` (``-v``) and ``quiet=``
+            (``-q``: no progress bars).
+
+    Returns:
+        Where the outputs are, and ``report.json`` as a dict.
     """
+    return run(options_from(model, output_dir, backend=backend, config=config,
+                            benchmark=benchmark, mode=mode, **options))
+
+
+#: the Config fields ``tune()`` takes as keywords, and the TuneOptions fields other than
+#: its named arguments
+_CONFIG_KEYWORDS = frozenset(f.name for f in dataclasses.fields(Config))
+_OPTION_KEYWORDS = frozenset(f.name for f in dataclasses.fields(TuneOptions)) - {
+    "model", "output_dir", "backend", "config"}
+
+
+def options_from(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
+                 backend: Callable | Backend | str | None = None,
+                 config: Config | str | os.PathLike | None = None,
+                 benchmark: Callable | Backend | str | None = None, mode: str | None = None,
+                 verbose: int | bool | None = None, quiet: bool = False,
+                 **keywords: Any) -> TuneOptions:
+    """The :class:`TuneOptions` ``tune()``'s keywords describe, each routed where the CLI
+    routes its flag (a TuneOptions field, a Config field over ``config`` and ``mode``, ``-q``
+    to ``progress``); ``qdq-optuna tune`` passes its parsed flags here through ``tune()``."""
     if backend is not None and benchmark is not None:
         raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
+    unknown = sorted(set(keywords) - _CONFIG_KEYWORDS - _OPTION_KEYWORDS)
+    if unknown:
+        raise OptionError(f"tune: unknown keyword {unknown[0]!r} (the keywords are the "
+                          "options of qdq-optuna tune without their dashes, e.g. "
+                          "input_shapes=, refine_rounds=)")
+    settings = {k: v for k, v in keywords.items() if k in _CONFIG_KEYWORDS}
+    settings["verbose"] = bool(verbose) or None
+    given = {k: v for k, v in keywords.items() if k in _OPTION_KEYWORDS}
+    if quiet:
+        given["progress"] = False
     chosen = backend if backend is not None else benchmark
-    return run(TuneOptions(model=model_argument(model), output_dir=str(output_dir),
-                           backend=chosen if chosen is not None else "onnxruntime",
-                           config=_config(config, mode), **options))
+    return TuneOptions(model=model_argument(model), output_dir=str(output_dir),
+                       backend=chosen if chosen is not None else "onnxruntime",
+                       config=_config(config, mode, **settings), **given)
 
 
-def _config(config: Config | None, mode: str | None) -> Config:
-    """``config`` with ``mode``'s preset under it (the CLI's ``--mode`` with ``--config``)."""
-    if mode is None:
+def _config(config: Config | str | os.PathLike | None, mode: str | None,
+            **settings: Any) -> Config:
+    """``config`` (a Config or a YAML file's) with ``mode``'s preset under it and ``settings``
+    (those not None) over it: the CLI's ``--mode``, ``--config`` and the search flags."""
+    if isinstance(config, (str, os.PathLike)):
+        config = Config.from_yaml(config)
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if mode is None and not settings:
         return config or Config()
     defaults = Config().to_dict()
     changed = {k: v for k, v in (config or Config()).to_dict().items() if v != defaults[k]}
-    return Config.preset(mode, **changed)
+    return Config.preset(mode or "default", **{**changed, **settings})
 
 
 def run(options: TuneOptions) -> TuneResult:

@@ -219,3 +219,59 @@ def test_mode_with_a_config_file_keeps_the_presets_budget(tmp_path):
     assert got.schemes_per_region == Config.preset("quick").schemes_per_region != 30
     assert got.refine_rounds == 1
     assert got == _config(Config(refine_rounds=1), "quick")
+
+
+def _changed_value(action: argparse.Action) -> list[str]:
+    """Command-line words that give ``action`` a value other than its default."""
+    flag = action.option_strings[-1]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [next(s for s in action.option_strings if s.startswith("--no-"))]
+    if action.nargs == 0:  # store_true, count
+        return [flag]
+    if action.choices:
+        return [flag, next(str(c) for c in reversed(list(action.choices)) if c != action.default)]
+    examples = {"objectives": "latency,error", "input_shapes": "x:1x3x8x8",
+                "metric": "my_metrics:score", "backend": "costmodel"}
+    value = examples.get(action.dest, "7" if action.type is not None else "other")
+    return [flag, value]
+
+
+#: options valid only beside another (``--max-metric-drop`` needs ``--metric``)
+_COMPANIONS = {"max_metric_drop": {"metric": "my_metrics:score"},
+               "metric_drop_type": {"metric": "my_metrics:score", "max_metric_drop": 0.1}}
+
+
+def test_tune_takes_every_option_of_the_tune_command_as_a_keyword(tmp_path):
+    """Generated from the parser: for each option of ``qdq-optuna tune``, its parsed value
+    given to ``tune()`` as the keyword of its dest changes the run's options (routed where
+    the CLI routes it: a TuneOptions field, a Config field, progress); nothing is run."""
+    from qdq_optuna._tune import options_from
+
+    (tmp_path / "c.yaml").write_text("refine_rounds: 1\n")
+    parser = build_parser()
+    tune = _subparsers(parser)["tune"]
+    checked = set()
+    for action in tune._actions:
+        if isinstance(action, argparse._HelpAction) or action.dest in ("model", "output_dir"):
+            continue
+        words = (["--config", str(tmp_path / "c.yaml")] if action.dest == "config"
+                 else _changed_value(action))
+        args = vars(parser.parse_args(["tune", "-m", "m.onnx", *words]))
+        value = args[action.dest]
+        companions = _COMPANIONS.get(action.dest, {})
+        changed = options_from("m.onnx", "out", **companions, **{action.dest: value})
+        assert changed != options_from("m.onnx", "out", **companions), action.dest
+        checked.add(action.dest)
+    assert {"refine_rounds", "sampler", "seed", "timeout", "pattern_cache", "qdq_baseline",
+            "mode", "config", "quiet", "verbose", "input_shapes"} <= checked
+
+
+def test_tune_names_an_unknown_keyword_in_one_line(tmp_path):
+    """``tune()`` with a misspelt keyword: an OptionError naming it, before anything runs
+    (``refine_rounds`` beside it is taken)."""
+    from qdq_optuna import OptionError, tune
+
+    with pytest.raises(OptionError, match="unknown keyword 'refine_round'") as caught:
+        tune(zoo.build("tiny_chain"), tmp_path / "out", refine_rounds=0, refine_round=1)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()

@@ -234,20 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_from(args: argparse.Namespace):
+    """The run's Config from ``--mode``, ``--config`` and the search flags, as ``tune()``
+    makes it from the same keywords."""
     import dataclasses
 
+    from qdq_optuna._tune import _config
     from qdq_optuna.config import Config
 
-    base = {}
-    if getattr(args, "config", None):  # what the file changes wins over --mode (as tune() does)
-        defaults = Config().to_dict()
-        base = {k: v for k, v in Config.from_yaml(args.config).to_dict().items()
-                if v != defaults[k]}
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Config)
-                 if "flag_help" in f.metadata}  # the flags given (None: not given)
-    overrides["verbose"] = bool(getattr(args, "verbose", 0)) or None
-    given = {k: v for k, v in overrides.items() if v is not None}  # a flag beats the file
-    return Config.preset(getattr(args, "mode", "default"), **{**base, **given})
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(Config)
+             if "flag_help" in f.metadata}  # the flags given (None: not given)
+    return _config(getattr(args, "config", None), getattr(args, "mode", "default"),
+                   verbose=bool(getattr(args, "verbose", 0)) or None, **given)
 
 
 def _node_filter(args: argparse.Namespace) -> dict:
@@ -263,9 +260,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise OptionError("--output must be a folder, not the model file")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise OptionError(f"--output {args.output_dir}: exists and is not a folder")
-    options = tune_options(args)
-    result = tune(options.pop("model"), options.pop("output_dir"), config=_config_from(args),
-                  progress=not args.quiet, **options)
+    keywords = {k: v for k, v in vars(args).items() if k != "command"}  # each flag's dest
+    result = tune(keywords.pop("model"), keywords.pop("output_dir"), **keywords)
     if not args.quiet:
         _print_result(result)
     return 0
