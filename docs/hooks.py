@@ -5,6 +5,10 @@ Two directives, each an HTML comment on lines of its own in a page's Markdown:
 ``<!-- cli-reference -->``
     every command of ``qdq-optuna`` with its options, read from ``qdq_optuna.cli.commands.build_parser``.
 
+``<!-- fields-reference MODULE.CLASS -->``
+    a table of a dataclass's fields (``TuneOptions``, ``Config``): name, type, default, flag
+    and what it does, read from the same field metadata the command line is built from.
+
 ``<!-- results ... -->``
     a YAML body naming a file under ``benchmarks/results/`` (``file:``) and, for JSON and CSV,
     the ``columns:`` to show (dotted paths into each row -> column title; ``missing:`` the text
@@ -28,6 +32,7 @@ from mkdocs.exceptions import PluginError
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 _RESULTS_RE = re.compile(r"^<!-- results\n(.*?)\n-->$", re.S | re.M)
 _CLI_RE = re.compile(r"^<!-- cli-reference -->$", re.M)
+_FIELDS_RE = re.compile(r"^<!-- fields-reference ([\w.]+) -->$", re.M)
 
 
 def on_config(config):
@@ -41,6 +46,7 @@ def on_config(config):
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """Expand the directives of one page (MkDocs calls this for every page)."""
     markdown = _RESULTS_RE.sub(lambda m: _results(yaml.safe_load(m.group(1)), page), markdown)
+    markdown = _FIELDS_RE.sub(lambda m: fields_reference(m.group(1)), markdown)
     return _CLI_RE.sub(lambda m: cli_reference(), markdown)
 
 
@@ -195,4 +201,69 @@ def _value(action: argparse.Action) -> str:
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     text = parser._get_formatter()._expand_help(action) if action.help else ""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+# --- dataclass fields (TuneOptions, Config) ---------------------------------------------------
+
+def fields_reference(dotted: str) -> str:
+    """Each field of the dataclass ``dotted`` as a table row: its keyword, type, default, the
+    flag the command line builds from its metadata, and its help (the flag's, else the
+    field's docstring)."""
+    import dataclasses
+    import importlib
+
+    from qdq_optuna.config import field_flags
+
+    module, _, name = dotted.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    docs = _field_docstrings(cls)
+    out = ["| keyword | type | default | flag | what it does |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        about = m.get("help") or m.get("flag_help") or docs.get(f.name, "")
+        if "flag_help" in m and f.name in docs:  # a setting's docstring says more
+            about = docs[f.name]
+        out.append(f"| `{f.name}` | {_code(str(f.type))} | {_default(f)} | "
+                   f"{_field_flag_cell(f, field_flags(f))} | {_text(about)} |")
+    return "\n".join(out)
+
+
+def _field_docstrings(cls) -> dict[str, str]:
+    """``name -> docstring`` of the fields of ``cls`` that have a string after them."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: inspect.cleandoc(doc.value.value) for a, doc in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)}
+
+
+def _default(f) -> str:
+    import dataclasses
+
+    if f.default is not dataclasses.MISSING:
+        return _code(repr(f.default))
+    if f.default_factory is not dataclasses.MISSING:
+        return _code(f"{getattr(f.default_factory, '__name__', 'factory')}()")
+    return "required"
+
+
+def _field_flag_cell(f, flags: list[str]) -> str:
+    if not flags:
+        return "-"
+    if f.default is True:  # --flag / --no-flag
+        flags = [*flags, "--no-" + flags[-1][2:]]
+    return ", ".join(f"`{flag}`" for flag in flags)
+
+
+def _code(text: str) -> str:
+    return "<code>" + text.replace("&", "&amp;").replace("<", "&lt;").replace("|", "&#124;") \
+        + "</code>"
+
+
+def _text(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")

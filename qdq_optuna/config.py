@@ -27,6 +27,16 @@ def flag(default, *, help: str, type: str | None = None, short: str | None = Non
         "flag_help": help, "type": type, "short": short, "metavar": metavar, "choices": choices})
 
 
+def field_flags(f: dataclasses.Field) -> list[str]:
+    """The command-line flags of a :class:`Config` or ``TuneOptions`` field, as the CLI builds
+    them from its metadata (empty: the field is no flag)."""
+    m = f.metadata
+    if not (m.get("group") or "flag_help" in m):
+        return []
+    return ([m["short"]] if m.get("short") else []) + [
+        m.get("flag") or "--" + f.name.replace("_", "-")]
+
+
 @dataclass
 class Config:
     """Search settings (``--config FILE.yaml`` holds any of them; ``--mode`` presets the budget).

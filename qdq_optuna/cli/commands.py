@@ -89,6 +89,7 @@ def add_options(groups: dict, names=None, **overrides) -> None:
     name -> argparse group; ``overrides``: field name -> changed argparse keywords."""
     import dataclasses
 
+    from qdq_optuna.config import field_flags
     from qdq_optuna.search import TuneOptions
 
     for f in dataclasses.fields(TuneOptions):
@@ -108,9 +109,7 @@ def add_options(groups: dict, names=None, **overrides) -> None:
                 kw.update(nargs=m["nargs"], action="extend")
         kw = {k: v for k, v in {**kw, **overrides.get(f.name, {})}.items() if v is not None
               or k == "default"}
-        flags = [m["short"]] if m["short"] else []
-        flags.append(m["flag"] or "--" + f.name.replace("_", "-"))
-        groups[m["group"]].add_argument(*flags, **kw)
+        groups[m["group"]].add_argument(*field_flags(f), **kw)
 
 
 def tune_options(args: argparse.Namespace) -> dict:
@@ -134,15 +133,15 @@ def add_config_options(g, names: tuple[str, ...]) -> None:
     the YAML file's value stands)."""
     import dataclasses
 
-    from qdq_optuna.config import Config
+    from qdq_optuna.config import Config, field_flags
 
-    by_name = {f.name: f.metadata for f in dataclasses.fields(Config)}
+    by_name = {f.name: f for f in dataclasses.fields(Config)}
     for name in names:
-        m = by_name[name]
-        flags = ([m["short"]] if m["short"] else []) + ["--" + name.replace("_", "-")]
+        m = by_name[name].metadata
         kw = {"type": ARG_TYPES.get(m["type"]) if m["type"] else None,
               "metavar": m["metavar"], "choices": m["choices"]}
-        g.add_argument(*flags, help=m["flag_help"], **{k: v for k, v in kw.items() if v})
+        g.add_argument(*field_flags(by_name[name]), help=m["flag_help"],
+                       **{k: v for k, v in kw.items() if v})
 
 
 def _add_region_args(g) -> None:

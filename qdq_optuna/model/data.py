@@ -71,10 +71,16 @@ def input_data(data: DataLike, model: calibration.ModelLike,
                what: str = "calibration data") -> dict[str, np.ndarray]:
     """``data`` as one dict of stacked arrays, checked against the model's inputs.
 
-    ``data`` is an ``.npz`` path (read by :func:`calibration.load_calibration_data`), a mapping
-    of input name -> samples on axis 0, an ONNX Runtime ``CalibrationDataReader`` (drained with
-    ``get_next()`` until it returns None), or an iterable of feed dicts as a session's ``run``
-    takes them (concatenated on axis 0). ``what`` names the argument in errors.
+    Args:
+        data: an ``.npz`` path (read by :func:`calibration.load_calibration_data`), a mapping
+            of input name -> samples on axis 0, an ONNX Runtime ``CalibrationDataReader``
+            (drained with ``get_next()`` until it returns None), or an iterable of feed dicts
+            as a session's ``run`` takes them (concatenated on axis 0).
+        model: the model whose inputs the data must feed (a path or an ``onnx.ModelProto``).
+        what: names the argument in errors.
+
+    Returns:
+        input name -> the samples stacked on axis 0.
     """
     if isinstance(data, (str, os.PathLike)):
         return calibration.load_calibration_data(data, model, what)

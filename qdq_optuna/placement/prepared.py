@@ -93,12 +93,28 @@ class PreparedModel:
         upgrade_opset: bool = True,
         fed_inputs: Iterable[str] = (),
     ) -> PreparedModel:
-        """``exclude_nodes`` (names or regular expressions) and ``op_types`` (the op types
-        whose inputs may carry Q/DQ) narrow every insertion point (:mod:`.insertion.filters`).
-        ``upgrade_opset=False``: a model below the opset that ``high_precision`` or the quant
-        types need is refused (one line) instead of upgraded with onnx's version converter.
-        ``fed_inputs``: the names the calibration data feeds; an initializer listed as a graph
-        input is a constant unless fed (:func:`~qdq_optuna.model.graph.take_off_defaults`)."""
+        """The model side of a run: the float model loaded and preprocessed, cut into
+        regions and patterns, with the insertion points the runtime's rules allow.
+
+        Args:
+            model: the float model, a path or an ``onnx.ModelProto`` (never modified).
+            runtime: whose fusion rules place the Q/DQ (``--runtime``), or the rules.
+            quant_type: the activation type (``--quant-type``; default: the runtime's).
+            input_shapes: fixed symbolic input dims (``--input-shapes``).
+            config: region sizes and the default quant type (``Config``).
+            preprocess: ``auto``, ``none`` or ``ort-basic`` (``--preprocess``).
+            high_precision: the float part's precision, ``fp32``, ``fp16`` or ``bf16``.
+            keep_io_types: with fp16/bf16, graph inputs and outputs stay FP32.
+            exclude_nodes: names or regular expressions of nodes whose inputs never carry
+                Q/DQ (``--exclude-nodes``).
+            op_types: the op types whose inputs may carry Q/DQ (``--op-types``).
+            upgrade_opset: False: a model below the opset that ``high_precision`` or the
+                quant types need is refused (one line) instead of upgraded with onnx's
+                version converter.
+            fed_inputs: the names the calibration data feeds; an initializer listed as a
+                graph input is a constant unless fed
+                (:func:`~qdq_optuna.model.graph.take_off_defaults`).
+        """
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = runtime if isinstance(runtime, RuntimeRules) else rules_for(runtime)

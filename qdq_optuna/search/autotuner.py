@@ -109,7 +109,7 @@ class Autotuner:
         max_output_error: the bound on the final model's output error (relative L2, worst
             output; default 0.2), as ``--max-output-error``.
         calibration_method: how activation statistics become scales, as
-            ``--calibration-method``.
+            ``--calibration-method`` (default: its default, ``percentile``).
 
     ``export(trial)`` uses the scales ``tune()``'s trials use on that runtime: calibrated ones
     on ONNX Runtime and OpenVINO, a placeholder scale (``Config.default_q_scale``) on
@@ -132,7 +132,7 @@ class Autotuner:
         calibration_data: Any = None,
         validation_data: Any = None,
         max_output_error: float | None = None,
-        calibration_method: str = DEFAULT_METHOD,
+        calibration_method: str | None = None,
     ) -> None:
         self.config = config or Config()
         quiet_optuna(self.config.verbose)
@@ -140,7 +140,8 @@ class Autotuner:
             model=model, output_dir="", runtime=runtime, quant_type=quant_type,
             input_shapes=input_shapes, config=self.config, sampler=sampler, seed=seed,
             calibration_data=calibration_data, validation_data=validation_data,
-            max_output_error=max_output_error, calibration_method=calibration_method)
+            max_output_error=max_output_error,
+            calibration_method=calibration_method or DEFAULT_METHOD)
         self.profile = profile_for(runtime)
         self.prepared = PreparedModel.prepare(
             model, runtime=self.profile.rules, quant_type=quant_type,
