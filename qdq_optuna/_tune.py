@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -26,7 +27,10 @@ from qdq_optuna.errors import OptionError, interrupted_by
 from qdq_optuna.model.data import model_argument
 from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
 from qdq_optuna.outputs.write import write_outputs
+from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult, open_run
+
+log = logging.getLogger("qdq_optuna")
 
 
 def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLike, *,
@@ -131,4 +135,9 @@ def run(options: TuneOptions) -> TuneResult:
         report = write_outputs(outcome)  # write outputs
         tuner.close(outcome, report)
         save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))
+        if outcome.partial:
+            log.warning("--timeout %gs cut the run short: %s is the best model found by then "
+                        "(report.md: incomplete); rerun the same command to resume from the "
+                        "stored studies (a larger --timeout, or none, lets it finish)",
+                        options.timeout, tuner.out / OPTIMIZED)
         return TuneResult(tuner.out, report)

@@ -246,3 +246,22 @@ def test_a_repeated_warning_is_said_once(capsys):
                      "inputs") == 1
     assert "qdq-optuna: WARNING: another warning" in err
     assert err.count("qdq-optuna: ERROR: an error") == 2
+
+
+def test_a_run_cut_by_its_timeout_says_so_on_the_console(tmp_path):
+    """A ``--timeout`` run that ends before its descent did says so in one line (and how to
+    resume); the same run without a timeout, resumed from the stored studies, does not."""
+    model = tmp_path / "m.onnx"
+    onnx.save(zoo.build("tiny_residual"), model)
+    args = ("tune", "-m", model, "-o", tmp_path / "out", "-b", "costmodel", "-n", "2",
+            "--refine-rounds", "0")
+    proc = cli(*args, "--timeout", "0.001", "-q")
+    assert proc.returncode == 0, proc.stderr
+    cut = [line for line in proc.stderr.splitlines() if "cut the run short" in line]
+    assert len(cut) == 1, proc.stderr
+    assert "--timeout 0.001s" in cut[0] and "rerun the same command to resume" in cut[0]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["complete"] is False
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "cut the run short" not in resumed.stderr + resumed.stdout
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["complete"] is True
