@@ -12,6 +12,7 @@ import pytest
 
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure import kernels as K
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
@@ -355,3 +356,54 @@ def test_the_report_counts_how_often_the_region_ranked_as_the_whole_model():
     assert (st["subgraph_screened_out"], st["subgraph_compared"], st["subgraph_agreed"]) == \
         (1, 2, 1)
     assert "the region ranked 1 as the whole model did" in "\n".join(_statistics_lines(st))
+
+
+def _timed_into_cache(pm, setting):
+    """One standing model's integer kernels timed (real ONNX Runtime sessions, a short A/B,
+    one unit) by the descent's reader of what ran, with ``--kernel-cache`` set to
+    ``setting``; the table it timed."""
+    backend = OnnxRuntimeBackend()
+    ex = pm.exporter()
+    model = ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses))
+    what = backend.what_ran(model)
+    keep = K.units(onnx.load_from_string(model))[0].node
+
+    def timing(flt, qdq, skip=(), **kw):
+        skip = set(skip) | {u.node for u in K.units(qdq) if u.node != keep}
+        return K.kernel_table(backend, flt, qdq, skip=skip, protocol=QUICK, **kw)
+
+    class _S:
+        prepared, exporter, kernel_timing, kernel_cache = pm, ex, staticmethod(timing), setting
+        config = Config()
+        plans = type("P", (), {"measurer": type("M", (), {"deadline": None, "backend": backend}),
+                               "deterministic": False})
+
+    unfused = Unfused(_S(), {})
+    unfused._time_kernels(ex, model, what)
+    return unfused.kernels
+
+
+def test_the_kernel_cache_moves_or_turns_off(resnet, tmp_path, monkeypatch):
+    """``--kernel-cache PATH`` writes the timings there (and a second reader finds them),
+    ``$QDQ_OPTUNA_KERNEL_CACHE`` is its default, ``off`` reads and writes no file; the
+    user's cache folder is never touched."""
+    pm = resnet[0]
+    home = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.delenv(K.KERNEL_CACHE_ENV, raising=False)
+    moved = tmp_path / "moved" / "kernels.json"
+    table = _timed_into_cache(pm, str(moved))
+    assert table.timed == 1 and table.cached == 0
+    assert len(json.loads(moved.read_text())["machines"]) == 1
+    again = _timed_into_cache(pm, str(moved))  # read back: nothing timed again
+    assert (again.timed, again.cached) == (0, 1)
+    off = _timed_into_cache(pm, "off")
+    assert (off.timed, off.cached) == (1, 0)  # not read from the moved file either
+    monkeypatch.setenv(K.KERNEL_CACHE_ENV, str(tmp_path / "env.json"))
+    assert _timed_into_cache(pm, None).timed == 1 and (tmp_path / "env.json").is_file()
+    monkeypatch.setenv(K.KERNEL_CACHE_ENV, "off")
+    assert _timed_into_cache(pm, None).timed == 1
+    assert not home.exists()
+    assert K.kernel_cache(None) is None and K.kernel_cache("OFF") is None
+    monkeypatch.delenv(K.KERNEL_CACHE_ENV)
+    assert K.kernel_cache(None).path == home / "qdq_optuna" / "kernels.json"

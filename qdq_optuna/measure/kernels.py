@@ -251,10 +251,30 @@ def with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # -- the cache -------------------------------------------------------------------------------
+#: the environment variable that sets ``--kernel-cache``'s default
+KERNEL_CACHE_ENV = "QDQ_OPTUNA_KERNEL_CACHE"
+#: ``--kernel-cache off``: no cache is read or written
+CACHE_OFF = "off"
+KERNEL_CACHE_HELP = (
+    "JSON file of the integer-vs-float kernel timings (kernel evidence on a measured backend), "
+    "shared by runs and models on this machine (default: $" + KERNEL_CACHE_ENV + ", else "
+    "$XDG_CACHE_HOME/qdq_optuna/kernels.json, ~/.cache when unset); off: time the kernels "
+    "again in each run and write no file")
+
+
 def default_cache_path() -> Path:
     """``$XDG_CACHE_HOME/qdq_optuna/kernels.json`` (``~/.cache`` when unset)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "qdq_optuna" / "kernels.json"
+
+
+def kernel_cache(setting: str | os.PathLike | None) -> KernelCache | None:
+    """The cache ``--kernel-cache`` names: a path, :data:`CACHE_OFF` (None: no cache), or
+    None for ``$QDQ_OPTUNA_KERNEL_CACHE`` (the same two forms), else the default path."""
+    chosen = setting if setting is not None else os.environ.get(KERNEL_CACHE_ENV) or None
+    if chosen is not None and str(chosen).strip().lower() == CACHE_OFF:
+        return None
+    return KernelCache(chosen)
 
 
 def machine_key(runtime: Mapping, flags: Iterable[str]) -> str:

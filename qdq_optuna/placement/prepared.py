@@ -93,28 +93,21 @@ class PreparedModel:
         upgrade_opset: bool = True,
         fed_inputs: Iterable[str] = (),
     ) -> PreparedModel:
-        """The model side of a run: the float model loaded and preprocessed, cut into
-        regions and patterns, with the insertion points the runtime's rules allow.
+        """The model side of a run: regions, patterns, the insertion points the rules allow.
 
         Args:
             model: the float model, a path or an ``onnx.ModelProto`` (never modified).
             runtime: whose fusion rules place the Q/DQ (``--runtime``), or the rules.
             quant_type: the activation type (``--quant-type``; default: the runtime's).
             input_shapes: fixed symbolic input dims (``--input-shapes``).
-            config: region sizes and the default quant type (``Config``).
             preprocess: ``auto``, ``none`` or ``ort-basic`` (``--preprocess``).
-            high_precision: the float part's precision, ``fp32``, ``fp16`` or ``bf16``.
+            high_precision: the float part's precision: ``fp32``, ``fp16`` or ``bf16``.
             keep_io_types: with fp16/bf16, graph inputs and outputs stay FP32.
-            exclude_nodes: names or regular expressions of nodes whose inputs never carry
-                Q/DQ (``--exclude-nodes``).
+            exclude_nodes: nodes whose inputs never carry Q/DQ (``--exclude-nodes``).
             op_types: the op types whose inputs may carry Q/DQ (``--op-types``).
-            upgrade_opset: False: a model below the opset that ``high_precision`` or the
-                quant types need is refused (one line) instead of upgraded with onnx's
-                version converter.
-            fed_inputs: the names the calibration data feeds; an initializer listed as a
-                graph input is a constant unless fed
-                (:func:`~qdq_optuna.model.graph.take_off_defaults`).
-        """
+            upgrade_opset: False: a model needing a newer opset is refused, not upgraded.
+            fed_inputs: the inputs calibration data feeds (other initializer inputs: constants).
+            config: region sizes and the default quant type."""
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
         rules = runtime if isinstance(runtime, RuntimeRules) else rules_for(runtime)
@@ -155,10 +148,8 @@ class PreparedModel:
                 graph, lambda m: upgrade_for(Graph.from_model(m, graph.path), qtypes).model,
                 created_prefix=f"opset{need}/")
         rules = node_filter.restrict(rules, graph)
-        tree = discover_regions(
-            graph,
-            RegionConfig(cfg.maximum_sequence_region_size, cfg.minimum_topdown_search_size),
-        )
+        tree = discover_regions(graph, RegionConfig(cfg.maximum_sequence_region_size,
+                                                    cfg.minimum_topdown_search_size))
         index = PatternIndex(graph, tree)
         points = [enumerate_points(graph, tree, index, p, rules) for p in index.patterns]
         return cls(graph, tree, index, points, rules, qtype, source, digest, mode,

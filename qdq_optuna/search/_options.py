@@ -20,6 +20,7 @@ from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.prepared import PreparedModel
@@ -149,6 +150,8 @@ class TuneOptions:
     threads: int = option(
         1, group="measurement", type="positive_int", metavar="N",
         help="inference threads of the measuring runtime (default 1: ranks most reliably)")
+    kernel_cache: str | None = option(
+        None, group="measurement", metavar="PATH|off", help=KERNEL_CACHE_HELP)
     isolate: bool = option(
         True, group="measurement",
         help="build and time in a worker subprocess, so a crash or hang fails only that trial "

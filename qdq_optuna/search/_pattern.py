@@ -97,6 +97,8 @@ class Search:
     guard: Guard | None = None
     #: the runtime profile's kernel timing on this backend (None: no kernel evidence)
     kernel_timing: Callable | None = None
+    #: ``--kernel-cache``: the kernel timings' file, ``off``, or None (the default's)
+    kernel_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.neighbourhood is None:

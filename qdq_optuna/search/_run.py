@@ -202,7 +202,8 @@ class Tuner:
             sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
             progress=self.progress, remaining=self.remaining, guard=opened.guard,
-            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend))
+            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend),
+            kernel_cache=self.o.kernel_cache)
         return self.search_state
 
     def _say_resuming(self) -> None:

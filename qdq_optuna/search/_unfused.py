@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.measure.kernels import KernelCache, KernelTable, units, with_shapes
+from qdq_optuna.measure.kernels import KernelCache, KernelTable, kernel_cache, units, with_shapes
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -144,9 +144,10 @@ class Unfused:
         else:
             self.kernels.merge(table)
 
-    def _cache(self) -> KernelCache:
+    def _cache(self) -> KernelCache | None:
+        """``--kernel-cache``'s cache, opened on first use (None: off)."""
         if not hasattr(self, "_kernel_cache"):
-            self._kernel_cache = KernelCache()
+            self._kernel_cache = kernel_cache(getattr(self.s, "kernel_cache", None))
         return self._kernel_cache
 
     def kernel_sites(self, tensor: str, node: int) -> list[str]:
