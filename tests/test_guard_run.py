@@ -138,6 +138,11 @@ def test_a_healthy_model_reports_its_errors_on_random_inputs(tmp_path, caplog):
     md = (result.output_dir / "report.md").read_text()
     assert "## Accuracy" in md and "**within bound**" in md
     assert "random inputs (8 samples, seed 1; a sanity check only)" in md
+    # within the bound, the sensitivity table is there too: the shipped model's error, split
+    sens = acc["sensitivity"]
+    assert sens["error"] == pytest.approx(acc["error"]) and sens["groups"]
+    assert {t for g in sens["groups"] for t in g["tensors"]} == set(report["quantized_tensors"])
+    assert "## Sensitivity" in md and f"| {sens['groups'][0]['group']} |" in md
     for name in outputs:
         assert f"| `{name}` |" in md
     # accuracy modes add their keys; the guard's are there without them
@@ -246,3 +251,27 @@ def test_a_fast_start_past_the_bound_comes_back_without_what_broke_it(heavy_run)
     assert "| share of the error |" in md and "x float's speed (measured)." in md
     chosen = next(s for s in starts.values() if s["chosen"])
     assert chosen["feasible"] and chosen["latency_ms"] <= repaired["latency_ms"]
+
+
+def test_the_sensitivity_table_names_the_tensors_that_cost_the_error():
+    """The shipped plan's sensitivity (report.md's table on every run): on the heavy-tailed
+    model, the groups reading the tailed tensors come first, and a group's drop is the error
+    the plan loses without it, as an ONNX Runtime session scores the plan without it."""
+    from qdq_optuna.measure.repair import SENSITIVITY_EVALUATIONS
+    from qdq_optuna.placement.export import plan_uses
+
+    guard, plan, scorer = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
+    sens = guard.sensitivity(plan, lambda: True)
+    groups = sens["groups"]
+    assert sens["error"] == guard.error(plan)["error"] > 0
+    assert sens["evaluations"] <= SENSITIVITY_EVALUATIONS and len(groups) == sens["groups_total"]
+    drops = [g["error_drop"] for g in groups]
+    assert drops == sorted(drops, reverse=True)
+    assert set(groups[0]["tensors"]) & TAILED
+    top = groups[0]
+    assert top["shared_by"] == 1 and top["nodes"] and top["nodes"][0] in sens["exclude_nodes"]
+    node = next(i for i, n in enumerate(guard.exporter.graph.nodes)
+                if n.name == top["nodes"][0])
+    without = guard.exporter.plan({u: q for u, q in plan_uses(plan).items() if u[1] != node})
+    alone = scorer.score_bytes(guard.exporter.to_bytes(without))["error"]
+    assert top["error_drop"] == pytest.approx(sens["error"] - alone, rel=1e-6)

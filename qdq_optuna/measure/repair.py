@@ -57,6 +57,8 @@ class Group:
     #: latency cost of returning it (relative units unless a measured mapping was given)
     cost: float = 0.0
     returned: bool = False
+    #: how many groups share :attr:`error` (a set of neighbours not split further)
+    shared: int = 1
 
     @property
     def tensors(self) -> list[str]:
@@ -487,7 +489,7 @@ def measure_drops(groups: Sequence[Group], drop: Callable[[list[Group]], float],
         nonlocal tie
         d = drop(chunk)
         for g in chunk:
-            g.error = d / len(chunk)
+            g.error, g.shared = d / len(chunk), len(chunk)
         if len(chunk) > 1 and d > NEGLIGIBLE_SHARE * excess:
             tie += 1
             heapq.heappush(heap, (-d, tie, chunk))
@@ -499,6 +501,51 @@ def measure_drops(groups: Sequence[Group], drop: Callable[[list[Group]], float],
         for part in (chunk[:half], chunk[half:]):
             if budget():
                 push(part)
+
+
+#: plans the shipped model's sensitivity table may score (report.md's table on every run)
+SENSITIVITY_EVALUATIONS = 16
+#: groups the table's ``--exclude-nodes`` line names, the most sensitive first
+SENSITIVITY_EXCLUDE = 3
+
+
+def sensitivity(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, *,
+                max_evaluations: int = SENSITIVITY_EVALUATIONS,
+                time_left: Callable[[], bool] = lambda: True) -> dict | None:
+    """Which quantizer groups of ``plan`` cost the most output error, measured as the repair
+    ranks them (:func:`measure_drops`: the drop when a group alone goes back to float, sets of
+    neighbouring groups first, split where the error is) within ``max_evaluations`` plans
+    scored, so a model within its bound gets the table too at a small, fixed cost; a group
+    left in a set shares its set's drop (``shared_by``). None when ``plan`` has no Q/DQ."""
+    groups = plan_groups(exporter.graph, plan)
+    if not groups:
+        return None
+    memo: dict[str, float] = {}
+
+    def err(p: QuantPlan) -> float:
+        if p.key not in memo:
+            value = error_fn(p)
+            memo[p.key] = math.inf if math.isnan(value) else float(value)
+        return memo[p.key]
+
+    def without(gone_groups) -> QuantPlan:
+        gone = {u for g in gone_groups for u in g.uses}
+        return exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+
+    full = err(plan)
+    measure_drops(groups, lambda gs: full - err(without(gs)), full,
+                  budget=lambda: len(memo) < max_evaluations and time_left())
+    fusion, costs_from = _fusion(exporter.graph, plan, None, None, exporter.rules)
+    _recost(fusion, groups)
+    groups.sort(key=lambda g: (-(0.0 if math.isnan(g.error) else g.error), g.shared, g.name))
+    top = [n for g in groups[:SENSITIVITY_EXCLUDE] if g.error > 0 for n in g.nodes]
+    return {"error": full, "evaluations": len(memo), "groups_total": len(groups),
+            "costs_from": costs_from,
+            "exclude_nodes": "--exclude-nodes " + " ".join(_quoted(n) for n in top) if top
+            else "",
+            "groups": [{"group": g.name, "nodes": list(g.nodes), "tensors": g.tensors,
+                        "error_drop": None if math.isnan(g.error) else g.error,
+                        "shared_by": g.shared, "latency_cost": g.cost} for g in groups]}
 
 
 def measure_contributions(exporter: QDQExporter, groups: Sequence[Group],

@@ -366,6 +366,36 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
         lines.append(f"| `{name}` | {e.get('cosine', float('nan')):.5f} | "
                      f"{e.get('relative_l2', float('nan')):.4g} | "
                      f"{e.get('max_abs', float('nan')):.4g} |")
+    return lines + [""] + sensitivity_lines(acc.get("sensitivity"), acc["measure"])
+
+
+def sensitivity_lines(sens: dict | None, measure: str, limit: int = 20) -> list[str]:
+    """Which quantizer groups of ``optimized.onnx`` cost the most output error (each group:
+    the Q/DQ on one node's inputs, ``--exclude-nodes NODE`` keeps it float)."""
+    if not sens:
+        return []
+    lines = ["## Sensitivity", "",
+             f"How much the output error ({measure}, worst output; {sens['error']:.4g} in "
+             "all) drops when one node's quantized inputs go back to float, most first: "
+             f"{sens['groups_total']} groups, {sens['evaluations']} plans scored (sets of "
+             "neighbouring groups first, split where the error is; a group still in a set "
+             "shows its share of the set's drop). Latency cost: what the node's integer "
+             f"kernels save ({sens['costs_from']}).", ""]
+    if sens.get("exclude_nodes"):
+        lines += ["To keep the most sensitive nodes float in a new run:", "", "```",
+                  sens["exclude_nodes"], "```", ""]
+    lines += ["| group | tensors | error drop | share of the error | latency cost |",
+              "|---|---|---|---|---|"]
+    rows = sens.get("groups") or []
+    for g in rows[:limit]:
+        drop = g.get("error_drop")
+        share = drop / sens["error"] if drop is not None and sens["error"] > 0 else None
+        shared = f" (set of {g['shared_by']})" if g.get("shared_by", 1) > 1 else ""
+        lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
+                     f"{_f(drop, '{:.3g}')}{shared} | {_f(share, '{:.1%}')} | "
+                     f"{g['latency_cost']:.3g} |")
+    if len(rows) > limit:
+        lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | |")
     return lines + [""]
 
 

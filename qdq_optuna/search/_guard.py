@@ -18,6 +18,7 @@ from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_li
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
 from qdq_optuna.measure.bisect import bisect_plan
+from qdq_optuna.measure.repair import sensitivity
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.search._plans import PlanMeasurer
 
@@ -94,6 +95,17 @@ class Guard:
         return {"applied": bool(done.layers), "layers": len(done.layers),
                 "skipped": len(done.skipped), "mode": BIAS_MODE,
                 "mean_abs_shift": done.mean_abs_shift}
+
+    def sensitivity(self, plan: QuantPlan, time_left) -> dict | None:
+        """report.json's ``accuracy.sensitivity``: which quantizer groups of the shipped
+        ``plan`` cost the most output error, on the guard's errors (a few plans scored; see
+        :func:`~qdq_optuna.measure.repair.sensitivity`)."""
+        try:
+            return sensitivity(self.exporter, plan, lambda p: self.error(p)["error"],
+                               time_left=time_left)
+        except Exception as exc:  # a diagnosis only: never the run's failure
+            log.info("the sensitivity table could not be measured (%s)", exc)
+            return None
 
     def allows(self, plan: QuantPlan) -> bool:
         return self.error(plan)["error"] <= self.bound

@@ -316,6 +316,8 @@ class Tuner:
             recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
+        elif not (recipe_file or {}).get("shipped"):  # the guard's plan ships
+            accuracy["accuracy"]["sensitivity"] = guard.sensitivity(verdict.plan, self._in_time)
         if guard.corrected is not None:  # what ships: the recipe file, or no Q/DQ, has none
             accuracy["accuracy"]["bias_correction"] = (
                 corrected if kept is None and not (recipe_file or {}).get("shipped")
@@ -335,6 +337,10 @@ class Tuner:
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
             elapsed=dict(self.elapsed), **read_what_ran(self.profile, self.backend, final_bytes))
+
+    def _in_time(self) -> bool:
+        """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
+        return self.o.timeout is None or time.monotonic() < self.started + self.o.timeout
 
     def _keep_users_model(self, cmp, final_exporter):
         """The search's model measured slower than the baseline (the user's model, or its
