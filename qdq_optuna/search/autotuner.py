@@ -7,7 +7,9 @@ It is a thin face over the same pattern studies ``tune`` runs
 commit rule), in the order you choose; only the measuring is yours. A pattern's reference is
 its empty scheme on top of your earlier commits (the first trial of each study), and a scheme
 is committed when your figures say it beats the reference by ``performance_threshold`` (re-
-measure before you submit if your figures are noisy: nothing confirms them).
+measure before you submit if your figures are noisy: nothing confirms them). The final model
+gets what ``tune()``'s gets: calibrated scales (``_prepare.calibrated_scales``) and the
+accuracy guard (:class:`~qdq_optuna.search._guard.Guard`) on held-out or validation data.
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ class Autotuner:
             calibration, validation = hold_out(calibration)
         self._data = (calibration, validation)
         self._calibrated: QDQExporter | None = None
-        #: the accuracy guard's decision on the last ``export_final()`` (None: not yet)
         self.verdict: Verdict | None = None
+        """The accuracy guard's decision on the last ``export_final()`` (None: not called):
+        ``status``, ``shipped``, ``errors`` of what it returned, ``responsible`` tensors."""
         scales = "default" if self.profile.default_scales == "default" else "calibrated"
         self.exporter = (self.calibrated_exporter() if scales == "calibrated"
                          else self.prepared.exporter(config=self.config))
@@ -186,6 +189,7 @@ class Autotuner:
 
     @property
     def patterns(self) -> list[PatternPoints]:
+        """The patterns with insertion points, in study order (``set_pattern``'s index)."""
         return self.prepared.tunable
 
     def set_pattern(self, index: int) -> optuna.Study:
@@ -207,15 +211,20 @@ class Autotuner:
         return trial
 
     def scheme(self, trial: optuna.Trial | optuna.trial.FrozenTrial) -> list[str]:
+        """The insertion points ``trial`` switches on."""
         return self.search.settings.space.on(trial.params)
 
     def export(self, trial: optuna.Trial) -> bytes:
-        """The model with committed schemes plus this trial's scheme on every member region."""
+        """The model with committed schemes plus this trial's scheme on every member region,
+        with the scales ``tune()``'s trials use on this runtime: calibrated on ONNX Runtime
+        and OpenVINO, the placeholder ``Config.default_q_scale`` on TensorRT (its kernels do
+        not depend on the scale); not checked against the error bound."""
         plan = self._pattern.plan(trial.params)
         trial.set_user_attr(TrialAttr.PLAN_KEY, plan.key)
         return self.exporter.to_bytes(plan)
 
     def submit(self, trial: optuna.Trial, latency_ms: float | None) -> None:
+        """Your latency of ``trial``'s model in ms (None: it failed to build or run)."""
         if latency_ms is None:
             self.study.tell(trial, state=TrialState.FAIL)
         else:
