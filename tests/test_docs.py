@@ -144,3 +144,173 @@ def test_every_config_field_has_a_docstring_the_api_page_renders():
                   if isinstance(a, ast.AnnAssign) and isinstance(doc, ast.Expr)
                   and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
     assert documented == {f.name for f in dataclasses.fields(Config)}
+
+
+# --- install lines and runnable snippets --------------------------------------------------------
+
+#: no package index has qdq-optuna: an install line names the checkout or a wheel built from it
+_INSTALL_RE = re.compile(r"\bpip install ((?:\$\([^)]*\)|[^`\n&|;#)])+)")
+_PIP_OPTIONS_WITH_VALUE = {"--extra-index-url", "--index-url", "-i", "-c", "-r", "--target"}
+
+
+def _extras() -> set[str]:
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    return set(pyproject["project"]["optional-dependencies"])
+
+
+def uninstallable(line: str, extras: set[str]) -> list[str]:
+    """The package specs of ``line``'s ``pip install`` that a user of the checkout cannot
+    install: ``qdq-optuna`` by name (from an index), or an extra the package does not have."""
+    import shlex
+
+    bad = []
+    for match in _INSTALL_RE.finditer(line):
+        spec = match.group(1).replace("$(echo ", "").replace(")[", "[")
+        try:
+            words = shlex.split(spec)
+        except ValueError:  # a quote the line closes after the spec
+            words = [w.strip("'\"") for w in spec.split()]
+        skip = False
+        for word in words:
+            if skip or word.startswith("-"):
+                skip = word in _PIP_OPTIONS_WITH_VALUE
+                continue
+            name, _, extra = word.partition("[")
+            wanted = {e.strip() for e in extra.rstrip("]").split(",") if e.strip()}
+            ours = name in (".", "-e") or re.fullmatch(r"dist/qdq_optuna-[^/]*\.whl", name)
+            if re.fullmatch(r"qdq[-_]optuna", name, re.I):
+                bad.append(f"{word} (no package index has qdq-optuna: install from the checkout)")
+            elif ours and wanted - extras:
+                bad.append(f"{word} (no extra {sorted(wanted - extras)[0]!r})")
+    return bad
+
+
+def test_the_install_check_finds_a_line_a_user_cannot_run():
+    extras = _extras()
+    assert uninstallable("pip install qdq-optuna scikit-image", extras)
+    assert uninstallable("`pip install 'qdq-optuna[openvino]'`", extras)
+    assert uninstallable('pip install "qdq_optuna[dashboard]"', extras)
+    assert uninstallable('pip install ".[nosuch]"', extras) == [".[nosuch] (no extra 'nosuch')"]
+    assert uninstallable('pip install "$(echo dist/qdq_optuna-*.whl)[nosuch]"', extras)
+    for fine in ('pip install .', 'pip install -e ".[test]"', 'pip install ".[openvino,gp]"',
+                 "pip install dist/qdq_optuna-*.whl", 'pip install "$(echo dist/qdq_optuna-*.whl)'
+                 '[openvino]"', "pip install --force-reinstall --no-deps onnxruntime-gpu",
+                 "pip install . scikit-image"):
+        assert uninstallable(fine, extras) == [], fine
+
+
+def test_every_install_line_installs_from_the_checkout():
+    """Pages and README: each ``pip install`` a reader copies must work from what they have, a
+    checkout or a wheel built from it."""
+    extras = _extras()
+    found, bad = 0, {}
+    for source in _pages():
+        for n, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+            found += len(_INSTALL_RE.findall(line))
+            for spec in uninstallable(line, extras):
+                bad.setdefault(f"{source.relative_to(REPO)}:{n}", []).append(spec)
+    assert found >= 15
+    assert bad == {}
+
+
+def test_the_error_messages_name_extras_that_exist():
+    """The package's own "needs ..." errors say how to add an extra through ``install_hint``."""
+    extras, named, bad = _extras(), set(), {}
+    for source in sorted((REPO / "qdq_optuna").rglob("*.py")):
+        text = source.read_text(encoding="utf-8")
+        named |= set(re.findall(r"install_hint\(['\"](\w+)['\"]\)", text))
+        if re.search(r"qdq[-_]optuna\[|pip install ['\"]?qdq[-_]optuna", text, re.I):
+            bad[str(source.relative_to(REPO))] = "installs qdq-optuna from an index"
+    assert named >= {"dashboard", "openvino", "postgres", "gp"} and named <= extras
+    assert bad == {}
+
+
+#: a ``bash`` block right after this marker runs in the test below, as written, in an empty
+#: folder with the package's ``qdq-optuna`` on PATH
+RUNNABLE = "<!-- runnable -->"
+_RUNNABLE_RE = re.compile(rf"^{re.escape(RUNNABLE)}\n```bash\n(.*?)^```$", re.S | re.M)
+
+
+def runnable_snippets() -> list[tuple[str, str]]:
+    return [(str(page.relative_to(REPO)), m.group(1)) for page in _pages()
+            for m in _RUNNABLE_RE.finditer(page.read_text(encoding="utf-8"))]
+
+
+@pytest.mark.parametrize("page,snippet", runnable_snippets(), ids=lambda v: str(v)[:40])
+def test_each_runnable_snippet_runs_as_written(page, snippet, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "qdq-optuna").exists():
+        pytest.skip("the qdq-optuna command is not installed beside this Python")
+    assert shutil.which("bash")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "QDQ_OPTUNA_KERNEL_CACHE": str(tmp_path / "kernels.json")}
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", snippet], cwd=tmp_path / "run",
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{page}:\n{snippet}\n{done.stderr[-2000:]}"
+
+
+def test_some_snippets_are_marked_runnable():
+    assert len(runnable_snippets()) >= 2
+
+
+# --- option choices in prose ---------------------------------------------------------------------
+
+_CHOICES_RE = re.compile(r"(--[a-z][a-z-]*)[ =]([\w.:-]+(?:\\?\|[\w.:-]+)+)")
+
+
+def parser_choices() -> dict[str, set[str]]:
+    """Each option's choices as ``qdq-optuna COMMAND -h`` lists them (``--backend``: its named
+    backends, which its help lists)."""
+    import argparse
+
+    from qdq_optuna.backends import BACKENDS
+    from qdq_optuna.cli.commands import build_parser
+
+    choices: dict[str, set[str]] = {"--backend": {n for n, s in BACKENDS.items() if s.label}}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in sub.choices.values():
+        for action in command._actions:
+            if action.choices and not isinstance(action.choices, dict):
+                for flag in action.option_strings:
+                    choices.setdefault(flag, set(action.choices))
+    return choices
+
+
+def drifted_choices(text: str, choices: dict[str, set[str]]) -> list[str]:
+    """``--option a|b|c`` spans whose values are not exactly the parser's choices (a
+    ``package.module:function`` placeholder aside)."""
+    bad = []
+    for flag, values in _CHOICES_RE.findall(text):
+        if flag not in choices:
+            continue
+        listed = {v for v in values.replace("\\|", "|").split("|") if ":" not in v}
+        if listed != choices[flag]:
+            bad.append(f"{flag} {values}: the parser has {'|'.join(sorted(choices[flag]))}")
+    return bad
+
+
+def test_the_choices_check_finds_a_missing_choice():
+    choices = parser_choices()
+    assert "openvino" in choices["--backend"] and "openvino" in choices["--runtime"]
+    assert drifted_choices("`--runtime onnxruntime|tensorrt`", choices)
+    assert drifted_choices("`--backend onnxruntime\\|ort-cuda\\|costmodel\\|pkg.module:fn`",
+                           choices)
+    assert not drifted_choices("`--runtime onnxruntime\\|tensorrt\\|openvino`", choices)
+
+
+def test_every_listed_option_choice_is_the_parsers():
+    choices, bad, found = parser_choices(), {}, 0
+    for page in _pages():
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            found += len(_CHOICES_RE.findall(line))
+            for drift in drifted_choices(line, choices):
+                bad.setdefault(f"{page.relative_to(REPO)}:{n}", []).append(drift)
+    assert found >= 10
+    assert bad == {}
