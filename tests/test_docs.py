@@ -114,6 +114,49 @@ def test_no_page_reads_as_a_work_log():
     assert found == {}
 
 
+#: a diary's voice: when something was checked, what a figure or a line was before, what is
+#: not done, whose runs loaded the machine. A page says what the product does and what a
+#: figure was measured on (machine, versions), not when or by whom
+_DIARY = re.compile("|".join([
+    r"\b20\d\d-\d\d-\d\d\b",                          # a date: the figure's versions say when
+    r"\bchecked\b[^.]*\b20\d\d\b",
+    r"\b(?:it|this|that) was \d",                      # "It was 0.5"
+    r"\bused to (?:read|be|run|say|show|take|give|write|print|ship|fail)\b",
+    r"\bin this (?:change|commit|release|version|pass)\b",
+    r"\bnot (?:done|run|measured|checked|tested) (?:yet|here yet)\b", r"\bnot yet\b",
+    r"\b\d+ min instead of \d+\b", r"\btest suite\b[^.]*\binstead of\b",  # "15 min instead of 22"
+    r"\bother engineers\b", r"\bengineers' runs\b",
+    r"\b(?:is|are) now (?:skipped|made|robust|fixed)\b", r"\bnow (?:takes|reads|gives)\b",
+]), re.I)
+
+
+def diary_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if _DIARY.search(line)]
+
+
+def test_the_diary_check_finds_each_kind_of_work_log_line():
+    for line in ("Checked in a fresh venv on the CPU machine (2026-11-26): fine.",
+                 "It was 0.5, a net for broken models only.",
+                 "the float start used to read 0.77-0.87x of it",
+                 "Written against the API; not run on a GPU in this change.",
+                 "Writing only the changed tensors would meet both; not done yet.",
+                 "the test suite takes 15 min instead of 22",
+                 "load 4-6 from other engineers' runs", "it is now skipped"):
+        assert diary_lines(line) == [line], line
+    for line in ("measured on a 2-core AMD EPYC, ONNX Runtime 1.32",
+                 "a change that only removes Q/DQ is kept when it is not slower",
+                 "the tensors used to compute the scale", "Optuna 5.0"):
+        assert diary_lines(line) == [], line
+
+
+def test_no_page_reads_as_a_diary():
+    """Every page and the README (the changelog is a history, and says when by version)."""
+    pages = [p for p in _pages() if p.name != "CHANGELOG.md"]
+    found = {str(p.relative_to(REPO)): diary_lines(p.read_text(encoding="utf-8"))
+             for p in pages}
+    assert {page: lines for page, lines in found.items() if lines} == {}
+
+
 def test_sphinx_roles_in_docstrings_render_as_code(hooks):
     html = ("see :class:<code>~qdq_optuna.search.TuneOptions</code> and "
             ":meth:<code>Tuner.search &lt;qdq_optuna.search.Tuner.search&gt;</code>, "
