@@ -270,37 +270,61 @@ def test_the_error_messages_name_extras_that_exist():
     assert bad == {}
 
 
-#: a ``bash`` block right after this marker runs in the test below, as written, in an empty
-#: folder with the package's ``qdq-optuna`` on PATH
+#: a ``bash`` or ``python`` block right after this marker runs in the test below, as written,
+#: in an empty folder with the package's ``qdq-optuna`` on PATH and the page's files in it
 RUNNABLE = "<!-- runnable -->"
-_RUNNABLE_RE = re.compile(rf"^{re.escape(RUNNABLE)}\n```bash\n(.*?)^```$", re.S | re.M)
+_RUNNABLE_RE = re.compile(rf"^{re.escape(RUNNABLE)}\n```(bash|python)\n(.*?)^```$", re.S | re.M)
+#: a block after ``<!-- file: NAME -->`` is a file the page's runnable blocks read
+_FILE_RE = re.compile(r"^<!-- file: ([\w.-]+) -->\n```\w*\n(.*?)^```$", re.S | re.M)
 
 
-def runnable_snippets() -> list[tuple[str, str]]:
-    return [(str(page.relative_to(REPO)), m.group(1)) for page in _pages()
+def runnable_snippets() -> list[tuple[str, str, str]]:
+    return [(str(page.relative_to(REPO)), m.group(1), m.group(2)) for page in _pages()
             for m in _RUNNABLE_RE.finditer(page.read_text(encoding="utf-8"))]
 
 
-@pytest.mark.parametrize("page,snippet", runnable_snippets(), ids=lambda v: str(v)[:40])
-def test_each_runnable_snippet_runs_as_written(page, snippet, tmp_path):
-    import shutil
+def page_files(page: str) -> dict[str, str]:
+    return dict(_FILE_RE.findall((REPO / page).read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("page,language,snippet", runnable_snippets(),
+                         ids=lambda v: str(v).splitlines()[0][:40] if v else "")
+def test_each_runnable_snippet_runs_as_written(page, language, snippet, tmp_path):
     import subprocess
     import sys
 
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "qdq-optuna").exists():
         pytest.skip("the qdq-optuna command is not installed beside this Python")
-    assert shutil.which("bash")
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "QDQ_OPTUNA_KERNEL_CACHE": str(tmp_path / "kernels.json")}
-    (tmp_path / "run").mkdir()
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", snippet], cwd=tmp_path / "run",
-                          env=env, capture_output=True, text=True, timeout=240)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name, text in page_files(page).items():
+        (folder / name).write_text(text, encoding="utf-8")
+    command = (["bash", "-euo", "pipefail", "-c", snippet] if language == "bash"
+               else [sys.executable, "-c", snippet])
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, f"{page}:\n{snippet}\n{done.stderr[-2000:]}"
 
 
+def test_the_recipes_config_file_loads_with_the_config_loader(tmp_path):
+    import yaml
+
+    from qdq_optuna.config import Config
+
+    files = {k: v for k, v in page_files("docs/recipes.md").items() if k.endswith(".yaml")}
+    assert files, "the recipes page shows a --config file"
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        config, written = Config.from_yaml(tmp_path / name), yaml.safe_load(text)
+        assert written and {k: getattr(config, k) for k in written} == written
+
+
 def test_some_snippets_are_marked_runnable():
-    assert len(runnable_snippets()) >= 2
+    assert {language for _, language, _ in runnable_snippets()} == {"bash", "python"}
+    assert len(runnable_snippets()) >= 3
 
 
 # --- option choices in prose ---------------------------------------------------------------------
@@ -357,3 +381,45 @@ def test_every_listed_option_choice_is_the_parsers():
                 bad.setdefault(f"{page.relative_to(REPO)}:{n}", []).append(drift)
     assert found >= 10
     assert bad == {}
+
+
+# --- report.json's keys --------------------------------------------------------------------------
+
+def documented_report_keys(text: str) -> set[str]:
+    """The top-level ``report.json`` keys outputs.md names: the first cell of each table row of
+    its ``report.json`` section, and the keys its prose after the tables adds."""
+    section = text[text.index("## `report.json`"):text.index("## `inspect --json`")]
+    keys = set()
+    for row in re.findall(r"^\| (`[^|]*`) \|", section, re.M):
+        keys |= {re.split(r"[.\[]", k)[0] for k in re.findall(r"`([\w.\[\]]+)`", row)}
+    prose = re.search(r"^Accuracy modes also add (.*?)\.", section, re.M | re.S).group(1)
+    return keys | {k for k in re.findall(r"`(\w+)`", prose) if not k.startswith("latency")}
+
+
+def test_the_report_key_check_finds_an_undocumented_key():
+    page = ("## `report.json`\n\n| key | what |\n|---|---|\n| `model`, `run_id` | x |\n"
+            "| `accuracy.bound` | y |\n\nAccuracy modes also add `objectives`; `--objectives "
+            "latency,error` adds `pareto` (per point).\n\n## `inspect --json`\n")
+    documented = documented_report_keys(page)
+    assert documented == {"model", "run_id", "accuracy", "objectives", "pareto"}
+    assert {"model", "speedup"} - documented == {"speedup"}
+
+
+def test_outputs_page_lists_every_top_level_report_key(tmp_path):
+    """A real report.json (a tiny model, the cost model under ONNX Runtime's rules, with
+    validation data so the accuracy keys are there) against the page's key tables."""
+    import numpy as np
+    import onnx
+
+    import qdq_optuna
+    from qdq_optuna.examples import zoo
+
+    onnx.save(zoo.tiny_residual(), tmp_path / "m.onnx")
+    data = {"input": np.random.default_rng(0).random((4, 3, 16, 16), dtype=np.float32)}
+    qdq_optuna.tune(tmp_path / "m.onnx", tmp_path / "out", backend="costmodel",
+                    runtime="onnxruntime", progress=False, validation_data=data,
+                    config=qdq_optuna.Config(schemes_per_region=3, refine_rounds=0))
+    report = json.loads((tmp_path / "out" / "report.json").read_text(encoding="utf-8"))
+    documented = documented_report_keys((REPO / "docs" / "outputs.md").read_text("utf-8"))
+    assert len(report) >= 40
+    assert sorted(set(report) - documented) == []
