@@ -27,6 +27,12 @@ class ToolError(UserError):
     start among several goes on without it."""
 
 
+def install_hint(extra: str) -> str:
+    """How to add an optional extra: no package index has qdq-optuna, so the command a user can
+    run is the one from the checkout (the same extra works on a wheel built from it)."""
+    return f'pip install ".[{extra}]" in the qdq_optuna checkout'
+
+
 def interrupted_by(exc: BaseException) -> bool:
     """Whether ``exc`` is, or was raised while handling, a Ctrl-C: a KeyboardInterrupt that
     lands inside a library's own clean-up (Optuna's tell, for one) can come out as another

@@ -130,5 +130,6 @@ def test_a_missing_driver_names_the_extra(monkeypatch):
     from qdq_optuna.errors import OptionError
 
     with pytest.raises(OptionError, match=r"^--storage postgresql://u@localhost/db: its "
-                       r"database driver is not installed \(pip install 'qdq-optuna\[postgres\]'\)"):
+                       r'database driver is not installed \(pip install "\.\[postgres\]" in the '
+                       r"qdq_optuna checkout\)$"):
         open_storage("postgresql://u@localhost/db")

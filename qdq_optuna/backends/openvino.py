@@ -36,7 +36,7 @@ from qdq_optuna.backends.base import (
     time_calls,
 )
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, install_hint
 from qdq_optuna.machine import current_cpu
 
 #: ``--high-precision`` names -> OpenVINO's INFERENCE_PRECISION_HINT
@@ -58,7 +58,7 @@ def _openvino() -> Any:
         import openvino as ov  # lazy: keeps `import qdq_optuna` light
     except ImportError as exc:
         raise BackendUnavailable(
-            "the openvino backend needs the openvino package (pip install 'qdq-optuna[openvino]')"
+            f"the openvino backend needs the openvino package ({install_hint('openvino')})"
         ) from exc
     return ov
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import optuna
 from optuna.trial import TrialState
 
-from qdq_optuna.errors import UserError
+from qdq_optuna.errors import UserError, install_hint
 from qdq_optuna.record import PatternAttr as A
 from qdq_optuna.record import storage_of, study_id
 from qdq_optuna.run_folder import STUDIES_DB
@@ -588,7 +588,7 @@ def _save_pattern_artifacts(study, out: Path, pp, prepared) -> list[dict]:
             files.append((png, "convergence: best-so-far latency per trial vs the reference"))
         except ImportError:
             _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
-                       "the dashboard (pip install 'qdq-optuna[dashboard]')", NOT_INSTALLED)
+                       f"the dashboard ({install_hint('dashboard')})", NOT_INSTALLED)
         except Exception as exc:
             _warn(study, png.name, exc)
         rep = pp.pattern.representative
@@ -863,7 +863,7 @@ def _run_picture(record, view: optuna.Study, out: Path, report: dict) -> dict | 
                                 title=f"run {record.run_id}: {report['speedup']:.3f}x")
         except ImportError:
             _warn_once("matplotlib", "matplotlib is not installed: no convergence curves in "
-                       "the dashboard (pip install 'qdq-optuna[dashboard]')", NOT_INSTALLED)
+                       f"the dashboard ({install_hint('dashboard')})", NOT_INSTALLED)
             return None
         artifact_id = upload_artifact(artifact_store=artifact_store(out), file_path=str(png),
                                       study_or_trial=view)
@@ -898,7 +898,7 @@ def serve(output_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8080,
         from optuna_dashboard import wsgi
     except ImportError:
         raise UserError("the dashboard needs optuna-dashboard: "
-                        "pip install 'qdq-optuna[dashboard]'") from None
+                        f"{install_hint('dashboard')}") from None
     from wsgiref.simple_server import make_server
 
     from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna

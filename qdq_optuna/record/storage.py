@@ -23,7 +23,7 @@ import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, install_hint
 from qdq_optuna.record._optuna import RequeueingRDBStorage, StaleTrialCallback
 from qdq_optuna.run_folder import STUDIES_DB
 
@@ -118,7 +118,7 @@ def open_storage(url: str, *, heartbeat: bool = True, grace: float | None = None
             error = exc
             time.sleep(0.2 * (attempt + 1))
         except ImportError:  # Optuna's own text only says "Please install appropriate one"
-            need = ("pip install 'qdq-optuna[postgres]'" if url.startswith("postgres")
+            need = (install_hint("postgres") if url.startswith("postgres")
                     else "install the database's SQLAlchemy driver")
             raise OptionError(f"--storage {url}: its database driver is not installed "
                               f"({need})") from None

@@ -9,7 +9,7 @@ from typing import Any
 import optuna
 
 from qdq_optuna.config import Config
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, install_hint
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def make_sampler(
             import torch  # noqa: F401
         except ImportError:
             raise OptionError(
-                "--sampler gp needs torch and scipy: pip install \"qdq-optuna[gp]\""
+                f"--sampler gp needs torch and scipy: {install_hint('gp')}"
             ) from None
         return optuna.samplers.GPSampler(seed=seed)
     if name == "nsga2":
