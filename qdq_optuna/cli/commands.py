@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 from qdq_optuna import __version__
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
-from qdq_optuna.errors import OptionError, UserError, interrupted_by
+from qdq_optuna.errors import OptionError, UserError, interrupted_by, interrupting_signal
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -421,10 +422,14 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
                                              Path(filename).name, lineno)
 
 
-def _interrupted() -> int:
-    print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
+def _interrupted(exc: BaseException) -> int:
+    """Ctrl-C: exit 130; SIGTERM / SIGHUP: 143 / 129 (128 + the signal, as a shell reports
+    a process the signal ended), after the same clean-up."""
+    signum = interrupting_signal(exc) or signal.SIGINT
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"qdq-optuna: {what}; the running trial was marked failed and will be redone. "
           "Rerun the same command to resume.", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + int(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. piped into head
         return 0
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
     except Exception as exc:  # an internal error: one line, traceback with -v
         if interrupted_by(exc):  # Ctrl-C landed in a library's clean-up
-            return _interrupted()
+            return _interrupted(exc)
         if verbose:
             raise
         first = str(exc).strip().splitlines()

@@ -315,6 +315,27 @@ class SearchOutcome:
     what_ran_error: str | None = None
 
 
+@dataclass
+class StoppedOutcome:
+    """What a run stopped part way (Ctrl-C, SIGTERM, SIGHUP) knows, for the report of what is
+    known (:func:`qdq_optuna.outputs.write.write_stopped_outputs`): nothing is measured
+    after the signal; ``optimized.onnx`` is the standing model the search last saved."""
+
+    out: Path
+    header: dict
+    record: RunRecord
+    #: the signal that stopped the run (``signal.SIGINT`` for Ctrl-C)
+    signum: int
+    #: the lane whose standing model ``optimized.onnx`` holds ("" before the starts agreed)
+    lane: str
+    rows: list[PatternStanding]
+    baseline_ms: float
+    #: this process's measurements, counted per phase
+    measurements: int
+    by_phase: dict[str, int]
+    elapsed: dict[str, float]
+
+
 def backend_for(options: TuneOptions) -> Backend:
     """The backend that measures this run (see :data:`~qdq_optuna.backends.BACKENDS`)."""
     b = options.backend

@@ -56,6 +56,7 @@ from qdq_optuna.search._guard import check_default_session
 from qdq_optuna.search._lanes import final_lane
 from qdq_optuna.search._options import (
     SearchOutcome,
+    StoppedOutcome,
     TuneOptions,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
@@ -334,6 +335,21 @@ class Tuner:
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
             elapsed=dict(self.elapsed), **read_what_ran(self.profile, self.backend, final_bytes))
+
+    def stopped(self, signum: int) -> StoppedOutcome | None:
+        """What the run knows when a signal stops it (read from the storage, nothing
+        measured); None before the baseline was measured (nothing is known yet)."""
+        search = self.search_state
+        if self.record is None or search is None or search.baseline_ms is None:
+            return None
+        starts = self.starts or self.record.starts()
+        lane = starts.order[0] if starts is not None else ""
+        rows = self.record.committed(lane)[1] if starts is not None else []
+        return StoppedOutcome(out=self.out, header=self._header(), record=self.record,
+                              signum=signum, lane=lane, rows=rows,
+                              baseline_ms=search.baseline_ms,
+                              measurements=search.plans.measurements,
+                              by_phase=dict(search.plans.by_phase), elapsed=dict(self.elapsed))
 
     def _keep_users_model(self, cmp, final_exporter):
         """The search's model measured slower than the baseline (the user's model, or its

@@ -1,0 +1,162 @@
+"""SIGTERM and SIGHUP end a run as Ctrl-C does: a real cost-model run (a subprocess of the
+CLI) signalled once it is searching exits 128 + the signal, leaves the report of what is
+known, a state.yaml that says how to resume, the SQLite file whole (no ``-wal``/``-shm``), and
+the rerun resumes with every committed trial kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_resume import REPO, _db_trials, cli_cmd, cli_env
+
+from qdq_optuna.errors import Stopped, interrupting_signal, stop_signals_as_interrupt
+
+pytestmark = [pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning"),
+              pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")]
+
+
+def _argv(model: Path, out: Path) -> list[str]:
+    return cli_cmd("tune", "--model", model, "--output", out, "--backend", "costmodel", "-q")
+
+
+def _trials(db: Path) -> dict[tuple[str, int], tuple]:
+    """(study, number) -> (state, params, values), read with a connection closed at once (a
+    reader left open would keep the run's write-ahead log beside the file)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = con.execute(
+            "SELECT s.study_name, t.number, t.state, "
+            "(SELECT group_concat(p.param_name || '=' || p.param_value, ',') "
+            " FROM trial_params p WHERE p.trial_id = t.trial_id), "
+            "(SELECT group_concat(v.value, ',') FROM trial_values v "
+            " WHERE v.trial_id = t.trial_id) "
+            "FROM trials t JOIN studies s ON s.study_id = t.study_id").fetchall()
+    finally:
+        con.close()
+    return {(study, number): rest for study, number, *rest in rows}
+
+
+def _assert_kept(before: dict, after: dict) -> None:
+    """Every COMPLETE trial of ``before`` is in ``after``, unchanged."""
+    lost = [key for key, row in before.items() if row[0] == "COMPLETE" and after.get(key) != row]
+    assert not lost, lost
+
+
+def _signal_after(argv: list[str], db: Path, complete: int, sig: int) -> tuple[int, str]:
+    """Run ``argv``, send ``sig`` once ``db`` holds ``complete`` COMPLETE trials (the
+    run is searching); (exit code, stderr)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sum(state == "COMPLETE" for *_, state in _db_trials(db)) >= complete:
+                proc.send_signal(sig)
+                break
+            time.sleep(0.02)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does_and_the_rerun_resumes(residual, tmp_path):
+    out = tmp_path / "stopped"
+    argv = _argv(residual, out)
+    previous: dict = {}
+    stopped = 0
+    # moments while searching: after the first stored trials, in the starts, in the descent
+    for complete, sig in ((1, signal.SIGTERM), (4, signal.SIGHUP), (12, signal.SIGTERM)):
+        already = sum(s == "COMPLETE" for *_, s in _db_trials(out / "studies.db"))
+        returncode, err = _signal_after(argv, out / "studies.db", already + complete, sig)
+        if returncode == 0:  # the run finished before that many trials: nothing to stop
+            break
+        stopped += 1
+        assert returncode == 128 + sig, err
+        assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in err, err
+        assert "Rerun the same command to resume" in err
+        state = yaml.safe_load((out / "state.yaml").read_text())
+        assert state["status"] == "interrupted" and "rerun" in state["resume"]
+        report = json.loads((out / "report.json").read_text())
+        assert report["complete"] is False
+        assert report["stopped"]["signal"] == signal.Signals(sig).name
+        assert report["in_search_baseline_latency_ms"] > 0 and report["patterns"]
+        md = (out / "report.md").read_text()
+        assert f"stopped by {signal.Signals(sig).name}" in md and "Rerun the same command" in md
+        assert not list(out.glob("studies.db-*")), sorted(p.name for p in out.iterdir())
+        now = _trials(out / "studies.db")
+        _assert_kept(previous, now)  # nothing committed lost
+        assert not [key for key, row in now.items() if row[0] == "RUNNING"]
+        previous = now
+    assert stopped >= 2, "the run finished before the signals could stop it"
+
+    final = subprocess.run(argv, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                           timeout=180)
+    assert final.returncode == 0, final.stderr
+    _assert_kept(previous, _trials(out / "studies.db"))
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is True and "stopped" not in report
+    assert yaml.safe_load((out / "state.yaml").read_text())["status"] == "done"
+
+
+def test_the_handlers_are_ours_only_where_the_caller_set_none():
+    """A library caller's own SIGTERM handler stays in place; ours come and go with the run."""
+    seen: list[int] = []
+
+    def callers(signum, frame):
+        seen.append(signum)
+
+    before_hup = signal.getsignal(signal.SIGHUP)
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        with stop_signals_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is callers
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            assert seen == [signal.SIGTERM]
+            if before_hup is signal.SIG_DFL:
+                with pytest.raises(Stopped) as info:
+                    os.kill(os.getpid(), signal.SIGHUP)
+                    time.sleep(1)
+                assert interrupting_signal(info.value) == signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) is before_hup
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+    before = signal.getsignal(signal.SIGTERM)
+    got: list = []
+
+    def worker():
+        with stop_signals_as_interrupt():
+            got.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got == [before]
+
+
+def test_a_ctrl_c_raised_while_a_sigterm_was_handled_counts_as_the_sigterm():
+    with pytest.raises(KeyboardInterrupt) as info:
+        try:
+            raise Stopped(signal.SIGTERM)
+        except KeyboardInterrupt as exc:
+            raise KeyboardInterrupt from exc
+    assert interrupting_signal(info.value) == signal.SIGTERM
+    assert interrupting_signal(KeyboardInterrupt()) == signal.SIGINT
+    assert interrupting_signal(RuntimeError("plain")) is None
