@@ -91,15 +91,16 @@ def _check(out: Path, sig: int | None, returncode: int, err: str, before: dict,
     elif sig == signal.SIGTERM:
         if returncode != 128 + signal.SIGTERM:
             problems.append(f"exit {returncode}, not 143")
-        if not opened:
-            pass  # nothing of this attempt's to report: the earlier files stand
-        elif not (report and "stopped" in report):
-            problems.append("no report of what was known")
-        if not (state and state["status"] == "interrupted" and "resume" in state):
-            problems.append(f"state.yaml says {state and state.get('status')!r}")
-        left = sorted(p.name for p in out.glob("studies.db-*"))
-        if opened and left:
-            problems.append(f"left beside the database: {left}")
+        if opened:  # else nothing of this attempt's to report: the earlier files stand
+            # the report of what was known; a complete one when the signal landed after it
+            # was written (in the run's last bookkeeping)
+            if not (report and ("stopped" in report or report.get("complete"))):
+                problems.append("no report of what was known")
+            if not (state and state["status"] == "interrupted" and "resume" in state):
+                problems.append(f"state.yaml says {state and state.get('status')!r}")
+            left = sorted(p.name for p in out.glob("studies.db-*"))
+            if left:
+                problems.append(f"left beside the database: {left}")
     elif sig == signal.SIGKILL:
         if returncode != -signal.SIGKILL:
             problems.append(f"exit {returncode}, not -9")

@@ -362,6 +362,29 @@ def floor_lines(floor: dict | None, bound: float) -> list[str]:
     return [line, ""]
 
 
+def claim_lines(claim: dict | None, bound: float) -> list[str]:
+    """The shipped model's per-sample errors on the guard's data, and whether the upper
+    bound of their mean supports the claim."""
+    if not claim:
+        return []
+    p = f"{100 * claim['confidence']:g}%"
+    held = (f"the guard held the bound on this upper bound (`--accuracy-confidence "
+            f"{claim['confidence']:g}`)" if claim["held_on"] == "upper" else
+            "the guard held the bound on the error over all samples")
+    if claim["upper_within_bound"]:
+        verdict = "within the bound"
+    elif claim.get("samples_needed"):
+        verdict = (f"**past the bound {bound:g}: these {claim['samples']} samples do not "
+                   f"support the claim**; about {claim['samples_needed']} samples with this "
+                   "spread would")
+    else:
+        verdict = f"**past the bound {bound:g}**: no number of samples with this mean would be"
+    return [f"Per sample ({claim['samples']} samples): min {claim['min']:.4g}, median "
+            f"{claim['median']:.4g}, worst {claim['worst']:.4g}, mean {claim['mean']:.4g}; "
+            f"the upper {p} bound of the mean (one-sided t) is {claim['upper']:.4g}, {verdict} "
+            f"({held}).", ""]
+
+
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
@@ -373,6 +396,7 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
              f"Bound {acc['bound']:g} ({acc['bound_from']}"
              + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
              f"**{acc['status']}**.", ""]
+    lines += claim_lines(acc.get("claim"), acc["bound"])
     drop = acc.get("metric_drop")
     if drop:
         per = " of the FP32 model's value" if drop["drop_type"] == "relative" else ""

@@ -152,7 +152,8 @@ def open_run(run: PreparedRun) -> OpenedRun:
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
-                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer))
+                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer),
+                  confidence=o.accuracy_confidence)
     guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
@@ -236,7 +237,8 @@ def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime
     return ErrorScorer(reference, data, metric=options.metric,
                        error_measure=options.error_measure, optimize=profile.scores_fused(hp),
                        bf16=hp is not None and hp.precision == "bf16",
-                       runner=profile.error_runner(shapes, backend)), data_name
+                       runner=profile.error_runner(shapes, backend),
+                       confidence=options.accuracy_confidence), data_name
 
 
 def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:
