@@ -101,6 +101,13 @@ def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does_and_the_rerun_resumes(resi
         assert not [key for key, row in now.items() if row[0] == "RUNNING"]
         previous = now
     assert stopped >= 2, "the run finished before the signals could stop it"
+    con = sqlite3.connect(f"file:{out / 'studies.db'}?mode=ro", uri=True)
+    try:
+        failures = [json.loads(v) for (v,) in con.execute(
+            "SELECT value_json FROM trial_user_attributes WHERE key = 'failure'")]
+    finally:
+        con.close()
+    assert all("Ctrl-C" not in f for f in failures), failures  # named by their signal
 
     final = subprocess.run(argv, cwd=REPO, env=cli_env(), capture_output=True, text=True,
                            timeout=180)

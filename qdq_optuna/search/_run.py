@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from pathlib import Path
 import onnx
 
 from qdq_optuna._progress import Progress
-from qdq_optuna.errors import ToolError, UserError, interrupted_by
+from qdq_optuna.errors import ToolError, UserError, interrupted_by, interrupting_signal
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
@@ -140,15 +141,15 @@ class Tuner:
             with Progress(self.o.progress) as progress:
                 self.progress = progress
                 yield self
-        except KeyboardInterrupt:
-            self._interrupted()
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc)
             raise
         except Exception as exc:
             if not interrupted_by(exc):
                 failed_unmeasured = (self.search_state is None
                                      or self.search_state.baseline_ms is None)
                 raise
-            self._interrupted()
+            self._interrupted(exc)
             raise KeyboardInterrupt from exc
         finally:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
@@ -436,10 +437,13 @@ class Tuner:
             "cache_hits": plans.cache_hits if plans is not None else 0,
         }, lane=order[0] if order else None)
 
-    def _interrupted(self) -> None:
-        """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
+    def _interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C (SIGTERM, SIGHUP): no trial of ours stays RUNNING, and state.yaml says how
+        to resume."""
+        signum = interrupting_signal(exc)
         if self.search_state is not None and self.search_state.workers is not None:
-            self.search_state.workers.interrupted()
+            self.search_state.workers.interrupted(
+                None if signum in (None, signal.SIGINT) else signal.Signals(signum).name)
         if self.record is not None:
             try:
                 self._write_state("interrupted")
