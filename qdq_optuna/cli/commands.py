@@ -12,7 +12,13 @@ from pathlib import Path
 
 from qdq_optuna import __version__
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
-from qdq_optuna.errors import OptionError, UserError, interrupted_by, interrupting_signal
+from qdq_optuna.errors import (
+    OptionError,
+    UserError,
+    interrupted_by,
+    interrupting_signal,
+    stop_signals_as_interrupt,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -437,20 +443,21 @@ def main(argv: list[str] | None = None) -> int:
     verbose = 0
     showwarning = warnings.showwarning
     try:
-        import onnxruntime
+        with stop_signals_as_interrupt():  # SIGTERM / SIGHUP from here on end as Ctrl-C does
+            try:
+                import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)
-    except ImportError:
-        pass
-    try:
-        args = parser.parse_args(argv)
-        verbose = args.verbose
-        _setup_logging(verbose)
-        warnings.showwarning = _warning_line
-        if args.command is None:  # bare qdq-optuna: what there is to run
-            parser.print_help(sys.stderr)
-            return EXIT_USAGE
-        return COMMANDS[args.command](args)
+                onnxruntime.set_default_logger_severity(3)
+            except ImportError:
+                pass
+            args = parser.parse_args(argv)
+            verbose = args.verbose
+            _setup_logging(verbose)
+            warnings.showwarning = _warning_line
+            if args.command is None:  # bare qdq-optuna: what there is to run
+                parser.print_help(sys.stderr)
+                return EXIT_USAGE
+            return COMMANDS[args.command](args)
     except UserError as exc:  # one line even if a file or tensor name holds a line break
         message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
         print(f"qdq-optuna: error: {message or type(exc).__name__}", file=sys.stderr)
