@@ -84,7 +84,11 @@ def _check(out: Path, sig: int | None, returncode: int, err: str, before: dict,
         else None
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
         else None
-    finished = returncode == 0
+    # exit 0; or -15 with the run done: the signal came as the process ended, after its work
+    # (the handlers are the command's while it runs)
+    finished = returncode == 0 or (
+        returncode == -signal.SIGTERM and bool(report and report.get("complete"))
+        and bool(state and state["status"] == "done"))
     if finished:
         if not (report and report.get("complete") and state and state["status"] == "done"):
             problems.append("exit 0 without a complete report and state 'done'")

@@ -167,3 +167,34 @@ def test_a_ctrl_c_raised_while_a_sigterm_was_handled_counts_as_the_sigterm():
     assert interrupting_signal(info.value) == signal.SIGTERM
     assert interrupting_signal(KeyboardInterrupt()) == signal.SIGINT
     assert interrupting_signal(RuntimeError("plain")) is None
+
+
+@pytest.mark.parametrize("where", ["baseline", "starts"])
+def test_a_run_stopped_in_its_first_measurements_reports_what_it_knows(residual, tmp_path,
+                                                                       where):
+    """SIGTERM inside the baseline's measurement (nothing known yet) or in the first start's:
+    a report all the same, saying how far the run got, and state.yaml says how to resume."""
+    from qdq_optuna import Config, tune
+    from qdq_optuna.errors import Stopped
+
+    def latency(model) -> float:  # what a SIGTERM handler raises, inside a measurement
+        quantized = any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+        if where == "baseline" or quantized:
+            raise Stopped(signal.SIGTERM)
+        return 1.0
+
+    out = tmp_path / "run"
+    with pytest.raises(Stopped):
+        tune(str(residual), out, backend=latency, runtime="onnxruntime",
+             config=Config(schemes_per_region=2), progress=False)
+    report = json.loads((out / "report.json").read_text())
+    assert report["stopped"]["signal"] == "SIGTERM" and report["complete"] is False
+    md = (out / "report.md").read_text()
+    if where == "baseline":
+        assert report["in_search_baseline_latency_ms"] is None
+        assert "Stopped before the baseline was measured" in md
+    else:
+        assert report["in_search_baseline_latency_ms"] == pytest.approx(1.0)
+        assert "Baseline 1.0000 ms" in md
+    assert yaml.safe_load((out / "state.yaml").read_text())["status"] == "interrupted"
+    assert not list(out.glob("studies.db-*"))

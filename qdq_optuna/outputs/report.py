@@ -752,8 +752,10 @@ def render_stopped_markdown(r: dict) -> str:
         "**Rerun the same command to resume**: every committed measurement is kept, the trial "
         "that was running is redone.",
         "",
-        f"Baseline {_f(r['in_search_baseline_latency_ms'], '{:.4f}')} ms as the search measured "
-        f"it; {standing}. {r['measurements']} measurements in this process ({_phases(r)}).",
+        (f"Baseline {_f(r['in_search_baseline_latency_ms'], '{:.4f}')} ms as the search "
+         f"measured it; {standing}." if r.get("in_search_baseline_latency_ms") is not None
+         else "Stopped before the baseline was measured.")
+        + f" {r['measurements']} measurements in this process ({_phases(r) or 'none'}).",
         "",
         *_starts_lines(r),
         *_pattern_lines(r),

@@ -337,7 +337,8 @@ class StoppedOutcome:
     #: the lane whose standing model ``optimized.onnx`` holds ("" before the starts agreed)
     lane: str
     rows: list[PatternStanding]
-    baseline_ms: float
+    #: None: stopped before the baseline was measured
+    baseline_ms: float | None
     #: this process's measurements, counted per phase
     measurements: int
     by_phase: dict[str, int]

@@ -339,9 +339,9 @@ class Tuner:
 
     def stopped(self, signum: int) -> StoppedOutcome | None:
         """What the run knows when a signal stops it (read from the storage, nothing
-        measured); None before the baseline was measured (nothing is known yet)."""
+        measured); None before the run was opened (its earlier files stand)."""
         search = self.search_state
-        if self.record is None or search is None or search.baseline_ms is None:
+        if self.record is None or search is None:
             return None
         starts = self.starts or self.record.starts()
         lane = starts.order[0] if starts is not None else ""
