@@ -103,7 +103,10 @@ def _check(out: Path, sig: int | None, returncode: int, err: str, before: dict,
             # was written (in the run's last bookkeeping)
             if not (report and ("stopped" in report or report.get("complete"))):
                 problems.append("no report of what was known")
-            if not (state and state["status"] == "interrupted" and "resume" in state):
+            done = bool(state and state["status"] == "done" and report
+                        and report.get("complete"))  # stopped in the run's last bookkeeping
+            if not (state and state["status"] == "interrupted" and "resume" in state) \
+                    and not done:
                 problems.append(f"state.yaml says {state and state.get('status')!r}")
             left = sorted(p.name for p in out.glob("studies.db-*"))
             if left:

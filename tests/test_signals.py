@@ -198,3 +198,24 @@ def test_a_run_stopped_in_its_first_measurements_reports_what_it_knows(residual,
         assert "Baseline 1.0000 ms" in md
     assert yaml.safe_load((out / "state.yaml").read_text())["status"] == "interrupted"
     assert not list(out.glob("studies.db-*"))
+
+
+def test_a_signal_after_the_run_closed_leaves_it_finished(residual, tmp_path, monkeypatch):
+    """Stopped in the dashboard's overview, after the report, state.yaml and the finished
+    mark: the run stays done, and a rerun returns its report without measuring."""
+    import qdq_optuna._tune as pipeline
+    from qdq_optuna import Config, tune
+    from qdq_optuna.errors import Stopped
+
+    def overview(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(pipeline, "save_run_overview", overview)
+    kwargs = dict(backend="costmodel", config=Config(schemes_per_region=2), progress=False)
+    with pytest.raises(Stopped):
+        tune(str(residual), tmp_path / "run", **kwargs)
+    assert yaml.safe_load((tmp_path / "run" / "state.yaml").read_text())["status"] == "done"
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["complete"] is True and "stopped" not in report
+    monkeypatch.undo()
+    assert tune(str(residual), tmp_path / "run", **kwargs).finished_before

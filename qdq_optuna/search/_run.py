@@ -100,6 +100,9 @@ class Tuner:
         self._calibrated: dict | None = None
         self._reader_clipped = 0
         self._baseline: tuple | None = None
+        #: the report, state.yaml and the finished mark are written (a signal after this
+        #: leaves them as they are)
+        self.closed = False
         #: the agreed starts, once decided
         self.starts: AgreedStarts | None = None
         self.descent: Descent | None = None
@@ -380,6 +383,7 @@ class Tuner:
         self._write_state("timeout" if outcome.partial else "done")
         if not outcome.partial:
             self.record.mark_finished(self.fingerprint_digest, report)
+        self.closed = True
 
     def _finished_report(self) -> dict | None:
         """The report of this run when it finished with these settings and this output
@@ -439,12 +443,12 @@ class Tuner:
 
     def _interrupted(self, exc: BaseException) -> None:
         """Ctrl-C (SIGTERM, SIGHUP): no trial of ours stays RUNNING, and state.yaml says how
-        to resume."""
+        to resume (a run already closed keeps its state: it finished)."""
         signum = interrupting_signal(exc)
         if self.search_state is not None and self.search_state.workers is not None:
             self.search_state.workers.interrupted(
                 None if signum in (None, signal.SIGINT) else signal.Signals(signum).name)
-        if self.record is not None:
+        if self.record is not None and not self.closed:
             try:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume
