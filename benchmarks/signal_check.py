@@ -118,6 +118,8 @@ def _check(out: Path, sig: int | None, returncode: int, err: str, before: dict,
             problems.append(f"exit {returncode}, not -9")
     else:
         problems.append(f"the final run exited {returncode}: {err.strip()[-300:]}")
+    if problems:  # what the process said, to see why
+        problems.append("stderr: " + " | ".join(err.strip().splitlines()[-12:]))
     return {"exit": returncode, "finished": finished, "before_open": not opened,
             "complete_trials": sum(row[0] == "COMPLETE" for row in after.values()),
             "problems": problems}, after
