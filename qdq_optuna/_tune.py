@@ -23,10 +23,15 @@ import onnx
 
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.config import Config
-from qdq_optuna.errors import OptionError, interrupted_by
+from qdq_optuna.errors import (
+    OptionError,
+    interrupted_by,
+    interrupting_signal,
+    stop_signals_as_interrupt,
+)
 from qdq_optuna.model.data import model_argument
 from qdq_optuna.outputs.dashboard import PatternPictures, save_run_overview
-from qdq_optuna.outputs.write import write_outputs
+from qdq_optuna.outputs.write import write_outputs, write_stopped_outputs
 from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.search import PreparedRun, TuneOptions, Tuner, TuneResult, open_run
 
@@ -119,7 +124,15 @@ def _config(config: Config | str | os.PathLike | None, mode: str | None,
 
 
 def run(options: TuneOptions) -> TuneResult:
-    """Run (or resume) the tuning run ``options`` describe."""
+    """Run (or resume) the tuning run ``options`` describe. SIGTERM and SIGHUP end it as
+    Ctrl-C does (:func:`~qdq_optuna.errors.stop_signals_as_interrupt`: unless the caller set
+    its own handler for them): the report of what is known, ``state.yaml`` saying how to
+    resume, the SQLite file whole."""
+    with stop_signals_as_interrupt():
+        return _run(options)
+
+
+def _run(options: TuneOptions) -> TuneResult:
     tuner = Tuner(PreparedRun.from_options(options))  # prepare
     pictures = PatternPictures(tuner.out, tuner.prepared)
     tuner.on_commit.append(pictures)
@@ -127,13 +140,20 @@ def run(options: TuneOptions) -> TuneResult:
         done = tuner.open(open_run(tuner.run))  # prepare: the storage, the run record
         if done is not None:  # a finished run: its result, nothing measured again
             return TuneResult(tuner.out, done, finished_before=True)
+        report = None
         try:
-            outcome = tuner.search()  # search
-        finally:  # what the last commits decided (not on Ctrl-C: a prompt exit)
-            if not interrupted_by(sys.exc_info()[1]):
-                pictures.flush()
-        report = write_outputs(outcome)  # write outputs
-        tuner.close(outcome, report)
+            try:
+                outcome = tuner.search()  # search
+            finally:  # what the last commits decided (not on Ctrl-C: a prompt exit)
+                if not interrupted_by(sys.exc_info()[1]):
+                    pictures.flush()
+            report = write_outputs(outcome)  # write outputs
+            tuner.close(outcome, report)
+        except BaseException as exc:
+            signum = interrupting_signal(exc)
+            if signum is not None and report is None:
+                _report_what_is_known(tuner, signum)
+            raise
         save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))
         if outcome.partial:
             log.warning("--timeout %gs cut the run short: %s is the best model found by then "
@@ -141,3 +161,13 @@ def run(options: TuneOptions) -> TuneResult:
                         "stored studies (a larger --timeout, or none, lets it finish)",
                         options.timeout, tuner.out / OPTIMIZED)
         return TuneResult(tuner.out, report)
+
+
+def _report_what_is_known(tuner: Tuner, signum: int) -> None:
+    """A run stopped part way: its report of what the storage holds (nothing is measured)."""
+    try:
+        known = tuner.stopped(signum)
+        if known is not None:
+            write_stopped_outputs(known)
+    except Exception:  # the storage may be gone: state.yaml and the message still say how to resume
+        logging.getLogger("qdq_optuna").debug("the stopped run's report not written", exc_info=True)

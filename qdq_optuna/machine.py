@@ -153,3 +153,34 @@ def simulated_cpu(flags: str | Iterable[str]) -> Iterator[CpuFeatures]:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
+
+
+#: what :func:`measuring_machine` takes of a backend's description: the runtime, its version,
+#: its threads and precision hint (each changes what a timing means)
+_RUNTIME_KEYS = ("name", "onnxruntime", "openvino", "tensorrt", "trtexec", "providers",
+                 "threads", "inference_precision", "device")
+
+
+def measuring_machine(backend: dict, cpu: CpuFeatures | None = None) -> dict:
+    """The machine a run's timings come from (a run's workers must share it): the CPU's
+    answer-changing flags and the runtime as ``backend`` (a backend's ``describe()``) names
+    it. The CPU's model name is recorded, not compared (its flags are what change an
+    answer)."""
+    cpu = cpu or current_cpu()
+    return {"arch": cpu.arch, "cpu_flags": list(cpu.flags), "cpu": cpu.model_name,
+            "runtime": {k: backend[k] for k in _RUNTIME_KEYS if k in backend}}
+
+
+def machine_differences(run: dict, here: dict) -> list[str]:
+    """What differs between a run's measuring machine and this process's, in words (empty:
+    their timings compare)."""
+    out = []
+    if run.get("arch") != here.get("arch"):
+        out.append(f"architecture {here.get('arch')} here, {run.get('arch')} in the run")
+    theirs, mine = set(run.get("cpu_flags") or ()), set(here.get("cpu_flags") or ())
+    out += [f"{f}: {'here, not in the run' if f in mine else 'in the run, not here'}"
+            for f in FLAGS if (f in mine) != (f in theirs)]
+    rt_run, rt_here = run.get("runtime") or {}, here.get("runtime") or {}
+    out += [f"{k} {rt_here.get(k)!r} here, {rt_run.get(k)!r} in the run"
+            for k in _RUNTIME_KEYS if rt_run.get(k) != rt_here.get(k)]
+    return out

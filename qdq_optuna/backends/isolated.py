@@ -92,7 +92,9 @@ def _worker_main() -> None:
     os.dup2(2, 1)  # C-level prints land on stderr, not in the message stream
     sys.stdout = sys.stderr
     faulthandler.enable()  # a Python traceback in the crash report, then the signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for sig in ("SIGINT", "SIGTERM", "SIGHUP"):  # the parent's to handle (it stops us: EOF)
+        if hasattr(signal, sig):
+            signal.signal(getattr(signal, sig), signal.SIG_IGN)
     inbox = sys.stdin.buffer
     init = _recv(inbox)
     if init is _EOF:

@@ -5,13 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 from qdq_optuna import __version__
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
-from qdq_optuna.errors import OptionError, UserError, interrupted_by
+from qdq_optuna.errors import (
+    OptionError,
+    UserError,
+    interrupted_by,
+    interrupting_signal,
+    stop_signals_as_interrupt,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -416,10 +423,14 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
                                              Path(filename).name, lineno)
 
 
-def _interrupted() -> int:
-    print("qdq-optuna: interrupted; the running trial was marked failed and will be redone. "
+def _interrupted(exc: BaseException) -> int:
+    """Ctrl-C: exit 130; SIGTERM / SIGHUP: 143 / 129 (128 + the signal, as a shell reports
+    a process the signal ended), after the same clean-up."""
+    signum = interrupting_signal(exc) or signal.SIGINT
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"qdq-optuna: {what}; the running trial was marked failed and will be redone. "
           "Rerun the same command to resume.", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + int(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,20 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     verbose = 0
     showwarning = warnings.showwarning
     try:
-        import onnxruntime
+        with stop_signals_as_interrupt():  # SIGTERM / SIGHUP from here on end as Ctrl-C does
+            try:
+                import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)
-    except ImportError:
-        pass
-    try:
-        args = parser.parse_args(argv)
-        verbose = args.verbose
-        _setup_logging(verbose)
-        warnings.showwarning = _warning_line
-        if args.command is None:  # bare qdq-optuna: what there is to run
-            parser.print_help(sys.stderr)
-            return EXIT_USAGE
-        return COMMANDS[args.command](args)
+                onnxruntime.set_default_logger_severity(3)
+            except ImportError:
+                pass
+            args = parser.parse_args(argv)
+            verbose = args.verbose
+            _setup_logging(verbose)
+            warnings.showwarning = _warning_line
+            if args.command is None:  # bare qdq-optuna: what there is to run
+                parser.print_help(sys.stderr)
+                return EXIT_USAGE
+            return COMMANDS[args.command](args)
     except UserError as exc:  # one line even if a file or tensor name holds a line break
         message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
         print(f"qdq-optuna: error: {message or type(exc).__name__}", file=sys.stderr)
@@ -455,11 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. piped into head
         return 0
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
     except Exception as exc:  # an internal error: one line, traceback with -v
         if interrupted_by(exc):  # Ctrl-C landed in a library's clean-up
-            return _interrupted()
+            return _interrupted(exc)
         if verbose:
             raise
         first = str(exc).strip().splitlines()

@@ -161,6 +161,50 @@ def error_value(errors: Mapping[str, Mapping[str, float]], name: str = "relative
     )
 
 
+#: the confidence of the upper bound the report states when ``--accuracy-confidence`` is not
+#: given (the guard then holds the bound on the error over all its samples, as measured)
+REPORT_CONFIDENCE = 0.9
+#: how many samples :func:`samples_needed` looks up to
+MOST_SAMPLES = 100_000
+
+
+def error_spread(errors: np.ndarray, confidence: float) -> dict:
+    """How the per-sample errors spread: ``samples``, ``min``, ``median``, ``worst``,
+    ``mean``, ``sd`` and ``upper``, the one-sided Student-t upper bound of the mean at
+    ``confidence`` (scipy.stats): what the mean error of more samples like these stays under
+    with that confidence (infinite from one sample or a non-finite error)."""
+    from scipy import stats
+
+    e = np.asarray(errors, dtype=np.float64)
+    n = int(e.size)
+    finite = bool(np.isfinite(e).all())
+    mean = float(e.mean()) if finite else math.inf
+    sd = float(e.std(ddof=1)) if n > 1 and finite else math.inf
+    upper = (mean + float(stats.t.ppf(confidence, n - 1)) * sd / math.sqrt(n)
+             if n > 1 and finite else math.inf)
+    return {"samples": n, "min": float(e.min()), "median": float(np.median(e)),
+            "worst": float(e.max()), "mean": mean, "sd": sd, "confidence": confidence,
+            "upper": upper}
+
+
+def samples_needed(spread: dict, bound: float) -> int | None:
+    """How many samples with this mean and spread would put the upper bound of the mean
+    within ``bound`` (None: the mean itself is past it, or not within
+    :data:`MOST_SAMPLES`)."""
+    from scipy import stats
+
+    mean, sd, p = spread["mean"], spread["sd"], spread["confidence"]
+    if not (math.isfinite(mean) and mean < bound):
+        return None
+    if not math.isfinite(sd):  # one sample: its error as the spread's scale is a guess
+        sd = abs(mean) or bound
+    if sd == 0:
+        return 2
+    n = np.arange(2, MOST_SAMPLES + 1)
+    fits = mean + stats.t.ppf(p, n - 1) * sd / np.sqrt(n) <= bound
+    return int(n[np.argmax(fits)]) if fits.any() else None
+
+
 def load_metric(spec: str) -> Metric:
     """Import ``module:function`` (or ``path/to/file.py:function``) as a user metric.
 
@@ -225,6 +269,7 @@ class AccuracyEvaluator:
         threads: int = 1,
         optimize: bool = True,
         runner: Callable[[Any, Mapping[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        confidence: float | None = None,
     ) -> None:
         if error_measure not in ERROR_MEASURES:
             raise OptionError(
@@ -241,6 +286,9 @@ class AccuracyEvaluator:
         #: runs the candidates instead of ONNX Runtime (``runner(model, data)`` -> outputs:
         #: OpenVINO on OpenVINO runs); the FP32 reference always comes from ONNX Runtime
         self.runner = runner
+        #: ``--accuracy-confidence``: the error is the upper bound of the mean per-sample
+        #: error at this confidence (:func:`error_spread`); None: the error over all samples
+        self.confidence = confidence
         try:
             self.reference = run_model(
                 reference_model, self.data, batch_size=batch_size, threads=threads,
@@ -281,8 +329,38 @@ class AccuracyEvaluator:
         else:
             error = self._user_metric(outputs)
             details["metric"] = error
+        per_sample = self.sample_errors(outputs)
+        if per_sample is not None:
+            details["spread"] = error_spread(per_sample, self.confidence or REPORT_CONFIDENCE)
+            if self.confidence is not None:  # the bound holds on the upper bound
+                details["all_samples_error"] = error
+                error = details["spread"]["upper"]
         details["error"] = error
         return error, details
+
+    def sample_errors(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        """Each sample's error alone, in the same measure (the worst output's; the metric on
+        one sample's outputs); None where the samples cannot be told apart: fewer than two,
+        an output without them on its first axis, a metric that cannot score one sample (a
+        metric over labels of the whole data)."""
+        n = min((len(a) for a in self.data.values()), default=0)
+        arrays = [np.asarray(v) for v in self.reference.values()]
+        arrays += [np.asarray(outputs[k]) for k in self.reference]
+        if n < 2 or any(a.ndim == 0 or a.shape[0] != n for a in arrays):
+            return None
+        values = []
+        for i in range(n):
+            ref = {k: np.asarray(v)[i:i + 1] for k, v in self.reference.items()}
+            out = {k: np.asarray(outputs[k])[i:i + 1] for k in self.reference}
+            if self.metric is None:
+                values.append(error_value(output_errors(ref, out), self.error_measure))
+                continue
+            try:
+                value = float(self.metric(ref, out))
+            except Exception:  # scores whole data sets only: no spread, not an error
+                return None
+            values.append(math.inf if math.isnan(value) else value)
+        return np.asarray(values)
 
     def _user_metric(self, outputs: dict[str, np.ndarray]) -> float:
         try:
@@ -338,9 +416,13 @@ def error_record(error: float, details: Mapping) -> dict:
     outputs = {name: {k: clean(v) for k, v in e.items()}
                for name, e in details.get("outputs", {}).items()}
     rec = {"error": clean(error), "output_errors": outputs}
-    for k in ("worst_cosine", "worst_relative_l2", "worst_max_abs", "metric"):
+    for k in ("worst_cosine", "worst_relative_l2", "worst_max_abs", "metric",
+              "all_samples_error"):
         if k in details:
             rec[k] = clean(details[k])
+    if "spread" in details:
+        rec["spread"] = {k: clean(v) if k != "samples" else v
+                         for k, v in details["spread"].items()}
     return rec
 
 
@@ -434,10 +516,10 @@ class ErrorScorer:
 
     def __init__(self, reference: bytes, data: Mapping, *, metric: str | None,
                  error_measure: str, optimize: bool, bf16: bool = False,
-                 runner: Callable | None = None) -> None:
+                 runner: Callable | None = None, confidence: float | None = None) -> None:
         self.evaluator = AccuracyEvaluator(reference, data, metric=metric,
                                            error_measure=error_measure, optimize=optimize,
-                                           runner=runner)
+                                           runner=runner, confidence=confidence)
         #: the FP32 model the errors are against
         self.reference = reference
         self.evaluations = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from qdq_optuna.record import (
 from qdq_optuna.run_folder import RunFolder
 
 if TYPE_CHECKING:  # an annotation: what the search concluded, which the report formats
-    from qdq_optuna.search import SearchOutcome
+    from qdq_optuna.search import SearchOutcome, StoppedOutcome
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
@@ -67,6 +68,41 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "patterns": patterns,
         "cpu": current_cpu().to_json(),
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+
+
+def stopped_report(o: StoppedOutcome) -> dict:
+    """``report.json`` of a run a signal stopped: what the storage holds (the starts, the
+    descent's committed visits, each pattern's standing scheme), nothing measured after the
+    signal; ``stopped`` says by what and how to resume. The standing model's speedup is the
+    descent's estimate (its start's ratio times its committed whole-model gains), not a
+    final A/B: the run did not get that far."""
+    patterns, _ = pattern_entries(o.record, o.rows)
+    starts = start_entries(o.record, o.baseline_ms)
+    descent = descent_summary(o.record, o.lane)
+    chosen = next((s for s in starts if s.get("chosen")), None)
+    lane = descent["lanes"].get(o.lane or "main")
+    estimate = (chosen["speedup"] * (lane["gain"] if lane else 1.0)
+                if chosen and chosen.get("speedup") else None)
+    return {
+        **o.header,
+        "complete": False,
+        "stopped": {"signal": signal.Signals(o.signum).name,
+                    "at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                    "optimized_onnx": "the standing model" if RunFolder(o.out).optimized.exists()
+                    else None,
+                    "resume": "rerun the same command"},
+        "baseline_model": o.record.run_study.user_attrs.get(RunAttr.BASELINE_MODEL),
+        "in_search_baseline_latency_ms": o.baseline_ms,
+        "standing_speedup_estimate": estimate,
+        "measurements": o.measurements,
+        "measurements_by_phase": {phase: o.by_phase.get(phase, 0) for phase in PHASES},
+        "starts": starts,
+        "lane": o.lane,
+        "descent": descent,
+        "patterns": patterns,
+        "cpu": current_cpu().to_json(),
+        "elapsed_s": dict(o.elapsed),
     }
 
 
@@ -249,8 +285,9 @@ def trial_statistics(trials, screen_discard_ratio: float) -> dict:
 
 
 def write_reports(out: Path, report: dict) -> None:
+    render = render_stopped_markdown if "stopped" in report else render_markdown
     RunFolder(out).write_reports(json.dumps(report, indent=2, default=str).encode(),
-                                 render_markdown(report))
+                                 render(report))
 
 
 def _statistics_lines(st: dict | None) -> list[str]:
@@ -325,6 +362,29 @@ def floor_lines(floor: dict | None, bound: float) -> list[str]:
     return [line, ""]
 
 
+def claim_lines(claim: dict | None, bound: float) -> list[str]:
+    """The shipped model's per-sample errors on the guard's data, and whether the upper
+    bound of their mean supports the claim."""
+    if not claim:
+        return []
+    p = f"{100 * claim['confidence']:g}%"
+    held = (f"the guard held the bound on this upper bound (`--accuracy-confidence "
+            f"{claim['confidence']:g}`)" if claim["held_on"] == "upper" else
+            "the guard held the bound on the error over all samples")
+    if claim["upper_within_bound"]:
+        verdict = "within the bound"
+    elif claim.get("samples_needed"):
+        verdict = (f"**past the bound {bound:g}: these {claim['samples']} samples do not "
+                   f"support the claim**; about {claim['samples_needed']} samples with this "
+                   "spread would")
+    else:
+        verdict = f"**past the bound {bound:g}**: no number of samples with this mean would be"
+    return [f"Per sample ({claim['samples']} samples): min {claim['min']:.4g}, median "
+            f"{claim['median']:.4g}, worst {claim['worst']:.4g}, mean {claim['mean']:.4g}; "
+            f"the upper {p} bound of the mean (one-sided t) is {claim['upper']:.4g}, {verdict} "
+            f"({held}).", ""]
+
+
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
@@ -336,6 +396,7 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
              f"Bound {acc['bound']:g} ({acc['bound_from']}"
              + ("" if budget is None else f"; the trials' error budget {budget:g} too") + "): "
              f"**{acc['status']}**.", ""]
+    lines += claim_lines(acc.get("claim"), acc["bound"])
     drop = acc.get("metric_drop")
     if drop:
         per = " of the FP32 model's value" if drop["drop_type"] == "relative" else ""
@@ -667,6 +728,71 @@ def _reader_clipped_lines(count: int | None) -> list[str]:
             "Relu, HardSwish, also written out as x * Clip(x + 3, 0, 6))"]
 
 
+def _pattern_lines(r: dict) -> list[str]:
+    """The patterns table: each pattern's standing scheme, gain and visits."""
+    accuracy = any("committed_error" in p for p in r["patterns"])
+    lines = [
+        "## Patterns",
+        "",
+        "Each visit tunes the pattern against the whole standing model; its gain is the whole "
+        "model's.",
+        "",
+        "| pattern | regions | points | trials | start | standing scheme | gain |"
+        + (" error after commit |" if accuracy else "") + " visits |",
+        "|---|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
+    ]
+    for p in r["patterns"]:
+        scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
+                  for k in p["committed_scheme"]]
+        err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
+        visits = "; ".join(
+            f"{(v['lane'] + ' ') if v.get('lane') else ''}round {v['round']}"
+            + (f" (as {v['pattern']}'s chain partner)" if v.get("pattern") != p["id"] else "")
+            + f": {v.get('commit_reason') or v['status']}" for v in p.get("visits", []))
+        lines.append(
+            f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
+            f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
+            f"{len(p.get('start_scheme', []))} on | {', '.join(scheme) or '—'} | "
+            f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
+        )
+    return lines
+
+
+def render_stopped_markdown(r: dict) -> str:
+    """report.md of a run a signal stopped (:func:`stopped_report`)."""
+    st = r["stopped"]
+    model = ("`optimized.onnx` is the standing model the search last saved (every decision in "
+             "it passed the accuracy guard)" if st.get("optimized_onnx")
+             else "no `optimized.onnx` yet (the starts were not decided)")
+    estimate = r.get("standing_speedup_estimate")
+    standing = ("the standing model's speedup is not known yet" if estimate is None else
+                f"standing model about {_f(estimate)}x (its start's ratio times the descent's "
+                "committed gains, not a final A/B)")
+    lines = [
+        f"# qdq-optuna report: stopped by {st['signal']}, incomplete",
+        "",
+        f"- model: `{r['model']}`",
+        f"- backend: `{r['backend'].get('name')}` (rules: {r['runtime']}), quant type "
+        f"`{r['quant_type']}`",
+        *_cpu_lines(r.get("cpu")),
+        f"- run: `{r['run_id']}` in `{r['storage']}`",
+        "",
+        f"The run was stopped by {st['signal']} before it concluded: nothing here was measured "
+        f"after the signal and the final A/B against the baseline did not run; {model}. "
+        "**Rerun the same command to resume**: every committed measurement is kept, the trial "
+        "that was running is redone.",
+        "",
+        (f"Baseline {_f(r['in_search_baseline_latency_ms'], '{:.4f}')} ms as the search "
+         f"measured it; {standing}." if r.get("in_search_baseline_latency_ms") is not None
+         else "Stopped before the baseline was measured.")
+        + f" {r['measurements']} measurements in this process ({_phases(r) or 'none'}).",
+        "",
+        *_starts_lines(r),
+        *_pattern_lines(r),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(r: dict) -> str:
     lo, hi = r["speedup_ci"]
     lines = [
@@ -701,31 +827,7 @@ def render_markdown(r: dict) -> str:
     ]
     if r.get("accuracy"):
         lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))
-    accuracy = any("committed_error" in p for p in r["patterns"])
-    lines += [
-        "## Patterns",
-        "",
-        "Each visit tunes the pattern against the whole standing model; its gain is the whole "
-        "model's.",
-        "",
-        "| pattern | regions | points | trials | start | standing scheme | gain |"
-        + (" error after commit |" if accuracy else "") + " visits |",
-        "|---|---|---|---|---|---|---|" + ("---|" if accuracy else "") + "---|",
-    ]
-    for p in r["patterns"]:
-        scheme = [f"{k}:{p['committed_types'][k]}" if k in p.get("committed_types", {}) else k
-                  for k in p["committed_scheme"]]
-        err = f" {_f(p.get('committed_error'), '{:.4g}')} |" if accuracy else ""
-        visits = "; ".join(
-            f"{(v['lane'] + ' ') if v.get('lane') else ''}round {v['round']}"
-            + (f" (as {v['pattern']}'s chain partner)" if v.get("pattern") != p["id"] else "")
-            + f": {v.get('commit_reason') or v['status']}" for v in p.get("visits", []))
-        lines.append(
-            f"| {p['id']} ({'/'.join(p['ops'][:4])}{'…' if len(p['ops']) > 4 else ''}) | "
-            f"{len(p['regions'])} | {len(p['insertion_points'])} | {p['trials']} | "
-            f"{len(p.get('start_scheme', []))} on | {', '.join(scheme) or '—'} | "
-            f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
-        )
+    lines += _pattern_lines(r)
     lines += _what_ran_lines(r)
     if r.get("pareto"):
         from qdq_optuna.outputs.pareto import write_front_table

@@ -4,7 +4,7 @@ pipeline (:mod:`qdq_optuna._tune`) hands the outcome over."""
 
 from __future__ import annotations
 
-from qdq_optuna.outputs.report import build_report, runtime_keys, write_reports
+from qdq_optuna.outputs.report import build_report, runtime_keys, stopped_report, write_reports
 
 
 def write_outputs(outcome) -> dict:
@@ -25,4 +25,12 @@ def write_outputs(outcome) -> dict:
     report.update(runtime_keys(o))
     report["elapsed_s"] = dict(o.elapsed)
     write_reports(o.out, report)
+    return report
+
+
+def write_stopped_outputs(outcome) -> dict:
+    """The report of what a run stopped part way knows (a
+    :class:`~qdq_optuna.search.StoppedOutcome`): nothing is measured; returns it."""
+    report = stopped_report(outcome)
+    write_reports(outcome.out, report)
     return report

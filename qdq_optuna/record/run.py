@@ -22,6 +22,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from qdq_optuna.errors import UserError
+from qdq_optuna.machine import machine_differences
 from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import Around, ChoiceSpace, combine
@@ -215,6 +216,20 @@ class RunRecord:
                 "earlier qdq-optuna, which the whole-model search cannot resume; add --fresh to "
                 "tune it again, or pick another --output (its report.json and optimized.onnx, "
                 "if it finished, stay valid)")
+
+    def settle_machine(self, machine: dict, where: str) -> None:
+        """Store the machine the run's timings come from once (:func:`measuring_machine`;
+        a run stored before it was recorded takes this process's), and refuse a process on
+        another machine, naming what differs: its timings would be compared with the run's
+        and a commit decided by figures that do not compare."""
+        run = self.agree(Agreed.MACHINE, json.loads(json.dumps(machine, default=str)))
+        differs = machine_differences(run, machine)
+        if differs:
+            raise UserError(
+                f"{where}: run {self.run_id!r} measures on another machine ("
+                f"{'; '.join(differs)}): its timings and this process's do not compare; run "
+                "this process where the run measures, add --fresh to start over here, or pick "
+                "another --output")
 
     def settle_fingerprint(self, settings: dict, digest: str, where: str) -> None:
         """Store the run's settings once (workers starting together agree on one set); refuse

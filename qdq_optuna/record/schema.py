@@ -213,6 +213,8 @@ class Agreed:
     reason is under :attr:`REASON` (stored on the study as ``commit_reason``)."""
 
     FINGERPRINT = "fingerprint"
+    #: the machine the run's timings come from (CPU flags, runtime, version, threads)
+    MACHINE = "machine"
     BASELINE = "baseline"
     STARTS = "starts"
     WINNER = "winner"

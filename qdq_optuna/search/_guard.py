@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines, share_words
+from qdq_optuna.measure.accuracy import samples_needed
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
 from qdq_optuna.measure.bisect import bisect_plan
@@ -44,6 +45,9 @@ class Guard:
     #: :meth:`~qdq_optuna.measure.accuracy.ErrorScorer.noise_floor` on the guard's data, with
     #: its share of the room the bound leaves (None: not measured)
     floor: dict | None = None
+    #: ``--accuracy-confidence``: the errors compared with the bound are the upper bounds of
+    #: the mean per-sample error at this confidence (None: the error over all samples)
+    confidence: float | None = None
 
     def measure_floor(self) -> dict | None:
         """The FP32 model's own error under half an 8-bit step of input noise, and its share
@@ -135,6 +139,7 @@ class Guard:
         """:meth:`final`, said in one warning line when the guard had to step in
         (``precision``: the run's high precision, named when even its float model drifts)."""
         verdict = self.final(plan)
+        self._say_claim(verdict)
         if verdict.status == WITHIN_BOUND:
             return verdict
         where = data_phrase(self.data)
@@ -153,6 +158,44 @@ class Guard:
                 "--max-output-error or choose another --high-precision", precision,
                 verdict.errors["error"], self.measure, where, self.bound)
         return verdict
+
+    def claim(self, errors: dict) -> dict | None:
+        """report.json's ``claim``: how the shipped model's per-sample errors on the guard's
+        data spread (:func:`~qdq_optuna.measure.accuracy.error_spread`), whether the upper
+        bound of their mean is within the bound, and how many samples with this spread would
+        put it there; None where the samples cannot be told apart."""
+        spread = errors.get("spread")
+        if spread is None:
+            return None
+        return {**spread, "held_on": "upper" if self.confidence is not None else "all samples",
+                "upper_within_bound": spread["upper"] <= self.bound,
+                "samples_needed": samples_needed(spread, self.bound)}
+
+    def _say_claim(self, verdict: Verdict) -> None:
+        """One warning line when the guard's data is too small to support what ships: its
+        error within the bound, the upper bound of the mean per-sample error past it."""
+        if verdict.status == FLOAT_PAST_BOUND:
+            return
+        claim = self.claim(verdict.errors)
+        if claim is None:
+            if self.confidence is not None:
+                log.warning("--accuracy-confidence: the guard's errors on %s cannot be told "
+                            "apart per sample (fewer than two, an output without the samples "
+                            "on its first axis, or a --metric that scores whole data sets "
+                            "only): the bound holds on the error over all samples",
+                            data_phrase(self.data))
+            return
+        if claim["upper_within_bound"]:
+            return
+        needed = claim["samples_needed"]
+        log.warning(
+            "accuracy claim: the shipped model's error is within the bound %g on %d samples "
+            "(%s), but they spread (per sample %.3g to %.3g, mean %.3g): the upper %g%% bound "
+            "of the mean is %.3g, past the bound; %s", self.bound, claim["samples"],
+            data_phrase(self.data), claim["min"], claim["worst"], claim["mean"],
+            100 * claim["confidence"], claim["upper"],
+            f"about {needed} samples with this spread would support it (--validation-data)"
+            if needed else "no number of samples with this mean would support it")
 
     def report_keys(self, verdict: Verdict, *, bound_given: bool, bf16: bool) -> dict:
         """report.json's ``accuracy`` (bound, measure, data, errors of what ships and of the
@@ -177,6 +220,8 @@ class Guard:
                 "tuned_tensors": verdict.tuned_tensors,
                 "responsible_tensors": verdict.responsible,
                 "bisection_evaluations": verdict.evaluations,
+                "confidence": self.confidence,
+                "claim": self.claim(errors),
                 **({"input_noise_floor": self.floor} if self.floor else {}),
             },
             "final_output_error": errors["error"],

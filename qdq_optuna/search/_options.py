@@ -185,6 +185,11 @@ class TuneOptions:
         "absolute", group="accuracy", choices=DROP_TYPES,
         help="--max-metric-drop in the metric's units (absolute, default) or as a share of "
              "the FP32 model's value (relative: 0.01 = one percent)")
+    accuracy_confidence: float | None = option(
+        None, group="accuracy", type="positive_float", metavar="P",
+        help="hold the accuracy bound on the upper P-confidence bound of the mean per-sample "
+             "error on the guard's data (one-sided Student t, e.g. 0.9), not on the error "
+             "over all its samples (default): a claim that holds on more data like it")
     objectives: str = option(
         "latency", group="accuracy", metavar="latency[,error]",
         help="latency (default) or latency,error (two-objective studies, Pareto front of the "
@@ -237,6 +242,9 @@ class TuneOptions:
             raise OptionError(f"--threads must be >= 1, got {self.threads}")
         check_metric_drop(self.max_metric_drop, self.metric_drop_type, self.metric,
                           self.max_output_error)
+        if self.accuracy_confidence is not None and not 0.5 <= self.accuracy_confidence < 1:
+            raise OptionError("--accuracy-confidence must be at least 0.5 and below 1, got "
+                              f"{self.accuracy_confidence:g}")
 
     @property
     def run_id_or_default(self) -> str:
@@ -316,6 +324,28 @@ class SearchOutcome:
     what_ran: WhatRan | None = None
     #: why it could not be read (the report ships without it)
     what_ran_error: str | None = None
+
+
+@dataclass
+class StoppedOutcome:
+    """What a run stopped part way (Ctrl-C, SIGTERM, SIGHUP) knows, for the report of what is
+    known (:func:`qdq_optuna.outputs.write.write_stopped_outputs`): nothing is measured
+    after the signal; ``optimized.onnx`` is the standing model the search last saved."""
+
+    out: Path
+    header: dict
+    record: RunRecord
+    #: the signal that stopped the run (``signal.SIGINT`` for Ctrl-C)
+    signum: int
+    #: the lane whose standing model ``optimized.onnx`` holds ("" before the starts agreed)
+    lane: str
+    rows: list[PatternStanding]
+    #: None: stopped before the baseline was measured
+    baseline_ms: float | None
+    #: this process's measurements, counted per phase
+    measurements: int
+    by_phase: dict[str, int]
+    elapsed: dict[str, float]
 
 
 def backend_for(options: TuneOptions) -> Backend:
@@ -451,6 +481,8 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         fp["mixed_types"] = list(settings.space.types)
     if o.bias_correction:
         fp["bias_correction"] = BIAS_MODE
+    if o.accuracy_confidence is not None:  # absent when off: older runs still resume
+        fp["accuracy_confidence"] = o.accuracy_confidence
     if prepared.high_precision is not None:
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:

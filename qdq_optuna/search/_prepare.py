@@ -25,6 +25,7 @@ from pathlib import Path
 from qdq_optuna._files import remove_stale_temps
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.errors import UserError
+from qdq_optuna.machine import measuring_machine
 from qdq_optuna.measure.accuracy import ErrorScorer, hold_out, metric_drop_bound, validation_data
 from qdq_optuna.measure.bias import CorrectedExports, corrected_exports
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
@@ -151,7 +152,8 @@ def open_run(run: PreparedRun) -> OpenedRun:
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
-                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer))
+                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer),
+                  confidence=o.accuracy_confidence)
     guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
@@ -187,6 +189,8 @@ def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
         delete_run(storage, run.run_id)
     record = RunRecord(storage, run.run_id, run.prepared.tunable, run.settings.space)
     record.check_layout(str(run.out))
+    # before the settings: a worker on another machine hears what differs, not "backend"
+    record.settle_machine(measuring_machine(run.backend.describe()), str(run.out))
     record.settle_fingerprint(fp, fingerprint_digest, str(run.out))
     return record, fingerprint_digest
 
@@ -233,7 +237,8 @@ def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime
     return ErrorScorer(reference, data, metric=options.metric,
                        error_measure=options.error_measure, optimize=profile.scores_fused(hp),
                        bf16=hp is not None and hp.precision == "bf16",
-                       runner=profile.error_runner(shapes, backend)), data_name
+                       runner=profile.error_runner(shapes, backend),
+                       confidence=options.accuracy_confidence), data_name
 
 
 def read_data(given, prepared: PreparedModel, what: str) -> tuple[dict, str] | None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from pathlib import Path
 import onnx
 
 from qdq_optuna._progress import Progress
-from qdq_optuna.errors import ToolError, UserError, interrupted_by
+from qdq_optuna.errors import ToolError, UserError, interrupted_by, interrupting_signal
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
@@ -56,6 +57,7 @@ from qdq_optuna.search._guard import check_default_session
 from qdq_optuna.search._lanes import final_lane
 from qdq_optuna.search._options import (
     SearchOutcome,
+    StoppedOutcome,
     TuneOptions,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
@@ -98,6 +100,9 @@ class Tuner:
         self._calibrated: dict | None = None
         self._reader_clipped = 0
         self._baseline: tuple | None = None
+        #: the report, state.yaml and the finished mark are written (a signal after this
+        #: leaves them as they are)
+        self.closed = False
         #: the agreed starts, once decided
         self.starts: AgreedStarts | None = None
         self.descent: Descent | None = None
@@ -139,15 +144,15 @@ class Tuner:
             with Progress(self.o.progress) as progress:
                 self.progress = progress
                 yield self
-        except KeyboardInterrupt:
-            self._interrupted()
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc)
             raise
         except Exception as exc:
             if not interrupted_by(exc):
                 failed_unmeasured = (self.search_state is None
                                      or self.search_state.baseline_ms is None)
                 raise
-            self._interrupted()
+            self._interrupted(exc)
             raise KeyboardInterrupt from exc
         finally:
             if isinstance(self.o.backend, str):  # ours: stop its worker process now
@@ -342,6 +347,21 @@ class Tuner:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
         return self.o.timeout is None or time.monotonic() < self.started + self.o.timeout
 
+    def stopped(self, signum: int) -> StoppedOutcome | None:
+        """What the run knows when a signal stops it (read from the storage, nothing
+        measured); None before the run was opened (its earlier files stand)."""
+        search = self.search_state
+        if self.record is None or search is None:
+            return None
+        starts = self.starts or self.record.starts()
+        lane = starts.order[0] if starts is not None else ""
+        rows = self.record.committed(lane)[1] if starts is not None else []
+        return StoppedOutcome(out=self.out, header=self._header(), record=self.record,
+                              signum=signum, lane=lane, rows=rows,
+                              baseline_ms=search.baseline_ms,
+                              measurements=search.plans.measurements,
+                              by_phase=dict(search.plans.by_phase), elapsed=dict(self.elapsed))
+
     def _keep_users_model(self, cmp, final_exporter):
         """The search's model measured slower than the baseline (the user's model, or its
         high-precision conversion; a graph the preprocessing or the opset upgrade made slower
@@ -370,6 +390,7 @@ class Tuner:
         self._write_state("timeout" if outcome.partial else "done")
         if not outcome.partial:
             self.record.mark_finished(self.fingerprint_digest, report)
+        self.closed = True
 
     def _finished_report(self) -> dict | None:
         """The report of this run when it finished with these settings and this output
@@ -427,11 +448,14 @@ class Tuner:
             "cache_hits": plans.cache_hits if plans is not None else 0,
         }, lane=order[0] if order else None)
 
-    def _interrupted(self) -> None:
-        """Ctrl-C: no trial of ours stays RUNNING, and state.yaml says how to resume."""
+    def _interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C (SIGTERM, SIGHUP): no trial of ours stays RUNNING, and state.yaml says how
+        to resume (a run already closed keeps its state: it finished)."""
+        signum = interrupting_signal(exc)
         if self.search_state is not None and self.search_state.workers is not None:
-            self.search_state.workers.interrupted()
-        if self.record is not None:
+            self.search_state.workers.interrupted(
+                None if signum in (None, signal.SIGINT) else signal.Signals(signum).name)
+        if self.record is not None and not self.closed:
             try:
                 self._write_state("interrupted")
             except Exception:  # the storage may be gone; the message still says how to resume

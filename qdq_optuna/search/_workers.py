@@ -17,6 +17,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
+from qdq_optuna.errors import Stopped
 from qdq_optuna.record import (
     Agreed,
     PatternAttr,
@@ -153,6 +154,8 @@ class Workers:
         self.live_trial: int | None = None
         #: what the objective of the live trial raised (its error, not its tell's)
         self._raised: BaseException | None = None
+        #: what interrupted the run, in a failed trial's words
+        self._stopped_by = "Ctrl-C"
 
     def requeue(self, study: optuna.Study) -> None:
         """Queue again what an earlier process left: the trials it was running (a single
@@ -288,9 +291,10 @@ class Workers:
                 raise LostTrial(f"trial {trial.number} runs in another worker")
             try:
                 return objective(trial)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (Stopped)
+                self._stopped_by = str(exc) if isinstance(exc, Stopped) else "Ctrl-C"
                 with contextlib.suppress(Exception):
-                    trial.set_user_attr(TrialAttr.FAILURE, "interrupted (Ctrl-C)")
+                    trial.set_user_attr(TrialAttr.FAILURE, f"interrupted ({self._stopped_by})")
                     trial.set_user_attr(TrialAttr.TRANSIENT, True)  # redone by the next run
                 raise
             except Exception as exc:  # the objective's own error (see taken_over)
@@ -298,11 +302,14 @@ class Workers:
                 raise
         return run
 
-    def interrupted(self) -> None:
-        """Ctrl-C: no trial of ours stays RUNNING (the next run redoes it)."""
+    def interrupted(self, by: str | None = None) -> None:
+        """Ctrl-C (``by``: or the signal that stopped the run): no trial of ours stays RUNNING
+        (the next run redoes it)."""
+        self._stopped_by = by or self._stopped_by
         if self.study is None:
             return
         with contextlib.suppress(Exception):
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if not self.worker or trial_id(t) == self.live_trial:
-                    fail_trial(self.study, trial_id(t), "interrupted (Ctrl-C)", transient=True)
+                    fail_trial(self.study, trial_id(t), f"interrupted ({self._stopped_by})",
+                               transient=True)
