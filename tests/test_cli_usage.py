@@ -231,7 +231,8 @@ def _changed_value(action: argparse.Action) -> list[str]:
     if action.choices:
         return [flag, next(str(c) for c in reversed(list(action.choices)) if c != action.default)]
     examples = {"objectives": "latency,error", "input_shapes": "x:1x3x8x8",
-                "metric": "my_metrics:score", "backend": "costmodel"}
+                "metric": "my_metrics:score", "backend": "costmodel",
+                "accuracy_confidence": "0.9"}
     value = examples.get(action.dest, "7" if action.type is not None else "other")
     return [flag, value]
 
