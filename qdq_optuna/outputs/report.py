@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from optuna.trial import TrialState
 
 from qdq_optuna.machine import current_cpu
+from qdq_optuna.outputs.time_spent import time_spent_lines
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -697,6 +698,7 @@ def render_markdown(r: dict) -> str:
             f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
         )
     lines += _what_ran_lines(r)
+    lines += ["", *time_spent_lines(r)]
     if r.get("pareto"):
         from qdq_optuna.outputs.pareto import write_front_table
 

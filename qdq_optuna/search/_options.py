@@ -34,6 +34,7 @@ from qdq_optuna.search.objectives import (
     parse_objectives,
 )
 from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+from qdq_optuna.wall_time import WallTime
 
 if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
     from qdq_optuna.measure.timing import Comparison
@@ -309,6 +310,8 @@ class SearchOutcome:
     partial: bool
     multi_objective: bool
     elapsed: dict[str, float]
+    #: where the wall time went, phase by phase (the report's "Where the time went")
+    wall_time: WallTime | None = None
     #: what the runtime ran for the shipped model (its profile's reader; None: no report)
     what_ran: WhatRan | None = None
     #: why it could not be read (the report ships without it)

@@ -48,6 +48,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext as _nothing
 
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.kernels import KernelCache, KernelTable, units, with_shapes
@@ -106,16 +107,19 @@ class Unfused:
         return self.read[plan.key]
 
     def _read(self, exporter, plan) -> WhatRan | None:
+        step = getattr(self.s, "wall", None)
         try:
-            model = exporter.to_bytes(plan)
-            what = self.backend.what_ran(model)
+            with step.step("descent", "what ran") if step else _nothing():
+                model = exporter.to_bytes(plan)
+                what = self.backend.what_ran(model)
         except Exception as exc:  # a report is an optimisation: never the run's failure
             log.info("what the runtime ran could not be read (%s): nothing is pruned", exc)
             return None
         self.reads += 1
         left = getattr(self.s, "remaining", lambda: None)()
         if what is not None and self.evidence and (left is None or left > 0):  # time left
-            self._time_kernels(exporter, model, what)
+            with step.step("descent", "kernel timing") if step else _nothing():
+                self._time_kernels(exporter, model, what)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
                      "%d reformats", what.how, len(what.fused), len(what.standalone),
