@@ -355,3 +355,42 @@ def test_the_report_counts_how_often_the_region_ranked_as_the_whole_model():
     assert (st["subgraph_screened_out"], st["subgraph_compared"], st["subgraph_agreed"]) == \
         (1, 2, 1)
     assert "the region ranked 1 as the whole model did" in "\n".join(_statistics_lines(st))
+
+
+def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_float(resnet):
+    """The limit: the float model's latency less the timed nodes' float times plus their
+    faster kernels; a placed model's gap counts only nodes whose kernels were told apart, on
+    the pattern that holds them; report.md words it in the final A/B's terms."""
+    from qdq_optuna.outputs.limit import limit_lines
+    from qdq_optuna.search._limit import estimate, node_patterns
+    from qdq_optuna.search._unfused import integer_nodes
+
+    pm, flt, qdq = resnet
+    convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
+    tie = K.KernelTiming("s", "Conv", 0.9, 0.92, 0.92 / 0.9, 0.97, 1.08, 6)
+    timings = {convs[0]: _timing("float"), convs[1]: _timing("integer"), convs[2]: tie}
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"], timings)
+    patterns = node_patterns(pm)
+    assert set(convs) <= set(patterns)
+    float_ms = 10.0
+    timed_float = sum(t.float_ms for t in timings.values())
+    best = sum(min(t.int_ms, t.float_ms) for t in timings.values())
+    placed = integer_nodes(table, qdq.SerializeToString())
+    assert set(convs[:3]) <= placed  # every point on: each timed Conv is set up integer
+    lim = estimate(table, float_ms, placed, patterns)
+    assert lim.limit_ms == pytest.approx(float_ms - timed_float + best)
+    assert lim.placed_ms == pytest.approx(float_ms - timed_float
+                                          + sum(t.int_ms for t in timings.values()))
+    # integer-placed: the Conv whose float kernel is faster is the only gap (the tie is none)
+    gap = timings[convs[0]].int_ms - timings[convs[0]].float_ms
+    assert lim.by_op() == {"Conv": pytest.approx(gap)}
+    assert lim.by_pattern() == {patterns[convs[0]]: pytest.approx(gap)}
+    # all float: the Conv whose integer kernel is faster is the gap
+    as_float = estimate(table, float_ms, set(), patterns)
+    assert as_float.by_op() == {"Conv": pytest.approx(
+        timings[convs[1]].float_ms - timings[convs[1]].int_ms)}
+    r = {"limit": lim.to_dict(), "baseline_latency_ms": 20.0, "final_latency_ms": 12.0}
+    text = "\n".join(limit_lines(r))
+    limit_final = 20.0 * lim.limit_ms / float_ms  # the final A/B's baseline, scaled
+    assert f"**{limit_final:.4g} ms**" in text and f"{12.0 / limit_final - 1:+.1%}" in text
+    assert f"| pattern {patterns[convs[0]]} |" in text

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from optuna.trial import TrialState
 
 from qdq_optuna.machine import current_cpu
+from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.outputs.time_spent import time_spent_lines
 from qdq_optuna.record import (
     PHASES,
@@ -87,6 +88,8 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
             out["what_ran_reads"] = descent.what_ran_reads
             if descent.kernel_table is not None:
                 out["kernel_table"] = descent.kernel_table
+        if descent.limit is not None:
+            out["limit"] = descent.limit
     if error is not None:  # the search could not read it: the report still ships
         out["what_ran"] = {"how": None, "error": error}
         return out
@@ -698,7 +701,7 @@ def render_markdown(r: dict) -> str:
             f"{_f(p['gain'])} |{err} {visits or 'not visited'} |"
         )
     lines += _what_ran_lines(r)
-    lines += ["", *time_spent_lines(r)]
+    lines += ["", *limit_lines(r), *time_spent_lines(r)]
     if r.get("pareto"):
         from qdq_optuna.outputs.pareto import write_front_table
 

@@ -28,10 +28,17 @@ from optuna.trial import TrialState
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
+from qdq_optuna.search._limit import estimate, node_patterns
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._options import DescentFindings
 from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
-from qdq_optuna.search._unfused import FINAL_LINE, Unfused, kernel_table_entry, skip_reason
+from qdq_optuna.search._unfused import (
+    FINAL_LINE,
+    Unfused,
+    integer_nodes,
+    kernel_table_entry,
+    skip_reason,
+)
 
 log = logging.getLogger("qdq_optuna")
 
@@ -67,6 +74,8 @@ class Descent:
         self.skipped: list[tuple[str, int, str, str]] = []
         #: called with the lane after a visit changed its standing model (anytime result)
         self.on_change = on_change
+        #: node name -> pattern id (where a node's gap to its faster kernel is)
+        self.patterns = node_patterns(search.prepared)
 
     def run(self) -> None:
         for lane_no, lane in enumerate(self.lanes):
@@ -78,8 +87,14 @@ class Descent:
         u = self.unfused
         if u is None:
             return DescentFindings(list(self.skipped))
-        table = kernel_table_entry(u.kernels, shipped) if u.kernels is not None else None
-        return DescentFindings(list(self.skipped), u.reads, table)
+        if u.kernels is None:
+            return DescentFindings(list(self.skipped), u.reads, None)
+        placed = integer_nodes(u.kernels, shipped)
+        table = kernel_table_entry(u.kernels, shipped, placed)
+        limit = None
+        if placed is not None and self.s.baseline_ms:
+            limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns).to_dict()
+        return DescentFindings(list(self.skipped), u.reads, table, limit)
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:
         n = len(self.tunable)

@@ -274,6 +274,8 @@ class DescentFindings:
     skipped: list[tuple[str, int, str, str]]
     what_ran_reads: int | None = None
     kernel_table: dict | None = None
+    #: the limit estimate and the shipped model's gap to it (:mod:`~qdq_optuna.search._limit`)
+    limit: dict | None = None
 
 
 @dataclass

@@ -315,20 +315,28 @@ KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
                   "tie": "removal measured (no difference resolved)"}
 
 
-def kernel_table_entry(table: KernelTable, model: bytes | None) -> dict:
+def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
+    """The nodes ``model`` (its bytes) sets up as integer kernels (None: not readable)."""
+    if not isinstance(model, bytes):
+        return None
+    import onnx
+
+    try:
+        return {u.node for u in units(with_shapes(onnx.load_from_string(model)),
+                                      table.output_q)}
+    except Exception:  # the table still ships without the column
+        return None
+
+
+def kernel_table_entry(table: KernelTable, model: bytes | None,
+                       placed: set[str] | None = None) -> dict:
     """The kernel table for the report: per node, integer and float ms on this machine, the
     ratio float/integer with its interval, what the search did, and how the shipped model
-    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
+    placed the node (``integer``: set up as an integer kernel, else ``float``; ``placed``:
+    those nodes, when read already)."""
     out = table.to_dict()
-    placed = None
-    if isinstance(model, bytes):
-        import onnx
-
-        try:
-            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                            table.output_q)}
-        except Exception:  # the table still ships without the column
-            placed = None
+    if placed is None:
+        placed = integer_nodes(table, model)
     for row in out["kernels"]:
         row["action"] = KERNEL_ACTIONS[row["decision"]]
         if placed is not None:
