@@ -394,3 +394,38 @@ def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_flo
     limit_final = 20.0 * lim.limit_ms / float_ms  # the final A/B's baseline, scaled
     assert f"**{limit_final:.4g} ms**" in text and f"{12.0 / limit_final - 1:+.1%}" in text
     assert f"| pattern {patterns[convs[0]]} |" in text
+
+
+def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(resnet):
+    """A pattern whose Conv runs its slower kernel by more than the noise is visited first;
+    one whose timed Convs all run their faster kernel, with nothing unfused, is skipped with
+    the reason; one with an untimed Conv, or something unfused, is still visited; and when
+    the whole standing model is within noise of the limit, with nothing unfused, the lane
+    ends."""
+    from qdq_optuna.search._limit import estimate, heavy_nodes, node_patterns, plan_visits
+
+    pm, _, _ = resnet
+    patterns, heavy = node_patterns(pm), heavy_nodes(pm)
+    ids = [pp.pattern.id for pp in pm.tunable]
+    with_convs = [p for p in ids if heavy[p]]
+    assert len(with_convs) >= 2
+    slow, fast = with_convs[0], with_convs[1]
+    timings = {n: _timing("float") for n in heavy[slow]}  # float faster, placed integer
+    timings |= {n: _timing("integer") for n in heavy[fast]}  # integer faster, placed integer
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"], timings)
+    placed = set(timings)
+    lim = estimate(table, 20.0, placed, patterns)
+    nothing_unfused = dict.fromkeys(ids, False)
+    plan = plan_visits(ids, lim, nothing_unfused, heavy)
+    assert plan.order[0] == slow and plan.gaps[slow] > plan.noise_ms
+    assert fast in plan.skipped and "within noise" in plan.skipped[fast]
+    untimed = [p for p in with_convs if p not in (slow, fast)]
+    assert all(p in plan.order for p in untimed)  # the estimate cannot speak for them
+    assert all(p in plan.order for p in ids if not heavy[p])
+    assert plan.end is None
+    # the same pattern with a standalone Q/DQ the runtime left: visited
+    assert fast in plan_visits(ids, lim, {**nothing_unfused, fast: True}, heavy).order
+    # every timed kernel at its faster one and nothing unfused: the lane ends
+    at_best = estimate(table, 20.0, set(heavy[fast]), patterns)
+    done = plan_visits(ids, at_best, nothing_unfused, heavy)
+    assert done.end and "within noise" in done.end and not done.order

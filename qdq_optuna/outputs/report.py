@@ -90,6 +90,8 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
                 out["kernel_table"] = descent.kernel_table
         if descent.limit is not None:
             out["limit"] = descent.limit
+        if descent.plans:
+            out["descent_plan"] = descent.plans
     if error is not None:  # the search could not read it: the report still ships
         out["what_ran"] = {"how": None, "error": error}
         return out
@@ -523,7 +525,7 @@ def _what_ran_lines(r: dict) -> list[str]:
     lines += _kernel_lines(r.get("kernel_table"))
     skipped = r.get("descent_skipped") or []
     if skipped:
-        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
+        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report or the gap: "
                   + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
                   + ("…" if len(skipped) > 40 else "") + ". Reason: "
                   + "; ".join(sorted({s["reason"] for s in skipped})) + "."]

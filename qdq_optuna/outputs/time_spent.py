@@ -48,14 +48,14 @@ def _descent(r: dict) -> str:
     visits = sum(v["visits"] for v in lanes.values())
     commits = sum(v["changed"] for v in lanes.values())
     gain = max((v["gain"] for v in lanes.values()), default=1.0)
-    skipped = len(r.get("descent_skipped") or [])
-    planned = (r.get("descent_plan") or {}).get("skipped") or []
+    skips = r.get("descent_skipped") or []
+    noise = sum(1 for s in skips if "within noise" in s["reason"])
     text = (f"{visits} visits, {commits} commit{'s' if commits != 1 else ''}, "
             f"gain {gain:.3f}x")
-    if skipped:
-        text += f"; {skipped} skipped by the runtime's report"
-    if planned:
-        text += f"; {len(planned)} skipped: gap within noise"
+    if len(skips) > noise:
+        text += f"; {len(skips) - noise} skipped by the runtime's report"
+    if noise:
+        text += f"; {noise} skipped: gap within noise"
     return text
 
 

@@ -113,3 +113,73 @@ def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
         placed_sum += placed_ms
     rest = max(float_ms - timed_float, 0.0)
     return Limit(float_ms, rest + best_sum, rest + placed_sum, tuple(nodes))
+
+
+#: a visit is planned when the gap it can close is above this share of the standing model's
+#: estimated time: the whole-model A/B's resolution (the timing protocol's target half-width
+#: is 1.5 %), below which a commit cannot be confirmed anyway
+NOISE_SHARE = 0.015
+#: why the plan skipped a pattern, and why it ended a lane
+WITHIN_NOISE = ("gap within noise: its Conv/Gemm/MatMul nodes run at their faster measured "
+                "kernel (or within {noise:.3g} ms of it) and the runtime left nothing "
+                "unfused in it")
+LEFT_WITHIN_NOISE = ("what is left is within noise: the standing model is {gap:.3g} ms from "
+                     "the limit estimate (noise {noise:.3g} ms) and the runtime left nothing "
+                     "unfused")
+
+
+@dataclass(frozen=True)
+class GapPlan:
+    """One round's visits as the gap plans them: the patterns in visit order (largest gap
+    first, then those where the runtime left something unfused, then the rest in their
+    order), the ones skipped and why, each pattern's gap (ms) and the noise floor (ms)."""
+
+    order: tuple[str, ...]
+    skipped: dict[str, str]
+    gaps: dict[str, float]
+    noise_ms: float
+    #: the lane ends here (None: it goes on)
+    end: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"order": list(self.order), "skipped": dict(self.skipped),
+                "gaps": {k: round(v, 6) for k, v in self.gaps.items()},
+                "noise_ms": round(self.noise_ms, 6), "end": self.end}
+
+
+def plan_visits(pattern_ids: list[str], limit: Limit, unfused: dict[str, bool],
+                heavy: dict[str, set[str]]) -> GapPlan:
+    """The round's visits by the gap. ``unfused``: pattern id -> whether the runtime left
+    something unfused in it; ``heavy``: pattern id -> its Conv/Gemm/MatMul nodes. A pattern
+    is skipped only when every heavy node of it was timed, its gap is within noise and the
+    runtime left nothing unfused in it (a pattern of other ops, or one with an untimed
+    node, is visited: the estimate cannot speak for it); the lane ends when that holds for
+    the whole standing model."""
+    noise = NOISE_SHARE * limit.placed_ms
+    by_node = {n.node: n.gap_ms for n in limit.nodes}
+    # a node read by two patterns' uses counts for both: either visit may close its gap
+    gaps = {p: sum(by_node.get(n, 0.0) for n in heavy.get(p, ())) for p in pattern_ids}
+    gaps = {p: g for p, g in gaps.items() if g > 0}
+    left = limit.placed_ms - limit.limit_ms
+    if left <= noise and not any(unfused.values()):
+        return GapPlan((), {}, gaps, noise, LEFT_WITHIN_NOISE.format(gap=left, noise=noise))
+    skipped = {p: WITHIN_NOISE.format(noise=noise) for p in pattern_ids
+               if heavy.get(p) and heavy[p] <= by_node.keys()
+               and gaps.get(p, 0.0) <= noise and not unfused.get(p, True)}
+    rank = {p: i for i, p in enumerate(pattern_ids)}
+    order = sorted((p for p in pattern_ids if p not in skipped),
+                   key=lambda p: (-gaps[p] if gaps.get(p, 0.0) > noise else 0.0,
+                                  not unfused.get(p, True), rank[p]))
+    return GapPlan(tuple(order), skipped, gaps, noise)
+
+
+def heavy_nodes(prepared) -> dict[str, set[str]]:
+    """Pattern id -> the Conv/Gemm/MatMul nodes among the nodes its uses read into."""
+    from qdq_optuna.measure.kernels import KERNEL_OPS
+
+    g, out = prepared.graph, {}
+    for pp in prepared.tunable:
+        out[pp.pattern.id] = {g.nodes[u[1]].name for u in pp.uses(pp.ids)
+                              if 0 <= u[1] < len(g.nodes)
+                              and g.nodes[u[1]].op_type in KERNEL_OPS}
+    return out

@@ -276,6 +276,8 @@ class DescentFindings:
     kernel_table: dict | None = None
     #: the limit estimate and the shipped model's gap to it (:mod:`~qdq_optuna.search._limit`)
     limit: dict | None = None
+    #: each round's visits as the gap planned them (order, skipped, gaps, noise)
+    plans: list[dict] | None = None
 
 
 @dataclass

@@ -126,6 +126,31 @@ class Unfused:
                      len(what.float_nodes), len(what.reformats))
         return what
 
+    def standing_integer(self, schemes: dict[str, dict[str, int]], lane: str | None = None
+                         ) -> set[str] | None:
+        """The nodes the standing model at ``schemes`` sets up as integer kernels (None:
+        no kernel table yet, or not readable)."""
+        if self.kernels is None:
+            return None
+        exporter = self.s.exporter
+        plan = exporter.plan(self.s.record.uses(schemes, self.s.record.pinned(lane)))
+        return integer_nodes(self.kernels, exporter.to_bytes(plan))
+
+    def pattern_sites(self, what: WhatRan | None) -> dict[str, bool]:
+        """Pattern id -> whether the runtime left something unfused in it: a standalone Q
+        or DQ or a reformat at one of its tensors, or a node of it that ran float next to
+        integer ones (what a conversion move can close)."""
+        if what is None:
+            return {}
+        g, out = self.s.prepared.graph, {}
+        for pp in self.s.prepared.tunable:
+            uses = pp.uses(pp.ids)
+            tensors = {u[0] for u in uses}
+            nodes = {g.nodes[u[1]].name for u in uses if 0 <= u[1] < len(g.nodes)}
+            out[pp.pattern.id] = bool(tensors & (what.standalone | what.reformats)
+                                      or nodes & what.float_nodes)
+        return out
+
     def _time_kernels(self, exporter, model: bytes, what: WhatRan) -> None:
         """Time the standing model's integer kernels not timed yet (those that ran float in
         the whole model left out); merged into :attr:`kernels`."""
