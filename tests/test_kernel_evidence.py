@@ -391,7 +391,7 @@ def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_flo
         timings[convs[1]].float_ms - timings[convs[1]].int_ms)}
     r = {"limit": lim.to_dict(), "baseline_latency_ms": 20.0, "final_latency_ms": 12.0}
     text = "\n".join(limit_lines(r))
-    limit_final = 20.0 * lim.limit_ms / float_ms  # the final A/B's baseline, scaled
+    limit_final = 20.0 - (float_ms - lim.limit_ms)  # the final A/B's baseline less the saving
     assert f"**{limit_final:.4g} ms**" in text and f"{12.0 / limit_final - 1:+.1%}" in text
     assert f"| pattern {patterns[convs[0]]} |" in text
 
@@ -423,6 +423,8 @@ def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(r
     assert all(p in plan.order for p in untimed)  # the estimate cannot speak for them
     assert all(p in plan.order for p in ids if not heavy[p])
     assert plan.end is None
+    # the noise floor follows the standing model's measured latency when given
+    assert plan_visits(ids, lim, nothing_unfused, heavy, 4.0).noise_ms == pytest.approx(0.06)
     # the same pattern with a standalone Q/DQ the runtime left: visited
     assert fast in plan_visits(ids, lim, {**nothing_unfused, fast: True}, heavy).order
     # every timed kernel at its faster one and nothing unfused: the lane ends

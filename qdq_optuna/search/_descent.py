@@ -155,12 +155,19 @@ class Descent:
             return None
         limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns)
         plan = plan_visits([pp.pattern.id for pp in self.tunable], limit,
-                           u.pattern_sites(what), self.heavy)
+                           u.pattern_sites(what), self.heavy, self._start_ms(lane))
         self.plans.append({"lane": lane, "round": rnd, **plan.to_dict()})
         log.info("round %d planned by the gap: standing %.4g ms, limit %.4g ms; order %s; "
                  "%d skipped", rnd, limit.placed_ms, limit.limit_ms, ", ".join(plan.order),
                  len(plan.skipped))
         return plan
+
+    def _start_ms(self, lane: str) -> float | None:
+        """The measured latency of the start ``lane`` descends from (None: not known)."""
+        starts = self.s.record.starts()
+        name = starts.lane_starts.get(lane) if starts is not None else None
+        row = next((r for r in starts.rows if r.name == name), None) if name else None
+        return row.latency_ms if row is not None else None
 
     def _stats(self, lane: str) -> MoveStats:
         """What the lane's decided visits learnt about move kinds, with what the earlier lanes

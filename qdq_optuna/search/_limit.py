@@ -148,14 +148,16 @@ class GapPlan:
 
 
 def plan_visits(pattern_ids: list[str], limit: Limit, unfused: dict[str, bool],
-                heavy: dict[str, set[str]]) -> GapPlan:
+                heavy: dict[str, set[str]], standing_ms: float | None = None) -> GapPlan:
     """The round's visits by the gap. ``unfused``: pattern id -> whether the runtime left
     something unfused in it; ``heavy``: pattern id -> its Conv/Gemm/MatMul nodes. A pattern
     is skipped only when every heavy node of it was timed, its gap is within noise and the
     runtime left nothing unfused in it (a pattern of other ops, or one with an untimed
     node, is visited: the estimate cannot speak for it); the lane ends when that holds for
-    the whole standing model."""
-    noise = NOISE_SHARE * limit.placed_ms
+    the whole standing model. ``standing_ms``: the standing model's measured latency, the
+    noise floor's base (its estimate when not given: the estimate adds the float model's
+    whole-model time to kernels timed alone, and reads high when the two disagree)."""
+    noise = NOISE_SHARE * (standing_ms or limit.placed_ms)
     by_node = {n.node: n.gap_ms for n in limit.nodes}
     # a node read by two patterns' uses counts for both: either visit may close its gap
     gaps = {p: sum(by_node.get(n, 0.0) for n in heavy.get(p, ())) for p in pattern_ids}
