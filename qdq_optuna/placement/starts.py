@@ -370,10 +370,12 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
     with quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)"):
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
                           save_as_external_data=big)
-        cache = ort_minmax_cache(pre, feeds, work / "ort_ranges.json")
-        quantize_static(str(pre), str(out), None if cache else _Reader(),
-                        calibration_cache_path=cache, use_external_data_format=big,
-                        **ort_recipe_options())
+        # the ranges outside ``work``: a file beside the model there reads as its weights
+        with tempfile.TemporaryDirectory(prefix="qdq-optuna-ranges-") as ranges:
+            cache = ort_minmax_cache(pre, feeds, Path(ranges) / "ort_ranges.json")
+            quantize_static(str(pre), str(out), None if cache else _Reader(),
+                            calibration_cache_path=cache, use_external_data_format=big,
+                            **ort_recipe_options())
     return out
 
 
