@@ -407,3 +407,79 @@ def test_the_kernel_cache_moves_or_turns_off(resnet, tmp_path, monkeypatch):
     assert K.kernel_cache(None) is None and K.kernel_cache("OFF") is None
     monkeypatch.delenv(K.KERNEL_CACHE_ENV)
     assert K.kernel_cache(None).path == home / "qdq_optuna" / "kernels.json"
+
+
+def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_float(resnet):
+    """The limit: the float model's latency less the timed nodes' float times plus their
+    faster kernels; a placed model's gap counts only nodes whose kernels were told apart, on
+    the pattern that holds them; report.md words it in the final A/B's terms."""
+    from qdq_optuna.outputs.limit import limit_lines
+    from qdq_optuna.search._limit import estimate, node_patterns
+    from qdq_optuna.search._unfused import integer_nodes
+
+    pm, flt, qdq = resnet
+    convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
+    tie = K.KernelTiming("s", "Conv", 0.9, 0.92, 0.92 / 0.9, 0.97, 1.08, 6)
+    timings = {convs[0]: _timing("float"), convs[1]: _timing("integer"), convs[2]: tie}
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"], timings)
+    patterns = node_patterns(pm)
+    assert set(convs) <= set(patterns)
+    float_ms = 10.0
+    timed_float = sum(t.float_ms for t in timings.values())
+    best = sum(min(t.int_ms, t.float_ms) for t in timings.values())
+    placed = integer_nodes(table, qdq.SerializeToString())
+    assert set(convs[:3]) <= placed  # every point on: each timed Conv is set up integer
+    lim = estimate(table, float_ms, placed, patterns)
+    assert lim.limit_ms == pytest.approx(float_ms - timed_float + best)
+    assert lim.placed_ms == pytest.approx(float_ms - timed_float
+                                          + sum(t.int_ms for t in timings.values()))
+    # integer-placed: the Conv whose float kernel is faster is the only gap (the tie is none)
+    gap = timings[convs[0]].int_ms - timings[convs[0]].float_ms
+    assert lim.by_op() == {"Conv": pytest.approx(gap)}
+    assert lim.by_pattern() == {patterns[convs[0]]: pytest.approx(gap)}
+    # all float: the Conv whose integer kernel is faster is the gap
+    as_float = estimate(table, float_ms, set(), patterns)
+    assert as_float.by_op() == {"Conv": pytest.approx(
+        timings[convs[1]].float_ms - timings[convs[1]].int_ms)}
+    r = {"limit": lim.to_dict(), "baseline_latency_ms": 20.0, "final_latency_ms": 12.0}
+    text = "\n".join(limit_lines(r))
+    limit_final = 20.0 - (float_ms - lim.limit_ms)  # the final A/B's baseline less the saving
+    assert f"**{limit_final:.4g} ms**" in text and f"{12.0 / limit_final - 1:+.1%}" in text
+    assert f"| pattern {patterns[convs[0]]} |" in text
+
+
+def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(resnet):
+    """A pattern whose Conv runs its slower kernel by more than the noise is visited first;
+    one whose timed Convs all run their faster kernel, with nothing unfused, is skipped with
+    the reason; one with an untimed Conv, or something unfused, is still visited; and when
+    the whole standing model is within noise of the limit, with nothing unfused, the lane
+    ends."""
+    from qdq_optuna.search._limit import estimate, heavy_nodes, node_patterns, plan_visits
+
+    pm, _, _ = resnet
+    patterns, heavy = node_patterns(pm), heavy_nodes(pm)
+    ids = [pp.pattern.id for pp in pm.tunable]
+    with_convs = [p for p in ids if heavy[p]]
+    assert len(with_convs) >= 2
+    slow, fast = with_convs[0], with_convs[1]
+    timings = {n: _timing("float") for n in heavy[slow]}  # float faster, placed integer
+    timings |= {n: _timing("integer") for n in heavy[fast]}  # integer faster, placed integer
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"], timings)
+    placed = set(timings)
+    lim = estimate(table, 20.0, placed, patterns)
+    nothing_unfused = dict.fromkeys(ids, False)
+    plan = plan_visits(ids, lim, nothing_unfused, heavy)
+    assert plan.order[0] == slow and plan.gaps[slow] > plan.noise_ms
+    assert fast in plan.skipped and "within noise" in plan.skipped[fast]
+    untimed = [p for p in with_convs if p not in (slow, fast)]
+    assert all(p in plan.order for p in untimed)  # the estimate cannot speak for them
+    assert all(p in plan.order for p in ids if not heavy[p])
+    assert plan.end is None
+    # the noise floor follows the standing model's measured latency when given
+    assert plan_visits(ids, lim, nothing_unfused, heavy, 4.0).noise_ms == pytest.approx(0.06)
+    # the same pattern with a standalone Q/DQ the runtime left: visited
+    assert fast in plan_visits(ids, lim, {**nothing_unfused, fast: True}, heavy).order
+    # every timed kernel at its faster one and nothing unfused: the lane ends
+    at_best = estimate(table, 20.0, set(heavy[fast]), patterns)
+    done = plan_visits(ids, at_best, nothing_unfused, heavy)
+    assert done.end and "within noise" in done.end and not done.order

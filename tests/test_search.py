@@ -209,6 +209,31 @@ def test_elapsed_marks_each_phase_in_order(e2e):
     assert "Phases ended at baseline" in (e2e.output_dir / "report.md").read_text()
 
 
+def test_wall_time_per_phase_adds_up_to_the_run(e2e):
+    """Each phase's wall time, with the sessions its timing created and the steps inside it
+    (preparing's and the starts'), adds up to about the run's elapsed time; report.md puts
+    each phase next to what it decided."""
+    r = e2e.report
+    wall = r["wall_time"]
+    assert list(wall)[:4] == ["preparing", "baseline", "starts", "descent"]
+    assert {"model", "storage", "calibration", "error scorer"} <= set(wall["preparing"]["steps"])
+    assert {"recipe", "export", "timing", "accuracy"} <= set(wall["starts"]["steps"])
+    for p in wall.values():  # steps are disjoint parts of their phase
+        assert sum((p.get("steps") or {}).values()) <= p["seconds"] + 0.05 * len(p.get("steps", ()))
+    # elapsed_s counts from the tuner's start, inside preparing (the storage opens after it)
+    after_preparing = sum(p["seconds"] for k, p in wall.items() if k != "preparing")
+    assert after_preparing <= r["elapsed_s"]["finish"] + 0.5
+    assert sum(p["seconds"] for p in wall.values()) >= r["elapsed_s"]["finish"] - 0.5
+    assert wall["baseline"]["timing"]["loads"] >= 1  # the baseline's sessions were counted
+    total_loads = sum((p.get("timing") or {}).get("loads", 0) for p in wall.values())
+    assert total_loads == r["measurer"]["loads"]
+    md = (e2e.output_dir / "report.md").read_text()
+    assert "## Where the time went" in md
+    starts = next(line for line in md.splitlines() if line.startswith("| starts |"))
+    chosen = next(s["name"] for s in r["starts"] if s["chosen"])
+    assert f"best = {chosen}" in starts
+
+
 def test_trial_user_attrs(e2e):
     for pid, s in pattern_studies(e2e.output_dir, "run").items():
         if not is_visit(pid):

@@ -191,6 +191,41 @@ def test_ort_recipe_runs_on_models_below_opset_13(tmp_path: Path) -> None:
     assert starts.ort_recipe_start(pm, model).exact
 
 
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_ort_recipe_ranges_are_its_own_calibrators(name: str, tmp_path: Path) -> None:
+    """The recipe's ranges, computed in one pass and handed to quantize_static as its
+    calibration cache, give the same file as its own (quadratic) calibrator on the same
+    feeds, byte for byte."""
+    import numpy as np
+    from onnxruntime.quantization import CalibrationDataReader, quantize_static
+
+    from qdq_optuna.model.calibration import random_calibration_data
+
+    model = zoo.build(name, "small")
+    data = random_calibration_data(model, None, samples=3, seed=1)
+    ours = onnx.load(str(starts.ort_recipe_model(model, tmp_path, data=data)))
+    # nothing beside the recipe's model but models: the run keeps it as one file
+    assert all(f.suffix == ".onnx" for f in tmp_path.iterdir())
+    feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(3)]
+    ranges = starts.ort_minmax_cache(tmp_path / "preprocessed.onnx", feeds,
+                                     tmp_path.parent / f"{name}-ranges.json")
+    assert ranges is not None and ranges.is_file()
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    own = tmp_path / "own.onnx"
+    quantize_static(str(tmp_path / "preprocessed.onnx"), str(own), Reader(),
+                    **starts.ort_recipe_options())
+    theirs = onnx.load(str(own))
+    assert ours.graph.SerializeToString() == theirs.graph.SerializeToString()
+    assert np.any([n.op_type == "QuantizeLinear" for n in ours.graph.node])
+
+
 def test_ort_recipe_failure_is_one_clear_error(tmp_path: Path) -> None:
     import numpy as np
 

@@ -189,6 +189,7 @@ def test_a_round_that_changes_nothing_ends_with_one_final_line(caplog, skipped):
     descent = object.__new__(Descent)  # the lane loop alone: visits are stubbed
     descent.s = type("S", (), {"progress": Progress(False)})()
     descent.rounds, descent.tunable, descent.skipped, descent.on_change = 3, ["a", "b"], [], None
+    descent.unfused = None  # no kernel table: the round visits every pattern in order
     visits = []
 
     def visit(lane, order, rnd, pp, stats):

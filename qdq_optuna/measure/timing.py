@@ -457,6 +457,9 @@ class Measurer:
         self.loads = 0
         self.timed_runs = 0
         self.remeasured = 0
+        #: seconds spent creating sessions (``load``) and in timed and warm-up runs (``time``)
+        self.load_s = 0.0
+        self.timing_s = 0.0
         self.probe = QuietProbe(self.protocol.quiet_threshold, pids=backend.worker_pids)
         self._warm_at: float | None = None
         #: the backend's worker process that the warm-up was done in (isolated backends)
@@ -485,12 +488,16 @@ class Measurer:
         return bool(getattr(self.backend, "fresh_sessions", True))
 
     def _load(self, model: ModelSource) -> Runner:
+        t0 = time.perf_counter()
         runner = self.backend.load(model)
+        self.load_s += time.perf_counter() - t0
         self.loads += 1
         return runner
 
     def _time(self, runner: Runner, warmup: int, runs: int) -> list[float]:
+        t0 = time.perf_counter()
         samples = [float(x) for x in runner.time(warmup, runs)]
+        self.timing_s += time.perf_counter() - t0
         if not samples or not all(math.isfinite(x) and x >= 0 for x in samples):
             raise BackendError(f"backend {self.backend.name!r} returned bad timings {samples!r}")
         self.timed_runs += len(samples)
@@ -769,5 +776,9 @@ class Measurer:
             cut_short=cut,
         )
 
-    def counters(self) -> dict[str, int]:
-        return {"loads": self.loads, "timed_runs": self.timed_runs, "remeasured": self.remeasured}
+    def counters(self) -> dict[str, int | float]:
+        """Sessions created (``loads``) and their seconds (``load_s``), timed inferences
+        (warm-ups included) and their seconds (``timing_s``), rounds re-measured."""
+        return {"loads": self.loads, "load_s": round(self.load_s, 3),
+                "timed_runs": self.timed_runs, "timing_s": round(self.timing_s, 3),
+                "remeasured": self.remeasured}

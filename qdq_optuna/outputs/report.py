@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from optuna.trial import TrialState
 
 from qdq_optuna.machine import current_cpu
+from qdq_optuna.outputs.limit import limit_lines
+from qdq_optuna.outputs.time_spent import time_spent_lines
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -122,6 +124,10 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
             out["what_ran_reads"] = descent.what_ran_reads
             if descent.kernel_table is not None:
                 out["kernel_table"] = descent.kernel_table
+        if descent.limit is not None:
+            out["limit"] = descent.limit
+        if descent.plans:
+            out["descent_plan"] = descent.plans
     if error is not None:  # the search could not read it: the report still ships
         out["what_ran"] = {"how": None, "error": error}
         return out
@@ -610,7 +616,7 @@ def _what_ran_lines(r: dict) -> list[str]:
     lines += _kernel_lines(r.get("kernel_table"))
     skipped = r.get("descent_skipped") or []
     if skipped:
-        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report: "
+        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report or the gap: "
                   + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
                   + ("…" if len(skipped) > 40 else "") + ". Reason: "
                   + "; ".join(sorted({s["reason"] for s in skipped})) + "."]
@@ -829,6 +835,7 @@ def render_markdown(r: dict) -> str:
         lines += accuracy_lines(r["accuracy"], r.get("max_output_error"))
     lines += _pattern_lines(r)
     lines += _what_ran_lines(r)
+    lines += ["", *limit_lines(r), *time_spent_lines(r)]
     if r.get("pareto"):
         from qdq_optuna.outputs.pareto import write_front_table
 

@@ -24,6 +24,8 @@ def write_outputs(outcome) -> dict:
         report["measurements"] = o.plans.measurements
     report.update(runtime_keys(o))
     report["elapsed_s"] = dict(o.elapsed)
+    if o.wall_time is not None:
+        report["wall_time"] = o.wall_time.to_dict()
     write_reports(o.out, report)
     return report
 

@@ -28,10 +28,17 @@ from optuna.trial import TrialState
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
+from qdq_optuna.search._limit import GapPlan, estimate, heavy_nodes, node_patterns, plan_visits
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._options import DescentFindings
 from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
-from qdq_optuna.search._unfused import FINAL_LINE, Unfused, kernel_table_entry, skip_reason
+from qdq_optuna.search._unfused import (
+    FINAL_LINE,
+    Unfused,
+    integer_nodes,
+    kernel_table_entry,
+    skip_reason,
+)
 
 log = logging.getLogger("qdq_optuna")
 
@@ -67,6 +74,11 @@ class Descent:
         self.skipped: list[tuple[str, int, str, str]] = []
         #: called with the lane after a visit changed its standing model (anytime result)
         self.on_change = on_change
+        #: node name -> pattern id (where a node's gap to its faster kernel is)
+        self.patterns = node_patterns(search.prepared)
+        self.heavy = heavy_nodes(search.prepared)
+        #: each round's plan by the gap (report.json ``descent_plan``)
+        self.plans: list[dict] = []
 
     def run(self) -> None:
         for lane_no, lane in enumerate(self.lanes):
@@ -78,8 +90,14 @@ class Descent:
         u = self.unfused
         if u is None:
             return DescentFindings(list(self.skipped))
-        table = kernel_table_entry(u.kernels, shipped) if u.kernels is not None else None
-        return DescentFindings(list(self.skipped), u.reads, table)
+        if u.kernels is None:
+            return DescentFindings(list(self.skipped), u.reads, None)
+        placed = integer_nodes(u.kernels, shipped)
+        table = kernel_table_entry(u.kernels, shipped, placed)
+        limit = None
+        if placed is not None and self.s.baseline_ms:
+            limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns).to_dict()
+        return DescentFindings(list(self.skipped), u.reads, table, limit, list(self.plans))
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:
         n = len(self.tunable)
@@ -91,9 +109,17 @@ class Descent:
         stats = self._stats(lane)
         label = f"{lane} round" if lane else "round"
         for rnd in range(1, self.rounds + 1):
+            plan = self._gap_plan(lane, rnd)
+            if plan is not None and plan.end:
+                log.info("%s %d: %s", label, rnd, plan.end)
+                self.skipped += [(lane, rnd, pp.pattern.id, plan.end) for pp in self.tunable]
+                break
             self.s.progress.stage(f"{label} {rnd}", len(self.tunable))
             changed, before = 0, len(self.skipped)
-            for idx, pp in enumerate(self.tunable):
+            for pid, why in (plan.skipped.items() if plan is not None else ()):
+                self.skipped.append((lane, rnd, pid, why))
+                self.s.progress.skip(pid, why)
+            for idx, pp in self._ordered(plan):
                 now = self.visit(lane, self.order(lane_no, rnd, idx), rnd, pp, stats)
                 changed += now
                 if now and self.on_change is not None:
@@ -105,6 +131,43 @@ class Descent:
                 if len(self.skipped) > before:
                     log.info("%s", FINAL_LINE)
                 break
+
+    def _ordered(self, plan: GapPlan | None) -> list[tuple[int, PatternPoints]]:
+        """(index, pattern) in the round's visit order: the plan's, else first appearance."""
+        if plan is None:
+            return list(enumerate(self.tunable))
+        index = {pp.pattern.id: i for i, pp in enumerate(self.tunable)}
+        return [(index[pid], self.tunable[index[pid]]) for pid in plan.order]
+
+    def _gap_plan(self, lane: str, rnd: int) -> GapPlan | None:
+        """The round's visits planned by the standing model's gap to the limit (None: no
+        kernel table to plan by, or no time left to read one: every pattern in order)."""
+        u, s = self.unfused, self.s
+        if u is None or not u.evidence or not s.baseline_ms:
+            return None
+        left = s.remaining()
+        if left is not None and left <= 0:  # no kernel is timed out of time
+            return None
+        schemes = s.record.standing(lane, s.record.visits(lane))
+        what = u.of(schemes, lane)  # times the standing model's kernels not timed yet
+        integer = u.standing_integer(schemes, lane)
+        if what is None or integer is None:
+            return None
+        limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns)
+        plan = plan_visits([pp.pattern.id for pp in self.tunable], limit,
+                           u.pattern_sites(what), self.heavy, self._start_ms(lane))
+        self.plans.append({"lane": lane, "round": rnd, **plan.to_dict()})
+        log.info("round %d planned by the gap: standing %.4g ms, limit %.4g ms; order %s; "
+                 "%d skipped", rnd, limit.placed_ms, limit.limit_ms, ", ".join(plan.order),
+                 len(plan.skipped))
+        return plan
+
+    def _start_ms(self, lane: str) -> float | None:
+        """The measured latency of the start ``lane`` descends from (None: not known)."""
+        starts = self.s.record.starts()
+        name = starts.lane_starts.get(lane) if starts is not None else None
+        row = next((r for r in starts.rows if r.name == name), None) if name else None
+        return row.latency_ms if row is not None else None
 
     def _stats(self, lane: str) -> MoveStats:
         """What the lane's decided visits learnt about move kinds, with what the earlier lanes

@@ -35,6 +35,7 @@ from qdq_optuna.search.objectives import (
     parse_objectives,
 )
 from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+from qdq_optuna.wall_time import WallTime
 
 if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
     from qdq_optuna.measure.timing import Comparison
@@ -284,6 +285,10 @@ class DescentFindings:
     skipped: list[tuple[str, int, str, str]]
     what_ran_reads: int | None = None
     kernel_table: dict | None = None
+    #: the limit estimate and the shipped model's gap to it (:mod:`~qdq_optuna.search._limit`)
+    limit: dict | None = None
+    #: each round's visits as the gap planned them (order, skipped, gaps, noise)
+    plans: list[dict] | None = None
 
 
 @dataclass
@@ -320,6 +325,8 @@ class SearchOutcome:
     partial: bool
     multi_objective: bool
     elapsed: dict[str, float]
+    #: where the wall time went, phase by phase (the report's "Where the time went")
+    wall_time: WallTime | None = None
     #: what the runtime ran for the shipped model (its profile's reader; None: no report)
     what_ran: WhatRan | None = None
     #: why it could not be read (the report ships without it)

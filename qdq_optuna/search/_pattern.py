@@ -52,6 +52,7 @@ from qdq_optuna.search._plans import PlanMeasurer, Reference
 from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
 from qdq_optuna.search.samplers import make_sampler
+from qdq_optuna.wall_time import WallTime
 
 #: two objectives: Pareto points whose latency is within this factor of the fastest count as
 #: equally fast (the most accurate of them is committed), or within the threshold when higher
@@ -99,6 +100,8 @@ class Search:
     kernel_timing: Callable | None = None
     #: ``--kernel-cache``: the kernel timings' file, ``off``, or None (the default's)
     kernel_cache: str | None = None
+    #: where the run's wall time goes (each phase's steps: the starts' recipe, timing, ...)
+    wall: WallTime = field(default_factory=WallTime)
 
     def __post_init__(self) -> None:
         if self.neighbourhood is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qdq_optuna._files import remove_stale_temps
@@ -51,8 +51,12 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._plans import PlanMeasurer
 from qdq_optuna.search._workers import retry_stale_trial
+from qdq_optuna.wall_time import WallTime
 
 log = logging.getLogger("qdq_optuna")
+
+#: the wall time's first phase: everything before the baseline is measured
+PREPARING = "preparing"
 
 
 @dataclass
@@ -73,37 +77,43 @@ class PreparedRun:
     settings: Settings
     run_id: str
     storage_url: str
+    #: where the run's wall time went, preparing first (:mod:`qdq_optuna.wall_time`)
+    wall: WallTime = field(default_factory=WallTime)
 
     @classmethod
     def from_options(cls, options: TuneOptions) -> PreparedRun:
         """Prepare ``options``' run: bad options, a bad model or bad data fail here, in one
         line, before any file is written or anything measured."""
+        wall = WallTime()
         out = Path(options.output_dir)
-        backend = backend_for(options)
+        with wall.step(PREPARING, "backend"):
+            backend = backend_for(options)
         check_runtime_named(options, backend)
         profile = Settings.profile_of(options, backend)
-        prepared = PreparedModel.prepare(
-            options.model, runtime=profile.rules, quant_type=options.quant_type,
-            input_shapes=options.input_shapes, config=options.config,
-            preprocess=options.preprocess,
-            high_precision=profile.high_precision(options.high_precision,
-                                                  backend_name(options, backend)),
-            keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
-            op_types=options.op_types, upgrade_opset=options.opset_upgrade,
-            fed_inputs=fed_names(options.calibration_data),
-        )
-        # the user's data, read once
-        calibration = read_data(options.calibration_data, prepared, "calibration data")
-        validation = read_data(options.validation_data, prepared, "validation data")
-        if validation is None:  # the guard's errors on samples calibration never saw
-            calibration, validation = hold_out(calibration)
+        with wall.step(PREPARING, "model"):
+            prepared = PreparedModel.prepare(
+                options.model, runtime=profile.rules, quant_type=options.quant_type,
+                input_shapes=options.input_shapes, config=options.config,
+                preprocess=options.preprocess,
+                high_precision=profile.high_precision(options.high_precision,
+                                                      backend_name(options, backend)),
+                keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
+                op_types=options.op_types, upgrade_opset=options.opset_upgrade,
+                fed_inputs=fed_names(options.calibration_data),
+            )
+        with wall.step(PREPARING, "data"):  # the user's data, read once
+            calibration = read_data(options.calibration_data, prepared, "calibration data")
+            validation = read_data(options.validation_data, prepared, "validation data")
+            if validation is None:  # the guard's errors on samples calibration never saw
+                calibration, validation = hold_out(calibration)
         # a model whose weights stay on disk is exported into work folders of the output folder
         prepared.data_dir = out
         measurer = Measurer(backend, TimingProtocol.from_name(options.timing))
+        wall.counters = measurer.counters
         settings = Settings.resolve(options, backend, prepared)
         return cls(options, out, RunFolder(out), backend, profile, prepared, calibration,
                    validation, measurer, settings, options.run_id_or_default,
-                   options.storage or default_storage_url(out))
+                   options.storage or default_storage_url(out), wall)
 
 
 @dataclass
@@ -129,32 +139,37 @@ def open_run(run: PreparedRun) -> OpenedRun:
     """Open the storage and the run record of ``run`` (``--fresh`` deletes the stored run
     first); refuse a stored run it cannot resume; load the user's warm starts; build what the
     search measures with (bad validation data or a bad metric fails here)."""
-    o, prepared, cfg = run.options, run.prepared, run.options.config
+    o, prepared, cfg, step = run.options, run.prepared, run.options.config, run.wall.step
     quiet_optuna(cfg.verbose)
-    record, fingerprint_digest = _open_record(run)
-    cache, baseline_q = warm_starts(run)
+    with step(PREPARING, "storage"):
+        record, fingerprint_digest = _open_record(run)
+        cache, baseline_q = warm_starts(run)
     scales: list[tuple[dict, int]] = []  # computed when first needed, once
 
     def scales_for(purpose: str) -> dict | None:
         if purpose == "trials" and run.settings.scales == "default":
             return None
         if not scales:
-            scales.append(calibrated_scales(prepared, o, run.folder, run.calibration))
+            with step(PREPARING, "calibration"):
+                scales.append(calibrated_scales(prepared, o, run.folder, run.calibration))
         return scales[0][0]
 
     exporter = prepared.exporter(scales_for("trials"), cfg)
-    scorer, data_name = error_scorer(prepared, o, run.profile, exporter, run.validation,
-                                     run.calibration, run.backend)
+    with step(PREPARING, "error scorer"):
+        scorer, data_name = error_scorer(prepared, o, run.profile, exporter, run.validation,
+                                         run.calibration, run.backend)
     plans = PlanMeasurer(run.measurer, record.measured, scorer, record.errors,
                          regions=prepared.graph if cfg.subgraph_screen else None,
                          audit=cfg.subgraph_screen_audit)
     calibrated = (exporter if run.settings.scales == "calibrated"
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
+    with step(PREPARING, "bias correction"):
+        corrected = _bias_corrected(o, prepared, calibrated, run.calibration, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
-                  corrected=_bias_corrected(o, prepared, calibrated, run.calibration, scorer),
-                  confidence=o.accuracy_confidence)
-    guard.measure_floor()
+                  corrected=corrected, confidence=o.accuracy_confidence)
+    with step(PREPARING, "noise floor"):
+        guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
 

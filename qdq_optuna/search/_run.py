@@ -65,6 +65,7 @@ from qdq_optuna.search._prepare import OpenedRun, PreparedRun
 from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
+from qdq_optuna.wall_time import WallTime
 
 log = logging.getLogger("qdq_optuna")
 
@@ -92,6 +93,8 @@ class Tuner:
         self.measurer, self.settings = run.measurer, run.settings
         self.run_id, self.storage_url = run.run_id, run.storage_url
         self.started = time.monotonic()
+        #: where the wall time went, phase by phase (preparing's steps already in)
+        self.wall = run.wall
         self.fingerprint_digest: str | None = None
         self.record: RunRecord | None = None  # these four once the run is open
         self.search_state: Search | None = None
@@ -172,6 +175,8 @@ class Tuner:
     def search(self) -> SearchOutcome:
         """Baseline, starts, descent and the conclusion: what ships, measured."""
         search = self.search_state
+        search.wall = self.wall
+        self.wall.lap("preparing")
         self._say_resuming()
         search.baseline_ms = self._measure_baseline(search)
         self._mark("baseline")
@@ -246,7 +251,8 @@ class Tuner:
     def _starts(self, search: Search) -> AgreedStarts:
         keep = self.folder.recipe_file(self.profile.name) if self.profile.has_recipe_file \
             else None
-        recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep)
+        recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
+                         wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
                            seeds=self._seed_starts, worker=self.o.worker,
                            baseline=self.baseline_source()[0]).run()
@@ -286,6 +292,7 @@ class Tuner:
 
     def _mark(self, phase: str) -> None:
         self.elapsed[phase] = round(time.monotonic() - self.started, 1)
+        self.wall.lap(phase)
 
     # -- finish ----------------------------------------------------------------------------
     def _conclude(self, partial: bool) -> SearchOutcome:
@@ -341,7 +348,7 @@ class Tuner:
             rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
-            elapsed=dict(self.elapsed), **read_what_ran(self.profile, self.backend, final_bytes))
+            elapsed=dict(self.elapsed), wall_time=self.wall, **read_what_ran(self.profile, self.backend, final_bytes))
 
     def _in_time(self) -> bool:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
@@ -481,12 +488,15 @@ def run_recipe_file(tuner: Tuner) -> RecipeFile:
 
 
 def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,
-                 keep: Path | None = None):
+                 keep: Path | None = None, wall: WallTime | None = None):
     """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: where
-    its own file is written as the tool wrote it."""
+    its own file is written as the tool wrote it; ``wall``: its time is the starts' "recipe"
+    step."""
     try:
-        return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
-                                    data=calibration[0] if calibration else None, keep=keep)
+        with (wall or WallTime()).step("starts", "recipe"):
+            return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
+                                        data=calibration[0] if calibration else None,
+                                        keep=keep)
     except ToolError as exc:  # the quantizer refused this model: no recipe start
         log.warning("%s; starting without the recipe", exc)
         return None

@@ -106,10 +106,13 @@ class StartsPhase:
         spent = self.s.plans.by_phase["starts"]
         cands = self.candidates()
         progress.stage("starts", len(cands))
+        step = self.s.wall.step
         self._together(cands)
         rows = [self._measured(start) for start in cands]
-        rows += self._repairs(cands, rows)
-        chosen_start = self._choose(rows)
+        with step("starts", "repair"):
+            rows += self._repairs(cands, rows)
+        with step("starts", "choice A/Bs"):
+            chosen_start = self._choose(rows)
         lanes = self._lanes(rows, chosen_start)
         chosen = lanes[MAIN_LANE]  # the start of the standing model
         rows = [replace(r, chosen=r.name == chosen,
@@ -129,10 +132,12 @@ class StartsPhase:
         s = self.s
         if self.baseline is None or s.plans.deterministic or not s.baseline_ms:
             return
-        plans = [self._plan(self._schemes(start), start.pinned) for start in cands]
+        with s.wall.step("starts", "export"):
+            plans = [self._plan(self._schemes(start), start.pinned) for start in cands]
+            items = [(p.key, s.exporter.source(p), len(p)) for p in plans]
         try:
-            s.plans.measure_together(self.baseline, s.baseline_ms, [
-                (p.key, s.exporter.source(p), len(p)) for p in plans], "starts")
+            with s.wall.step("starts", "timing"):
+                s.plans.measure_together(self.baseline, s.baseline_ms, items, "starts")
         except BackendError as exc:
             log.info("the starts could not be timed together (%s): one by one", exc)
 
@@ -297,20 +302,24 @@ class StartsPhase:
         return self._plan(row.schemes, row.pinned)
 
     def _measure(self, start: Start) -> StartOutcome:
-        s = self.s
-        schemes = self._schemes(start)
-        plan = self._plan(schemes, start.pinned)
+        s, step = self.s, self.s.wall.step
+        with step("starts", "export"):
+            schemes = self._schemes(start)
+            plan = self._plan(schemes, start.pinned)
+            source = s.exporter.source(plan)
         row = StartOutcome(name=start.name, schemes=schemes, points_on=start.on(),
                            notes=list(start.notes), exact=start.exact, qdq=len(plan),
                            plan_key=plan.key, pinned=tuple(sorted(start.pinned)))
         try:
-            ms, _ = s.plans.measure(s.exporter.source(plan), plan.key, "starts", qdq=len(plan))
+            with step("starts", "timing"):
+                ms, _ = s.plans.measure(source, plan.key, "starts", qdq=len(plan))
         except BackendError as exc:
             log.warning("start %s: the backend failed on it (%s)", start.name, exc)
             return replace(row, failure=str(exc)[:500])
         if s.guard is None:
             return replace(row, latency_ms=ms, feasible=True)
-        error = s.guard.error(plan)["error"]
+        with step("starts", "accuracy"):
+            error = s.guard.error(plan)["error"]
         return replace(row, latency_ms=ms, error=error, feasible=error <= s.guard.bound)
 
     def _choose(self, rows: list[StartOutcome]) -> str:

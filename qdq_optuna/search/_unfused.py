@@ -48,6 +48,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext as _nothing
 
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.kernels import KernelCache, KernelTable, kernel_cache, units, with_shapes
@@ -106,21 +107,49 @@ class Unfused:
         return self.read[plan.key]
 
     def _read(self, exporter, plan) -> WhatRan | None:
+        step = getattr(self.s, "wall", None)
         try:
-            model = exporter.to_bytes(plan)
-            what = self.backend.what_ran(model)
+            with step.step("descent", "what ran") if step else _nothing():
+                model = exporter.to_bytes(plan)
+                what = self.backend.what_ran(model)
         except Exception as exc:  # a report is an optimisation: never the run's failure
             log.info("what the runtime ran could not be read (%s): nothing is pruned", exc)
             return None
         self.reads += 1
         left = getattr(self.s, "remaining", lambda: None)()
         if what is not None and self.evidence and (left is None or left > 0):  # time left
-            self._time_kernels(exporter, model, what)
+            with step.step("descent", "kernel timing") if step else _nothing():
+                self._time_kernels(exporter, model, what)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
                      "%d reformats", what.how, len(what.fused), len(what.standalone),
                      len(what.float_nodes), len(what.reformats))
         return what
+
+    def standing_integer(self, schemes: dict[str, dict[str, int]], lane: str | None = None
+                         ) -> set[str] | None:
+        """The nodes the standing model at ``schemes`` sets up as integer kernels (None:
+        no kernel table yet, or not readable)."""
+        if self.kernels is None:
+            return None
+        exporter = self.s.exporter
+        plan = exporter.plan(self.s.record.uses(schemes, self.s.record.pinned(lane)))
+        return integer_nodes(self.kernels, exporter.to_bytes(plan))
+
+    def pattern_sites(self, what: WhatRan | None) -> dict[str, bool]:
+        """Pattern id -> whether the runtime left something unfused in it: a standalone Q
+        or DQ or a reformat at one of its tensors, or a node of it that ran float next to
+        integer ones (what a conversion move can close)."""
+        if what is None:
+            return {}
+        g, out = self.s.prepared.graph, {}
+        for pp in self.s.prepared.tunable:
+            uses = pp.uses(pp.ids)
+            tensors = {u[0] for u in uses}
+            nodes = {g.nodes[u[1]].name for u in uses if 0 <= u[1] < len(g.nodes)}
+            out[pp.pattern.id] = bool(tensors & (what.standalone | what.reformats)
+                                      or nodes & what.float_nodes)
+        return out
 
     def _time_kernels(self, exporter, model: bytes, what: WhatRan) -> None:
         """Time the standing model's integer kernels not timed yet (those that ran float in
@@ -312,20 +341,28 @@ KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
                   "tie": "removal measured (no difference resolved)"}
 
 
-def kernel_table_entry(table: KernelTable, model: bytes | None) -> dict:
+def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
+    """The nodes ``model`` (its bytes) sets up as integer kernels (None: not readable)."""
+    if not isinstance(model, bytes):
+        return None
+    import onnx
+
+    try:
+        return {u.node for u in units(with_shapes(onnx.load_from_string(model)),
+                                      table.output_q)}
+    except Exception:  # the table still ships without the column
+        return None
+
+
+def kernel_table_entry(table: KernelTable, model: bytes | None,
+                       placed: set[str] | None = None) -> dict:
     """The kernel table for the report: per node, integer and float ms on this machine, the
     ratio float/integer with its interval, what the search did, and how the shipped model
-    placed the node (``integer``: set up as an integer kernel, else ``float``)."""
+    placed the node (``integer``: set up as an integer kernel, else ``float``; ``placed``:
+    those nodes, when read already)."""
     out = table.to_dict()
-    placed = None
-    if isinstance(model, bytes):
-        import onnx
-
-        try:
-            placed = {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                            table.output_q)}
-        except Exception:  # the table still ships without the column
-            placed = None
+    if placed is None:
+        placed = integer_nodes(table, model)
     for row in out["kernels"]:
         row["action"] = KERNEL_ACTIONS[row["decision"]]
         if placed is not None:

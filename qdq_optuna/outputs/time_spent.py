@@ -1,0 +1,81 @@
+"""report.md's "Where the time went": each phase's wall time (report.json ``wall_time``)
+next to what it decided, read from the report's own keys (the starts, the descent, the recipe
+file, the final A/B), so a phase that spent minutes and decided nothing shows as such."""
+
+from __future__ import annotations
+
+#: the phases in the order a run passes them, and how the table names them
+PHASE_NAMES = {"preparing": "preparing", "baseline": "baseline", "starts": "starts",
+               "descent": "descent", "lanes": "which lane ships", "guard": "accuracy guard",
+               "recipe_file": "recipe file A/B", "final": "final A/B", "finish": "finish"}
+
+
+def _f(x, fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def decided(phase: str, r: dict) -> str:
+    """What ``phase`` decided, in words, from report.json ``r``."""
+    if phase == "preparing":
+        return f"{len(r.get('patterns') or [])} patterns to tune"
+    if phase == "baseline":
+        return f"baseline {_f(r.get('in_search_baseline_latency_ms'), '{:.4g}')} ms"
+    if phase == "starts":
+        starts = r.get("starts") or []
+        chosen = next((s["name"] for s in starts if s.get("chosen")), "float")
+        measured = sum(1 for s in starts if s.get("latency_ms") is not None)
+        return f"{measured} measured, best = {chosen}"
+    if phase == "descent":
+        return _descent(r)
+    if phase == "lanes":
+        return f"ships lane {(r.get('descent') or {}).get('shipped', 'main')}"
+    if phase == "recipe_file":
+        rf = r.get("recipe_file") or {}
+        if not rf:
+            return "no recipe file"
+        if rf.get("failure"):
+            return "not measured"
+        return "the recipe file ships" if rf.get("shipped") else "the tuned model ships"
+    if phase == "final":
+        return f"speedup {_f(r.get('speedup'))}x"
+    return ""
+
+
+def _descent(r: dict) -> str:
+    lanes = (r.get("descent") or {}).get("lanes") or {}
+    if not lanes:
+        return "not run"
+    visits = sum(v["visits"] for v in lanes.values())
+    commits = sum(v["changed"] for v in lanes.values())
+    gain = max((v["gain"] for v in lanes.values()), default=1.0)
+    skips = r.get("descent_skipped") or []
+    noise = sum(1 for s in skips if "within noise" in s["reason"])
+    text = (f"{visits} visits, {commits} commit{'s' if commits != 1 else ''}, "
+            f"gain {gain:.3f}x")
+    if len(skips) > noise:
+        text += f"; {len(skips) - noise} skipped by the runtime's report"
+    if noise:
+        text += f"; {noise} skipped: gap within noise"
+    return text
+
+
+def time_spent_lines(r: dict) -> list[str]:
+    """The "Where the time went" table (nothing when the report has no ``wall_time``)."""
+    wall = r.get("wall_time") or {}
+    if not wall:
+        return []
+    total = sum(p["seconds"] for p in wall.values())
+    lines = ["## Where the time went", "",
+             f"{total:.0f} s in all (wall time of this process; sessions: fresh timing "
+             "sessions created, with their creation and timed-run seconds).", "",
+             "| phase | seconds | sessions | what it decided | steps |",
+             "|---|---|---|---|---|"]
+    for phase, p in wall.items():
+        t = p.get("timing") or {}
+        sessions = (f"{t['loads']} ({_f(t.get('load_s'), '{:.1f}')} s + "
+                    f"{_f(t.get('timing_s'), '{:.1f}')} s)" if t.get("loads") else "—")
+        steps = ", ".join(f"{k} {v:.1f} s" for k, v in (p.get("steps") or {}).items()
+                          if v >= 0.05)
+        lines.append(f"| {PHASE_NAMES.get(phase, phase)} | {p['seconds']:.1f} | {sessions} | "
+                     f"{decided(phase, r) or '—'} | {steps or '—'} |")
+    return lines + [""]
