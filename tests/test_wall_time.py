@@ -21,6 +21,7 @@ def test_nested_steps_count_once_and_laps_split_the_counters():
     steps = d["starts"]["steps"]
     # a loaded machine only lengthens a sleep: the lower bounds are what is checked
     assert 0.09 <= steps["timing"] < 1.0 and 0.04 <= steps["repair"] < steps["timing"] + 0.5
-    assert sum(steps.values()) <= d["starts"]["seconds"]
+    # each figure is rounded on its own: the sum may pass the rounded total by a rounding step each
+    assert sum(steps.values()) <= d["starts"]["seconds"] + 0.005 * (len(steps) + 1)
     assert d["starts"]["timing"]["loads"] == 3 and d["descent"]["timing"]["loads"] == 2
     assert list(d) == ["starts", "descent"]
