@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import onnx
 
+from qdq_optuna.backends import DEFAULT_BACKEND
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError, interrupted_by
@@ -48,7 +49,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, output_dir: str | os.PathLi
         raise OptionError("tune: pass backend= or benchmark= (the same thing), not both")
     chosen = backend if backend is not None else benchmark
     return run(TuneOptions(model=model_argument(model), output_dir=str(output_dir),
-                           backend=chosen if chosen is not None else "onnxruntime",
+                           backend=chosen if chosen is not None else DEFAULT_BACKEND,
                            config=_config(config, mode), **options))
 
 

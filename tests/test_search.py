@@ -554,13 +554,13 @@ def test_a_recipe_the_quantizer_refuses_is_skipped_as_a_start(residual, tmp_path
     import logging
 
     from qdq_optuna.errors import ToolError
-    from qdq_optuna.placement import starts
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
     def refuses(*args, **kwargs):
         raise ToolError("ONNX Runtime's recipe (quant_pre_process + quantize_static) failed on "
                         "this model: ValueError: no scale")
 
-    monkeypatch.setattr(starts, "ort_recipe_start", refuses)
+    monkeypatch.setattr(ort_runtime, "ort_recipe_start", refuses)
     with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
         result = tune(residual, tmp_path / "r", benchmark=deterministic(fns.rewards_groups),
                       runtime="onnxruntime", config=Config(schemes_per_region=4),

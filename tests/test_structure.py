@@ -324,6 +324,161 @@ def test_the_runtime_check_finds_a_comparison(tmp_path):
         "qdq_optuna/m.py:2: rules.name in ('tensorrt', 'x')"]
 
 
+#: the tools only a runtime's profile or backend imports (its quantizer, its engine);
+#: ONNX Runtime is not among them: it scores every candidate, whatever the runtime
+RUNTIME_TOOLS = frozenset({"nncf", "modelopt"})
+#: where a runtime's name may be written
+RUNTIME_HOMES = ("qdq_optuna/runtimes/", "qdq_optuna/backends/")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _defined_names(node: ast.AST) -> list[str]:
+    """The names ``node`` defines: a function, class, argument, keyword or assigned name."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.arg, ast.keyword)):
+        return [node.arg] if node.arg else []
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return [node.id]
+    return []
+
+
+def _runtime_names_in(tree: ast.AST, names: set[str]) -> list[str]:
+    """Where a runtime's name is written in code (prose aside: docstrings, comments): a string
+    naming it, an import of its own tool, a name defined after it."""
+    tools = (names - {"onnxruntime"}) | RUNTIME_TOOLS
+    skip, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in skip and node.value in names | RUNTIME_TOOLS:
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if not node.level else [])
+            found += [f"{node.lineno}: import {m}" for m in modules if m.split(".")[0] in tools]
+        found += [f"{node.lineno}: {n}" for n in _defined_names(node)
+                  if any(name in n.lower() for name in names | RUNTIME_TOOLS)]
+    return sorted(set(found), key=lambda h: (int(h.split(":")[0]), h))
+
+
+def _runtime_names_outside(root: Path) -> list[str]:
+    from qdq_optuna.runtimes import RUNTIME_NAMES
+
+    found = []
+    for path in sorted((root / "qdq_optuna").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if not rel.startswith(RUNTIME_HOMES):
+            found += [f"{rel}:{hit}" for hit in _runtime_names_in(
+                ast.parse(path.read_text(encoding="utf-8")), set(RUNTIME_NAMES))]
+    return found
+
+
+def test_a_runtimes_name_is_written_only_in_its_profile_and_backend():
+    """A runtime lives in one place: its profile (``runtimes/``) and its backend
+    (``backends/``). Elsewhere in the package no string names it, no module imports its tool
+    and no function, argument or variable is named after it."""
+    assert _runtime_names_outside(REPO) == []
+
+
+def test_the_runtime_name_check_finds_each_form(tmp_path):
+    (tmp_path / "qdq_optuna" / "runtimes").mkdir(parents=True)
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        '"""Runs NNCF\'s recipe for openvino."""\nimport nncf\nimport onnxruntime\n'
+        'from openvino import Core\nbackend = "onnxruntime"\nRULES = {"tensorrt": 1}\n'
+        'def nncf_recipe(model, openvino=False):\n    """openvino"""  # tensorrt\n'
+        'TENSORRT_OPS = {"Conv"}\nscored(openvino=True)\nx = "fp16"\n')
+    (tmp_path / "qdq_optuna" / "runtimes" / "openvino.py").write_text('import nncf\nx = "openvino"\n')
+    assert _runtime_names_outside(tmp_path) == [
+        "qdq_optuna/m.py:2: import nncf", "qdq_optuna/m.py:4: import openvino",
+        "qdq_optuna/m.py:5: 'onnxruntime'", "qdq_optuna/m.py:6: 'tensorrt'",
+        "qdq_optuna/m.py:7: nncf_recipe", "qdq_optuna/m.py:7: openvino",
+        "qdq_optuna/m.py:9: TENSORRT_OPS", "qdq_optuna/m.py:10: openvino"]
+
+
+#: the number words docs/architecture.md may use for the files a new runtime touches
+_NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def _files_a_runtime_touches_per_the_docs() -> int:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    found = re.search(r"A new runtime touches (\w+) files", text)
+    assert found, "docs/architecture.md no longer says how many files a new runtime touches"
+    return _NUMBERS[found.group(1)]
+
+
+def test_a_new_runtime_is_the_files_the_architecture_page_counts(tmp_path, monkeypatch):
+    """A toy runtime, made here as the files a new runtime adds or edits (its backend module,
+    its backend-table row, its profile module), tunes a model end to end: its rules place the
+    Q/DQ, its recipe is a start, its words say how the guard scored. Anything else a runtime
+    needed (a second registry, a name-keyed table) would fail the run, and docs/architecture.md
+    states the count this test makes."""
+    import sys
+    import types
+
+    import qdq_optuna
+    from qdq_optuna import backends
+    from qdq_optuna.backends.costmodel import CostModelBackend
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.placement import starts
+    from qdq_optuna.placement.rules import RuntimeRules
+    from qdq_optuna.runtimes import Runtime, profile_for
+
+    touched: set[str] = set()
+
+    def add_module(name: str, **members) -> None:
+        module = types.ModuleType(name)
+        module.__dict__.update(members)
+        monkeypatch.setitem(sys.modules, name, module)
+        touched.add(name.replace(".", "/") + ".py")
+
+    class ToyBackend(CostModelBackend):
+        name = "toy"
+
+    class Toy(Runtime):
+        name = "toy"
+        rules = RuntimeRules(name="toy", default_quant_type="int8", quant_types=("int8",),
+                             fusion_group_ops=frozenset({"Conv", "Gemm", "MatMul"}))
+        default_scales = "default"
+
+        def recipe_start(self, pm, model, *, input_shapes=None, data=None, keep=None):
+            everything = starts.all_on_start(pm)
+            return starts.start_from_uses(pm, "recipe:toy", everything.uses)
+
+        def scored_as(self, bf16, fused, runner):
+            return "the toy runtime's own words"
+
+    add_module("qdq_optuna.backends.toy", ToyBackend=ToyBackend)
+    monkeypatch.setitem(backends.BACKENDS, "toy", backends.BackendSpec(
+        "qdq_optuna.backends.toy", "ToyBackend", "toy", None))
+    touched.add(Path(backends.__file__).relative_to(REPO).as_posix())
+    add_module("qdq_optuna.runtimes.toy", PROFILE=Toy())
+
+    assert profile_for("toy").rules.name == "toy"
+    result = qdq_optuna.tune(zoo.build("tiny_residual"), tmp_path / "out", backend="toy",
+                             seed=0, progress=False,
+                             config=qdq_optuna.Config(schemes_per_region=4))
+    report = result.report
+    assert report["runtime"] == "toy" and report["complete"]
+    assert "recipe:toy" in [s["name"] for s in report["starts"]]
+    assert report["accuracy"]["scored_as"] == "the toy runtime's own words"
+    assert sorted(touched) == ["qdq_optuna/backends/__init__.py", "qdq_optuna/backends/toy.py",
+                               "qdq_optuna/runtimes/toy.py"]
+    assert len(touched) == _files_a_runtime_touches_per_the_docs()
+
+
+def test_the_file_count_is_read_from_the_architecture_page():
+    """The companion: the count the toy runtime is held to is the page's, and a page that
+    claimed fewer files than the toy runtime needs would fail the test above."""
+    assert _files_a_runtime_touches_per_the_docs() == 3
+    assert _NUMBERS["two"] < 3
+
+
 # -- quant types: one QuantType, compared as members ---------------------------------------------
 def _quant_type_comparisons(root: Path) -> list[str]:
     from qdq_optuna.model.calibration import QUANT_TYPES

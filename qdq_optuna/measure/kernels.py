@@ -33,11 +33,9 @@ import onnx
 from onnx import helper
 
 from qdq_optuna._files import atomic_write_bytes
-from qdq_optuna.backends import runtime_for_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
-from qdq_optuna.placement.rules import RULES
 
 log = logging.getLogger("qdq_optuna")
 
@@ -337,18 +335,16 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
-                 output_q: bool | None = None, deadline: float | None = None) -> KernelTable:
+                 output_q: bool, deadline: float | None = None) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
     A unit that cannot be cut or run is left out (logged), never the run's failure.
-    ``output_q`` (see :func:`units`) follows the backend's rules: an integer kernel that
-    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``).
+    ``output_q`` (see :func:`units`) follows the runtime's rules: an integer kernel that
+    writes integer needs a Q on its output (``RuntimeRules.output_quantized_ops``; the
+    profile's ``kernel_timing`` passes it).
     Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
     Inception v1's 57 uncached units once took minutes after the run's time was up."""
-    if output_q is None:
-        rules = RULES.get(runtime_for_backend(getattr(backend, "name", "")) or "")
-        output_q = bool(rules is not None and rules.output_quantized_ops)
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend
+from qdq_optuna.backends import BACKEND_HELP, BACKENDS, DEFAULT_BACKEND, make_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.what_ran import WhatRan
@@ -22,11 +22,11 @@ from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search.objectives import (
     check_error_options,
     check_metric_drop,
@@ -79,7 +79,7 @@ class TuneOptions:
         help="output folder, also holds the studies (default ./qdq_optuna_output)")
     #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
     backend: str | Backend | Callable = option(
-        "onnxruntime", group="measurement", short="-b", help=BACKEND_HELP)
+        DEFAULT_BACKEND, group="measurement", short="-b", help=BACKEND_HELP)
     runtime: str | None = option(
         None, group="model", choices=RUNTIME_NAMES,
         help="whose fusion rules place the Q/DQ (default: follows --backend; a --backend "

@@ -31,7 +31,6 @@ from qdq_optuna.config import Config
 from qdq_optuna.measure.accuracy import AccuracyError
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
 from qdq_optuna.record import (
     Decision,
@@ -44,6 +43,7 @@ from qdq_optuna.record import (
     note_scheme,
     pattern_attrs,
 )
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._moves import VisitMoves

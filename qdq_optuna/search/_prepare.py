@@ -31,12 +31,12 @@ from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.seeds import PatternCache, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._options import (
     Settings,

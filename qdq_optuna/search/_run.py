@@ -39,7 +39,6 @@ from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed
 from qdq_optuna.record import (
@@ -50,6 +49,7 @@ from qdq_optuna.record import (
     write_state,
 )
 from qdq_optuna.runtimes import Runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import check_default_session
@@ -310,9 +310,11 @@ class Tuner:
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
+        evaluator = plans.scorer.evaluator
         accuracy = shipped_accuracy(guard.report_keys(
-            verdict, bound_given=self.o.max_output_error is not None, bf16=plans.scorer.bf16),
-            recipe_file)
+            verdict, bound_given=self.o.max_output_error is not None,
+            scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
+                                             evaluator.runner)), recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
         if guard.corrected is not None:  # what ships: the recipe file, or no Q/DQ, has none

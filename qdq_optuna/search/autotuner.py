@@ -21,11 +21,11 @@ from optuna.trial import TrialState
 from qdq_optuna.config import Config
 from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace, combine
 from qdq_optuna.record import PatternAttr, RunRecord, TrialAttr
 from qdq_optuna.record.storage import quiet_optuna
-from qdq_optuna.runtimes import profile_for
+from qdq_optuna.runtimes import DEFAULT_RUNTIME, profile_for
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._options import Settings
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
@@ -55,7 +55,7 @@ class Autotuner:
         self,
         model: str | os.PathLike | onnx.ModelProto,
         *,
-        runtime: str = "onnxruntime",
+        runtime: str = DEFAULT_RUNTIME,
         quant_type: str | None = None,
         input_shapes: str | None = None,
         config: Config | None = None,
