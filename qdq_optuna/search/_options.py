@@ -33,7 +33,7 @@ from qdq_optuna.search.objectives import (
     check_sampler,
     parse_objectives,
 )
-from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+from qdq_optuna.search.samplers import SAMPLERS, SamplerArg, sampler_name, takes_categorical
 
 if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
     from qdq_optuna.measure.timing import Comparison
@@ -94,7 +94,9 @@ class TuneOptions:
     config: Config = option(default_factory=Config, group=None,
                             help="search settings (the CLI: --config FILE.yaml and the flags "
                                  "of the search group)")
-    sampler: str = option(
+    #: a ``--sampler`` name, an ``optuna.samplers.BaseSampler`` (each pattern's study gets a
+    #: copy) or ``fn(seed) -> sampler``
+    sampler: SamplerArg = option(
         "qdq", group="search", short="-s", metavar="NAME", choices=SAMPLERS,
         help="qdq: ours, a visit (one pattern's study in one descent round) ends when its "
              "moves are done (default); tpe, cmaes, random, gp (needs torch), nsga2, "
@@ -406,7 +408,7 @@ class Settings:
                                   "--validation-data, --metric): errors need calibrated scales")
             scales = "calibrated"
         space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
-                            categorical=options.sampler in CATEGORICAL_SAMPLERS)
+                            categorical=takes_categorical(options.sampler))
         check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
                       constrained=constrained)
         # two objectives: one pass from float (the report's Pareto chain is built from one
@@ -431,7 +433,7 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         "quant_type": prepared.quant_type,
         "input_shapes": str(InputShapes.parse(o.input_shapes)),
         "config": o.config.search_relevant(),
-        "sampler": o.sampler,
+        "sampler": sampler_name(o.sampler),
         "seed": o.seed,
         "timing": o.timing,
         "scales": settings.scales,

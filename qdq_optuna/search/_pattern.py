@@ -51,7 +51,7 @@ from qdq_optuna.search._options import Settings
 from qdq_optuna.search._plans import PlanMeasurer, Reference
 from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
-from qdq_optuna.search.samplers import make_sampler
+from qdq_optuna.search.samplers import SamplerArg, is_ours, make_sampler
 
 #: two objectives: Pareto points whose latency is within this factor of the fastest count as
 #: equally fast (the most accurate of them is committed), or within the threshold when higher
@@ -82,7 +82,7 @@ class Search:
     config: Config
     record: RunRecord
     rule: CommitRule
-    sampler: str = "qdq"
+    sampler: SamplerArg = "qdq"
     seed: int | None = 0
     plans: PlanMeasurer | None = None
     workers: Workers | None = None
@@ -159,7 +159,7 @@ class PatternStudy:
 
     @property
     def ours(self) -> bool:
-        return self.s.sampler == "qdq"
+        return is_ours(self.s.sampler)
 
     def open(self) -> bool:
         """Create (or load) the study, describe it and queue its seeds; False when it was

@@ -63,6 +63,7 @@ from qdq_optuna.search._prepare import OpenedRun, PreparedRun
 from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
+from qdq_optuna.search.samplers import is_ours, sampler_name
 
 log = logging.getLogger("qdq_optuna")
 
@@ -264,7 +265,7 @@ class Tuner:
         classic recipe (ours)."""
         space = self.settings.space
         seeds = []
-        if self.o.sampler != "qdq":
+        if not is_ours(self.o.sampler):
             seeds.append(Seed(space.seed(dict.fromkeys(pp.ids, 0))))
         if self.cache is not None:
             seeds += [Seed(space.seed(s)) for s in self.cache.seeds_for(pp)]
@@ -272,7 +273,7 @@ class Tuner:
             s = baseline_seed(pp, self.baseline_q)
             if s is not None:
                 seeds.append(Seed(space.seed(s)))
-        if self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after user seeds
+        if is_ours(self.o.sampler) and self.cfg.seed_compute_inputs:  # after user seeds
             compute = compute_inputs_scheme(pp)
             if compute is not None:
                 seeds.append(Seed(space.seed(compute)))
@@ -398,7 +399,7 @@ class Tuner:
         return {"model": self.prepared.source, "output": str(self.out), "run_id": self.run_id,
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
-                "sampler": self.o.sampler, "timing": self.o.timing,
+                "sampler": sampler_name(self.o.sampler), "timing": self.o.timing,
                 "scales": self.settings.scales, "reader_clipped_ranges": self._reader_clipped,
                 "high_precision": high_precision_summary(self.prepared)}
 

@@ -29,6 +29,7 @@ from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._options import Settings
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
+from qdq_optuna.search.samplers import SamplerArg
 
 
 class Autotuner:
@@ -59,7 +60,7 @@ class Autotuner:
         quant_type: str | None = None,
         input_shapes: str | None = None,
         config: Config | None = None,
-        sampler: str = "qdq",
+        sampler: SamplerArg = "qdq",
         storage: str | optuna.storages.BaseStorage | None = None,
         seed: int | None = 0,
         run_id: str = "autotuner",
