@@ -312,8 +312,8 @@ def test_openvino_units_read_integer_and_write_float_and_are_timed():
     assert units
     int_model = onnx.load_from_string(K.unit_models(units[0], shaped, K.with_shapes(flt))[0])
     assert int_model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-    table = K.kernel_table(OpenVinoBackend(), flt, qdq, skip=[u.node for u in units[1:]], output_q=False,
-                           protocol=QUICK)
+    table = K.kernel_table(OpenVinoBackend(), flt, qdq, skip=[u.node for u in units[1:]],
+                           output_q=False, protocol=QUICK)
     assert not table.output_q and set(table.timings) == {units[0].node}
     t = table.timings[units[0].node]
     assert math.isfinite(t.int_ms) and math.isfinite(t.float_ms) and t.int_ms > 0

@@ -393,7 +393,8 @@ def test_the_runtime_name_check_finds_each_form(tmp_path):
         'from openvino import Core\nbackend = "onnxruntime"\nRULES = {"tensorrt": 1}\n'
         'def nncf_recipe(model, openvino=False):\n    """openvino"""  # tensorrt\n'
         'TENSORRT_OPS = {"Conv"}\nscored(openvino=True)\nx = "fp16"\n')
-    (tmp_path / "qdq_optuna" / "runtimes" / "openvino.py").write_text('import nncf\nx = "openvino"\n')
+    (tmp_path / "qdq_optuna" / "runtimes" / "openvino.py").write_text(
+        'import nncf\nx = "openvino"\n')
     assert _runtime_names_outside(tmp_path) == [
         "qdq_optuna/m.py:2: import nncf", "qdq_optuna/m.py:4: import openvino",
         "qdq_optuna/m.py:5: 'onnxruntime'", "qdq_optuna/m.py:6: 'tensorrt'",
@@ -504,6 +505,65 @@ def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
         'a = qtype == "fp8"\nb = q in ("uint8", "int8")\nc = q == QuantType.FP8\n')
     assert _quant_type_comparisons(tmp_path) == [
         "qdq_optuna/m.py:1: qtype == 'fp8'", "qdq_optuna/m.py:2: q in ('uint8', 'int8')"]
+
+
+# -- closed choices: enums, not strings ---------------------------------------------------------
+#: comparisons against a string literal in the package (an ONNX op type, a closed choice of
+#: ours, ...): our closed choices are ``(str, Enum)`` members (``Scales``, ``SevenBitWeights``,
+#: ``BiasMode``, ``Until``, ``QuantType``), compared by identity. This count may only go down:
+#: lower it when a change turns more of them into members
+STRING_COMPARISONS_AT_MOST = 300
+
+
+def _string_comparisons(root: Path) -> list[str]:
+    """``x == "a"``, ``x != "a"``, ``x in ("a", "b")``: every comparison of a value with a
+    string literal in ``root``'s package."""
+    found = []
+    for path in sorted((root / "qdq_optuna").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) \
+                    and any(_named_strings(x) for x in (node.left, *node.comparators)):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_string_comparisons_only_go_down():
+    """A closed choice is an enum: its members are compared, its strings are parsed once (the
+    command line still takes the same words)."""
+    found = _string_comparisons(REPO)
+    assert len(found) <= STRING_COMPARISONS_AT_MOST, (
+        f"{len(found)} comparisons against a string literal, over {STRING_COMPARISONS_AT_MOST}: "
+        "make the new closed choice an enum")
+
+
+def test_the_string_comparison_count_finds_each_form(tmp_path):
+    (tmp_path / "qdq_optuna").mkdir()
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        'a = mode == "sequential"\nb = x in ("all", "first")\nc = "x" != y\n'
+        'd = mode is BiasMode.JOINT\ne = x == 1\nf = "a" + b\n')
+    assert _string_comparisons(tmp_path) == ["qdq_optuna/m.py:1", "qdq_optuna/m.py:2",
+                                             "qdq_optuna/m.py:3"]
+
+
+def test_closed_choices_take_the_command_lines_words():
+    """The enums take the words the command line and earlier callers use, and refuse others
+    in one line naming the option."""
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.bias import MODES, BiasMode
+    from qdq_optuna.measure.timing import Until
+    from qdq_optuna.placement.export import Scales
+    from qdq_optuna.placement.rules import SevenBitWeights
+    from qdq_optuna.search import TuneOptions
+
+    assert Scales.parse("default") is Scales.DEFAULT and Until("precision") is Until.PRECISION
+    assert BiasMode("joint") is BiasMode.JOINT and MODES == tuple(BiasMode)
+    assert SevenBitWeights("") is SevenBitWeights.NONE
+    options = TuneOptions(model="m.onnx", output_dir="out", scales="calibrated")
+    assert options.scales is Scales.CALIBRATED
+    with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose auto, "
+                                          r"default, calibrated\)$"):
+        TuneOptions(model="m.onnx", output_dir="out", scales="calibrate")
 
 
 # -- the run folder: one owner of a run's file names and writes -----------------------------------

@@ -35,7 +35,7 @@ from onnx import helper
 from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.machine import current_cpu
-from qdq_optuna.measure.timing import Measurer, TimingProtocol
+from qdq_optuna.measure.timing import Measurer, TimingProtocol, Until
 
 log = logging.getLogger("qdq_optuna")
 
@@ -325,7 +325,7 @@ def runtime_of(backend: Backend) -> dict:
 def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
               float_model: bytes) -> KernelTiming:
     """One unit's integer model against its float model, interleaved."""
-    c = measurer.compare(float_model, int_model, until="precision")
+    c = measurer.compare(float_model, int_model, until=Until.PRECISION)
     return KernelTiming(unit.signature, unit.op, round(c.reference.score_ms, 6),
                         round(c.candidate.score_ms, 6), round(c.ratio, 6),
                         round(c.ci_low, 6), round(c.ci_high, 6), c.rounds)
@@ -470,7 +470,7 @@ def time_region(measurer: Measurer, graph, candidate: onnx.ModelProto,
     try:
         cand = region_model(with_shapes(candidate), inputs, outputs)
         ref = region_model(with_shapes(reference), inputs, outputs)
-        c = measurer.compare(cand, ref, until="verdict")
+        c = measurer.compare(cand, ref, until=Until.VERDICT)
     except Exception as exc:  # a screen is an optimisation: the whole model is measured
         log.info("region of %d node(s) not timed (%s)", len(nodes), str(exc).splitlines()[0])
         return None

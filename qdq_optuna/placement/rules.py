@@ -10,10 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
 
 ALL_SLOTS = -1
+
+
+class SevenBitWeights(str, Enum):
+    """The int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
+    and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``)."""
+
+    #: none (a GPU's kernels do not saturate)
+    NONE = ""
+    #: all of them (ONNX Runtime's ``reduce_range``)
+    ALL = "all"
+    #: the weighted ops reading the model's input (NNCF's default overflow fix for OpenVINO)
+    FIRST = "first"
 
 #: Inputs that carry shapes, indices, axes, scales or biases: never a Q/DQ site on any runtime.
 STRUCTURAL_INPUTS: Mapping[str, frozenset[int]] = {
@@ -344,11 +357,8 @@ class RuntimeRules:
     quantizable_ops: frozenset[str] | None = None
     #: extra per-use filters (name kept for reports)
     use_filters: tuple[Callable[[Graph, Use], str | None], ...] = ()
-    #: the int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
-    #: and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``): "all"
-    #: (ONNX Runtime's ``reduce_range``), "first" (the weighted ops reading the model's input:
-    #: NNCF's default overflow fix for OpenVINO), "" none (a GPU's kernels do not saturate)
-    seven_bit_weights: str = ""
+    #: the int8 weights that take 7 bits on a CPU whose u8 x s8 kernels saturate
+    seven_bit_weights: SevenBitWeights = SevenBitWeights.NONE
     #: merge-stage promotions: (graph, tensor, uncovered consumers) -> cover them too
     promotions: tuple[Callable[[Graph, str, list[tuple[int, int]]], bool], ...] = ()
     #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized

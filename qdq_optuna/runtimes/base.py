@@ -16,6 +16,7 @@ from qdq_optuna.backends import BACKENDS
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.rules import RuntimeRules
 
 
@@ -29,7 +30,7 @@ class Runtime:
     #: the float part's precision when neither ``--high-precision`` nor the backend says
     default_precision: str = "fp32"
     #: ``--scales auto``: calibrated scales inside trials, or placeholders (``default``)
-    default_scales: str = "calibrated"
+    default_scales: Scales = Scales.CALIBRATED
 
     def high_precision(self, requested: str | None, backend: str) -> str:
         """The float part's precision for ``--high-precision`` on ``backend`` (checked against

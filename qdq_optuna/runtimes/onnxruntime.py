@@ -17,7 +17,7 @@ from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
-from qdq_optuna.placement.rules import RuntimeRules, fused_activation
+from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
     Start,
     keep_recipe_file,
@@ -61,7 +61,7 @@ ONNXRUNTIME_CPU = RuntimeRules(
     constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
     table_ops=frozenset({"Gather"}),
     concat_share_ratio=CONCAT_SHARE_RATIO,  # QLinearConcat copies the bytes
-    seven_bit_weights="all",
+    seven_bit_weights=SevenBitWeights.ALL,
 )
 
 

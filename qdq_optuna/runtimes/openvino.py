@@ -17,7 +17,7 @@ from qdq_optuna.backends.base import Backend
 from qdq_optuna.errors import ToolError
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import check_precision
-from qdq_optuna.placement.rules import RuntimeRules, swish_operand
+from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, swish_operand
 from qdq_optuna.placement.starts import (
     Start,
     keep_recipe_file,
@@ -87,7 +87,7 @@ OPENVINO_CPU = RuntimeRules(
     # 16-bit pair sums overflow. mtcnn-rnet on an AVX2 CPU, same model in OpenVINO: worst
     # output cosine vs FP32 0.65 with 8-bit first-layer weights, 0.997 with 7 bits (ONNX
     # Runtime without fusions, which does not saturate, read 0.997 for both)
-    seven_bit_weights="first",
+    seven_bit_weights=SevenBitWeights.FIRST,
     use_filters=(swish_operand,),
 )
 
@@ -134,7 +134,8 @@ def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                       input_shapes: InputShapes | str | None = None,
                       keep: Path | None = None) -> Start:
     """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph; with
-    ``keep``, NNCF's own file is also written there (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
+    ``keep``, NNCF's own file is also written there
+    (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
     written = nncf_recipe_model(model, data=data, input_shapes=input_shapes)
     uses, notes, counts = read_placement(pm, written)
     if keep is not None:

@@ -15,6 +15,7 @@ import onnx
 
 from qdq_optuna.errors import ToolError
 from qdq_optuna.model.graph import Graph, Use
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.rules import (
     RuntimeRules,
     conv_add_relu_fusion,
@@ -315,7 +316,7 @@ class TensorRT(Runtime):
     #: TensorRT users deploy FP16 (the cost model and callables under its rules too)
     default_precision = "fp16"
     #: placeholder scales inside trials (``--scales auto`` under TensorRT's rules)
-    default_scales = "default"
+    default_scales = Scales.DEFAULT
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep=None):

@@ -22,6 +22,7 @@ from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
@@ -114,8 +115,8 @@ class TuneOptions:
         help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
              "fresh sessions (default); fast: one short timing per candidate and no A/B, for a "
              "quiet, dedicated machine")
-    scales: str = option(
-        "auto", group="measurement", choices=("auto", "default", "calibrated"),
+    scales: Scales | str = option(
+        Scales.AUTO.value, group="measurement", choices=tuple(m.value for m in Scales),
         help="scales used in trials (auto: calibrated for ONNX Runtime and OpenVINO, default "
              "for TensorRT); default: one placeholder scale for every tensor, which times the "
              "same where the scale does not change the kernels (TensorRT)")
@@ -228,8 +229,7 @@ class TuneOptions:
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
         parse_objectives(self.objectives)
-        if self.scales not in ("auto", "default", "calibrated"):
-            raise OptionError(f"--scales: unknown {self.scales!r} (choose auto, default, calibrated)")
+        self.scales = Scales.parse(self.scales)
         if self.timeout is not None and not self.timeout > 0:
             raise OptionError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.threads < 1:
@@ -361,8 +361,8 @@ class Settings:
 
     backend: str
     runtime: str
-    #: scales inside trials: ``calibrated`` or ``default``
-    scales: str
+    #: scales inside trials: calibrated or placeholders (never ``AUTO``: resolved)
+    scales: Scales
     objectives: tuple[str, ...]
     constrained: bool
     #: output errors are measured (any accuracy option)
@@ -393,20 +393,19 @@ class Settings:
     def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
         profile = cls.profile_of(options, backend)
         runtime = profile.name
-        scales = options.scales
-        if scales == "auto":
-            scales = profile.default_scales
+        asked = Scales.parse(options.scales)
+        scales = Scales.parse(profile.default_scales) if asked is Scales.AUTO else asked
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
         constrained = options.max_output_error is not None
         accuracy = (multi or constrained or options.validation_data is not None
                     or options.metric is not None)
         if accuracy:  # errors with placeholder scales say nothing about the real model
-            if options.scales == "default":
+            if asked is Scales.DEFAULT:
                 raise OptionError("--scales default cannot be combined with accuracy options "
                                   "(--max-output-error, --objectives latency,error, "
                                   "--validation-data, --metric): errors need calibrated scales")
-            scales = "calibrated"
+            scales = Scales.CALIBRATED
         space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
                             categorical=takes_categorical(options.sampler))
         check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
@@ -436,7 +435,7 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         "sampler": sampler_name(o.sampler),
         "seed": o.seed,
         "timing": o.timing,
-        "scales": settings.scales,
+        "scales": settings.scales.value,
         "calibration_method": o.calibration_method,
         # scales are made from the cached statistics each time: a run stored before activation
         # ranges were cut at their readers' saturation measured other scales, and must not

@@ -30,7 +30,7 @@ from qdq_optuna.measure.bias import CorrectedExports, corrected_exports
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.export import QDQExporter
+from qdq_optuna.placement.export import QDQExporter, Scales
 from qdq_optuna.placement.seeds import PatternCache, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
@@ -135,7 +135,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     scales: list[tuple[dict, int]] = []  # computed when first needed, once
 
     def scales_for(purpose: str) -> dict | None:
-        if purpose == "trials" and run.settings.scales == "default":
+        if purpose == "trials" and run.settings.scales is Scales.DEFAULT:
             return None
         if not scales:
             scales.append(calibrated_scales(prepared, o, run.folder, run.calibration))
@@ -147,7 +147,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     plans = PlanMeasurer(run.measurer, record.measured, scorer, record.errors,
                          regions=prepared.graph if cfg.subgraph_screen else None,
                          audit=cfg.subgraph_screen_audit)
-    calibrated = (exporter if run.settings.scales == "calibrated"
+    calibrated = (exporter if run.settings.scales is Scales.CALIBRATED
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,

@@ -35,9 +35,10 @@ import onnx
 
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
+from qdq_optuna.measure.timing import Until
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.export import QDQExporter, plan_uses
+from qdq_optuna.placement.export import QDQExporter, Scales, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed
@@ -305,7 +306,7 @@ class Tuner:
         self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
-               else plans.compare(final_bytes, base_bytes, "final", until="precision"))
+               else plans.compare(final_bytes, base_bytes, "final", until=Until.PRECISION))
         self._mark("final")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
@@ -400,14 +401,14 @@ class Tuner:
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
                 "sampler": sampler_name(self.o.sampler), "timing": self.o.timing,
-                "scales": self.settings.scales, "reader_clipped_ranges": self._reader_clipped,
+                "scales": self.settings.scales.value, "reader_clipped_ranges": self._reader_clipped,
                 "high_precision": high_precision_summary(self.prepared)}
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
         """Calibrated activation scales, as the run was opened with (None: the default scale
         inside trials)."""
-        if purpose == "trials" and self.settings.scales == "default":
+        if purpose == "trials" and self.settings.scales is Scales.DEFAULT:
             return None
         return self._calibrated
 

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna.config import Config
 from qdq_optuna.model.graph import Use
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import ChoiceSpace, combine
 from qdq_optuna.record import PatternAttr, RunRecord, TrialAttr
@@ -74,7 +75,7 @@ class Autotuner:
         self.exporter = self.prepared.exporter(config=self.config)
         self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()
         space = ChoiceSpace((self.prepared.quant_type,))
-        settings = Settings(backend="ask/tell", runtime=runtime, scales="default",
+        settings = Settings(backend="ask/tell", runtime=runtime, scales=Scales.DEFAULT,
                             objectives=("latency",), constrained=False, accuracy=False,
                             space=space, rounds=1)
         self.record = RunRecord(self.storage, run_id, self.prepared.tunable, space)
