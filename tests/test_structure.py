@@ -600,6 +600,51 @@ def test_the_run_file_check_finds_a_name_and_a_write(tmp_path):
                                           "m.py:2: atomic_write_bytes()", "m.py:3: open()"]
 
 
+#: the dashboard's pictures are Optuna artifacts, drawn into a temporary folder and uploaded to
+#: the study's artifact store: no file of the run's folder
+ARTIFACT_DRAWINGS = "dashboard.py"
+
+
+def _run_file_writes(folder: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """File writes by the modules under ``folder``: the calls of :data:`WRITES` (a YAML or
+    JSON ``dump`` only into a stream), ``.save(...)`` of a model, an exporter or a cache, and
+    ``open`` for writing."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        if path.name in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            dumps_to_stream = name in ("dump", "safe_dump") and len(node.args) > 1
+            if (name in WRITES - {"dump", "safe_dump"} or dumps_to_stream or name == "save"
+                    or name == "open" and len(node.args) > 1):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}()")
+    return found
+
+
+def test_one_writer_for_the_run_folder():
+    """What the search, the record and the outputs leave in a run's folder (reports, state,
+    pattern cache, calibration statistics, the shipped model, the Pareto front) is written by
+    ``RunFolder`` (``run_folder.py``, atomically through ``_files.py``), never by them."""
+    package = REPO / "qdq_optuna"
+    assert _run_file_writes(package / "search") == []
+    assert _run_file_writes(package / "record") == []
+    assert _run_file_writes(package / "outputs", skip=(ARTIFACT_DRAWINGS,)) == []
+    assert _run_file_writes(package, skip=()) != [], "the check no longer sees any write"
+
+
+def test_the_run_file_write_check_finds_each_form(tmp_path):
+    (tmp_path / "m.py").write_text(
+        'cache.save(path)\nexporter.save(plan, out / name)\nyaml.safe_dump(doc, fh)\n'
+        'text = yaml.safe_dump(doc)\nopen(p, "w")\nopen(p)\natomic_write_bytes(p, b"")\n'
+        'RunFolder(out).write_state(text)\n')
+    assert _run_file_writes(tmp_path) == [
+        "m.py:1: cache.save()", "m.py:2: exporter.save()", "m.py:3: yaml.safe_dump()",
+        "m.py:5: open()", "m.py:7: atomic_write_bytes()"]
+
+
 # -- typed boundaries ------------------------------------------------------------------------------
 def _any_fields(source: str, cls: str) -> list[str]:
     """The fields of class ``cls`` whose annotation names ``Any``."""

@@ -278,7 +278,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
     if stats is None:
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
                                                external_data_dir=source.external_dir)
-        calibration.save_statistics(stats_path, stats, fingerprint=fp)
+        folder.write_calibration_stats(calibration.statistics_json(stats, fingerprint=fp))
     # counted for the report; the cut itself is run_scales'
     clipped = calibration.clipped_by_readers(stats, calibration.reader_bounds(source))
     if clipped:

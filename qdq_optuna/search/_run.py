@@ -361,7 +361,7 @@ class Tuner:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
         the finished mark that a rerun with the same settings returns."""
         write_pattern_cache(
-            self.record, self.folder.pattern_cache,
+            self.record, self.folder,
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=outcome.lane)
         self._write_state("timeout" if outcome.partial else "done")
