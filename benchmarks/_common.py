@@ -86,9 +86,10 @@ def quantize_static_qdq(src: Path, dst: Path, data: Mapping[str, np.ndarray]) ->
     from onnxruntime.quantization import quantize_static
 
     # the package's recipe start's settings, quieted the same way
-    from qdq_optuna.placement.starts import ort_recipe_options, quiet_tool
+    from qdq_optuna.placement.starts import quiet_tool
+    from qdq_optuna.runtimes.onnxruntime import TOOL_LOGGERS, ort_recipe_options
 
-    with quiet_tool("quantize_static"):
+    with quiet_tool("quantize_static", TOOL_LOGGERS):
         quantize_static(str(src), str(dst), calibration_reader(data), **ort_recipe_options())
 
 

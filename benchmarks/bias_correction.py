@@ -27,13 +27,14 @@ from repair_table import errors, timings
 from qdq_optuna.measure.accuracy import run_model
 from qdq_optuna.measure.bias import FloatMeans, correct_biases
 from qdq_optuna.placement import starts as whole
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
 
 def placements(name: str, folder: Path):
     """(calibration, held out, FP32 path, float proto, {placement: Q/DQ bytes})."""
     cal, held, pm, exporter, plan_all, path = photos.every_point(name, folder)
     shapes = real_models.MODELS[name].input_shapes
-    recipe = whole.ort_recipe_start(pm, str(path), data=cal, input_shapes=shapes)
+    recipe = ort_runtime.ort_recipe_start(pm, str(path), data=cal, input_shapes=shapes)
     plans = {"every point": plan_all,
              "recipe placement (ours)": exporter.plan(whole.scheme_uses(pm, recipe.schemes))}
     return cal, held, path, pm.graph.full_model(), {

@@ -28,7 +28,7 @@ import vs_recipe  # noqa: E402
 
 from qdq_optuna.model import calibration
 from qdq_optuna.placement import starts  # noqa: E402
-from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 
 def concat_copies(path: Path, work: Path) -> tuple[int, int]:

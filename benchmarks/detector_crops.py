@@ -22,7 +22,7 @@ import real_models
 
 from qdq_optuna.measure.accuracy import hold_out, run_model
 from qdq_optuna.model import calibration
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 #: PaddleOCR's DB post-processing binarizes the probability map at 0.3
 THRESHOLD = 0.3

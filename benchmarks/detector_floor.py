@@ -33,7 +33,7 @@ from qdq_optuna.measure.repair import node_weights, rank_repair
 from qdq_optuna.model import calibration
 from qdq_optuna.model.graph import node_label
 from qdq_optuna.placement.export import plan_uses
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 BOUND = 0.2
 EVALUATIONS = 64

@@ -29,7 +29,7 @@ def main() -> int:
     from qdq_optuna.examples import zoo
     from qdq_optuna.examples.costmodel_cases import big_residual_chain, resnet_variants
     from qdq_optuna.outputs.dashboard import convergence_png, region_svg
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     small, big = resnet_variants()["conv_inputs_weights"], big_residual_chain(1250)
     estimate(small)

@@ -44,12 +44,9 @@ from qdq_optuna.placement.export import QDQExporter, QuantPlan, upgrade_for, wei
 from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
 from qdq_optuna.placement.points import enumerate_points  # noqa: E402
 from qdq_optuna.placement.regions import discover_regions  # noqa: E402
-from qdq_optuna.placement.rules import (  # noqa: E402
-    ONNXRUNTIME_CPU,
-    TENSORRT,
-    WEIGHTED_OPS,
-    RuntimeRules,
-)
+from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules  # noqa: E402
+from qdq_optuna.runtimes.onnxruntime import ONNXRUNTIME_CPU  # noqa: E402
+from qdq_optuna.runtimes.tensorrt import TENSORRT  # noqa: E402
 
 _ZP = {"int8": (np.int8, TensorProto.INT8), "uint8": (np.uint8, TensorProto.UINT8)}
 

@@ -49,7 +49,7 @@ from qdq_optuna.model.graph import InputShapes, load_model  # noqa: E402
 from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
 from qdq_optuna.placement.points import enumerate_points  # noqa: E402
 from qdq_optuna.placement.regions import RegionConfig, discover_regions  # noqa: E402
-from qdq_optuna.placement.rules import rules_for  # noqa: E402
+from qdq_optuna.runtimes import profile_for  # noqa: E402
 
 DEFAULT_MODELS = (
     "tiny_chain,tiny_residual,tiny_concat,tiny_attention,resnet,mobilenet,yolo,transformer"
@@ -380,12 +380,12 @@ def pipeline(path: Path, shapes: str | None, region_config: RegionConfig,
     tree = discover_regions(graph, region_config)
     index = PatternIndex(graph, tree)
     for runtime in RUNTIMES:
-        rules = rules_for(runtime)
+        rules = profile_for(runtime).rules
         for pattern in index.patterns:
             enumerate_points(graph, tree, index, pattern, rules)
     if prepare:  # what `inspect` does: ONNX Runtime preprocessing and opset upgrade too
         from qdq_optuna.config import Config
-        from qdq_optuna.placement.prepared import PreparedModel
+        from qdq_optuna.runtimes.prepared import PreparedModel
 
         cfg = Config(maximum_sequence_region_size=region_config.maximum_sequence_region_size,
                      minimum_topdown_search_size=region_config.minimum_topdown_search_size)

@@ -29,7 +29,8 @@ from onnx import numpy_helper
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from qdq_optuna.measure import kernels as K  # noqa: E402
 from qdq_optuna.placement import starts  # noqa: E402
-from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 
 def model_path(name: str) -> Path:
@@ -74,7 +75,7 @@ def folded(path: Path, out: Path) -> Path:
 def placement(pm, path: Path, which: str, shapes: str | None) -> set:
     if which == "all":
         return set(starts.all_on_start(pm).scheme_uses)
-    return set(starts.ort_recipe_start(pm, path, input_shapes=shapes).scheme_uses)
+    return set(ort_runtime.ort_recipe_start(pm, path, input_shapes=shapes).scheme_uses)
 
 
 def by_kernel(table: K.KernelTable) -> list[dict]:
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
     with tempfile.TemporaryDirectory() as tmp:
         cache = K.KernelCache(args.cache or Path(tmp) / "kernels.json")
-        table = K.kernel_table(OnnxRuntimeBackend(threads=args.threads), flt, qdq, cache=cache)
+        table = K.kernel_table(OnnxRuntimeBackend(threads=args.threads), flt, qdq, cache=cache,
+                               output_q=True)
     print(f"{args.model}: {len(table.timings)} integer kernel(s), {table.timed} signature(s) "
           f"timed, {table.cached} cached, {table.seconds:.1f} s; CPU flags: "
           f"{', '.join(table.flags) or 'none read'}; runtime {table.runtime}")

@@ -38,7 +38,9 @@ from qdq_optuna.backends.base import BackendError  # noqa: E402
 from qdq_optuna.backends.openvino import OpenVinoBackend, supported_hints  # noqa: E402
 from qdq_optuna.model.graph import InputShapes  # noqa: E402
 from qdq_optuna.placement import starts  # noqa: E402
-from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes import openvino as ov_runtime
+from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 
 def files(name: str, work: Path, samples: int) -> tuple[Path, str | None, Path, dict, dict]:
@@ -54,19 +56,19 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     model, shapes, cal_path, cal, held = files(name, work, args.samples)
     out: dict[str, Path] = {"fp32": Path(model)}
     info: dict = {"input_shapes": shapes}
-    nncf_model = starts.nncf_recipe_model(str(model), data=cal, input_shapes=shapes)
+    nncf_model = ov_runtime.nncf_recipe_model(str(model), data=cal, input_shapes=shapes)
     onnx.save(nncf_model, str(work / "nncf.onnx"))
     out["nncf"] = work / "nncf.onnx"
     rw = work / "ort"
     rw.mkdir(exist_ok=True)
     try:
-        out["ort_recipe"] = starts.ort_recipe_model(str(model), rw, data=cal,
+        out["ort_recipe"] = ort_runtime.ort_recipe_model(str(model), rw, data=cal,
                                                     input_shapes=shapes)
     except starts.ToolError as exc:  # a column less, the comparison with NNCF still stands
         info["ort_recipe_error"] = str(exc)
     pm = PreparedModel.prepare(str(model), runtime="openvino", input_shapes=shapes)
-    start = starts.nncf_recipe_start(pm, str(model), data=cal, input_shapes=shapes)
-    qtype = starts.nncf_activation_type(nncf_model)
+    start = ov_runtime.nncf_recipe_start(pm, str(model), data=cal, input_shapes=shapes)
+    qtype = ov_runtime.nncf_activation_type(nncf_model)
     types = starts.activation_types(nncf_model)  # each tensor keeps NNCF's u8 or s8
     scales = starts.read_scales(nncf_model)
     scales.update({(t, types[t]): v for t, v in list(scales.items()) if t in types})

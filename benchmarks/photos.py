@@ -125,7 +125,7 @@ def every_point(name: str, folder: Path, held_out: int = 8):
     (calibration feeds, held-out feeds, the prepared model, its exporter with scales made as a
     run makes them, the plan with every candidate point on)."""
     from qdq_optuna.model import calibration
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     path = write(name, folder, held_out=held_out)
     cal = dict(np.load(folder / "calibration.npz"))

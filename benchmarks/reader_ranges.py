@@ -29,7 +29,8 @@ from repair_table import errors
 from qdq_optuna.measure.accuracy import hold_out, run_model
 from qdq_optuna.model import calibration
 from qdq_optuna.placement import starts as whole
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 def scales(pm: PreparedModel, stats: dict, cut: bool) -> dict:
@@ -60,7 +61,7 @@ def one(name: str, work: Path) -> list[dict]:
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), fit)
     bounds = calibration.reader_bounds(pm.graph)
     cut = calibration.clipped_by_readers(stats, bounds)
-    recipe = whole.ort_recipe_start(pm, str(path), input_shapes=shapes,
+    recipe = ort_runtime.ort_recipe_start(pm, str(path), input_shapes=shapes,
                                     data={k: v[:4] for k, v in fit.items()})
     placements = {"every point": whole.all_on_start(pm), "recipe placement (ours)": recipe}
     ref_held, ref_guard = run_model(str(path), held), run_model(str(path), guard)

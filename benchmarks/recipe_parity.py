@@ -2,7 +2,7 @@
 
 For each model: ONNX Runtime's recipe (``quant_pre_process`` + ``quantize_static``: QDQ,
 per-channel, uint8 activations, int8 weights, calibrated on the benchmark inputs) is run and its
-placement read back and projected onto our insertion points (``starts.ort_recipe_start``); the
+placement read back and projected onto our insertion points (``runtimes.onnxruntime.ort_recipe_start``); the
 projected start is exported with our exporter and the recipe's own scales. Both models are then
 loaded by ONNX Runtime (CPU, ``ORT_ENABLE_ALL``, ``optimized_model_filepath``) and the op types
 of the optimized graphs compared (``qdq_optuna.backends.onnxruntime_kernels``): integer kernels (QLinearConv,
@@ -27,8 +27,8 @@ from pathlib import Path
 import real_models  # noqa: E402
 
 from qdq_optuna.errors import UserError  # noqa: E402
-from qdq_optuna.measure.recipe_parity import recipe_parity  # noqa: E402
-from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes.onnxruntime import recipe_parity  # noqa: E402
+from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 ZOO_MODELS = [f"{m}@{s}" for m in real_models.ZOO for s in ("small", "medium")]
 DEFAULT_MODELS = ZOO_MODELS + list(real_models.MODELS)

@@ -34,7 +34,7 @@ from qdq_optuna.measure.repair import plan_groups
 from qdq_optuna.model import calibration
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 def tune(path: Path, out: Path, cal: Path, shapes: str | None, timeout: int,

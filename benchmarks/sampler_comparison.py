@@ -37,7 +37,7 @@ import optuna
 from qdq_optuna.backends.costmodel import CostModelBackend  # noqa: E402
 from qdq_optuna.config import Config  # noqa: E402
 from qdq_optuna.examples import zoo  # noqa: E402
-from qdq_optuna.placement.prepared import PreparedModel  # noqa: E402
+from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 from qdq_optuna.search.samplers import make_sampler  # noqa: E402
 
 

@@ -46,7 +46,7 @@ from qdq_optuna.placement.export import QDQExporter, upgrade_for  # noqa: E402
 from qdq_optuna.placement.patterns import PatternIndex  # noqa: E402
 from qdq_optuna.placement.points import enumerate_points  # noqa: E402
 from qdq_optuna.placement.regions import RegionConfig, discover_regions  # noqa: E402
-from qdq_optuna.placement.rules import rules_for  # noqa: E402
+from qdq_optuna.runtimes import profile_for  # noqa: E402
 
 TARGET_ANALYSIS_S = 2.0
 TARGET_EXPORT_MS = 50.0
@@ -76,7 +76,7 @@ def timed(fn, *args, **kwargs):
 
 def pipeline(path: Path, runtime: str, trials: int, seed: int) -> dict:
     """load -> regions -> patterns -> points -> ``trials`` trial exports, timed by stage."""
-    rules = rules_for(runtime)
+    rules = profile_for(runtime).rules
     graph, t_load = timed(load_model, path)
     graph, t_upgrade = timed(upgrade_for, graph, [rules.default_quant_type])
     cfg = Config()  # the region sizes tune uses

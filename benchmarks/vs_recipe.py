@@ -35,7 +35,7 @@ import real_models  # noqa: E402
 import verify_speedup  # noqa: E402
 
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
-from qdq_optuna.placement import starts  # noqa: E402
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
 
 def recipe(model: Path, cal: dict[str, np.ndarray], work: Path) -> Path:
@@ -65,7 +65,7 @@ def usable_recipe(model: Path, cal: dict[str, np.ndarray], work: Path,
         first = str(exc).strip().splitlines()[0][-160:]
     # the search's own recipe runner, which upgrades the opset first
     (work / "upgraded13").mkdir(exist_ok=True)
-    fixed = starts.ort_recipe_model(model, work / "upgraded13", data=cal, input_shapes=shapes)
+    fixed = ort_runtime.ort_recipe_model(model, work / "upgraded13", data=cal, input_shapes=shapes)
     return fixed, (f"the recipe on the file as given writes a model ONNX Runtime refuses "
                    f"({first}); figures are the recipe on the file upgraded to opset 13")
 

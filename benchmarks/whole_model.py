@@ -39,7 +39,8 @@ from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
 from qdq_optuna.placement.points import chain_groups
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes import tensorrt as trt_runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 MODELS = ("resnet", "mobilenet", "yolo", "transformer")
 Point = tuple[str, str]  # (pattern id, point id)
@@ -215,12 +216,12 @@ def bench(name: str, size: str, work: Path, modelopt_python: str | None,
                  "points": len(space.points), "chains": len(space.chains)}
     row["float_ms"] = ev.uses(set())
     cands = {"float": starts.float_start(pm), "all": starts.all_on_start(pm),
-             "recipe": starts.tensorrt_recipe_start(pm)}
+             "recipe": trt_runtime.tensorrt_recipe_start(pm)}
     if modelopt_python:
         mo = d / "modelopt.onnx"
         if not mo.exists():
-            starts.run_modelopt(path, mo, python=modelopt_python)
-        cands["modelopt"] = starts.tensorrt_recipe_start(pm, mo)
+            trt_runtime.run_modelopt(path, mo, python=modelopt_python)
+        cands["modelopt"] = trt_runtime.tensorrt_recipe_start(pm, mo)
     row["starts"] = {key: {"exact_ms": ev.uses(c.uses), "scheme_ms": ev.uses(c.scheme_uses),
                            "uses": len(c.uses), "exact": c.exact} for key, c in cands.items()}
     # the reference: long descents from the starts, the best of them

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 from qdq_optuna.config import Config
 from qdq_optuna.errors import ModelError, OptionError, UserError
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 __all__ = [
     "Autotuner",

@@ -21,6 +21,7 @@ from typing import Any
 
 import onnx
 
+from qdq_optuna.backends import DEFAULT_BACKEND
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import (
@@ -105,7 +106,7 @@ def options_from(model: str | os.PathLike | onnx.ModelProto, output_dir: str | o
         given["progress"] = False
     chosen = backend if backend is not None else benchmark
     return TuneOptions(model=model_argument(model), output_dir=str(output_dir),
-                       backend=chosen if chosen is not None else "onnxruntime",
+                       backend=chosen if chosen is not None else DEFAULT_BACKEND,
                        config=_config(config, mode, **settings), **given)
 
 

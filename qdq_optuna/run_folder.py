@@ -1,12 +1,14 @@
 """The output folder of a run: every file name in it, and its writes (atomic, ``_files.py``).
 
-The search decides and records; what it leaves on disk is written here, by the
-:class:`RunFolder` that :mod:`qdq_optuna._tune` hands it, so the names of a run's files are
-spelled in this one module.
+The search decides and records, the record and the outputs word what was found; what any of
+them leaves in the run's folder is written here, by the :class:`RunFolder` that
+:mod:`qdq_optuna._tune` hands the search, so the names of a run's files are spelled, and its
+files written, in this one module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -94,6 +96,28 @@ class RunFolder:
     @property
     def calibration_stats(self) -> Path:
         return self.path / CALIBRATION_STATS
+
+    def write_calibration_stats(self, data: bytes) -> None:
+        """The activation statistics' cache (an interrupted run never leaves half of it)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.calibration_stats, data)
+
+    def write_pattern_cache(self, text: str) -> None:
+        atomic_write_bytes(self.pattern_cache, text.encode())
+
+    def clear_pareto(self) -> None:
+        """An empty ``pareto/`` (a rerun replaces the previous front)."""
+        folder = self.path / PARETO
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.onnx"):
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+    def save_pareto_model(self, exporter, plan, name: str) -> str:
+        """One model of the front, ``pareto/NAME`` (as :meth:`save_optimized` writes: atomic,
+        piece by piece for a model whose weights stay on disk); returns that relative path."""
+        exporter.save(plan, self.path / PARETO / name)
+        return f"{PARETO}/{name}"
 
     def finished_report(self, sha256: str | None) -> bytes | None:
         """``report.json``'s bytes when the folder holds it with this digest and its model

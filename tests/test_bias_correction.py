@@ -16,7 +16,7 @@ from qdq_optuna.backends.onnxruntime_kernels import kernels_of
 from qdq_optuna.measure.accuracy import run_model
 from qdq_optuna.measure.bias import MODES, FloatMeans, channel_means, correct_biases
 from qdq_optuna.model import calibration
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 def _coarse_weights(rng, cout: int, cin: int, k: int) -> np.ndarray:

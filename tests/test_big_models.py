@@ -35,7 +35,7 @@ from test_resume import REPO, cli_env
 
 from qdq_optuna._files import external_sources
 from qdq_optuna.model.graph import INLINE_EXTERNAL_ENV, PROTOBUF_LIMIT
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 SLOW = os.environ.get("QDQ_OPTUNA_SLOW") == "1"
 

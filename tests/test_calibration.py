@@ -393,7 +393,7 @@ def _optimized_ops(model_bytes: bytes, tmp_path) -> collections.Counter:
 def _yolo_scales(method: str):
     """The small YOLO-like zoo model under ONNX Runtime rules and its own activation scales."""
     from qdq_optuna.examples import zoo
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="onnxruntime")
     data = random_calibration_data(pm.graph.full_model(), None, samples=2, seed=0)

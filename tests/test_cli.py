@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from qdq_optuna.examples import zoo
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.record import run_attrs
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 REPO = Path(__file__).resolve().parent.parent
 ERROR = "qdq-optuna: error:"

@@ -69,7 +69,7 @@ def test_verbosity_on_every_command_before_and_after_it(command):
 
 def test_rerun_with_v_shows_the_traceback(model, monkeypatch, capsys):
     """The internal-error hint is not a dead end: -v (anywhere) gives the traceback."""
-    from qdq_optuna.placement import prepared as model_module
+    from qdq_optuna.runtimes import prepared as model_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("something internal")

@@ -338,7 +338,7 @@ def test_graph_input_cast_fuses_with_its_q():
     from qdq_optuna.model.graph import Graph
     from qdq_optuna.model.precision import convert_precision
     from qdq_optuna.placement.export import QDQExporter
-    from qdq_optuna.placement.rules import TENSORRT
+    from qdq_optuna.runtimes.tensorrt import TENSORRT
 
     hp = convert_precision(zoo.build("resnet", "small"), "fp16")
     graph = Graph.from_model(hp.model)

@@ -43,8 +43,8 @@ from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.examples import zoo
 from qdq_optuna.outputs.dashboard import ARTIFACT_DIR, convergence_png, pattern_note, region_svg
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.record.storage import open_storage
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
 from qdq_optuna.model.data import fed_names, input_data
 from qdq_optuna.model.graph import load_model, opset_of
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
@@ -138,14 +138,14 @@ def test_an_input_the_calibration_data_feeds_is_never_folded(tmp_path):
 def test_the_recipe_quantizes_the_folded_weights_and_keeps_fed_inputs(tmp_path):
     """ONNX Runtime's recipe start reads the model as prepare does: on the IR 3 model every
     Conv is an integer kernel; an input its data feeds (IR 7) stays an input."""
-    from qdq_optuna.placement import starts
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
     (tmp_path / "a").mkdir()
-    path = starts.ort_recipe_model(_ir3_model(), tmp_path / "a")
+    path = ort_runtime.ort_recipe_model(_ir3_model(), tmp_path / "a")
     assert kernels_of(onnx.load(path)).ops.get("QLinearConv", 0) == 2
     data = {"x": np.zeros((1, 3, 16, 16), np.float32), "offset": np.ones((1, 8, 1, 1), np.float32)}
     (tmp_path / "b").mkdir()
-    path = starts.ort_recipe_model(_ir3_model(opset=13, ir_version=7), tmp_path / "b", data=data)
+    path = ort_runtime.ort_recipe_model(_ir3_model(opset=13, ir_version=7), tmp_path / "b", data=data)
     assert [i.name for i in onnx.load(path).graph.input] == ["x", "offset"]
 
 

@@ -32,7 +32,9 @@ from qdq_optuna.placement.export import (
     upgrade_for,
     weight_scales,
 )
-from qdq_optuna.placement.rules import ONNXRUNTIME_CPU, TENSORRT, WEIGHTED_OPS
+from qdq_optuna.placement.rules import WEIGHTED_OPS
+from qdq_optuna.runtimes.onnxruntime import ONNXRUNTIME_CPU
+from qdq_optuna.runtimes.tensorrt import TENSORRT
 
 RULES = [TENSORRT, ONNXRUNTIME_CPU]
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -626,7 +628,7 @@ def test_a_quantized_graph_output_keeps_its_name_and_its_op_runs_quantized(zoo_m
     writes the output's name) ONNX Runtime runs that Conv as a QLinearConv too."""
     from qdq_optuna.backends import onnxruntime_kernels as kernels
     from qdq_optuna.placement import starts
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime")
     exporter = pm.exporter()
@@ -706,7 +708,7 @@ def test_an_embedding_table_takes_its_lookups_scale(zoo_model):
 
     from qdq_optuna.backends import onnxruntime_kernels as kernels
     from qdq_optuna.placement import starts
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(zoo_model("transformer"), runtime="onnxruntime")
     gather = next(i for i, n in enumerate(pm.graph.nodes) if n.op_type == "Gather")

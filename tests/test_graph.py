@@ -188,7 +188,7 @@ def test_old_opset_file_is_upgraded(tmp_path, chain, opset):
 
 def test_already_quantized(tmp_path, chain):
     from qdq_optuna.placement.export import QDQExporter
-    from qdq_optuna.placement.rules import TENSORRT
+    from qdq_optuna.runtimes.tensorrt import TENSORRT
 
     graph = load_model(chain)
     exporter = QDQExporter(graph, TENSORRT, "int8")

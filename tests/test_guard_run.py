@@ -185,8 +185,8 @@ def _guard(model: onnx.ModelProto, bound: float):
     from qdq_optuna.measure.accuracy import ErrorScorer
     from qdq_optuna.measure.timing import Measurer
     from qdq_optuna.model import calibration
-    from qdq_optuna.placement.prepared import PreparedModel
     from qdq_optuna.record import PlanMemo, RunAttr
+    from qdq_optuna.runtimes.prepared import PreparedModel
     from qdq_optuna.search._guard import Guard
     from qdq_optuna.search._plans import PlanMeasurer
 

@@ -17,7 +17,7 @@ from qdq_optuna.examples import zoo
 from qdq_optuna.measure import kernels as K
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.placement import starts
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._unfused import Unfused
 
@@ -70,7 +70,7 @@ def test_timings_are_finite_and_the_cache_is_keyed_by_cpu_flags(resnet, tmp_path
     skip = [u.node for u in units[2:]]  # two units keep the test short
     path = tmp_path / "kernels.json"
     backend = OnnxRuntimeBackend()
-    run = lambda flags: K.kernel_table(backend, flt, qdq, skip=skip,  # noqa: E731
+    run = lambda flags: K.kernel_table(backend, flt, qdq, skip=skip, output_q=True,  # noqa: E731
                                        cache=K.KernelCache(path), flags=flags, protocol=QUICK)
     first = run({"avx2", "fma"})
     assert set(first.timings) == {u.node for u in units[:2]}
@@ -314,7 +314,7 @@ def test_openvino_units_read_integer_and_write_float_and_are_timed():
     int_model = onnx.load_from_string(K.unit_models(units[0], shaped, K.with_shapes(flt))[0])
     assert int_model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     table = K.kernel_table(OpenVinoBackend(), flt, qdq, skip=[u.node for u in units[1:]],
-                           protocol=QUICK)
+                           output_q=False, protocol=QUICK)
     assert not table.output_q and set(table.timings) == {units[0].node}
     t = table.timings[units[0].node]
     assert math.isfinite(t.int_ms) and math.isfinite(t.float_ms) and t.int_ms > 0

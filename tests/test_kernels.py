@@ -19,10 +19,10 @@ def test_a_float_model_runs_float_kernels_only():
 def test_nodes_reading_a_dequantized_tensor_count_as_float(tmp_path):
     """ONNX Runtime leaves the tensors its fusions create untyped: a LayerNormalization that
     reads a DequantizeLinear's output is still a float kernel."""
-    from qdq_optuna.placement import starts
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
     model = zoo.build("transformer", "small")
-    recipe = starts.ort_recipe_model(model, tmp_path)
+    recipe = ort_runtime.ort_recipe_model(model, tmp_path)
     k = kernels.kernels_of(recipe)
     graph = kernels.optimized_graph(recipe).graph
     typed = {vi.name for vi in graph.value_info}

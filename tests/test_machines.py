@@ -119,7 +119,7 @@ def test_seven_bit_weights_follow_the_simulated_cpu(name):
     """ONNX Runtime's rules: every int8 weight 7-bit where u8 x s8 saturates; OpenVINO's: the
     first layer's; TensorRT's: never; the ONNX Runtime recipe start asks for reduce_range then."""
     from qdq_optuna import PreparedModel
-    from qdq_optuna.placement.starts import ort_recipe_options
+    from qdq_optuna.runtimes.onnxruntime import ort_recipe_options
 
     saturates = EXPECTED[name][1]
     with simulated_cpu(name):

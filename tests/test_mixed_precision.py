@@ -26,8 +26,8 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement.export import graph_output_names
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.record.storage import open_storage
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

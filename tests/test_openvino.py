@@ -15,9 +15,9 @@ from qdq_optuna.backends import make_backend, runtime_for_backend
 from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
-from qdq_optuna.placement.prepared import PreparedModel
-from qdq_optuna.placement.rules import rules_for
+from qdq_optuna.runtimes import openvino as ov_runtime
 from qdq_optuna.runtimes import profile_for
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 ov = pytest.importorskip("openvino")
 
@@ -94,7 +94,7 @@ def test_what_ran_reads_the_runtime_graph() -> None:
 def test_rules_keep_weights_after_precision_preserving_ops() -> None:
     """A Conv reading a MaxPool of a quantized Relu runs u8 on OpenVINO once its weights are
     quantized: the exporter adds them (the ONNX Runtime rules do not)."""
-    rules = rules_for("openvino")
+    rules = profile_for("openvino").rules
     assert "MaxPool" in rules.precision_preserving_ops
     pm = PreparedModel.prepare(zoo.build("resnet", "small"), runtime="openvino")
     g = pm.graph
@@ -113,14 +113,14 @@ def test_nncf_start_reexported_runs_nncf_kernels(name: str) -> None:
     pytest.importorskip("nncf")
     model = zoo.build(name, "small")
     pm = PreparedModel.prepare(model, runtime="openvino")
-    theirs = starts.nncf_recipe_model(model)
-    start = starts.nncf_recipe_start(pm, model)
+    theirs = ov_runtime.nncf_recipe_model(model)
+    start = ov_runtime.nncf_recipe_start(pm, model)
     assert start.name == "recipe:openvino" and start.exact
     assert start.counts["unmapped"] == 0 and start.counts["mapped"] > 10
     types = starts.activation_types(theirs)  # NNCF mixes u8 (non-negative) and s8
     scales = starts.read_scales(theirs)
     scales.update({(t, types[t]): v for t, v in list(scales.items()) if t in types})
-    exporter = pm.exporter(scales=scales, quant_type=starts.nncf_activation_type(theirs))
+    exporter = pm.exporter(scales=scales, quant_type=ov_runtime.nncf_activation_type(theirs))
     ours = exporter.source(exporter.plan({u: types[u[0]] for u in start.scheme_uses}))
     backend = OpenVinoBackend()
     assert _kinds(backend, ours) == _kinds(backend, theirs.SerializeToString())
@@ -143,7 +143,7 @@ def test_missing_nncf_is_a_tool_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "nncf", None)  # import nncf now raises ImportError
     with pytest.raises(starts.ToolError, match="nncf"):
-        starts.nncf_recipe_model(zoo.build("tiny_chain"))
+        ov_runtime.nncf_recipe_model(zoo.build("tiny_chain"))
 
 
 @pytest.mark.parametrize("cpu", ["avx2", "bf16"])
@@ -258,10 +258,10 @@ def test_openvino_rules_share_every_concat_scale_so_the_next_conv_runs_u8() -> N
     the next Convolution cannot fold: that Convolution runs f32. ONNX Runtime's ratio (share
     only comparable ranges) leaves some on the zoo YOLO; the OpenVINO rules share always."""
     from qdq_optuna.model import calibration
-    from qdq_optuna.placement.rules import OPENVINO_CPU
+    from qdq_optuna.runtimes.openvino import OPENVINO_CPU
 
     assert OPENVINO_CPU.concat_share_ratio == 0.0
-    assert rules_for("onnxruntime").concat_share_ratio == calibration.CONCAT_SHARE_RATIO
+    assert profile_for("onnxruntime").rules.concat_share_ratio == calibration.CONCAT_SHARE_RATIO
     pm = PreparedModel.prepare(zoo.build("yolo", "small"), runtime="openvino")
     data = calibration.random_calibration_data(pm.graph.model, None, samples=4, seed=0)
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)

@@ -30,7 +30,8 @@ from strategies import (
 from qdq_optuna.model.graph import load_model
 from qdq_optuna.placement.patterns import COMMUTATIVE_OPS, PatternIndex
 from qdq_optuna.placement.regions import RegionTree, RegionType, discover_regions
-from qdq_optuna.placement.rules import ONNXRUNTIME_CPU, TENSORRT
+from qdq_optuna.runtimes.onnxruntime import ONNXRUNTIME_CPU
+from qdq_optuna.runtimes.tensorrt import TENSORRT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -300,7 +301,7 @@ _SCRIPT = textwrap.dedent(
     from qdq_optuna.examples import zoo
     from qdq_optuna.model.graph import load_model
     from qdq_optuna.placement.points import enumerate_points
-    from qdq_optuna.placement.rules import TENSORRT
+    from qdq_optuna.runtimes.tensorrt import TENSORRT
     from qdq_optuna.placement.patterns import PatternIndex
     from qdq_optuna.placement.regions import discover_regions
 

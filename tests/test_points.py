@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from strategies import PROPERTY, analyze, build_model, dag_specs, spec_summary
 
+from qdq_optuna.errors import OptionError
 from qdq_optuna.model.graph import GRAPH_OUTPUT
 from qdq_optuna.placement.points import (
     CHILD_REGION_INPUT,
@@ -19,14 +20,10 @@ from qdq_optuna.placement.points import (
     REGION_OUTPUT,
     InsertionPoint,
 )
-from qdq_optuna.placement.rules import (
-    ONNXRUNTIME_CPU,
-    STRUCTURAL_INPUTS,
-    TENSORRT,
-    OptionError,
-    residual_conv,
-    rules_for,
-)
+from qdq_optuna.placement.rules import STRUCTURAL_INPUTS, residual_conv
+from qdq_optuna.runtimes import profile_for
+from qdq_optuna.runtimes.onnxruntime import ONNXRUNTIME_CPU
+from qdq_optuna.runtimes.tensorrt import TENSORRT
 
 RULES = [TENSORRT, ONNXRUNTIME_CPU]
 
@@ -165,10 +162,11 @@ def test_zoo_points(analyzed, name, rules):
     check_points(analyzed(name, rules), rules)
 
 
-def test_rules_for():
-    assert rules_for("tensorrt") is TENSORRT and rules_for("onnxruntime") is ONNXRUNTIME_CPU
+def test_profile_for_finds_each_runtimes_rules():
+    assert profile_for("tensorrt").rules is TENSORRT
+    assert profile_for("onnxruntime").rules is ONNXRUNTIME_CPU
     with pytest.raises(OptionError, match="--runtime"):
-        rules_for("coreml")
+        profile_for("coreml")
 
 
 # -- golden: ResNet and the TensorRT Conv+Add+Relu fusion ------------------------------------
@@ -373,7 +371,7 @@ def test_graph_output_is_covered_by_its_tensor_level_point(analyzed):
 
 @pytest.mark.parametrize("option", [{"op_types": "Relu,Concat"}, {"exclude_nodes": "sppf/conv"}])
 def test_node_filters_keep_the_graph_output_of_an_excluded_node_float(zoo_model, option):
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     use = ("output", GRAPH_OUTPUT, 0)
     pm = PreparedModel.prepare(zoo_model("tiny_concat"), runtime="onnxruntime", **option)

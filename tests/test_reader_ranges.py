@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qdq_optuna.measure.accuracy import output_errors, run_model
 from qdq_optuna.model import calibration
 from qdq_optuna.model.graph import Graph
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 def _model(nodes, outputs, inits, opset=17) -> onnx.ModelProto:

@@ -29,7 +29,7 @@ from qdq_optuna.measure.bisect import (
 )
 from qdq_optuna.model import calibration
 from qdq_optuna.model.graph import InputShapes, load_model, node_label, opset_of, used_domains
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 RUNTIMES = {"tensorrt": "int8", "onnxruntime": "uint8"}
 

@@ -17,6 +17,8 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
 from qdq_optuna.measure.recipe_parity import qdq_differences, qdq_params
 from qdq_optuna.placement import starts
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes import openvino as ov_runtime
 
 #: ONNX Runtime's quantize_static signs the models it writes with this producer name; our
 #: export keeps the user's: the latency functions below tell the recipe's own file from any
@@ -52,7 +54,7 @@ def test_the_recipe_file_is_kept_as_written_and_ships_when_the_tuned_model_is_sl
     report = _tune(residual, tmp_path / "r", file_fastest)
     rf = report["recipe_file"]
     kept = (tmp_path / "r" / rf["file"]).read_bytes()
-    again = starts.recipe_file_bytes(lambda work: starts.ort_recipe_model(str(residual), work))
+    again = starts.recipe_file_bytes(lambda work: ort_runtime.ort_recipe_model(str(residual), work))
     assert kept == again
     assert rf["shipped"] and rf["within_bound"]
     assert rf["tuned_vs_file"]["verdict"] == "slower"
@@ -92,7 +94,7 @@ def test_a_missing_recipe_file_is_made_again_on_resume(residual, tmp_path):
 
 
 def _recipe(residual, tmp_path) -> onnx.ModelProto:
-    return onnx.load(str(starts.ort_recipe_model(str(residual), tmp_path)))
+    return onnx.load(str(ort_runtime.ort_recipe_model(str(residual), tmp_path)))
 
 
 def test_what_differs_is_nothing_for_the_same_file(residual, tmp_path):
@@ -162,13 +164,13 @@ def test_nncf_file_kept_as_written(residual, tmp_path):
     and data (and so its Q/DQ tensors)."""
     pm = starts_pm(residual)
     path = tmp_path / "recipe_openvino.onnx"
-    starts.nncf_recipe_start(pm, str(residual), keep=path)
-    written = starts.nncf_recipe_model(str(residual)).SerializeToString()
+    ov_runtime.nncf_recipe_start(pm, str(residual), keep=path)
+    written = ov_runtime.nncf_recipe_model(str(residual)).SerializeToString()
     assert path.read_bytes() == written
     assert qdq_params(path.read_bytes()) == qdq_params(written)
 
 
 def starts_pm(model: Path):
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     return PreparedModel.prepare(str(model), runtime="openvino")

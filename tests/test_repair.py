@@ -242,7 +242,7 @@ def _conv_chain(length: int = 5):
 @pytest.fixture(scope="module")
 def chain():
     from qdq_optuna.backends import make_backend
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(_conv_chain(), runtime="onnxruntime")
     exporter = pm.exporter({})
@@ -399,7 +399,7 @@ def test_a_node_whose_output_one_reader_reads_float_runs_float():
     once counted any quantized reader as enough, and ranked such returns as nearly free)."""
     from qdq_optuna.backends import make_backend
     from qdq_optuna.measure.repair import Fusion, node_weights
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(_branch(), runtime="onnxruntime")
     exporter = pm.exporter({})
@@ -424,7 +424,7 @@ def test_a_placement_whose_chains_are_cut_holds_less_estimated_speed():
     conv3's inputs float, which takes conv1 off integer too (its output read float) and leaves
     stand-alone Q/DQ on a model this small that cost more than what stays integer."""
     from qdq_optuna.measure.repair import estimated_speed
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     pm = PreparedModel.prepare(_branch(), runtime="onnxruntime")
     exporter = pm.exporter({})

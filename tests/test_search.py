@@ -318,6 +318,54 @@ def test_samplers_by_name(sampler, residual, tmp_path):
             assert moves and moves[0].user_attrs["move"] == "start"
 
 
+def test_a_sampler_object_or_factory_runs_as_a_name_does(residual, tmp_path):
+    """Optuna users pass samplers as objects: an ``optuna.samplers.TPESampler`` runs each
+    visit as ``sampler="tpe"`` does (each pattern's study on its own copy: the object given
+    samples nothing itself), and ``fn(seed) -> sampler`` is called once per study with that
+    study's seed; the report and the fingerprint name the class or the function."""
+    import optuna
+
+    budget = 4
+    given = optuna.samplers.TPESampler(seed=3, multivariate=True)
+    result = tune(residual, tmp_path / "object", benchmark=deterministic(fns.rewards_groups),
+                  runtime="onnxruntime", sampler=given,
+                  config=Config(schemes_per_region=budget, converged_patience=0), progress=False)
+    report = result.report
+    assert report["sampler"] == "TPESampler" and report["complete"]
+    visits = {n: s for n, s in pattern_studies(result.output_dir, report["run_id"]).items()
+              if is_visit(n)}
+    assert visits
+    for name, s in visits.items():
+        check_visit(name, s, budget, repeats=True)
+        assert [t for t in complete(s) if not t.user_attrs.get("move")], "TPE proposed nothing"
+
+    def first_draw(sampler):  # the object given drew nothing: its first draw is a fresh one's
+        return optuna.create_study(sampler=sampler).ask().suggest_float("x", 0, 1)
+
+    assert first_draw(given) == first_draw(optuna.samplers.TPESampler(seed=3, multivariate=True))
+
+    seeds = []
+
+    def random_sampler(seed):
+        seeds.append(seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+
+    result = tune(residual, tmp_path / "factory", benchmark=deterministic(fns.rewards_groups),
+                  runtime="onnxruntime", sampler=random_sampler, seed=7,
+                  config=Config(schemes_per_region=budget, converged_patience=0), progress=False)
+    assert result.report["sampler"] == "random_sampler" and result.report["complete"]
+    assert seeds and all(seed >= 7 for seed in seeds) and len(set(seeds)) > 1
+
+
+def test_a_factory_that_returns_no_sampler_is_one_clear_error(residual, tmp_path):
+    def not_a_sampler(seed):
+        return {"seed": seed}
+
+    with pytest.raises(OptionError, match="sampler not_a_sampler: returned dict"):
+        tune(residual, tmp_path / "bad", benchmark=deterministic(fns.rewards_groups),
+             runtime="onnxruntime", sampler=not_a_sampler, progress=False)
+
+
 def test_qdq_ends_a_visit_when_its_moves_are_done(residual, tmp_path):
     """With a large budget our sampler's visits stop once every move it proposes was tried
     (the moves are its climb); TPE spends each visit's budget on its own schemes."""
@@ -579,13 +627,13 @@ def test_a_recipe_the_quantizer_refuses_is_skipped_as_a_start(residual, tmp_path
     import logging
 
     from qdq_optuna.errors import ToolError
-    from qdq_optuna.placement import starts
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
     def refuses(*args, **kwargs):
         raise ToolError("ONNX Runtime's recipe (quant_pre_process + quantize_static) failed on "
                         "this model: ValueError: no scale")
 
-    monkeypatch.setattr(starts, "ort_recipe_start", refuses)
+    monkeypatch.setattr(ort_runtime, "ort_recipe_start", refuses)
     with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
         result = tune(residual, tmp_path / "r", benchmark=deterministic(fns.rewards_groups),
                       runtime="onnxruntime", config=Config(schemes_per_region=4),

@@ -16,12 +16,14 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.costmodel import CostModelBackend
 from qdq_optuna.errors import UserError
 from qdq_optuna.examples import zoo
-from qdq_optuna.measure.recipe_parity import recipe_parity
 from qdq_optuna.model.graph import GRAPH_OUTPUT
 from qdq_optuna.placement import starts
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.rules import residual_conv
 from qdq_optuna.placement.seeds import PatternCache
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes import tensorrt as trt_runtime
+from qdq_optuna.runtimes.onnxruntime import recipe_parity
+from qdq_optuna.runtimes.prepared import PreparedModel
 
 
 @pytest.mark.parametrize("name", ["resnet", "yolo", "transformer"])
@@ -53,7 +55,7 @@ def test_ort_recipe_read_back_runs_the_same_kernels(name: str) -> None:
 def test_ort_recipe_start_runs_the_tool(tmp_path: Path) -> None:
     model = zoo.build("resnet", "small")
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
-    start = starts.ort_recipe_start(pm, model)
+    start = ort_runtime.ort_recipe_start(pm, model)
     assert start.name == "recipe:onnxruntime" and start.counts["unmapped"] == 0
     assert ("logits", GRAPH_OUTPUT, 0) in start.uses <= start.scheme_uses  # the logits' Q/DQ
     on = start.on()
@@ -124,7 +126,7 @@ def test_tensorrt_recipe_rules_on_resnet() -> None:
     classifier, never an op's output inside a Conv's kernel."""
     pm = PreparedModel.prepare(zoo.build("resnet", "medium"), runtime="tensorrt")
     g = pm.graph
-    start = starts.tensorrt_recipe_start(pm)
+    start = trt_runtime.tensorrt_recipe_start(pm)
     ops = collections.Counter(g.nodes[n].op_type for _, n, _ in start.uses)
     convs = [i for i, n in enumerate(g.nodes) if n.op_type == "Conv"]
     assert {(g.nodes[i].input[0], i, 0) for i in convs} <= start.uses
@@ -185,10 +187,10 @@ def test_ort_recipe_runs_on_models_below_opset_13(tmp_path: Path) -> None:
     model = zoo.tiny_chain()  # Conv, Relu, GlobalAveragePool, Flatten, Gemm: all in opset 12
     model.opset_import[0].version = 12
     onnx.checker.check_model(model)
-    path = starts.ort_recipe_model(model, tmp_path)
+    path = ort_runtime.ort_recipe_model(model, tmp_path)
     assert ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     pm = PreparedModel.prepare(model, runtime="onnxruntime")
-    assert starts.ort_recipe_start(pm, model).exact
+    assert ort_runtime.ort_recipe_start(pm, model).exact
 
 
 @pytest.mark.parametrize("name", ["resnet", "transformer"])
@@ -203,11 +205,11 @@ def test_ort_recipe_ranges_are_its_own_calibrators(name: str, tmp_path: Path) ->
 
     model = zoo.build(name, "small")
     data = random_calibration_data(model, None, samples=3, seed=1)
-    ours = onnx.load(str(starts.ort_recipe_model(model, tmp_path, data=data)))
+    ours = onnx.load(str(ort_runtime.ort_recipe_model(model, tmp_path, data=data)))
     # nothing beside the recipe's model but models: the run keeps it as one file
     assert all(f.suffix == ".onnx" for f in tmp_path.iterdir())
     feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(3)]
-    ranges = starts.ort_minmax_cache(tmp_path / "preprocessed.onnx", feeds,
+    ranges = ort_runtime.ort_minmax_cache(tmp_path / "preprocessed.onnx", feeds,
                                      tmp_path.parent / f"{name}-ranges.json")
     assert ranges is not None and ranges.is_file()
 
@@ -220,7 +222,7 @@ def test_ort_recipe_ranges_are_its_own_calibrators(name: str, tmp_path: Path) ->
 
     own = tmp_path / "own.onnx"
     quantize_static(str(tmp_path / "preprocessed.onnx"), str(own), Reader(),
-                    **starts.ort_recipe_options())
+                    **ort_runtime.ort_recipe_options())
     theirs = onnx.load(str(own))
     assert ours.graph.SerializeToString() == theirs.graph.SerializeToString()
     assert np.any([n.op_type == "QuantizeLinear" for n in ours.graph.node])
@@ -230,7 +232,7 @@ def test_ort_recipe_failure_is_one_clear_error(tmp_path: Path) -> None:
     import numpy as np
 
     with pytest.raises(UserError, match="ONNX Runtime's recipe .* failed"):
-        starts.ort_recipe_model(zoo.tiny_chain(), tmp_path,
+        ort_runtime.ort_recipe_model(zoo.tiny_chain(), tmp_path,
                                 data={"not_an_input": np.zeros((2, 3, 16, 16), np.float32)})
 
 
@@ -238,7 +240,7 @@ def test_read_scales_names_a_quantized_graph_output_by_its_own_name(tmp_path: Pa
     """The recipe renames the tensor behind a quantized graph output; its scale is read under
     the output's name, which our exporter's output pair looks up."""
     model = zoo.build("resnet", "small")
-    recipe = onnx.load(str(starts.ort_recipe_model(model, tmp_path)))
+    recipe = onnx.load(str(ort_runtime.ort_recipe_model(model, tmp_path)))
     scales = starts.read_scales(recipe)
     (q,) = [n for n in recipe.graph.node if n.op_type == "QuantizeLinear"
             and n.input[0].startswith("logits")]

@@ -324,6 +324,162 @@ def test_the_runtime_check_finds_a_comparison(tmp_path):
         "qdq_optuna/m.py:2: rules.name in ('tensorrt', 'x')"]
 
 
+#: the tools only a runtime's profile or backend imports (its quantizer, its engine);
+#: ONNX Runtime is not among them: it scores every candidate, whatever the runtime
+RUNTIME_TOOLS = frozenset({"nncf", "modelopt"})
+#: where a runtime's name may be written
+RUNTIME_HOMES = ("qdq_optuna/runtimes/", "qdq_optuna/backends/")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _defined_names(node: ast.AST) -> list[str]:
+    """The names ``node`` defines: a function, class, argument, keyword or assigned name."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.arg, ast.keyword)):
+        return [node.arg] if node.arg else []
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return [node.id]
+    return []
+
+
+def _runtime_names_in(tree: ast.AST, names: set[str]) -> list[str]:
+    """Where a runtime's name is written in code (prose aside: docstrings, comments): a string
+    naming it, an import of its own tool, a name defined after it."""
+    tools = (names - {"onnxruntime"}) | RUNTIME_TOOLS
+    skip, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in skip and node.value in names | RUNTIME_TOOLS:
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if not node.level else [])
+            found += [f"{node.lineno}: import {m}" for m in modules if m.split(".")[0] in tools]
+        found += [f"{node.lineno}: {n}" for n in _defined_names(node)
+                  if any(name in n.lower() for name in names | RUNTIME_TOOLS)]
+    return sorted(set(found), key=lambda h: (int(h.split(":")[0]), h))
+
+
+def _runtime_names_outside(root: Path) -> list[str]:
+    from qdq_optuna.runtimes import RUNTIME_NAMES
+
+    found = []
+    for path in sorted((root / "qdq_optuna").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if not rel.startswith(RUNTIME_HOMES):
+            found += [f"{rel}:{hit}" for hit in _runtime_names_in(
+                ast.parse(path.read_text(encoding="utf-8")), set(RUNTIME_NAMES))]
+    return found
+
+
+def test_a_runtimes_name_is_written_only_in_its_profile_and_backend():
+    """A runtime lives in one place: its profile (``runtimes/``) and its backend
+    (``backends/``). Elsewhere in the package no string names it, no module imports its tool
+    and no function, argument or variable is named after it."""
+    assert _runtime_names_outside(REPO) == []
+
+
+def test_the_runtime_name_check_finds_each_form(tmp_path):
+    (tmp_path / "qdq_optuna" / "runtimes").mkdir(parents=True)
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        '"""Runs NNCF\'s recipe for openvino."""\nimport nncf\nimport onnxruntime\n'
+        'from openvino import Core\nbackend = "onnxruntime"\nRULES = {"tensorrt": 1}\n'
+        'def nncf_recipe(model, openvino=False):\n    """openvino"""  # tensorrt\n'
+        'TENSORRT_OPS = {"Conv"}\nscored(openvino=True)\nx = "fp16"\n')
+    (tmp_path / "qdq_optuna" / "runtimes" / "openvino.py").write_text(
+        'import nncf\nx = "openvino"\n')
+    assert _runtime_names_outside(tmp_path) == [
+        "qdq_optuna/m.py:2: import nncf", "qdq_optuna/m.py:4: import openvino",
+        "qdq_optuna/m.py:5: 'onnxruntime'", "qdq_optuna/m.py:6: 'tensorrt'",
+        "qdq_optuna/m.py:7: nncf_recipe", "qdq_optuna/m.py:7: openvino",
+        "qdq_optuna/m.py:9: TENSORRT_OPS", "qdq_optuna/m.py:10: openvino"]
+
+
+#: the number words docs/architecture.md may use for the files a new runtime touches
+_NUMBERS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def _files_a_runtime_touches_per_the_docs() -> int:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    found = re.search(r"A new runtime touches (\w+) files", text)
+    assert found, "docs/architecture.md no longer says how many files a new runtime touches"
+    return _NUMBERS[found.group(1)]
+
+
+def test_a_new_runtime_is_the_files_the_architecture_page_counts(tmp_path, monkeypatch):
+    """A toy runtime, made here as the files a new runtime adds or edits (its backend module,
+    its backend-table row, its profile module), tunes a model end to end: its rules place the
+    Q/DQ, its recipe is a start, its words say how the guard scored. Anything else a runtime
+    needed (a second registry, a name-keyed table) would fail the run, and docs/architecture.md
+    states the count this test makes."""
+    import sys
+    import types
+
+    import qdq_optuna
+    from qdq_optuna import backends
+    from qdq_optuna.backends.costmodel import CostModelBackend
+    from qdq_optuna.examples import zoo
+    from qdq_optuna.placement import starts
+    from qdq_optuna.placement.rules import RuntimeRules
+    from qdq_optuna.runtimes import Runtime, profile_for
+
+    touched: set[str] = set()
+
+    def add_module(name: str, **members) -> None:
+        module = types.ModuleType(name)
+        module.__dict__.update(members)
+        monkeypatch.setitem(sys.modules, name, module)
+        touched.add(name.replace(".", "/") + ".py")
+
+    class ToyBackend(CostModelBackend):
+        name = "toy"
+
+    class Toy(Runtime):
+        name = "toy"
+        rules = RuntimeRules(name="toy", default_quant_type="int8", quant_types=("int8",),
+                             fusion_group_ops=frozenset({"Conv", "Gemm", "MatMul"}))
+        default_scales = "default"
+
+        def recipe_start(self, pm, model, *, input_shapes=None, data=None, keep=None):
+            everything = starts.all_on_start(pm)
+            return starts.start_from_uses(pm, "recipe:toy", everything.uses)
+
+        def scored_as(self, bf16, fused, runner):
+            return "the toy runtime's own words"
+
+    add_module("qdq_optuna.backends.toy", ToyBackend=ToyBackend)
+    monkeypatch.setitem(backends.BACKENDS, "toy", backends.BackendSpec(
+        "qdq_optuna.backends.toy", "ToyBackend", "toy", None))
+    touched.add(Path(backends.__file__).relative_to(REPO).as_posix())
+    add_module("qdq_optuna.runtimes.toy", PROFILE=Toy())
+
+    assert profile_for("toy").rules.name == "toy"
+    result = qdq_optuna.tune(zoo.build("tiny_residual"), tmp_path / "out", backend="toy",
+                             seed=0, progress=False,
+                             config=qdq_optuna.Config(schemes_per_region=4))
+    report = result.report
+    assert report["runtime"] == "toy" and report["complete"]
+    assert "recipe:toy" in [s["name"] for s in report["starts"]]
+    assert report["accuracy"]["scored_as"] == "the toy runtime's own words"
+    assert sorted(touched) == ["qdq_optuna/backends/__init__.py", "qdq_optuna/backends/toy.py",
+                               "qdq_optuna/runtimes/toy.py"]
+    assert len(touched) == _files_a_runtime_touches_per_the_docs()
+
+
+def test_the_file_count_is_read_from_the_architecture_page():
+    """The companion: the count the toy runtime is held to is the page's, and a page that
+    claimed fewer files than the toy runtime needs would fail the test above."""
+    assert _files_a_runtime_touches_per_the_docs() == 3
+    assert _NUMBERS["two"] < 3
+
+
 # -- quant types: one QuantType, compared as members ---------------------------------------------
 def _quant_type_comparisons(root: Path) -> list[str]:
     from qdq_optuna.model.calibration import QUANT_TYPES
@@ -349,6 +505,65 @@ def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
         'a = qtype == "fp8"\nb = q in ("uint8", "int8")\nc = q == QuantType.FP8\n')
     assert _quant_type_comparisons(tmp_path) == [
         "qdq_optuna/m.py:1: qtype == 'fp8'", "qdq_optuna/m.py:2: q in ('uint8', 'int8')"]
+
+
+# -- closed choices: enums, not strings ---------------------------------------------------------
+#: comparisons against a string literal in the package (an ONNX op type, a closed choice of
+#: ours, ...): our closed choices are ``(str, Enum)`` members (``Scales``, ``SevenBitWeights``,
+#: ``BiasMode``, ``Until``, ``QuantType``), compared by identity. This count may only go down:
+#: lower it when a change turns more of them into members
+STRING_COMPARISONS_AT_MOST = 300
+
+
+def _string_comparisons(root: Path) -> list[str]:
+    """``x == "a"``, ``x != "a"``, ``x in ("a", "b")``: every comparison of a value with a
+    string literal in ``root``'s package."""
+    found = []
+    for path in sorted((root / "qdq_optuna").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) \
+                    and any(_named_strings(x) for x in (node.left, *node.comparators)):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_string_comparisons_only_go_down():
+    """A closed choice is an enum: its members are compared, its strings are parsed once (the
+    command line still takes the same words)."""
+    found = _string_comparisons(REPO)
+    assert len(found) <= STRING_COMPARISONS_AT_MOST, (
+        f"{len(found)} comparisons against a string literal, over {STRING_COMPARISONS_AT_MOST}: "
+        "make the new closed choice an enum")
+
+
+def test_the_string_comparison_count_finds_each_form(tmp_path):
+    (tmp_path / "qdq_optuna").mkdir()
+    (tmp_path / "qdq_optuna" / "m.py").write_text(
+        'a = mode == "sequential"\nb = x in ("all", "first")\nc = "x" != y\n'
+        'd = mode is BiasMode.JOINT\ne = x == 1\nf = "a" + b\n')
+    assert _string_comparisons(tmp_path) == ["qdq_optuna/m.py:1", "qdq_optuna/m.py:2",
+                                             "qdq_optuna/m.py:3"]
+
+
+def test_closed_choices_take_the_command_lines_words():
+    """The enums take the words the command line and earlier callers use, and refuse others
+    in one line naming the option."""
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.bias import MODES, BiasMode
+    from qdq_optuna.measure.timing import Until
+    from qdq_optuna.placement.export import Scales
+    from qdq_optuna.placement.rules import SevenBitWeights
+    from qdq_optuna.search import TuneOptions
+
+    assert Scales.parse("default") is Scales.DEFAULT and Until("precision") is Until.PRECISION
+    assert BiasMode("joint") is BiasMode.JOINT and MODES == tuple(BiasMode)
+    assert SevenBitWeights("") is SevenBitWeights.NONE
+    options = TuneOptions(model="m.onnx", output_dir="out", scales="calibrated")
+    assert options.scales is Scales.CALIBRATED
+    with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose auto, "
+                                          r"default, calibrated\)$"):
+        TuneOptions(model="m.onnx", output_dir="out", scales="calibrate")
 
 
 # -- the run folder: one owner of a run's file names and writes -----------------------------------
@@ -383,6 +598,51 @@ def test_the_run_file_check_finds_a_name_and_a_write(tmp_path):
                                    'open(p, "w")\nopen(p)\nRunFolder(out).save_standing(e, u)\n')
     assert _run_files_under(tmp_path) == ["m.py:1: 'state.yaml'",
                                           "m.py:2: atomic_write_bytes()", "m.py:3: open()"]
+
+
+#: the dashboard's pictures are Optuna artifacts, drawn into a temporary folder and uploaded to
+#: the study's artifact store: no file of the run's folder
+ARTIFACT_DRAWINGS = "dashboard.py"
+
+
+def _run_file_writes(folder: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """File writes by the modules under ``folder``: the calls of :data:`WRITES` (a YAML or
+    JSON ``dump`` only into a stream), ``.save(...)`` of a model, an exporter or a cache, and
+    ``open`` for writing."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        if path.name in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            dumps_to_stream = name in ("dump", "safe_dump") and len(node.args) > 1
+            if (name in WRITES - {"dump", "safe_dump"} or dumps_to_stream or name == "save"
+                    or name == "open" and len(node.args) > 1):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}()")
+    return found
+
+
+def test_one_writer_for_the_run_folder():
+    """What the search, the record and the outputs leave in a run's folder (reports, state,
+    pattern cache, calibration statistics, the shipped model, the Pareto front) is written by
+    ``RunFolder`` (``run_folder.py``, atomically through ``_files.py``), never by them."""
+    package = REPO / "qdq_optuna"
+    assert _run_file_writes(package / "search") == []
+    assert _run_file_writes(package / "record") == []
+    assert _run_file_writes(package / "outputs", skip=(ARTIFACT_DRAWINGS,)) == []
+    assert _run_file_writes(package, skip=()) != [], "the check no longer sees any write"
+
+
+def test_the_run_file_write_check_finds_each_form(tmp_path):
+    (tmp_path / "m.py").write_text(
+        'cache.save(path)\nexporter.save(plan, out / name)\nyaml.safe_dump(doc, fh)\n'
+        'text = yaml.safe_dump(doc)\nopen(p, "w")\nopen(p)\natomic_write_bytes(p, b"")\n'
+        'RunFolder(out).write_state(text)\n')
+    assert _run_file_writes(tmp_path) == [
+        "m.py:1: cache.save()", "m.py:2: exporter.save()", "m.py:3: yaml.safe_dump()",
+        "m.py:5: open()", "m.py:7: atomic_write_bytes()"]
 
 
 # -- typed boundaries ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 from qdq_optuna.config import Config
 from qdq_optuna.examples import zoo
 from qdq_optuna.placement import starts
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._moves import Move, MoveSpace, MoveStats
 from qdq_optuna.search._unfused import Unfused
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from qdq_optuna.backends.base import (
@@ -29,6 +30,7 @@ from qdq_optuna.errors import OptionError
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
+    "DEFAULT_BACKEND",
     "Backend",
     "BackendError",
     "BackendUnavailable",
@@ -64,27 +66,43 @@ class BackendSpec:
     preset: str | None = None
     #: how ``--backend`` help names it (None: an alias, not listed)
     label: str | None = None
+    #: the float part's precision this backend's users deploy when they do not say (TensorRT
+    #: and CUDA users deploy FP16; ONNX Runtime's CPU provider runs FP32, its FP16 kernels are
+    #: few and slower); None: the runtime's default (the cost model, callables)
+    precision: str | None = None
+    #: precisions it cannot run, with why (``--high-precision`` refused in one line)
+    refuses: Mapping[str, str] = field(default_factory=dict)
 
 
 _ORT = "qdq_optuna.backends.onnxruntime"
+#: what ONNX Runtime's CPU provider cannot run
+_ORT_CPU_REFUSES: Mapping[str, str] = {
+    "bf16": "ONNX Runtime's CPU provider has no bfloat16 kernels for Conv, MatMul or most ops",
+    "fp16": ("ONNX Runtime's CPU provider fuses Q/DQ only with FP32 scales (its QLinearConcat "
+             "rejects FP16 ones) and has few FP16 kernels"),
+}
+#: the backend tune measures with unless told (``--backend``)
+DEFAULT_BACKEND = "onnxruntime"
 #: every backend name, in the order ``--backend`` lists them (besides ``package.module:function``)
 BACKENDS: dict[str, BackendSpec] = {
     "onnxruntime": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
-                               ("threads", "input_shapes"), "onnxruntime", "onnxruntime (CPU)"),
+                               ("threads", "input_shapes"), "onnxruntime", "onnxruntime (CPU)",
+                               "fp32", _ORT_CPU_REFUSES),
     "ort": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
-                       ("threads", "input_shapes"), "onnxruntime"),
+                       ("threads", "input_shapes"), "onnxruntime", None, "fp32", _ORT_CPU_REFUSES),
     "ort-cuda": BackendSpec(_ORT, "OnnxRuntimeBackend", "onnxruntime", False,
-                            ("threads", "input_shapes"), "ort-cuda", "ort-cuda"),
+                            ("threads", "input_shapes"), "ort-cuda", "ort-cuda", "fp16"),
     # TensorRT builds can crash or hang the process: isolated by default
     "ort-trt": BackendSpec(_ORT, "OnnxRuntimeBackend", "tensorrt", True,
-                           ("threads", "input_shapes"), "ort-trt", "ort-trt"),
+                           ("threads", "input_shapes"), "ort-trt", "ort-trt", "fp16"),
     "tensorrt": BackendSpec("qdq_optuna.backends.tensorrt", "TensorRTBackend", "tensorrt", True,
-                            label="tensorrt"),
+                            label="tensorrt", precision="fp16"),
     "trtexec": BackendSpec("qdq_optuna.backends.trtexec", "TrtexecBackend", "tensorrt", None,
-                           label="trtexec"),
+                           label="trtexec", precision="fp16"),
     # OpenVINO's CPU plugin: compiled in process like ONNX Runtime sessions (tune isolates it)
     "openvino": BackendSpec("qdq_optuna.backends.openvino", "OpenVinoBackend", "openvino", False,
-                            ("threads", "input_shapes"), label="openvino (CPU)"),
+                            ("threads", "input_shapes"), label="openvino (CPU)",
+                            precision="fp32"),
     "costmodel": BackendSpec("qdq_optuna.backends.costmodel", "CostModelBackend", "tensorrt",
                              None, label="costmodel"),
 }
@@ -99,7 +117,7 @@ def runtime_for_backend(name: str) -> str:
     """Whose fusion rules fit a backend: TensorRT's for the TensorRT-like ones, OpenVINO's for
     openvino, else ONNX Runtime's (callables included)."""
     spec = BACKENDS.get(name)
-    return spec.runtime if spec is not None else "onnxruntime"
+    return (spec or BACKENDS[DEFAULT_BACKEND]).runtime
 
 
 def _valid_names() -> str:

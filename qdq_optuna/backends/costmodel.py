@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from qdq_optuna.backends.base import Backend, BackendError, FixedRunner, ModelSource, Runner
 from qdq_optuna.placement.rules import COMPUTE_OPS as RULES_COMPUTE_OPS
-from qdq_optuna.placement.rules import TENSORRT_EPILOGUE_OPS
+from qdq_optuna.placement.rules import EPILOGUE_OPS as RULES_EPILOGUE_OPS
 
 if TYPE_CHECKING:  # onnx is imported lazily: backends must stay cheap to import
     import onnx
@@ -53,7 +53,7 @@ VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", 
 SHAPE_OPS = frozenset({"Shape", "Size", "Constant"})
 #: Unary ops (other inputs constant) that TensorRT folds into a compute kernel's epilogue
 #: (the rules' table: TensorRT's rules offer no Q/DQ point inside such a chain).
-EPILOGUE_OPS = TENSORRT_EPILOGUE_OPS
+EPILOGUE_OPS = RULES_EPILOGUE_OPS
 #: Binary arithmetic that becomes a per-channel scale/bias in the epilogue when one side is constant.
 SCALE_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
 #: INT8 memory ops that only move or select values, so their output keeps the input scale and

@@ -19,6 +19,7 @@ from qdq_optuna.errors import (
     interrupting_signal,
     stop_signals_as_interrupt,
 )
+from qdq_optuna.runtimes import DEFAULT_RUNTIME
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and the tensors they resolve to.")
     i.add_argument("model", help="ONNX model")
     add_options({"model": i}, names=("runtime", *MODEL_OPTIONS),
-                runtime={"default": "onnxruntime",
+                runtime={"default": DEFAULT_RUNTIME,
                          "help": "whose fusion rules place the Q/DQ (default %(default)s)"})
     _add_region_args(i)
     i.add_argument("--json", action="store_true", help="machine-readable output (stable schema)")
@@ -299,8 +300,8 @@ def _print_result(result) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from qdq_optuna.config import Config
-    from qdq_optuna.placement.prepared import PreparedModel
     from qdq_optuna.runtimes import profile_for
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
     cfg = Config(
         maximum_sequence_region_size=args.maximum_sequence_region_size or 10,

@@ -27,6 +27,7 @@ import copy
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import onnx
@@ -200,12 +201,20 @@ def quantized_layers(qdq: onnx.ModelProto, float_model: onnx.ModelProto) -> tupl
 #: model's own tensors through its Q/DQ, one run: NNCF's measure, its own rounding only),
 #: ``joint`` (the Q/DQ model, one run for every layer: a later layer's shift includes the
 #: earlier ones', which their own corrections remove too: corrected twice, it diverges)
-MODES = ("isolated", "sequential", "joint")
-DEFAULT_MODE = "sequential"
+class BiasMode(str, Enum):
+    """How a layer's output shift is measured (see above)."""
+
+    ISOLATED = "isolated"
+    SEQUENTIAL = "sequential"
+    JOINT = "joint"
+
+
+MODES = tuple(BiasMode)
+DEFAULT_MODE = BiasMode.SEQUENTIAL
 
 
 def correct_biases(qdq: onnx.ModelProto, float_means: FloatMeans, data: Mapping[str, np.ndarray],
-                   *, mode: str = DEFAULT_MODE, threads: int = 1, optimize: bool = False,
+                   *, mode: BiasMode | str = DEFAULT_MODE, threads: int = 1, optimize: bool = False,
                    cache: dict[str, np.ndarray] | None = None) -> BiasCorrection:
     """A copy of ``qdq`` with each quantized layer's mean per-channel shift from the float
     model (``float_means``, the same ``data``) folded into its bias, measured as ``mode``
@@ -214,17 +223,19 @@ def correct_biases(qdq: onnx.ModelProto, float_means: FloatMeans, data: Mapping[
     by what a layer's measurement depends on (isolated: the layer and its Q/DQ; sequential:
     everything upstream of it), so a plan sharing that with an earlier one runs less."""
     if mode not in MODES:
-        raise ValueError(f"bias correction mode {mode!r}: one of {', '.join(MODES)}")
+        raise ValueError(f"bias correction mode {mode!r}: one of "
+                         f"{', '.join(m.value for m in MODES)}")
+    mode = BiasMode(mode)
     model = copy.deepcopy(qdq)
     layers, skipped = quantized_layers(model, float_means.model)
     ref = float_means.means()
     layers = [lay for lay in layers if lay.f_output in ref]
     result = BiasCorrection(model, [], skipped)
     cache = {} if cache is None else cache
-    if mode == "sequential":
+    if mode is BiasMode.SEQUENTIAL:
         folded = _sequential(model, layers, ref, data, threads, optimize, cache, result)
     else:
-        if mode == "isolated":
+        if mode is BiasMode.ISOLATED:
             before = len(cache)
             got = _isolated_means(model, float_means.model, layers, data, threads, cache)
             result.runs = int(len(cache) > before)

@@ -33,11 +33,9 @@ import onnx
 from onnx import helper
 
 from qdq_optuna._files import atomic_write_bytes
-from qdq_optuna.backends import runtime_for_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.machine import current_cpu
-from qdq_optuna.measure.timing import Measurer, TimingProtocol
-from qdq_optuna.placement.rules import RULES
+from qdq_optuna.measure.timing import Measurer, TimingProtocol, Until
 
 log = logging.getLogger("qdq_optuna")
 
@@ -347,7 +345,7 @@ def runtime_of(backend: Backend) -> dict:
 def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
               float_model: bytes) -> KernelTiming:
     """One unit's integer model against its float model, interleaved."""
-    c = measurer.compare(float_model, int_model, until="precision")
+    c = measurer.compare(float_model, int_model, until=Until.PRECISION)
     return KernelTiming(unit.signature, unit.op, round(c.reference.score_ms, 6),
                         round(c.candidate.score_ms, 6), round(c.ratio, 6),
                         round(c.ci_low, 6), round(c.ci_high, 6), c.rounds)
@@ -357,18 +355,16 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
-                 output_q: bool | None = None, deadline: float | None = None) -> KernelTable:
+                 output_q: bool, deadline: float | None = None) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
     A unit that cannot be cut or run is left out (logged), never the run's failure.
-    ``output_q`` (see :func:`units`) follows the backend's rules: an integer kernel that
-    writes integer needs a Q on its output (ONNX Runtime's ``output_quantized_ops``).
+    ``output_q`` (see :func:`units`) follows the runtime's rules: an integer kernel that
+    writes integer needs a Q on its output (``RuntimeRules.output_quantized_ops``; the
+    profile's ``kernel_timing`` passes it).
     Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
     Inception v1's 57 uncached units once took minutes after the run's time was up."""
-    if output_q is None:
-        rules = RULES.get(runtime_for_backend(getattr(backend, "name", "")) or "")
-        output_q = bool(rules is not None and rules.output_quantized_ops)
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
@@ -494,7 +490,7 @@ def time_region(measurer: Measurer, graph, candidate: onnx.ModelProto,
     try:
         cand = region_model(with_shapes(candidate), inputs, outputs)
         ref = region_model(with_shapes(reference), inputs, outputs)
-        c = measurer.compare(cand, ref, until="verdict")
+        c = measurer.compare(cand, ref, until=Until.VERDICT)
     except Exception as exc:  # a screen is an optimisation: the whole model is measured
         log.info("region of %d node(s) not timed (%s)", len(nodes), str(exc).splitlines()[0])
         return None

@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from qdq_optuna.backends.base import Backend, BackendError, ModelSource, Runner
@@ -444,6 +445,16 @@ def _key(model: ModelSource):
     return len(model), hash(model)
 
 
+
+class Until(str, Enum):
+    """When an A/B comparison stops (:meth:`Measurer.compare`)."""
+
+    #: ranking candidates: as soon as the interval excludes 1 or is narrow enough
+    VERDICT = "verdict"
+    #: a figure to report: at least ``final_sessions`` rounds, and only once it is that narrow
+    PRECISION = "precision"
+
+
 class Measurer:
     """Applies a :class:`TimingProtocol` to any :class:`Backend`.
 
@@ -696,7 +707,8 @@ class Measurer:
         seconds = time.perf_counter() - t0
         return [a.measurement(quiet, seconds / len(srcs), remeasured) for a in accs]
 
-    def compare(self, candidate: Any, reference: Any, *, until: str = "verdict") -> Comparison:
+    def compare(self, candidate: Any, reference: Any, *,
+                until: Until | str = Until.VERDICT) -> Comparison:
         """Interleaved A/B rounds until the ratio is known well enough (or rounds run out).
 
         ``until="verdict"`` (ranking candidates) stops as soon as the interval excludes 1 or is
@@ -704,13 +716,12 @@ class Measurer:
         rounds show the candidate not faster at all; ``until="precision"`` (a figure to report)
         runs at least ``final_sessions`` rounds and stops only once the interval is that narrow.
         """
-        if until not in ("verdict", "precision"):
-            raise ValueError(f"until must be 'verdict' or 'precision', got {until!r}")
+        until = Until(until)  # ValueError for another word
         cand, ref = _as_source(candidate), _as_source(reference)
         self._last_model = ref
         p = self.protocol
         min_rounds = p.min_rounds
-        if until == "precision":
+        if until is Until.PRECISION:
             min_rounds = max(p.min_rounds, min(p.final_sessions, p.max_rounds))
         if self.deterministic:
             mc, mr = self._deterministic(cand), self._deterministic(ref)
@@ -719,7 +730,7 @@ class Measurer:
         looks = p.max_rounds - min_rounds + 1
         level = per_look_confidence(p.confidence, looks)
         give_up = (max(min_rounds, math.ceil(p.give_up_at * p.max_rounds))
-                   if until == "verdict" and p.give_up_at is not None else None)
+                   if until is Until.VERDICT and p.give_up_at is not None else None)
         warm, cold = self._warm_rounds(models=[ref, cand]), self._cold([ref, cand])
         acc_ref, acc_cand = _Acc(), _Acc()
         ratios: list[float] = []
@@ -746,7 +757,7 @@ class Measurer:
                 ratios.append(max(min(s_cand), 1e-9) / max(min(s_ref), 1e-9))
                 if len(ratios) >= 2:
                     center, lo, hi = ratio_interval(ratios, level)
-                significant = until == "verdict" and (hi < 1.0 or lo > 1.0)
+                significant = until is Until.VERDICT and (hi < 1.0 or lo > 1.0)
                 enough = len(ratios) >= max(2, min_rounds)
                 if enough and (significant or (hi - lo) / (2 * center) < p.target):
                     decided = True

@@ -613,19 +613,24 @@ def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelPro
     return copy
 
 
-def save_statistics(
-    path: str | os.PathLike, stats: Mapping[str, TensorStatistics], *, fingerprint: str
-) -> None:
-    """Write the cache atomically so an interrupted run never leaves a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+def statistics_json(stats: Mapping[str, TensorStatistics], *, fingerprint: str) -> bytes:
+    """The statistics' cache file as :func:`load_statistics` reads it back."""
     payload = {
         "format": _STATS_FORMAT,
         "version": _STATS_VERSION,
         "fingerprint": fingerprint,
         "tensors": {name: s.to_dict() for name, s in stats.items()},
     }
-    atomic_write_bytes(target, json.dumps(payload).encode())
+    return json.dumps(payload).encode()
+
+
+def save_statistics(
+    path: str | os.PathLike, stats: Mapping[str, TensorStatistics], *, fingerprint: str
+) -> None:
+    """Write the cache atomically so an interrupted run never leaves a half-written file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(target, statistics_json(stats, fingerprint=fingerprint))
 
 
 def load_statistics(

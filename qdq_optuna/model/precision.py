@@ -104,37 +104,18 @@ def check_precision(name: str, option: str = "--high-precision") -> str:
     return name
 
 
-#: the precision a backend's users deploy when they do not say: TensorRT and CUDA users deploy
-#: FP16; ONNX Runtime's CPU provider runs FP32 (its FP16 kernels are few and slower). The cost
-#: model and a callable backend are not here: they follow the runtime whose rules place Q/DQ
-DEFAULT_FOR_BACKEND: Mapping[str, str] = {
-    "tensorrt": "fp16", "trtexec": "fp16", "ort-trt": "fp16",
-    "ort-cuda": "fp16", "onnxruntime": "fp32", "ort": "fp32", "openvino": "fp32",
-}
-#: (backend, precision) pairs that cannot run, with why
-_ORT_CPU_BF16 = "ONNX Runtime's CPU provider has no bfloat16 kernels for Conv, MatMul or most ops"
-_ORT_CPU_FP16 = ("ONNX Runtime's CPU provider fuses Q/DQ only with FP32 scales (its QLinearConcat "
-                 "rejects FP16 ones) and has few FP16 kernels")
-UNSUPPORTED: Mapping[tuple[str, str], str] = {
-    ("onnxruntime", "bf16"): _ORT_CPU_BF16, ("ort", "bf16"): _ORT_CPU_BF16,
-    ("onnxruntime", "fp16"): _ORT_CPU_FP16, ("ort", "fp16"): _ORT_CPU_FP16,
-}
-
-
-def resolve_high_precision(requested: str | None, backend: str, default: str) -> str:
-    """``--high-precision`` for a run: the requested one (checked against the backend) or the
-    backend's default, else ``default``, the runtime's (its profile's): the cost model and a
-    callable backend follow the runtime whose rules they place by (TensorRT: fp16; ONNX
-    Runtime: fp32, the FP16 Q/DQ model its CPU fusions refuse would ship otherwise)."""
+def resolve_high_precision(requested: str | None, backend: str, default: str,
+                           refused: Mapping[str, str] | None = None) -> str:
+    """``--high-precision`` for a run: the requested one (checked against what ``backend``
+    ``refused``: precision -> why) or ``default`` (the backend's, else the runtime's: the
+    cost model and a callable backend follow the runtime whose rules they place by)."""
     if requested is not None:
         check_precision(requested)
-        why = UNSUPPORTED.get((backend, requested))
+        why = (refused or {}).get(requested)
         if why:
             raise OptionError(f"--high-precision {requested} cannot run on --backend {backend}: "
                               f"{why}")
         return requested
-    if backend in DEFAULT_FOR_BACKEND:
-        return DEFAULT_FOR_BACKEND[backend]
     return default
 
 
@@ -654,7 +635,6 @@ def bf16_computed_in_fp32(model: bytes | onnx.ModelProto) -> bytes:
 
 
 __all__ = [
-    "DEFAULT_FOR_BACKEND",
     "KEEP_FP32",
     "PRECISIONS",
     "HighPrecisionModel",

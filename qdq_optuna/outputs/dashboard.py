@@ -38,7 +38,7 @@ from qdq_optuna.run_folder import STUDIES_DB
 
 if TYPE_CHECKING:
     from qdq_optuna.placement.points import PatternPoints
-    from qdq_optuna.placement.prepared import PreparedModel
+    from qdq_optuna.runtimes.prepared import PreparedModel
 
 log = logging.getLogger("qdq_optuna")
 

@@ -13,14 +13,13 @@ all combinations, but every listed point is a real, measured model.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from qdq_optuna.placement.scheme import combine
 from qdq_optuna.record import PatternStanding
-from qdq_optuna.run_folder import PARETO
+from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.search.objectives import pareto_indices
 
 
@@ -98,19 +97,15 @@ def model_front(record, plans, exporter, rows: list[PatternStanding], fp32: byte
         })
 
     front = set(pareto_indices([(p["latency_ms"], p["error"]) for p in points]))
-    folder = Path(out) / PARETO
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.onnx"):  # a rerun replaces the previous front
-        with contextlib.suppress(OSError):
-            old.unlink()
+    folder = RunFolder(out)
+    folder.clear_pareto()
     for p in points:
         if p["index"] not in front:
             continue
         p["on_front"] = True
         name = f"{p['index']:02d}_latency_{p['latency_ms']:.4f}_error_{p['error']:.4g}.onnx"
         plan = exporter.plan(steps[p["index"]][1])
-        exporter.save(plan, folder / name)
-        p["file"] = f"pareto/{name}"
+        p["file"] = folder.save_pareto_model(exporter, plan, name)
     return points
 
 

@@ -25,6 +25,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -57,12 +58,33 @@ from qdq_optuna.model.graph import (
     wire_field,
 )
 from qdq_optuna.model.precision import HighPrecisionModel
-from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules
+from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules, SevenBitWeights
 
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
 _MEMO_PER_NODE = 2
 _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
+
+
+class Scales(str, Enum):
+    """The scales trials export with (``--scales``)."""
+
+    #: the runtime's choice (its profile's ``default_scales``)
+    AUTO = "auto"
+    #: one placeholder scale for every tensor: times the same where the scale does not change
+    #: the kernels (TensorRT)
+    DEFAULT = "default"
+    #: the calibrated scales
+    CALIBRATED = "calibrated"
+
+    @classmethod
+    def parse(cls, name: str | Scales) -> Scales:
+        """``name`` as a member; one line naming ``--scales`` for anything else."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise OptionError(f"--scales: unknown {name!r} (choose "
+                              f"{', '.join(m.value for m in cls)})") from None
 
 
 def check_quant_type(name: str) -> str:
@@ -176,7 +198,8 @@ class _QDQPieces:
         self.rules = rules
         #: which int8 weights take 7 bits on this CPU (``RuntimeRules.seven_bit_weights``;
         #: see :func:`~qdq_optuna.model.calibration.cpu_saturates_u8s8`)
-        self.seven_bit = rules.seven_bit_weights if cpu_saturates_u8s8() else ""
+        self.seven_bit = (rules.seven_bit_weights if cpu_saturates_u8s8()
+                          else SevenBitWeights.NONE)
         self.quant_type = check_quant_type(quant_type)
         self.scales = dict(scales or {})
         if not (default_scale > 0 and np.isfinite(default_scale)):
@@ -283,9 +306,9 @@ class _QDQPieces:
         """7-bit int8 weights where the rules ask for them on a CPU whose u8 x s8 kernels
         saturate (all of them: ONNX Runtime's ``reduce_range``; the first layers: OpenVINO);
         the type's range everywhere else."""
-        if qtype != QuantType.INT8 or not self.seven_bit:
+        if qtype != QuantType.INT8 or self.seven_bit is SevenBitWeights.NONE:
             return None
-        if self.seven_bit == "all" or node in self._first_layers:
+        if self.seven_bit is SevenBitWeights.ALL or node in self._first_layers:
             return REDUCED_WEIGHT_QMAX
         return None
 

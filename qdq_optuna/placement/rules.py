@@ -1,20 +1,32 @@
-"""Where Q/DQ may go, as data: one :class:`RuntimeRules` table per target runtime.
+"""Where Q/DQ may go, as data: the :class:`RuntimeRules` a runtime's rules are written in, and
+the use filters they are built from.
 
 TensorRT and ONNX Runtime CPU fuse differently (see the README's "Rules" section), so a placement
-that is fast on one can be the slowest on the other. Everything runtime-specific lives in the two
-tables at the bottom of this module; code elsewhere only reads them.
+that is fast on one can be the slowest on the other. Each runtime's table lives in its profile
+(``qdq_optuna/runtimes/<name>.py``); code elsewhere only reads the run's table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
-from qdq_optuna.errors import OptionError
-from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
 
 ALL_SLOTS = -1
+
+
+class SevenBitWeights(str, Enum):
+    """The int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
+    and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``)."""
+
+    #: none (a GPU's kernels do not saturate)
+    NONE = ""
+    #: all of them (ONNX Runtime's ``reduce_range``)
+    ALL = "all"
+    #: the weighted ops reading the model's input (NNCF's default overflow fix for OpenVINO)
+    FIRST = "first"
 
 #: Inputs that carry shapes, indices, axes, scales or biases: never a Q/DQ site on any runtime.
 STRUCTURAL_INPUTS: Mapping[str, frozenset[int]] = {
@@ -155,7 +167,7 @@ def residual_conv(graph: Graph, add: int) -> int | None:
     return 0 if convs[0] < convs[1] else 1
 
 
-def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
+def conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
     """TensorRT fuses Conv->[BN->]Add->Relu into one INT8 kernel; Q/DQ on the Conv (or BN)
     output that feeds the Add breaks it. Fires only when that output has a single consumer and
     the Add feeds a Relu (the review's refinement of the upstream rule). When both Add inputs
@@ -175,7 +187,7 @@ def _conv_add_relu_fusion(graph: Graph, use: Use) -> str | None:
 
 #: single-input ops (other inputs constant) that TensorRT runs in the epilogue of the
 #: Conv/Gemm/MatMul kernel producing their input (the cost model fuses the same ones)
-TENSORRT_EPILOGUE_OPS = frozenset(
+EPILOGUE_OPS = frozenset(
     {
         "BatchNormalization", "Relu", "Clip", "LeakyRelu", "PRelu", "Sigmoid", "HardSigmoid",
         "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Mish", "Gelu", "ThresholdedRelu",
@@ -189,7 +201,7 @@ _SCALE_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
 def _in_epilogue(graph: Graph, idx: int, slot: int) -> bool:
     """Node ``idx`` reading input ``slot`` can join the kernel of the op producing it."""
     node = graph.nodes[idx]
-    if node.op_type in TENSORRT_EPILOGUE_OPS:
+    if node.op_type in EPILOGUE_OPS:
         if slot != 0:
             return False
     elif node.op_type not in _SCALE_BIAS_OPS:
@@ -267,7 +279,7 @@ def _kernel_written(graph: Graph, tensor: str) -> bool:
     return False
 
 
-def _epilogue_edge(graph: Graph, use: Use) -> str | None:
+def epilogue_edge(graph: Graph, use: Use) -> str | None:
     """TensorRT runs a Conv/Gemm/MatMul with the BatchNormalization, activation (SiLU too)
     and constant scale/bias after it as one kernel, and quantizes the chain's output in that
     kernel: its own placement rules (and Model Optimizer's) put Q/DQ on the compute op's
@@ -285,7 +297,7 @@ def _epilogue_edge(graph: Graph, use: Use) -> str | None:
     return "inside a compute op's fused activation chain (TensorRT: one kernel)"
 
 
-def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
+def shape_arithmetic(graph: Graph, use: Use) -> str | None:
     """TensorRT folds what is computed from tensor shapes and constants alone (a detector's
     anchor grid: Shape -> Range -> Add -> Expand ...) when it builds the engine: a Q/DQ there
     quantizes a constant and moves no data, but each such point would be measured."""
@@ -294,7 +306,7 @@ def _shape_arithmetic(graph: Graph, use: Use) -> str | None:
     return None
 
 
-def _fused_activation(graph: Graph, use: Use) -> str | None:
+def fused_activation(graph: Graph, use: Use) -> str | None:
     """ONNX Runtime folds a Relu that directly follows a quantized Conv/Gemm/MatMul into the
     kernel's output range (Q with zero point at the type's minimum); Q/DQ between them only adds
     a float round trip. (A Clip folds only when its range fits the Q range: left to the search.)"""
@@ -306,7 +318,7 @@ def _fused_activation(graph: Graph, use: Use) -> str | None:
     return "activation fused into the producer's quantized kernel"
 
 
-def _swish_operand(graph: Graph, use: Use) -> str | None:
+def swish_operand(graph: Graph, use: Use) -> str | None:
     """OpenVINO fuses ``x * Sigmoid(x)`` (Swish/SiLU, as PyTorch exports it) into the layer
     that computes ``x`` (a Convolution's post-op): a Q/DQ on either operand of that Mul breaks
     the fusion and runs as a float Subgraph of its own. Measured on the zoo YOLO (small, every
@@ -326,7 +338,7 @@ def _swish_operand(graph: Graph, use: Use) -> str | None:
     return None
 
 
-def _promote_concat(graph: Graph, tensor: str, uncovered: list[tuple[int, int]]) -> bool:
+def promote_concat(graph: Graph, tensor: str, uncovered: list[tuple[int, int]]) -> bool:
     """TensorRT: when the only uncovered consumers are Concats, quantize the tensor for them too
     so the Concat sees INT8 inputs (it is a byte copy in TensorRT)."""
     return bool(uncovered) and all(graph.nodes[n].op_type == "Concat" for n, _ in uncovered)
@@ -345,11 +357,8 @@ class RuntimeRules:
     quantizable_ops: frozenset[str] | None = None
     #: extra per-use filters (name kept for reports)
     use_filters: tuple[Callable[[Graph, Use], str | None], ...] = ()
-    #: the int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
-    #: and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``): "all"
-    #: (ONNX Runtime's ``reduce_range``), "first" (the weighted ops reading the model's input:
-    #: NNCF's default overflow fix for OpenVINO), "" none (a GPU's kernels do not saturate)
-    seven_bit_weights: str = ""
+    #: the int8 weights that take 7 bits on a CPU whose u8 x s8 kernels saturate
+    seven_bit_weights: SevenBitWeights = SevenBitWeights.NONE
     #: merge-stage promotions: (graph, tensor, uncovered consumers) -> cover them too
     promotions: tuple[Callable[[Graph, str, list[tuple[int, int]]], bool], ...] = ()
     #: ops whose (inputs + output) form a fusion group: the runtime only runs them quantized
@@ -430,114 +439,3 @@ class RuntimeRules:
 
     def quantizable(self, graph: Graph, use: Use) -> bool:
         return self.use_reason(graph, use) is None
-
-
-TENSORRT = RuntimeRules(
-    name="tensorrt",
-    default_quant_type="int8",
-    quant_types=("int8", "fp8"),
-    use_filters=(_shape_arithmetic, _conv_add_relu_fusion, _epilogue_edge),
-    promotions=(_promote_concat,),
-    fusion_group_ops=frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"}),
-)
-
-#: ONNX Runtime's QDQ selectors (onnxruntime/core/optimizer/qdq_transformer): ops that run
-#: quantized when DQ feeds their inputs and Q follows their output.
-ORT_QUANTIZED_OPS = frozenset(
-    {
-        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
-        "AveragePool", "GlobalAveragePool", "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid",
-        "Resize", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Split",
-        "Softmax", "Where", "Pad", "DepthToSpace", "SpaceToDepth", "Slice", "Tanh", "Expand",
-        "Tile", "ReduceMean", "ReduceMin", "ReduceMax", "InstanceNormalization",
-        "LayerNormalization", "Abs", "Neg", "Erf",
-    }
-)
-
-ONNXRUNTIME_CPU = RuntimeRules(
-    name="onnxruntime",
-    preprocess="ort-basic",
-    default_quant_type="uint8",
-    quant_types=("uint8", "int8"),
-    quantizable_ops=ORT_QUANTIZED_OPS,
-    use_filters=(_fused_activation,),
-    fusion_group_ops=frozenset(
-        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
-         "AveragePool", "GlobalAveragePool", "Resize", "Sigmoid", "LeakyRelu"}
-    ),
-    quantize_bias_ops=frozenset({"Gemm"}),
-    output_quantized_ops=ORT_QUANTIZED_OPS,
-    constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
-    table_ops=frozenset({"Gather"}),
-    concat_share_ratio=CONCAT_SHARE_RATIO,  # QLinearConcat copies the bytes
-    seven_bit_weights="all",
-)
-
-#: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an
-#: LPT transformation that keeps it in u8/i8 when a FakeQuantize (a Q/DQ pair read from ONNX)
-#: feeds it (docs: "OpenVINO Low Precision Transformations", its list of quantized operations:
-#: Add, AvgPool, Clamp, Concat, Convolution, ConvolutionBackpropData, DepthToSpace, Gather,
-#: GroupConvolution, Interpolate, MatMul, MaxPool, Multiply, MVN, NormalizeL2, Pad, PRelu,
-#: ReduceMax/Mean/Min/Sum, Relu, Reshape, ShuffleChannels, Split, Squeeze, StridedSlice,
-#: Subtract, Transpose, Unsqueeze, VariadicSplit). NNCF's placements for ONNX put Q/DQ on the
-#: inputs of Conv, MatMul, Gemm, Add, Concat, Split, Resize, MaxPool (read from its output on
-#: the zoo's YOLO, ResNet and on nudenet-320n), all inside this set.
-OPENVINO_QUANTIZED_OPS = frozenset(
-    {
-        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Sub", "Mul", "Concat", "MaxPool",
-        "AveragePool", "GlobalAveragePool", "Resize", "Reshape", "Transpose", "Squeeze",
-        "Unsqueeze", "Flatten", "Gather", "Split", "Slice", "Pad", "DepthToSpace",
-        "SpaceToDepth", "Relu", "Clip", "PRelu", "ReduceMean", "ReduceMax", "ReduceMin",
-        "ReduceSum", "MeanVarianceNormalization", "LpNormalization",
-    }
-)
-
-#: OpenVINO CPU: a Q/DQ pair is read as one FakeQuantize on the tensor; the plugin folds it
-#: into the *producer's* output (a Convolution writing u8: ``originalLayersNames`` of the
-#: runtime layer lists the QuantizeLinear) and the consumer reads u8. Unlike ONNX Runtime no Q
-#: is needed after an op to run it quantized, so only inputs are sites (no output rules), and
-#: a Relu after a Conv is folded by OpenVINO itself (no filter). Activations u8 (as NNCF emits
-#: for non-negative and asymmetric ranges), weights i8 per channel.
-OPENVINO_CPU = RuntimeRules(
-    name="openvino",
-    default_quant_type="uint8",
-    quant_types=("uint8", "int8"),
-    quantizable_ops=OPENVINO_QUANTIZED_OPS,
-    fusion_group_ops=frozenset(
-        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
-         "AveragePool", "GlobalAveragePool", "Resize"}
-    ),
-    # LPT's precision-preserving operations (MaxPool, Reshape, Transpose, Squeeze, Unsqueeze,
-    # Split, StridedSlice, Concat, DepthToSpace, Pad, Interpolate nearest): measured, NNCF's
-    # ResNet quantizes the Relu before a MaxPool and the next Conv's weights; that Conv runs
-    # u8 (runtimePrecision) only when its weights carry their DequantizeLinear too
-    precision_preserving_ops=frozenset(
-        {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice",
-         "Concat", "DepthToSpace", "SpaceToDepth", "Pad", "Resize"}
-    ),
-    # always shared (as NNCF does): LPT turns a Concat of u8 inputs with different scales into
-    # a per-channel dequantization after it, which the next Convolution cannot fold, so that
-    # Convolution runs f32 with its weights dequantized at run time. Measured on nudenet-320n
-    # (NNCF's placement, our percentile scales): with the ONNX Runtime ratio 0.5 one Concat
-    # (model.4, Split outputs next to residual Adds) kept two scales: Convolution u8 63 + f32
-    # 1, Reorder f32 6; shared: u8 64, Reorder f32 3, as NNCF's file
-    concat_share_ratio=0.0,
-    # the image (or other raw input) a first layer reads spans the whole u8 range: there the
-    # 16-bit pair sums overflow. mtcnn-rnet on an AVX2 CPU, same model in OpenVINO: worst
-    # output cosine vs FP32 0.65 with 8-bit first-layer weights, 0.997 with 7 bits (ONNX
-    # Runtime without fusions, which does not saturate, read 0.997 for both)
-    seven_bit_weights="first",
-    use_filters=(_swish_operand,),
-)
-
-RULES: Mapping[str, RuntimeRules] = {"tensorrt": TENSORRT, "onnxruntime": ONNXRUNTIME_CPU,
-                                     "openvino": OPENVINO_CPU}
-
-
-def rules_for(runtime: str) -> RuntimeRules:
-    try:
-        return RULES[runtime]
-    except KeyError:
-        raise OptionError(
-            f"--runtime: unknown runtime {runtime!r} (choose from {', '.join(RULES)})"
-        ) from None

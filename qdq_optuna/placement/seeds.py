@@ -99,9 +99,13 @@ class PatternCache:
             "schemes": [{"points": list(p), "latency_ms": round(float(lat), 6)} for p, lat in kept]
         }
 
+    def to_yaml(self) -> str:
+        """The cache as its file holds it (``--pattern-cache`` reads it back)."""
+        return yaml.safe_dump({"version": CACHE_VERSION, "patterns": self.entries},
+                              sort_keys=True)
+
     def save(self, path: str | os.PathLike) -> Path:
-        doc = {"version": CACHE_VERSION, "patterns": self.entries}
-        return atomic_write_bytes(path, yaml.safe_dump(doc, sort_keys=True).encode())
+        return atomic_write_bytes(path, self.to_yaml().encode())
 
 
 def baseline_tensors(path: str | os.PathLike) -> set[str]:

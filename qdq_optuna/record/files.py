@@ -46,7 +46,7 @@ def write_state(record: RunRecord, out: Path, status: str, run: dict,
     RunFolder(out).write_state(yaml.safe_dump(state, sort_keys=False))
 
 
-def write_pattern_cache(record: RunRecord, path: Path, *, minimum_distance: int,
+def write_pattern_cache(record: RunRecord, folder: RunFolder, *, minimum_distance: int,
                         max_entries: int, lane: str | None = None) -> None:
     """Every measured scheme of every pattern with the whole model's latency it gave, the
     standing scheme (``lane``'s) first, for ``--pattern-cache`` of a later run."""
@@ -67,4 +67,4 @@ def write_pattern_cache(record: RunRecord, path: Path, *, minimum_distance: int,
         if schemes:
             cache.add(pp.pattern.signature, schemes, minimum_distance=minimum_distance,
                       max_entries=max_entries)
-    cache.save(path)
+    folder.write_pattern_cache(cache.to_yaml())

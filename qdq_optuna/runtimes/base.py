@@ -12,9 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qdq_optuna.backends import BACKENDS
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.rules import RuntimeRules
 
 
@@ -28,11 +30,15 @@ class Runtime:
     #: the float part's precision when neither ``--high-precision`` nor the backend says
     default_precision: str = "fp32"
     #: ``--scales auto``: calibrated scales inside trials, or placeholders (``default``)
-    default_scales: str = "calibrated"
+    default_scales: Scales = Scales.CALIBRATED
 
     def high_precision(self, requested: str | None, backend: str) -> str:
-        """The float part's precision for ``--high-precision`` on ``backend`` (checked)."""
-        return resolve_high_precision(requested, backend, self.default_precision)
+        """The float part's precision for ``--high-precision`` on ``backend`` (checked against
+        what its table row refuses; its row's default, else this runtime's)."""
+        spec = BACKENDS.get(backend)
+        default = (spec.precision if spec is not None else None) or self.default_precision
+        return resolve_high_precision(requested, backend, default,
+                                      spec.refuses if spec is not None else None)
 
     def backend_options(self, model: Any, requested_precision: str | None,
                         threads: int | None, input_shapes: dict | None) -> dict:
@@ -63,6 +69,19 @@ class Runtime:
                      backend: Backend | None) -> Callable | None:
         """What runs a candidate for the accuracy guard, when not ONNX Runtime (None)."""
         return None
+
+    def scored_as(self, bf16: bool, fused: bool, runner: Callable | None) -> str:
+        """How the accuracy guard ran the saved model, in the report's words (``runner``:
+        this profile's :meth:`error_runner`, None when ONNX Runtime scored it)."""
+        if bf16:
+            return ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has no BF16 "
+                    "kernels)")
+        if fused:
+            return ("the saved model in ONNX Runtime CPU with all graph optimizations (the fused "
+                    "integer kernels an ONNX Runtime deployment runs)")
+        return ("the saved model in ONNX Runtime CPU with graph optimizations off: each Q/DQ "
+                "computed as written, which is what TensorRT's kernels compute up to their "
+                "rounding (ONNX Runtime's own fusions refuse FP16 Q/DQ graphs)")
 
     def what_ran(self, backend: Backend, model: bytes) -> WhatRan | None:
         """What the runtime fused, ran standalone, kept float, reformatted for ``model``."""

@@ -1,13 +1,225 @@
-"""ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe, fused scoring."""
+"""ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe (run, and read back
+as a start), fused scoring, and how its recipe's kernels compare with our export's."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
+
+from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+from qdq_optuna.measure.recipe_parity import RecipeParity
+from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
+from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
-from qdq_optuna.placement.rules import ONNXRUNTIME_CPU
+from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
+from qdq_optuna.placement.starts import (
+    Start,
+    keep_recipe_file,
+    quiet_tool,
+    read_placement,
+    read_scales,
+    recipe_file_bytes,
+    start_from_uses,
+)
 from qdq_optuna.runtimes.base import Runtime
+
+#: the loggers ONNX Runtime's quantization tool writes to besides the root (quieted while it runs)
+TOOL_LOGGERS = ("onnxruntime",)
+
+#: ONNX Runtime's QDQ selectors (onnxruntime/core/optimizer/qdq_transformer): ops that run
+#: quantized when DQ feeds their inputs and Q follows their output.
+ORT_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid",
+        "Resize", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Gather", "Split",
+        "Softmax", "Where", "Pad", "DepthToSpace", "SpaceToDepth", "Slice", "Tanh", "Expand",
+        "Tile", "ReduceMean", "ReduceMin", "ReduceMax", "InstanceNormalization",
+        "LayerNormalization", "Abs", "Neg", "Erf",
+    }
+)
+
+ONNXRUNTIME_CPU = RuntimeRules(
+    name="onnxruntime",
+    preprocess="ort-basic",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=ORT_QUANTIZED_OPS,
+    use_filters=(fused_activation,),
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize", "Sigmoid", "LeakyRelu"}
+    ),
+    quantize_bias_ops=frozenset({"Gemm"}),
+    output_quantized_ops=ORT_QUANTIZED_OPS,
+    constant_operand_ops=frozenset({"Add", "Mul", "Concat"}),
+    table_ops=frozenset({"Gather"}),
+    concat_share_ratio=CONCAT_SHARE_RATIO,  # QLinearConcat copies the bytes
+    seven_bit_weights=SevenBitWeights.ALL,
+)
+
+
+def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
+                     data: Mapping[str, np.ndarray] | None = None,
+                     input_shapes: InputShapes | str | None = None, samples: int = 4
+                     ) -> Path:
+    """What a user gets from ONNX Runtime's documented one-liner: ``quant_pre_process`` then
+    ``quantize_static`` (QDQ, per-channel, uint8 activations, int8 weights), on a copy of
+    ``model`` written to ``work``; calibrated on ``data`` (graph input -> samples on axis 0),
+    or on ``samples`` random feeds. Returns the path of the quantized model."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from qdq_optuna.model import calibration
+
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    # checked, static shapes, weights in memory; the inputs the data feeds stay inputs
+    proto = load_model(model, shapes, fed=data or ()).full_model()
+    # per-channel DequantizeLinear (its axis) needs opset 13: below it, the tool writes a model
+    # ONNX Runtime refuses, and its user upgrades the opset first
+    proto = ensure_opset(proto, 13, "ONNX Runtime's per-channel recipe")
+    src, pre, out = work / "float.onnx", work / "preprocessed.onnx", work / "ort_recipe.onnx"
+    big = proto.ByteSize() > (1 << 30)
+    onnx.save(proto, str(src), save_as_external_data=big)
+    if data is None:
+        data = calibration.random_calibration_data(proto, shapes.shapes or None,
+                                                   samples=samples, seed=0)
+    feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(len(next(iter(data.values()))))]
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    with quiet_tool("ONNX Runtime's recipe (quant_pre_process + quantize_static)", TOOL_LOGGERS):
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True,
+                          save_as_external_data=big)
+        # the ranges outside ``work``: a file beside the model there reads as its weights
+        with tempfile.TemporaryDirectory(prefix="qdq-optuna-ranges-") as ranges:
+            cache = ort_minmax_cache(pre, feeds, Path(ranges) / "ort_ranges.json")
+            quantize_static(str(pre), str(out), None if cache else _Reader(),
+                            calibration_cache_path=cache, use_external_data_format=big,
+                            **ort_recipe_options())
+    return out
+
+
+def ort_minmax_cache(model_path: Path, feeds: list[dict], path: Path) -> Path | None:
+    """``quantize_static``'s MinMax ranges for ``model_path`` on ``feeds``, written as its
+    own calibration cache (``calibration_cache_path``), so it skips its calibrator; None when
+    this ONNX Runtime has no such cache (it calibrates itself).
+
+    Why: its calibrator inserts a ReduceMin/ReduceMax pair per tensor, each time searching
+    the node list and rebuilding the value-info map, which is quadratic in the graph's size:
+    a 4,755-node decoder spent 424 of its first 475 s there (under a profiler). The tensors
+    are ONNX Runtime's own choice (``select_tensors_to_calibrate``); each range is
+    the minimum and maximum over the feeds of the tensor as its calibration session computes
+    it (no graph optimization), so the ranges, and the recipe's file, are the same."""
+    import inspect
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import quantize_static
+    from onnxruntime.quantization.calibrate import (
+        CalibrationMethod,
+        MinMaxCalibrater,
+        TensorsData,
+        save_tensors_data,
+    )
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    if "calibration_cache_path" not in inspect.signature(quantize_static).parameters:
+        return None
+    ops = list(set(QLinearOpsRegistry) | set(QDQRegistry))  # quantize_static's default
+    calibrator = MinMaxCalibrater(str(model_path), ops,
+                                  augmented_model_path=str(path.with_suffix(".onnx")))
+    model = calibrator.model
+    tensors, value_infos = calibrator.select_tensors_to_calibrate(model)
+    inputs = {i.name for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    names = sorted(tensors)
+    for name in names:
+        if name not in inputs and name not in outputs:
+            model.graph.output.append(value_infos[name])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    fetch = [n for n in names if n not in inputs]
+    lows: dict[str, list] = {n: [] for n in names}
+    highs: dict[str, list] = {n: [] for n in names}
+    for feed in feeds:
+        values = dict(zip(fetch, session.run(fetch, feed)))
+        values.update({n: feed[n] for n in names if n in inputs})
+        for name in names:
+            v = np.asarray(values[name])
+            lows[name].append(v.min() if v.size else np.array(np.inf, v.dtype))
+            highs[name].append(v.max() if v.size else np.array(-np.inf, v.dtype))
+    ranges = {n: (np.nanmin(lows[n], axis=0, keepdims=True).astype(np.asarray(lows[n][0]).dtype),
+                  np.nanmax(highs[n], axis=0, keepdims=True).astype(np.asarray(highs[n][0]).dtype))
+              for n in names}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), path)
+    return path
+
+
+def ort_recipe_options() -> dict:
+    """``quantize_static``'s settings in ONNX Runtime's documented recipe (QDQ, per-channel,
+    uint8 activations, int8 weights; 7-bit weights where the CPU's u8 x s8 kernels saturate,
+    as its documentation advises): one place for the recipe start and the benchmarks."""
+    from onnxruntime.quantization import QuantFormat, QuantType
+
+    from qdq_optuna.model import calibration
+
+    return {"quant_format": QuantFormat.QDQ, "per_channel": True,
+            "activation_type": QuantType.QUInt8, "weight_type": QuantType.QInt8,
+            "reduce_range": calibration.cpu_saturates_u8s8()}
+
+
+def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
+                     data: Mapping[str, np.ndarray] | None = None,
+                     input_shapes: InputShapes | str | None = None,
+                     keep: Path | None = None) -> Start:
+    """ONNX Runtime's recipe (:func:`ort_recipe_model`) on the user's ``model``, read back onto
+    ``pm``'s graph; with ``keep``, the recipe's own file is also written there as the tool
+    wrote it (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
+    with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
+        path = ort_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
+        uses, notes, counts = read_placement(pm, path)
+        if keep is not None:
+            keep_recipe_file(path, keep)
+    return start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
+
+
+def recipe_parity(pm, model, *, data=None, input_shapes=None, check_samples: int = 0
+                  ) -> RecipeParity:
+    """Run ONNX Runtime's recipe on ``model`` (the file ``pm`` was prepared from; calibrated
+    on ``data``), project it onto ``pm``'s points and compare what ONNX Runtime runs for it and
+    for our export (with the recipe's scales; checked with ``onnx.checker``). With
+    ``check_samples``, both models also run on that many samples of ``data``."""
+    from qdq_optuna.measure.accuracy import output_errors, run_model, summarize
+
+    with tempfile.TemporaryDirectory(prefix="qdq-optuna-parity-") as tmp:
+        path = ort_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
+        uses, notes, counts = read_placement(pm, path)
+        start = start_from_uses(pm, "recipe:onnxruntime", uses, notes, counts)
+        exporter = pm.exporter(scales=read_scales(path))
+        ours = exporter.to_bytes(exporter.plan(start.scheme_uses))
+        onnx.checker.check_model(onnx.load_from_string(ours))
+        agreement = None
+        if check_samples and data is not None:
+            feeds = {k: v[:check_samples] for k, v in data.items()}
+            agreement = summarize(output_errors(run_model(str(path), feeds),
+                                                run_model(ours, feeds)))
+        return RecipeParity(start, kernels_of(ours), kernels_of(path), agreement)
 
 
 class OnnxRuntime(Runtime):
@@ -18,15 +230,11 @@ class OnnxRuntime(Runtime):
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
-        from qdq_optuna.placement import starts
-
-        return starts.ort_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
+        return ort_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
 
     def recipe_file(self, model: Any, *, input_shapes: Any = None,
                     data: Any = None) -> bytes | None:
-        from qdq_optuna.placement import starts
-
-        return starts.recipe_file_bytes(lambda work: starts.ort_recipe_model(
+        return recipe_file_bytes(lambda work: ort_recipe_model(
             model, work, data=data, input_shapes=input_shapes))
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:

@@ -1,21 +1,146 @@
-"""OpenVINO (CPU plugin): its rules, NNCF's recipe, the float part's precision as the plugin's
-inference precision hint (never a conversion), the guard's candidates run in OpenVINO itself."""
+"""OpenVINO (CPU plugin): its rules, NNCF's recipe (run, and read back as a start), the float
+part's precision as the plugin's inference precision hint (never a conversion), the guard's
+candidates run in OpenVINO itself."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from qdq_optuna.backends.base import Backend
+from qdq_optuna.errors import ToolError
+from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import check_precision
-from qdq_optuna.placement.rules import OPENVINO_CPU
+from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, swish_operand
+from qdq_optuna.placement.starts import (
+    Start,
+    keep_recipe_file,
+    quiet_tool,
+    read_placement,
+    recipe_file_bytes,
+    start_from_uses,
+)
 from qdq_optuna.runtimes.base import Runtime
 
 log = logging.getLogger("qdq_optuna")
+
+#: the loggers NNCF and OpenVINO write to besides the root (NNCF's keeps its own handler and
+#: level; quieted while the recipe runs)
+TOOL_LOGGERS = ("nncf", "openvino")
+
+#: OpenVINO's low-precision transformations (LPT): the ONNX ops whose OpenVINO operation has an
+#: LPT transformation that keeps it in u8/i8 when a FakeQuantize (a Q/DQ pair read from ONNX)
+#: feeds it (docs: "OpenVINO Low Precision Transformations", its list of quantized operations:
+#: Add, AvgPool, Clamp, Concat, Convolution, ConvolutionBackpropData, DepthToSpace, Gather,
+#: GroupConvolution, Interpolate, MatMul, MaxPool, Multiply, MVN, NormalizeL2, Pad, PRelu,
+#: ReduceMax/Mean/Min/Sum, Relu, Reshape, ShuffleChannels, Split, Squeeze, StridedSlice,
+#: Subtract, Transpose, Unsqueeze, VariadicSplit). NNCF's placements for ONNX put Q/DQ on the
+#: inputs of Conv, MatMul, Gemm, Add, Concat, Split, Resize, MaxPool (read from its output on
+#: the zoo's YOLO, ResNet and on nudenet-320n), all inside this set.
+OPENVINO_QUANTIZED_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Sub", "Mul", "Concat", "MaxPool",
+        "AveragePool", "GlobalAveragePool", "Resize", "Reshape", "Transpose", "Squeeze",
+        "Unsqueeze", "Flatten", "Gather", "Split", "Slice", "Pad", "DepthToSpace",
+        "SpaceToDepth", "Relu", "Clip", "PRelu", "ReduceMean", "ReduceMax", "ReduceMin",
+        "ReduceSum", "MeanVarianceNormalization", "LpNormalization",
+    }
+)
+
+#: OpenVINO CPU: a Q/DQ pair is read as one FakeQuantize on the tensor; the plugin folds it
+#: into the *producer's* output (a Convolution writing u8: ``originalLayersNames`` of the
+#: runtime layer lists the QuantizeLinear) and the consumer reads u8. Unlike ONNX Runtime no Q
+#: is needed after an op to run it quantized, so only inputs are sites (no output rules), and
+#: a Relu after a Conv is folded by OpenVINO itself (no filter). Activations u8 (as NNCF emits
+#: for non-negative and asymmetric ranges), weights i8 per channel.
+OPENVINO_CPU = RuntimeRules(
+    name="openvino",
+    default_quant_type="uint8",
+    quant_types=("uint8", "int8"),
+    quantizable_ops=OPENVINO_QUANTIZED_OPS,
+    fusion_group_ops=frozenset(
+        {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "MaxPool",
+         "AveragePool", "GlobalAveragePool", "Resize"}
+    ),
+    # LPT's precision-preserving operations (MaxPool, Reshape, Transpose, Squeeze, Unsqueeze,
+    # Split, StridedSlice, Concat, DepthToSpace, Pad, Interpolate nearest): measured, NNCF's
+    # ResNet quantizes the Relu before a MaxPool and the next Conv's weights; that Conv runs
+    # u8 (runtimePrecision) only when its weights carry their DequantizeLinear too
+    precision_preserving_ops=frozenset(
+        {"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Split", "Slice",
+         "Concat", "DepthToSpace", "SpaceToDepth", "Pad", "Resize"}
+    ),
+    # always shared (as NNCF does): LPT turns a Concat of u8 inputs with different scales into
+    # a per-channel dequantization after it, which the next Convolution cannot fold, so that
+    # Convolution runs f32 with its weights dequantized at run time. Measured on nudenet-320n
+    # (NNCF's placement, our percentile scales): with the ONNX Runtime ratio 0.5 one Concat
+    # (model.4, Split outputs next to residual Adds) kept two scales: Convolution u8 63 + f32
+    # 1, Reorder f32 6; shared: u8 64, Reorder f32 3, as NNCF's file
+    concat_share_ratio=0.0,
+    # the image (or other raw input) a first layer reads spans the whole u8 range: there the
+    # 16-bit pair sums overflow. mtcnn-rnet on an AVX2 CPU, same model in OpenVINO: worst
+    # output cosine vs FP32 0.65 with 8-bit first-layer weights, 0.997 with 7 bits (ONNX
+    # Runtime without fusions, which does not saturate, read 0.997 for both)
+    seven_bit_weights=SevenBitWeights.FIRST,
+    use_filters=(swish_operand,),
+)
+
+
+def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
+                      data: Mapping[str, np.ndarray] | None = None,
+                      input_shapes: InputShapes | str | None = None, samples: int = 4
+                      ) -> onnx.ModelProto:
+    """What an OpenVINO user gets from NNCF's documented one-liner, ``nncf.quantize`` with its
+    defaults (``nncf.Dataset`` of feed dicts), on ``model``; calibrated on ``data`` (graph
+    input -> samples on axis 0) or on ``samples`` random feeds. Raises :class:`ToolError` when
+    nncf is missing or refuses the model."""
+    try:
+        import nncf
+    except ImportError:
+        raise ToolError("NNCF (OpenVINO's recipe) is not installed (pip install nncf)") from None
+    from qdq_optuna.model import calibration
+
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    proto = load_model(model, shapes, fed=data or ()).full_model()
+    proto = ensure_opset(proto, 13, "NNCF's per-channel recipe")
+    if data is None:
+        data = calibration.random_calibration_data(proto, shapes.shapes or None,
+                                                   samples=samples, seed=0)
+    count = len(next(iter(data.values())))
+    feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
+    with quiet_tool("NNCF's recipe (nncf.quantize)", TOOL_LOGGERS):
+        nncf.set_log_level(logging.ERROR)
+        return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
+
+
+def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
+    """The activation type most of a Q/DQ model's QuantizeLinear write ("uint8" or "int8"):
+    NNCF's default preset writes int8 (symmetric) wherever a tensor can be negative."""
+    zps = {t.name: t.data_type for t in qdq_model.graph.initializer}
+    types = [zps.get(n.input[2]) for n in qdq_model.graph.node
+             if n.op_type == "QuantizeLinear" and len(n.input) > 2]
+    signed, unsigned = types.count(onnx.TensorProto.INT8), types.count(onnx.TensorProto.UINT8)
+    return "int8" if signed > unsigned else "uint8"
+
+
+def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
+                      data: Mapping[str, np.ndarray] | None = None,
+                      input_shapes: InputShapes | str | None = None,
+                      keep: Path | None = None) -> Start:
+    """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph; with
+    ``keep``, NNCF's own file is also written there
+    (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
+    written = nncf_recipe_model(model, data=data, input_shapes=input_shapes)
+    uses, notes, counts = read_placement(pm, written)
+    if keep is not None:
+        keep_recipe_file(written, keep)
+    return start_from_uses(pm, "recipe:openvino", uses, notes, counts)
 
 
 class OpenVino(Runtime):
@@ -46,15 +171,11 @@ class OpenVino(Runtime):
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
-        from qdq_optuna.placement import starts
-
-        return starts.nncf_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
+        return nncf_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
 
     def recipe_file(self, model: Any, *, input_shapes: Any = None,
                     data: Any = None) -> bytes | None:
-        from qdq_optuna.placement import starts
-
-        return starts.recipe_file_bytes(lambda work: starts.nncf_recipe_model(
+        return recipe_file_bytes(lambda work: nncf_recipe_model(
             model, data=data, input_shapes=input_shapes))
 
     def error_runner(self, input_shapes: dict | None,
@@ -75,6 +196,12 @@ class OpenVino(Runtime):
             log.warning("the accuracy guard scores the Q/DQ as written in ONNX Runtime: "
                         "OpenVINO cannot run here (%s)", exc)
             return None
+
+    def scored_as(self, bf16: bool, fused: bool, runner: Callable | None) -> str:
+        if runner is not None:
+            return ("the saved model in OpenVINO's CPU plugin, compiled as the timings compile "
+                    "it (what an OpenVINO deployment computes)")
+        return super().scored_as(bf16, fused, runner)
 
 
 PROFILE = OpenVino()

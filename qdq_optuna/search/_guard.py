@@ -197,9 +197,11 @@ class Guard:
             f"about {needed} samples with this spread would support it (--validation-data)"
             if needed else "no number of samples with this mean would support it")
 
-    def report_keys(self, verdict: Verdict, *, bound_given: bool, bf16: bool) -> dict:
+    def report_keys(self, verdict: Verdict, *, bound_given: bool, scored_as: str) -> dict:
         """report.json's ``accuracy`` (bound, measure, data, errors of what ships and of the
-        tuned placement, status, responsible tensors) and ``final_output_error(s)``."""
+        tuned placement, status, responsible tensors) and ``final_output_error(s)``;
+        ``scored_as``: how the guard ran candidates, in the profile's words
+        (``Runtime.scored_as``)."""
         errors = verdict.errors
         return {
             "accuracy": {
@@ -208,8 +210,7 @@ class Guard:
                                "--max-output-error" if bound_given else "default"),
                 **({"metric_drop": self.drop} if self.drop else {}),
                 "data_kind": data_kind(self.data),
-                "scored_as": scored_as(bf16, self.plans.scorer.evaluator.optimize,
-                                       self.plans.scorer.evaluator.runner is not None),
+                "scored_as": scored_as,
                 **scored_with(self.plans.scorer.evaluator.runner),
                 "status": verdict.status,
                 "shipped": verdict.shipped,
@@ -270,22 +271,6 @@ def listed(names: list[str], limit: int = 6) -> str:
     """``names`` for a log line or a note: the first ``limit``, then how many more."""
     more = len(names) - limit
     return ", ".join(names[:limit]) + (f" (+{more})" if more > 0 else "")
-
-
-def scored_as(bf16: bool, fused: bool, openvino: bool = False) -> str:
-    """How the guard ran the saved model, in the report's words."""
-    if openvino:
-        return ("the saved model in OpenVINO's CPU plugin, compiled as the timings compile it "
-                "(what an OpenVINO deployment computes)")
-    if bf16:
-        return ("BF16 values in FP32 arithmetic (ONNX Runtime's CPU provider has no BF16 "
-                "kernels)")
-    if fused:
-        return ("the saved model in ONNX Runtime CPU with all graph optimizations (the fused "
-                "integer kernels an ONNX Runtime deployment runs)")
-    return ("the saved model in ONNX Runtime CPU with graph optimizations off: each Q/DQ "
-            "computed as written, which is what TensorRT's kernels compute up to their "
-            "rounding (ONNX Runtime's own fusions refuse FP16 Q/DQ graphs)")
 
 
 def scored_with(runner) -> dict:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from qdq_optuna.backends import BACKEND_HELP, BACKENDS, make_backend
+from qdq_optuna.backends import BACKEND_HELP, BACKENDS, DEFAULT_BACKEND, make_backend
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.backends.what_ran import WhatRan
@@ -23,18 +23,19 @@ from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search.objectives import (
     check_error_options,
     check_metric_drop,
     check_sampler,
     parse_objectives,
 )
-from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLERS
+from qdq_optuna.search.samplers import SAMPLERS, SamplerArg, sampler_name, takes_categorical
 from qdq_optuna.wall_time import WallTime
 
 if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
@@ -81,7 +82,7 @@ class TuneOptions:
         help="output folder, also holds the studies (default ./qdq_optuna_output)")
     #: what measures latency: a ``--backend`` name, a Backend, or ``fn(onnx.ModelProto) -> ms``
     backend: str | Backend | Callable = option(
-        "onnxruntime", group="measurement", short="-b", help=BACKEND_HELP)
+        DEFAULT_BACKEND, group="measurement", short="-b", help=BACKEND_HELP)
     runtime: str | None = option(
         None, group="model", choices=RUNTIME_NAMES,
         help="whose fusion rules place the Q/DQ (default: follows --backend; a --backend "
@@ -96,7 +97,9 @@ class TuneOptions:
     config: Config = option(default_factory=Config, group=None,
                             help="search settings (the CLI: --config FILE.yaml and the flags "
                                  "of the search group)")
-    sampler: str = option(
+    #: a ``--sampler`` name, an ``optuna.samplers.BaseSampler`` (each pattern's study gets a
+    #: copy) or ``fn(seed) -> sampler``
+    sampler: SamplerArg = option(
         "qdq", group="search", short="-s", metavar="NAME", choices=SAMPLERS,
         help="qdq: ours, a visit (one pattern's study in one descent round) ends when its "
              "moves are done (default); tpe, cmaes, random, gp (needs torch), nsga2, "
@@ -114,8 +117,8 @@ class TuneOptions:
         help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
              "fresh sessions (default); fast: one short timing per candidate and no A/B, for a "
              "quiet, dedicated machine")
-    scales: str = option(
-        "auto", group="measurement", choices=("auto", "default", "calibrated"),
+    scales: Scales | str = option(
+        Scales.AUTO.value, group="measurement", choices=tuple(m.value for m in Scales),
         help="scales used in trials (auto: calibrated for ONNX Runtime and OpenVINO, default "
              "for TensorRT); default: one placeholder scale for every tensor, which times the "
              "same where the scale does not change the kernels (TensorRT)")
@@ -235,8 +238,7 @@ class TuneOptions:
     def __post_init__(self) -> None:
         check_error_options(self.error_measure, self.max_output_error)
         parse_objectives(self.objectives)
-        if self.scales not in ("auto", "default", "calibrated"):
-            raise OptionError(f"--scales: unknown {self.scales!r} (choose auto, default, calibrated)")
+        self.scales = Scales.parse(self.scales)
         if self.timeout is not None and not self.timeout > 0:
             raise OptionError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.threads < 1:
@@ -399,8 +401,8 @@ class Settings:
 
     backend: str
     runtime: str
-    #: scales inside trials: ``calibrated`` or ``default``
-    scales: str
+    #: scales inside trials: calibrated or placeholders (never ``AUTO``: resolved)
+    scales: Scales
     objectives: tuple[str, ...]
     constrained: bool
     #: output errors are measured (any accuracy option)
@@ -431,22 +433,21 @@ class Settings:
     def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
         profile = cls.profile_of(options, backend)
         runtime = profile.name
-        scales = options.scales
-        if scales == "auto":
-            scales = profile.default_scales
+        asked = Scales.parse(options.scales)
+        scales = Scales.parse(profile.default_scales) if asked is Scales.AUTO else asked
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
         constrained = options.max_output_error is not None
         accuracy = (multi or constrained or options.validation_data is not None
                     or options.metric is not None)
         if accuracy:  # errors with placeholder scales say nothing about the real model
-            if options.scales == "default":
+            if asked is Scales.DEFAULT:
                 raise OptionError("--scales default cannot be combined with accuracy options "
                                   "(--max-output-error, --objectives latency,error, "
                                   "--validation-data, --metric): errors need calibrated scales")
-            scales = "calibrated"
+            scales = Scales.CALIBRATED
         space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
-                            categorical=options.sampler in CATEGORICAL_SAMPLERS)
+                            categorical=takes_categorical(options.sampler))
         check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
                       constrained=constrained)
         # two objectives: one pass from float (the report's Pareto chain is built from one
@@ -471,10 +472,10 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         "quant_type": prepared.quant_type,
         "input_shapes": str(InputShapes.parse(o.input_shapes)),
         "config": o.config.search_relevant(),
-        "sampler": o.sampler,
+        "sampler": sampler_name(o.sampler),
         "seed": o.seed,
         "timing": o.timing,
-        "scales": settings.scales,
+        "scales": settings.scales.value,
         "calibration_method": o.calibration_method,
         # scales are made from the cached statistics each time: a run stored before activation
         # ranges were cut at their readers' saturation measured other scales, and must not

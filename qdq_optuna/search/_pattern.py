@@ -31,7 +31,6 @@ from qdq_optuna.config import Config
 from qdq_optuna.measure.accuracy import AccuracyError
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
 from qdq_optuna.record import (
     Decision,
@@ -44,6 +43,7 @@ from qdq_optuna.record import (
     note_scheme,
     pattern_attrs,
 )
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._moves import VisitMoves
@@ -51,7 +51,7 @@ from qdq_optuna.search._options import Settings
 from qdq_optuna.search._plans import PlanMeasurer, Reference
 from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
-from qdq_optuna.search.samplers import make_sampler
+from qdq_optuna.search.samplers import SamplerArg, is_ours, make_sampler
 from qdq_optuna.wall_time import WallTime
 
 #: two objectives: Pareto points whose latency is within this factor of the fastest count as
@@ -83,7 +83,7 @@ class Search:
     config: Config
     record: RunRecord
     rule: CommitRule
-    sampler: str = "qdq"
+    sampler: SamplerArg = "qdq"
     seed: int | None = 0
     plans: PlanMeasurer | None = None
     workers: Workers | None = None
@@ -164,7 +164,7 @@ class PatternStudy:
 
     @property
     def ours(self) -> bool:
-        return self.s.sampler == "qdq"
+        return is_ours(self.s.sampler)
 
     def open(self) -> bool:
         """Create (or load) the study, describe it and queue its seeds; False when it was

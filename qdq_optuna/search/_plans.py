@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure.accuracy import ErrorScorer
-from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO, Comparison, Measurer, far_off
+from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO, Comparison, Measurer, Until, far_off
 from qdq_optuna.placement.export import QuantPlan
 from qdq_optuna.record import PHASES, Measurement, PlanMemo  # noqa: F401 (PHASES: re-exported)
 
@@ -258,7 +258,8 @@ class PlanMeasurer:
                            screen_ms=screen.score_ms, extra=extra)
 
     # -- whole-model comparisons ---------------------------------------------------------
-    def compare(self, candidate, reference, phase: str, *, until: str = "verdict") -> Comparison:
+    def compare(self, candidate, reference, phase: str, *,
+                until: Until = Until.VERDICT) -> Comparison:
         """An interleaved A/B of two models (a confirmation, the final figure, a front point)."""
         cmp = self.measurer.compare(candidate, reference, until=until)
         self._count(phase)

@@ -31,13 +31,13 @@ from qdq_optuna.measure.bias import CorrectedExports, corrected_exports
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.export import QDQExporter
-from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.placement.export import QDQExporter, Scales
 from qdq_optuna.placement.seeds import PatternCache, baseline_tensors
 from qdq_optuna.record import RunRecord, delete_run
 from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_optuna
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._guard import Guard
 from qdq_optuna.search._options import (
     Settings,
@@ -147,7 +147,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     scales: list[tuple[dict, int]] = []  # computed when first needed, once
 
     def scales_for(purpose: str) -> dict | None:
-        if purpose == "trials" and run.settings.scales == "default":
+        if purpose == "trials" and run.settings.scales is Scales.DEFAULT:
             return None
         if not scales:
             with step(PREPARING, "calibration"):
@@ -161,7 +161,7 @@ def open_run(run: PreparedRun) -> OpenedRun:
     plans = PlanMeasurer(run.measurer, record.measured, scorer, record.errors,
                          regions=prepared.graph if cfg.subgraph_screen else None,
                          audit=cfg.subgraph_screen_audit)
-    calibrated = (exporter if run.settings.scales == "calibrated"
+    calibrated = (exporter if run.settings.scales is Scales.CALIBRATED
                   else prepared.exporter(scales_for("final"), cfg))
     bound, drop = guard_bound(o, run.settings, scorer)
     with step(PREPARING, "bias correction"):
@@ -298,8 +298,8 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
     if stats is None:
         stats = calibration.collect_statistics(source.full_model(), tensors, arrays,
                                                external_data_dir=source.external_dir)
-        if stats_path is not None:
-            calibration.save_statistics(stats_path, stats, fingerprint=fp)
+        if folder is not None:
+            folder.write_calibration_stats(calibration.statistics_json(stats, fingerprint=fp))
     # counted for the report; the cut itself is run_scales'
     clipped = calibration.clipped_by_readers(stats, calibration.reader_bounds(source))
     if clipped:

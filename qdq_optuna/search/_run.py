@@ -36,11 +36,11 @@ import onnx
 
 from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by, interrupting_signal
+from qdq_optuna.measure.timing import Until
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.export import QDQExporter, plan_uses
+from qdq_optuna.placement.export import QDQExporter, Scales, plan_uses
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed
 from qdq_optuna.record import (
@@ -51,6 +51,7 @@ from qdq_optuna.record import (
     write_state,
 )
 from qdq_optuna.runtimes import Runtime
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._descent import Descent
 from qdq_optuna.search._guard import check_default_session
@@ -65,6 +66,7 @@ from qdq_optuna.search._prepare import OpenedRun, PreparedRun
 from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
+from qdq_optuna.search.samplers import is_ours, sampler_name
 from qdq_optuna.wall_time import WallTime
 
 log = logging.getLogger("qdq_optuna")
@@ -276,7 +278,7 @@ class Tuner:
         classic recipe (ours)."""
         space = self.settings.space
         seeds = []
-        if self.o.sampler != "qdq":
+        if not is_ours(self.o.sampler):
             seeds.append(Seed(space.seed(dict.fromkeys(pp.ids, 0))))
         if self.cache is not None:
             seeds += [Seed(space.seed(s)) for s in self.cache.seeds_for(pp)]
@@ -284,7 +286,7 @@ class Tuner:
             s = baseline_seed(pp, self.baseline_q)
             if s is not None:
                 seeds.append(Seed(space.seed(s)))
-        if self.o.sampler == "qdq" and self.cfg.seed_compute_inputs:  # after user seeds
+        if is_ours(self.o.sampler) and self.cfg.seed_compute_inputs:  # after user seeds
             compute = compute_inputs_scheme(pp)
             if compute is not None:
                 seeds.append(Seed(space.seed(compute)))
@@ -317,15 +319,17 @@ class Tuner:
         self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
-               else plans.compare(final_bytes, base_bytes, "final", until="precision"))
+               else plans.compare(final_bytes, base_bytes, "final", until=Until.PRECISION))
         self._mark("final")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
+        evaluator = plans.scorer.evaluator
         accuracy = shipped_accuracy(guard.report_keys(
-            verdict, bound_given=self.o.max_output_error is not None, bf16=plans.scorer.bf16),
-            recipe_file)
+            verdict, bound_given=self.o.max_output_error is not None,
+            scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
+                                             evaluator.runner)), recipe_file)
         if kept is not None:
             accuracy["kept_your_model"] = kept
         elif not (recipe_file or {}).get("shipped"):  # the guard's plan ships
@@ -391,7 +395,7 @@ class Tuner:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
         the finished mark that a rerun with the same settings returns."""
         write_pattern_cache(
-            self.record, self.folder.pattern_cache,
+            self.record, self.folder,
             minimum_distance=self.cfg.pattern_cache_minimum_distance,
             max_entries=self.cfg.pattern_cache_max_entries_per_pattern, lane=outcome.lane)
         self._write_state("timeout" if outcome.partial else "done")
@@ -431,15 +435,15 @@ class Tuner:
         return {"model": self.prepared.source, "output": str(self.out), "run_id": self.run_id,
                 "storage": self.storage_url, "backend": self.backend.describe(),
                 "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
-                "sampler": self.o.sampler, "timing": self.o.timing,
-                "scales": self.settings.scales, "reader_clipped_ranges": self._reader_clipped,
+                "sampler": sampler_name(self.o.sampler), "timing": self.o.timing,
+                "scales": self.settings.scales.value, "reader_clipped_ranges": self._reader_clipped,
                 "high_precision": high_precision_summary(self.prepared)}
 
     # -- scales and errors -----------------------------------------------------------------
     def _scales(self, purpose: str) -> dict | None:
         """Calibrated activation scales, as the run was opened with (None: the default scale
         inside trials)."""
-        if purpose == "trials" and self.settings.scales == "default":
+        if purpose == "trials" and self.settings.scales is Scales.DEFAULT:
             return None
         return self._calibrated
 

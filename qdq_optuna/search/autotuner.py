@@ -26,19 +26,20 @@ from qdq_optuna.measure.accuracy import hold_out
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD
 from qdq_optuna.model.graph import Use
-from qdq_optuna.placement.export import QDQExporter
+from qdq_optuna.placement.export import QDQExporter, Scales
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace, combine
 from qdq_optuna.record import PatternAttr, RunRecord, TrialAttr
 from qdq_optuna.record.storage import quiet_optuna
-from qdq_optuna.runtimes import profile_for
+from qdq_optuna.runtimes import DEFAULT_RUNTIME, profile_for
+from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard, Verdict
 from qdq_optuna.search._options import Settings, TuneOptions, measure_label
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
 from qdq_optuna.search._prepare import calibrated_scales, error_scorer, guard_bound, read_data
+from qdq_optuna.search.samplers import SamplerArg
 
 
 class Autotuner:
@@ -123,11 +124,11 @@ class Autotuner:
         self,
         model: str | os.PathLike | onnx.ModelProto,
         *,
-        runtime: str = "onnxruntime",
+        runtime: str = DEFAULT_RUNTIME,
         quant_type: str | None = None,
         input_shapes: str | None = None,
         config: Config | None = None,
-        sampler: str = "qdq",
+        sampler: SamplerArg = "qdq",
         storage: str | optuna.storages.BaseStorage | None = None,
         seed: int | None = 0,
         run_id: str = "autotuner",
@@ -158,8 +159,9 @@ class Autotuner:
         self.verdict: Verdict | None = None
         """The accuracy guard's decision on the last ``export_final()`` (None: not called):
         ``status``, ``shipped``, ``errors`` of what it returned, ``responsible`` tensors."""
-        scales = "default" if self.profile.default_scales == "default" else "calibrated"
-        self.exporter = (self.calibrated_exporter() if scales == "calibrated"
+        scales = (Scales.DEFAULT if self.profile.default_scales == Scales.DEFAULT
+                  else Scales.CALIBRATED)
+        self.exporter = (self.calibrated_exporter() if scales == Scales.CALIBRATED
                          else self.prepared.exporter(config=self.config))
         self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()
         space = ChoiceSpace((self.prepared.quant_type,))

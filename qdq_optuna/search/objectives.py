@@ -33,7 +33,12 @@ import optuna
 
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
-from qdq_optuna.search.samplers import CATEGORICAL_SAMPLERS, SAMPLER_TRAITS
+from qdq_optuna.search.samplers import (
+    CATEGORICAL_SAMPLERS,
+    SamplerArg,
+    sampler_name,
+    sampler_traits,
+)
 
 log = logging.getLogger("qdq_optuna")
 
@@ -93,10 +98,10 @@ def check_metric_drop(max_drop, drop_type: str, metric, max_output_error) -> Non
                           "metric: give one")
 
 
-def check_sampler(sampler: str, *, multi_objective: bool, mixed: bool,
+def check_sampler(given: SamplerArg, *, multi_objective: bool, mixed: bool,
                   constrained: bool) -> None:
     """Clear errors for sampler/mode combinations that cannot work."""
-    traits = SAMPLER_TRAITS.get(sampler)
+    traits, sampler = sampler_traits(given), sampler_name(given)
     if traits is None:
         return  # unknown names are refused where the sampler is made
     if mixed and not traits.categorical:

@@ -1,7 +1,9 @@
-"""Samplers by name: ours by default, Optuna's own to compare."""
+"""Samplers by name (ours by default, Optuna's own to compare), or given as Optuna users give
+them: a sampler object, or a function of the seed that makes one."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +37,56 @@ SAMPLER_TRAITS = {
 SAMPLERS = tuple(SAMPLER_TRAITS)
 #: Optuna's samplers that take categorical parameters (ours encodes choices itself)
 CATEGORICAL_SAMPLERS = tuple(n for n, s in SAMPLER_TRAITS.items() if s.categorical and n != "qdq")
+#: Optuna's sampler classes by the name that makes them (a sampler object's traits)
+_CLASSES: Mapping[type, str] = {
+    optuna.samplers.TPESampler: "tpe", optuna.samplers.CmaEsSampler: "cmaes",
+    optuna.samplers.RandomSampler: "random", optuna.samplers.GPSampler: "gp",
+    optuna.samplers.NSGAIISampler: "nsga2", optuna.samplers.BruteForceSampler: "bruteforce",
+}
+#: what unknown sampler objects are taken to search (any Optuna sampler takes categorical and
+#: two-objective studies; whether it reads the constraints is not known)
+_UNKNOWN = SamplerTraits(categorical=True, multi_objective=True, constrained=False)
+
+#: what ``sampler=`` takes: a name (the command line's), an Optuna sampler (each pattern's
+#: study gets a copy of it), or ``fn(seed) -> sampler`` (called once per study)
+SamplerArg = (str | optuna.samplers.BaseSampler
+              | Callable[[int | None], optuna.samplers.BaseSampler])
+
+
+def sampler_name(sampler: SamplerArg) -> str:
+    """The sampler as the report and the run's fingerprint name it: the name given, else the
+    object's class (the function's name for a factory)."""
+    if isinstance(sampler, str):
+        return sampler
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        return type(sampler).__name__
+    return getattr(sampler, "__name__", type(sampler).__name__)
+
+
+def is_ours(sampler: SamplerArg) -> bool:
+    """Our sampler, by name (it is made per study with the study's scheme key and moves)."""
+    return sampler == "qdq"
+
+
+def sampler_traits(sampler: SamplerArg) -> SamplerTraits | None:
+    """What ``sampler`` can search; None for an unknown name (refused where it is made)."""
+    if isinstance(sampler, str):
+        return SAMPLER_TRAITS.get(sampler)
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        known = _CLASSES.get(type(sampler))
+        return SAMPLER_TRAITS[known] if known else _UNKNOWN
+    return _UNKNOWN
+
+
+def takes_categorical(sampler: SamplerArg) -> bool:
+    """Whether the studies suggest choices as categorical parameters for ``sampler`` (ours
+    encodes them itself)."""
+    traits = sampler_traits(sampler)
+    return not is_ours(sampler) and traits is not None and traits.categorical
 
 
 def make_sampler(
-    name: str,
+    name: SamplerArg,
     *,
     seed: int | None,
     config: Config,
@@ -49,7 +97,17 @@ def make_sampler(
 ) -> optuna.samplers.BaseSampler:
     """``refine``: the study starts from an enqueued scheme (a refinement round), so our
     sampler does not propose the empty and full schemes first. ``qdq_args``: constructor
-    arguments of our sampler over the config's (an ablation, e.g. ``hill_climb_parents=0``)."""
+    arguments of our sampler over the config's (an ablation, e.g. ``hill_climb_parents=0``).
+    A sampler object is copied (each study samples on its own, from the same state); a
+    factory is called with ``seed``."""
+    if isinstance(name, optuna.samplers.BaseSampler):
+        return copy.deepcopy(name)
+    if not isinstance(name, str):
+        made = name(seed)
+        if not isinstance(made, optuna.samplers.BaseSampler):
+            raise OptionError(f"sampler {sampler_name(name)}: returned {type(made).__name__}, "
+                              "not an optuna.samplers.BaseSampler")
+        return made
     if qdq_args and name != "qdq":
         raise OptionError(f"sampler {name!r}: arguments {sorted(qdq_args)} are for 'qdq' only")
     if name == "qdq":

@@ -1,4 +1,5 @@
-"""The model side in one object: load -> preprocess -> regions -> patterns -> insertion points.
+"""The model side in one object, prepared for one runtime's rules: load -> preprocess ->
+regions -> patterns -> insertion points.
 
 ``inspect`` prints it, ``tune`` searches over it, the exporter turns its schemes into models.
 """
@@ -29,7 +30,8 @@ from qdq_optuna.placement.filters import NodeFilter
 from qdq_optuna.placement.patterns import PatternIndex
 from qdq_optuna.placement.points import PatternPoints, enumerate_points
 from qdq_optuna.placement.regions import RegionConfig, RegionTree, discover_regions
-from qdq_optuna.placement.rules import RuntimeRules, rules_for
+from qdq_optuna.placement.rules import RuntimeRules
+from qdq_optuna.runtimes import DEFAULT_RUNTIME, Runtime, profile_for
 
 PREPROCESS = ("auto", "none", "ort-basic")
 log = logging.getLogger("qdq_optuna")
@@ -81,7 +83,7 @@ class PreparedModel:
         cls,
         model: str | os.PathLike | onnx.ModelProto,
         *,
-        runtime: str | RuntimeRules = "onnxruntime",
+        runtime: str | RuntimeRules | Runtime | None = None,
         quant_type: str | None = None,
         input_shapes: InputShapes | str | None = None,
         config: Config | None = None,
@@ -110,7 +112,8 @@ class PreparedModel:
             config: region sizes and the default quant type."""
         cfg = config or Config()
         node_filter = NodeFilter.parse(exclude_nodes, op_types)
-        rules = runtime if isinstance(runtime, RuntimeRules) else rules_for(runtime)
+        rules = (runtime if isinstance(runtime, RuntimeRules) else runtime.rules
+                 if isinstance(runtime, Runtime) else profile_for(runtime or DEFAULT_RUNTIME).rules)
         mixed = quant_type == "mixed"  # every point chooses none or one of the rules' types
         qtype = check_quant_type(rules.default_quant_type if mixed else
                                  quant_type or cfg.default_quant_type or rules.default_quant_type)
