@@ -11,6 +11,9 @@ from __future__ import annotations
 #: how far the error a user sees on ONNX Runtime CPU with default options may exceed the
 #: guard's before the run warns (ONNX Runtime's integer kernels round differently)
 DEFAULT_SESSION_FACTOR = 2.0
+#: the guard's verdict (``Verdict.status``, report.json ``accuracy.status``) when the tuned
+#: model ships
+WITHIN_BOUND = "within bound"
 
 
 def data_kind(data: str) -> str:

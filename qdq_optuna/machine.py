@@ -155,20 +155,15 @@ def simulated_cpu(flags: str | Iterable[str]) -> Iterator[CpuFeatures]:
             os.environ[ENV] = before
 
 
-#: what :func:`measuring_machine` takes of a backend's description: the runtime, its version,
-#: its threads and precision hint (each changes what a timing means)
-_RUNTIME_KEYS = ("name", "onnxruntime", "openvino", "tensorrt", "trtexec", "providers",
-                 "threads", "inference_precision", "device")
-
-
-def measuring_machine(backend: dict, cpu: CpuFeatures | None = None) -> dict:
+def measuring_machine(runtime: dict, cpu: CpuFeatures | None = None) -> dict:
     """The machine a run's timings come from (a run's workers must share it): the CPU's
-    answer-changing flags and the runtime as ``backend`` (a backend's ``describe()``) names
-    it. The CPU's model name is recorded, not compared (its flags are what change an
+    answer-changing flags and ``runtime``, what the backend says its timings depend on
+    (:func:`qdq_optuna.backends.base.measuring`: the runtime, its version, threads, precision
+    hint). The CPU's model name is recorded, not compared (its flags are what change an
     answer)."""
     cpu = cpu or current_cpu()
     return {"arch": cpu.arch, "cpu_flags": list(cpu.flags), "cpu": cpu.model_name,
-            "runtime": {k: backend[k] for k in _RUNTIME_KEYS if k in backend}}
+            "runtime": dict(runtime)}
 
 
 def machine_differences(run: dict, here: dict) -> list[str]:
@@ -182,5 +177,5 @@ def machine_differences(run: dict, here: dict) -> list[str]:
             for f in FLAGS if (f in mine) != (f in theirs)]
     rt_run, rt_here = run.get("runtime") or {}, here.get("runtime") or {}
     out += [f"{k} {rt_here.get(k)!r} here, {rt_run.get(k)!r} in the run"
-            for k in _RUNTIME_KEYS if rt_run.get(k) != rt_here.get(k)]
+            for k in sorted(set(rt_run) | set(rt_here)) if rt_run.get(k) != rt_here.get(k)]
     return out

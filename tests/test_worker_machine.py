@@ -15,6 +15,7 @@ import onnx
 import pytest
 from test_resume import REPO, cli_cmd, cli_env
 
+from qdq_optuna.backends.base import measuring
 from qdq_optuna.examples import zoo
 from qdq_optuna.machine import (
     FEATURE_SETS,
@@ -82,8 +83,8 @@ def test_a_worker_on_another_cpu_is_refused_and_commits_nothing(tmp_path):
 
 
 def test_what_makes_two_machines_differ():
-    ort = {"name": "onnxruntime", "onnxruntime": "1.32.0", "threads": 1, "seed": 0,
-           "input_shapes": {}}
+    ort = measuring({"name": "onnxruntime", "onnxruntime": "1.32.0", "threads": 1, "seed": 0,
+                     "input_shapes": {}})
     vnni = CpuFeatures.from_flags(FEATURE_SETS["vnni"], model_name="a")
     amx = CpuFeatures.from_flags(FEATURE_SETS["amx"], model_name="b")
     run = measuring_machine(ort, vnni)

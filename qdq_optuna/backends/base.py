@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 ModelSource = bytes | str | os.PathLike
 
 
+#: the keys of a backend's ``describe()`` that change what one of its timings means: the
+#: runtime and its version, threads, precision hint, device (a run's workers must agree on
+#: them; seeds and input shapes are settings, in the run's fingerprint)
+MEASURING_KEYS = ("name", "onnxruntime", "openvino", "tensorrt", "trtexec", "providers",
+                  "threads", "inference_precision", "device")
+
+
+def measuring(description: dict) -> dict:
+    """What of a backend's ``describe()`` a timing depends on (:data:`MEASURING_KEYS`)."""
+    return {k: description[k] for k in MEASURING_KEYS if k in description}
+
+
 class BackendError(RuntimeError):
     """Building or running a model failed; the message is shown to the user / stored on the trial."""
 

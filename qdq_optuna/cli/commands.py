@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from qdq_optuna import __version__
+from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import (
     OptionError,
@@ -288,7 +289,7 @@ def _print_result(result) -> None:
     acc = r.get("accuracy")
     if acc:
         left_out = (f"; Q/DQ on {', '.join(acc['responsible_tensors'])} left out"
-                    if acc["status"] != "within bound" and acc["responsible_tensors"] else "")
+                    if acc["status"] != WITHIN_BOUND and acc["responsible_tensors"] else "")
         print(f"output error vs FP32 ({acc['measure']}, worst output, on {acc['data_kind']}): "
               f"{acc['error']:.4g}, bound {acc['bound']:g}: {acc['status']}{left_out}")
     if r.get("pareto"):

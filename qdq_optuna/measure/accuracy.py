@@ -147,15 +147,17 @@ def summarize(errors: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     }
 
 
+#: each error measure from :func:`summarize`'s figures
+_ERROR_OF = {"relative_l2": lambda s: s["worst_relative_l2"],
+             "1-cosine": lambda s: 1.0 - s["worst_cosine"],
+             "max_abs": lambda s: s["worst_max_abs"]}
+
+
 def error_value(errors: Mapping[str, Mapping[str, float]], name: str = "relative_l2") -> float:
     """The scalar "error" objective / constraint (lower is better)."""
-    summary = summarize(errors)
-    if name == "relative_l2":
-        return summary["worst_relative_l2"]
-    if name == "1-cosine":
-        return 1.0 - summary["worst_cosine"]
-    if name == "max_abs":
-        return summary["worst_max_abs"]
+    of_summary = _ERROR_OF.get(name)
+    if of_summary is not None:
+        return of_summary(summarize(errors))
     raise OptionError(
         f"--error-measure: unknown error measure {name!r} (choose {', '.join(ERROR_MEASURES)})"
     )
@@ -398,11 +400,12 @@ def metric_drop_bound(evaluator: AccuracyEvaluator, max_drop: float, drop_type: 
     if not math.isfinite(fp32):
         raise OptionError(f"--metric {evaluator.metric_name!r} is {fp32} for the FP32 model "
                           "itself: no drop from it can be bounded")
-    if drop_type == "relative" and fp32 == 0:
+    relative = drop_type == "relative"
+    if relative and fp32 == 0:
         raise OptionError(f"--metric {evaluator.metric_name!r} is 0 for the FP32 model, so a "
                           "relative --max-metric-drop allows nothing: use --metric-drop-type "
                           "absolute")
-    allowed = max_drop * (abs(fp32) if drop_type == "relative" else 1.0)
+    allowed = max_drop * (abs(fp32) if relative else 1.0)
     return {"fp32_metric": fp32, "max_metric_drop": max_drop, "drop_type": drop_type,
             "bound": fp32 + allowed}
 
@@ -420,9 +423,9 @@ def error_record(error: float, details: Mapping) -> dict:
               "all_samples_error"):
         if k in details:
             rec[k] = clean(details[k])
-    if "spread" in details:
-        rec["spread"] = {k: clean(v) if k != "samples" else v
-                         for k, v in details["spread"].items()}
+    spread = details.get("spread")
+    if spread is not None:  # the sample count stays an int
+        rec["spread"] = {**{k: clean(v) for k, v in spread.items()}, "samples": spread["samples"]}
     return rec
 
 

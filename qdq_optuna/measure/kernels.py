@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import onnx
@@ -64,6 +65,15 @@ def isa(flags: Iterable[str]) -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
+class KernelDecision(str, Enum):
+    """What a unit's kernel timing says: ``float`` measured faster, ``integer`` faster, or
+    ``tie`` (the interval includes 1: no evidence either way)."""
+
+    FLOAT = "float"
+    INTEGER = "integer"
+    TIE = "tie"
+
+
 @dataclass(frozen=True)
 class KernelTiming:
     """One unit signature's integer kernel against its float kernel (ms: the timing
@@ -80,14 +90,13 @@ class KernelTiming:
     rounds: int
 
     @property
-    def decision(self) -> str:
-        """``float`` (float measured faster), ``integer`` (integer faster) or ``tie`` (the
-        interval includes 1: no evidence either way)."""
+    def decision(self) -> KernelDecision:
+        """Which kernel measured faster (a tie: the interval includes 1)."""
         if self.ci_high < 1.0:
-            return "float"
+            return KernelDecision.FLOAT
         if self.ci_low > 1.0:
-            return "integer"
-        return "tie"
+            return KernelDecision.INTEGER
+        return KernelDecision.TIE
 
     @property
     def gain_ms(self) -> float:
@@ -95,7 +104,7 @@ class KernelTiming:
         return self.int_ms - self.float_ms
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "decision": self.decision}
+        return {**asdict(self), "decision": self.decision.value}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> KernelTiming:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from optuna.trial import TrialState
 
+from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.outputs.time_spent import time_spent_lines
@@ -418,11 +419,11 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
         lines += ["Random inputs show only that nothing is badly broken; pass "
                   "`--validation-data` or `--calibration-data` for errors that mean something.",
                   ""]
-    if acc["status"] != "within bound" and not acc.get("tuned_tensors"):
+    if acc["status"] != WITHIN_BOUND and not acc.get("tuned_tensors"):
         lines += ["**Even the model without Q/DQ is past the bound** (the high-precision "
                   "conversion alone drifts that far): `optimized.onnx` is that model. Raise "
                   "`--max-output-error` or choose another `--high-precision`.", ""]
-    elif acc["status"] != "within bound":
+    elif acc["status"] != WITHIN_BOUND:
         culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
         lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
                   f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "

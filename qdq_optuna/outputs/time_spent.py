@@ -14,31 +14,27 @@ def _f(x, fmt: str = "{:.3f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def _starts(r: dict) -> str:
+    starts = r.get("starts") or []
+    chosen = next((s["name"] for s in starts if s.get("chosen")), "float")
+    measured = sum(1 for s in starts if s.get("latency_ms") is not None)
+    return f"{measured} measured, best = {chosen}"
+
+
+def _recipe_file(r: dict) -> str:
+    rf = r.get("recipe_file") or {}
+    if not rf:
+        return "no recipe file"
+    if rf.get("failure"):
+        return "not measured"
+    return "the recipe file ships" if rf.get("shipped") else "the tuned model ships"
+
+
 def decided(phase: str, r: dict) -> str:
-    """What ``phase`` decided, in words, from report.json ``r``."""
-    if phase == "preparing":
-        return f"{len(r.get('patterns') or [])} patterns to tune"
-    if phase == "baseline":
-        return f"baseline {_f(r.get('in_search_baseline_latency_ms'), '{:.4g}')} ms"
-    if phase == "starts":
-        starts = r.get("starts") or []
-        chosen = next((s["name"] for s in starts if s.get("chosen")), "float")
-        measured = sum(1 for s in starts if s.get("latency_ms") is not None)
-        return f"{measured} measured, best = {chosen}"
-    if phase == "descent":
-        return _descent(r)
-    if phase == "lanes":
-        return f"ships lane {(r.get('descent') or {}).get('shipped', 'main')}"
-    if phase == "recipe_file":
-        rf = r.get("recipe_file") or {}
-        if not rf:
-            return "no recipe file"
-        if rf.get("failure"):
-            return "not measured"
-        return "the recipe file ships" if rf.get("shipped") else "the tuned model ships"
-    if phase == "final":
-        return f"speedup {_f(r.get('speedup'))}x"
-    return ""
+    """What ``phase`` decided, in words, from report.json ``r`` (nothing for a phase that
+    decides nothing of its own)."""
+    words = _DECIDED.get(phase)
+    return words(r) if words is not None else ""
 
 
 def _descent(r: dict) -> str:
@@ -79,3 +75,15 @@ def time_spent_lines(r: dict) -> list[str]:
         lines.append(f"| {PHASE_NAMES.get(phase, phase)} | {p['seconds']:.1f} | {sessions} | "
                      f"{decided(phase, r) or '—'} | {steps or '—'} |")
     return lines + [""]
+
+
+#: each phase's decision in words, from report.json
+_DECIDED = {
+    "preparing": lambda r: f"{len(r.get('patterns') or [])} patterns to tune",
+    "baseline": lambda r: f"baseline {_f(r.get('in_search_baseline_latency_ms'), '{:.4g}')} ms",
+    "starts": _starts,
+    "descent": lambda r: _descent(r),
+    "lanes": lambda r: f"ships lane {(r.get('descent') or {}).get('shipped', 'main')}",
+    "recipe_file": _recipe_file,
+    "final": lambda r: f"speedup {_f(r.get('speedup'))}x",
+}

@@ -14,7 +14,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from qdq_optuna.accuracy_words import data_kind, data_phrase, default_session_lines, share_words
+from qdq_optuna.accuracy_words import (
+    WITHIN_BOUND,
+    data_kind,
+    data_phrase,
+    default_session_lines,
+    share_words,
+)
 from qdq_optuna.measure.accuracy import samples_needed
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
@@ -235,8 +241,6 @@ class Guard:
 FLOOR_WARN = 0.5
 #: the error memo's tag for a plan's bias-corrected export
 BIAS_TAG = "+bias"
-#: :attr:`Verdict.status`: the tuned model ships
-WITHIN_BOUND = "within bound"
 #: the tuned model broke the bound: a model within it ships instead
 FALLBACK = "fallback"
 #: not even the model without Q/DQ (in the run's high precision) is within the bound: it ships

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from qdq_optuna.measure.kernels import KernelTable
+from qdq_optuna.measure.kernels import KernelDecision, KernelTable
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,11 @@ def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
     nodes, timed_float, best_sum, placed_sum = [], 0.0, 0.0, 0.0
     for name, t in table.timings.items():
         best = min(t.int_ms, t.float_ms)
-        placed = "integer" if name in integer_nodes else "float"
-        placed_ms = t.int_ms if placed == "integer" else t.float_ms
+        on_integer = name in integer_nodes
+        placed = KernelDecision.INTEGER.value if on_integer else KernelDecision.FLOAT.value
+        placed_ms = t.int_ms if on_integer else t.float_ms
         nodes.append(NodeGap(name, t.op, patterns.get(name), placed, placed_ms, best,
-                             t.decision != "tie"))
+                             t.decision is not KernelDecision.TIE))
         timed_float += t.float_ms
         best_sum += best
         placed_sum += placed_ms

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qdq_optuna._files import remove_stale_temps
-from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.base import Backend, measuring
 from qdq_optuna.errors import UserError
 from qdq_optuna.machine import measuring_machine
 from qdq_optuna.measure.accuracy import ErrorScorer, hold_out, metric_drop_bound, validation_data
@@ -205,7 +205,7 @@ def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
     record = RunRecord(storage, run.run_id, run.prepared.tunable, run.settings.space)
     record.check_layout(str(run.out))
     # before the settings: a worker on another machine hears what differs, not "backend"
-    record.settle_machine(measuring_machine(run.backend.describe()), str(run.out))
+    record.settle_machine(measuring_machine(measuring(run.backend.describe())), str(run.out))
     record.settle_fingerprint(fp, fingerprint_digest, str(run.out))
     return record, fingerprint_digest
 
