@@ -370,7 +370,7 @@ def _timed_into_cache(pm, setting):
 
     def timing(flt, qdq, skip=(), **kw):
         skip = set(skip) | {u.node for u in K.units(qdq) if u.node != keep}
-        return K.kernel_table(backend, flt, qdq, skip=skip, protocol=QUICK, **kw)
+        return K.kernel_table(backend, flt, qdq, skip=skip, protocol=QUICK, output_q=True, **kw)
 
     class _S:
         prepared, exporter, kernel_timing, kernel_cache = pm, ex, staticmethod(timing), setting
