@@ -580,24 +580,27 @@ def _kept_lines(kept: dict | None) -> list[str]:
 
 
 def _recipe_file_lines(rf: dict | None) -> list[str]:
-    """The runtime's recipe file as written: against its re-export and the tuned model, what
-    differs in their Q/DQ, and whether it ships."""
+    """One recipe file as written: against what would ship (the tuned model, or an earlier
+    file that ships) and, for a file with a placement, against its re-export; what differs in
+    their Q/DQ, and whether it ships."""
     if not rf:
         return []
+    name = f"`{rf['file']}`" + (f", {rf['tool']}'s" if rf.get("tool") else "")
     if rf.get("failure"):
-        return [f"The recipe's own file (`{rf['file']}`) could not be measured: "
-                f"{rf['failure']}", ""]
+        return [f"The recipe's own file ({name}) could not be measured: {rf['failure']}", ""]
 
     def ab(c: dict) -> str:
         return f"{_f(c['ratio'])}x (interval {_f(c['ci_low'])}–{_f(c['ci_high'])})"
 
-    head = (f"**`optimized.onnx` is the recipe's own file** (`{rf['file']}`): the tuned model "
+    against = rf.get("against", "the tuned model")
+    head = (f"**`optimized.onnx` is the recipe's own file** ({name}): {against} "
             f"measured {ab(rf['tuned_vs_file'])} its latency." if rf["shipped"] else
-            f"The recipe's own file (`{rf['file']}`, measured as written): the tuned model "
-            f"measured {ab(rf['tuned_vs_file'])} its latency.")
-    lines = [head + f" The re-export of its placement with our scales measured "
-                    f"{ab(rf['reexport_vs_file'])} the file's; its output error "
-                    f"{_f(rf['error'], '{:.4g}')} is "
+            f"The recipe's own file ({name}, measured as written): {against} measured "
+            f"{ab(rf['tuned_vs_file'])} its latency.")
+    if "reexport_vs_file" in rf:
+        head += (f" The re-export of its placement with our scales measured "
+                 f"{ab(rf['reexport_vs_file'])} the file's.")
+    lines = [head + f" Its output error {_f(rf['error'], '{:.4g}')} is "
                     f"{'within' if rf['within_bound'] else 'past'} the bound."]
     if rf.get("differences"):
         lines += ["", "The re-export is slower than the file beyond noise; their Q/DQ differ "
@@ -664,7 +667,8 @@ def render_markdown(r: dict) -> str:
         *_statistics_lines(r.get("search_statistics")),
         "",
         *_kept_lines(r.get("kept_your_model")),
-        *_recipe_file_lines(r.get("recipe_file")),
+        *[line for rf in (r.get("recipe_files") or [r.get("recipe_file")])
+          for line in _recipe_file_lines(rf)],
         *_defaults_lines(r.get("defaults_taken")),
         *_starts_lines(r),
         *_repair_lines(r),

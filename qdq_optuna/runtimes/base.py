@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,23 @@ from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
 from qdq_optuna.placement.rules import RuntimeRules
+
+
+@dataclass(frozen=True)
+class RecipeFileSpec:
+    """One file a runtime's own quantization tool writes, kept in the run folder as the tool
+    wrote it and measured against what would ship (``search/_recipe_file.py``).
+
+    ``name`` names it (``recipe_NAME.onnx``, report.json's ``recipe_files``); ``tool`` is what
+    wrote it; ``make(model, input_shapes=, data=)`` writes it again (bytes, or None where the
+    tool has nothing to do for this model or it does not fit one file); ``placement``: whether
+    its static Q/DQ placement is read back and re-exported with our scales (a file of another
+    mode has none to read)."""
+
+    name: str
+    tool: str
+    make: Callable[..., bytes | None]
+    placement: bool = True
 
 
 class Runtime:
@@ -53,6 +71,17 @@ class Runtime:
         """The recipe tool's own file made again (same model, data, settings: same bytes);
         None where the runtime has no such tool here or the model does not fit one file."""
         return None
+
+    #: what writes the recipe file (report.json's ``recipe_files[].tool``)
+    recipe_tool: str = ""
+
+    def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
+        """Every recipe file of this runtime, the classic recipe's (:meth:`recipe_file`)
+        first; each is measured as written and ships when the tuned model is slower beyond
+        noise and it keeps the accuracy bound."""
+        if not self.has_recipe_file:
+            return ()
+        return (RecipeFileSpec(self.name, self.recipe_tool, self.recipe_file),)
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels

@@ -1,4 +1,5 @@
-"""ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe, fused scoring."""
+"""ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe and its
+``quantize_dynamic`` transformer recipe as files, fused scoring."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from qdq_optuna.model.precision import HighPrecisionModel
 from qdq_optuna.placement.rules import ONNXRUNTIME_CPU
-from qdq_optuna.runtimes.base import Runtime
+from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
 
 
 class OnnxRuntime(Runtime):
@@ -15,6 +16,7 @@ class OnnxRuntime(Runtime):
     rules = ONNXRUNTIME_CPU
 
     has_recipe_file = True
+    recipe_tool = "quantize_static"
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
@@ -28,6 +30,16 @@ class OnnxRuntime(Runtime):
 
         return starts.recipe_file_bytes(lambda work: starts.ort_recipe_model(
             model, work, data=data, input_shapes=input_shapes))
+
+    def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
+        """``quantize_static``'s file, then ``quantize_dynamic``'s (MatMuls with constant
+        weights, int8: ONNX Runtime's recipe for transformers on CPU; no file for a model
+        without such a MatMul)."""
+        from qdq_optuna.placement.dynamic import ort_dynamic_recipe_bytes
+
+        return (*super().recipe_files(),
+                RecipeFileSpec(f"{self.name}_dynamic", "quantize_dynamic",
+                               ort_dynamic_recipe_bytes, placement=False))
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """ONNX Runtime's fused integer kernels are what its rules stand for, but only with an
