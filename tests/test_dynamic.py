@@ -1,17 +1,29 @@
 """Dynamic int8 MatMuls (ONNX Runtime's transformer recipe): ``quantize_dynamic``'s own file
 kept in the run folder, measured as written against what would ship, and shipped when that is
-slower; no file for a model without a MatMul of constant weights."""
+slower; no file for a model without a MatMul of constant weights. Dynamic as a per-node mode:
+its insertion points, the export ONNX Runtime runs on integer kernels, ``--modes``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from qdq_optuna import tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
-from qdq_optuna.placement import dynamic
+from qdq_optuna.placement import dynamic, dynamic_recipe
+from qdq_optuna.placement.dynamic import QuantMode
+from qdq_optuna.placement.export import plan_uses
+from qdq_optuna.placement.prepared import PreparedModel
+from qdq_optuna.runtimes import profile_for
+
+ORT = profile_for("onnxruntime")
 
 
 def _dynamic(model: onnx.ModelProto) -> bool:
@@ -34,42 +46,48 @@ def encoder(tmp_path_factory):
     return path
 
 
-def _tune(model, out, fn) -> dict:
+def _tune(model, out, fn, **options) -> dict:
     return tune(str(model), out, benchmark=CallableBackend(fn, deterministic=True),
                 runtime="onnxruntime", config=Config(schemes_per_region=3, refine_rounds=0),
-                progress=False).report
+                progress=False, **options).report
 
 
 def test_the_dynamic_recipe_writes_integer_matmuls_for_constant_weights_only():
     model = zoo.tiny_attention()
-    weights = dynamic.dynamic_candidates(model)
+    weights = dynamic_recipe.dynamic_candidates(model)
     # the six linear layers (Q, K, V, output, fc1, fc2); the two activation MatMuls stay float
     assert len(weights) == 6
-    written = onnx.load_from_string(dynamic.ort_dynamic_recipe_bytes(model))
+    written = onnx.load_from_string(dynamic_recipe.ort_dynamic_recipe_bytes(model))
     ops = [n.op_type for n in written.graph.node]
     assert ops.count("MatMulInteger") == 6 and ops.count("MatMul") == 2
-    assert dynamic.ort_dynamic_recipe_bytes(model) == dynamic.ort_dynamic_recipe_bytes(model)
+    assert dynamic_recipe.ort_dynamic_recipe_bytes(model) == dynamic_recipe.ort_dynamic_recipe_bytes(model)
 
 
 def test_no_dynamic_file_for_a_model_without_constant_matmul_weights(residual, tmp_path):
-    assert dynamic.ort_dynamic_recipe_bytes(str(residual)) is None
+    assert dynamic_recipe.ort_dynamic_recipe_bytes(str(residual)) is None
     report = _tune(residual, tmp_path / "r", dynamic_fastest)
     assert [f["name"] for f in report["recipe_files"]] == ["onnxruntime"]
     assert not (tmp_path / "r" / "recipe_onnxruntime_dynamic.onnx").exists()
 
 
 def test_the_dynamic_file_ships_when_what_would_ship_is_slower(encoder, tmp_path):
-    report = _tune(encoder, tmp_path / "r", dynamic_fastest)
+    """Placement only (``--modes static``): the tuned model has no dynamic node, and the
+    recipe's dynamic file, faster, ships."""
+    report = _tune(encoder, tmp_path / "r", dynamic_fastest, modes="static")
+    assert report["modes"] == ["static"]
     static, dyn = report["recipe_files"]
     assert (static["tool"], dyn["tool"]) == ("quantize_static", "quantize_dynamic")
     assert report["recipe_file"] == static
     kept = (tmp_path / "r" / dyn["file"]).read_bytes()
-    assert kept == dynamic.ort_dynamic_recipe_bytes(str(encoder))
+    assert kept == dynamic_recipe.ort_dynamic_recipe_bytes(str(encoder))
     assert dyn["shipped"] and dyn["within_bound"] and "reexport_vs_file" not in dyn
     assert dyn["tuned_vs_file"]["verdict"] == "slower"
     assert (tmp_path / "r" / "optimized.onnx").read_bytes() == kept
     assert report["accuracy"]["shipped"] == "the recipe's own file"
     assert report["final_output_error"] == dyn["error"]
+    # each node's mode is read from what ships: the file's six dynamic MatMuls
+    assert report["node_modes"] == dynamic.node_modes(kept)
+    assert report["mode_counts"]["dynamic"] == 6
     assert "quantize_dynamic's" in (tmp_path / "r" / "report.md").read_text()
 
 
@@ -79,3 +97,112 @@ def test_the_tuned_model_ships_when_the_dynamic_file_is_slower(encoder, tmp_path
     assert not dyn["shipped"] and dyn["tuned_vs_file"]["verdict"] == "faster"
     assert dyn["against"] == "the tuned model"
     assert not _dynamic(onnx.load(str(tmp_path / "r" / "optimized.onnx")))
+
+
+# -- dynamic int8 as a per-node mode ----------------------------------------------------------
+def _prepared(model, modes=(QuantMode.STATIC, QuantMode.DYNAMIC)) -> PreparedModel:
+    return PreparedModel.prepare(model, runtime=ORT.rules_for_modes(tuple(modes)))
+
+
+def _dynamic_ids(pm: PreparedModel) -> dict[str, list[str]]:
+    return {pp.pattern.id: [p for p in pp.ids if p.endswith(".dynamic")] for pp in pm.tunable}
+
+
+def _session(data: bytes, optimized: Path | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if optimized is not None:
+        so.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_a_dynamic_point_runs_its_matmul_on_an_integer_kernel(tmp_path):
+    """Every dynamic point on: the model runs in ONNX Runtime, each linear layer on its
+    dynamic integer kernels (the optimized graph's op types), close to float."""
+    model = zoo.small("transformer")
+    pm = _prepared(model)
+    exporter = pm.exporter()
+    uses = set().union(*(pp.uses(ids) for pp, ids in zip(pm.tunable, _dynamic_ids(pm).values())))
+    plan = exporter.plan(uses)
+    linear = [i for i, n in enumerate(pm.graph.nodes) if dynamic.dynamic_node_ok(
+        pm.graph, i, ORT.dynamic_ops)]
+    assert len(plan.dynamic) == len(linear) > 0 and plan.activations == ()
+    assert exporter.plan(plan_uses(plan)).key == plan.key  # the plan read back from its uses
+    data = exporter.to_bytes(plan)
+    onnx.checker.check_model(onnx.load_from_string(data))
+    optimized = tmp_path / "optimized.onnx"
+    quantized = _session(data, optimized)
+    ops = [n.op_type for n in onnx.load(str(optimized)).graph.node]
+    integer = ops.count("DynamicQuantizeMatMul") + ops.count("MatMulIntegerToFloat")
+    assert integer == len(linear)
+    assert "MatMulInteger" not in ops  # every one fused into a dynamic kernel
+    feed = {"input_ids": np.random.default_rng(1).integers(0, 50, (1, 16)).astype(np.int64)}
+    assert _cosine(_session(model.SerializeToString()).run(None, feed)[0],
+                   quantized.run(None, feed)[0]) > 0.999
+    modes = dynamic.node_modes(data)
+    assert sorted(n for n, m in modes.items() if m == "dynamic") == sorted(
+        pm.graph.nodes[i].name for i in linear)
+
+
+def test_a_dynamic_node_takes_no_static_qdq_on_its_inputs():
+    pm = _prepared(zoo.tiny_attention())
+    exporter = pm.exporter()
+    every = set().union(*(pp.uses(pp.ids) for pp in pm.tunable))
+    plan = exporter.plan(every)
+    dyn = {n for _, n, _ in plan.dynamic}
+    assert dyn and not any(n in dyn for _, cs, _ in plan.activations for n, _ in cs)
+    assert not any(n in dyn for n, _, _ in plan.weights)
+    static = exporter.plan({u for u in every if not dynamic.is_dynamic(u)})
+    assert static.weights and set(plan.weights) < set(static.weights)
+    _session(exporter.to_bytes(plan))  # valid for ONNX Runtime
+
+
+def test_modes_static_gives_the_placement_search_of_the_plain_rules():
+    model = zoo.tiny_attention()
+    static = _prepared(model, [QuantMode.STATIC])
+    plain = PreparedModel.prepare(model, runtime="onnxruntime")
+    assert [pp.ids for pp in static.tunable] == [pp.ids for pp in plain.tunable]
+    assert not any(_dynamic_ids(static).values())
+    both = _prepared(model)
+    for pp, dyn, old in zip(both.tunable, _dynamic_ids(both).values(), plain.tunable):
+        assert [p for p in pp.ids if p not in dyn] == old.ids
+    assert sum(map(len, _dynamic_ids(both).values())) == 6
+
+
+def test_the_modes_each_runtime_offers():
+    assert QuantMode.parse(None, ORT.modes, "onnxruntime") == (QuantMode.STATIC,
+                                                               QuantMode.DYNAMIC)
+    assert QuantMode.parse("dynamic", ORT.modes, "onnxruntime") == (QuantMode.STATIC,
+                                                                    QuantMode.DYNAMIC)
+    assert QuantMode.parse("static", ORT.modes, "onnxruntime") == (QuantMode.STATIC,)
+    for name in ("openvino", "tensorrt"):
+        with pytest.raises(OptionError, match=f"{name} offers no dynamic mode"):
+            profile_for(name).searched_modes("dynamic", "fp32")
+    # dynamic kernels take FP32: left out of the default under an FP16 float part
+    assert ORT.searched_modes(None, "fp16") == (QuantMode.STATIC,)
+    with pytest.raises(OptionError, match="--modes dynamic"):
+        ORT.searched_modes("dynamic", "fp16")
+
+
+def dynamic_pays(model: onnx.ModelProto) -> float:
+    """Each dynamically written MatMul 0.1 ms off 2 ms; the recipe files slower than all."""
+    if model.producer_name == "onnx.quantize":
+        return 5.0
+    return 2.0 - 0.1 * sum(n.op_type == "MatMulInteger" for n in model.graph.node)
+
+
+def test_the_search_chooses_dynamic_nodes_and_the_report_records_each_nodes_mode(
+        encoder, tmp_path):
+    report = _tune(encoder, tmp_path / "r", dynamic_pays)
+    assert report["modes"] == ["static", "dynamic"]
+    assert report["mode_counts"]["dynamic"] == 6
+    assert not any(f["shipped"] for f in report["recipe_files"])
+    shipped = onnx.load(str(tmp_path / "r" / "optimized.onnx"))
+    assert dynamic.node_modes(shipped) == report["node_modes"]
+    assert "6 dynamic" in (tmp_path / "r" / "report.md").read_text()
+    assert any(s["name"] == "dynamic" for s in report["starts"])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from optuna.trial import TrialState
 
 from qdq_optuna.machine import current_cpu
+from qdq_optuna.placement.dynamic import node_modes
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -105,6 +106,18 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
                        "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
                        "reformats": len(what.reformats), "patterns": patterns}
     return out
+
+
+def mode_keys(final_bytes, rules) -> dict:
+    """``modes``: the modes searched (``static``, and ``dynamic`` where the rules have
+    dynamic ops); ``node_modes``: each MatMul/Gemm/Conv's mode in ``optimized.onnx``, and
+    ``mode_counts``."""
+    searched = ["static"] + (["dynamic"] if rules.dynamic_ops else [])
+    if not isinstance(final_bytes, bytes):  # a model too big for bytes: read where written
+        return {"modes": searched}
+    modes = node_modes(final_bytes)
+    counts = {m: list(modes.values()).count(m) for m in ("static", "dynamic", "float")}
+    return {"modes": searched, "node_modes": modes, "mode_counts": counts}
 
 
 def start_entries(record, baseline_ms: float | None) -> list[dict]:
@@ -579,6 +592,16 @@ def _kept_lines(kept: dict | None) -> list[str]:
             "so no placement found beat it; the figures above re-measure the shipped file.", ""]
 
 
+def _mode_lines(r: dict) -> list[str]:
+    """How the MatMul/Gemm/Conv nodes of ``optimized.onnx`` run, when dynamic was searched."""
+    counts = r.get("mode_counts")
+    if "dynamic" not in r.get("modes", []) or not counts:
+        return []
+    return ["", f"Modes searched: {', '.join(r['modes'])}; the MatMul/Gemm/Conv nodes of "
+                f"`optimized.onnx`: {counts['dynamic']} dynamic, {counts['static']} static, "
+                f"{counts['float']} float."]
+
+
 def _recipe_file_lines(rf: dict | None) -> list[str]:
     """One recipe file as written: against what would ship (the tuned model, or an earlier
     file that ships) and, for a file with a placement, against its re-export; what differs in
@@ -665,6 +688,7 @@ def render_markdown(r: dict) -> str:
         f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
         "builds saved by the cache." + _elapsed(r),
         *_statistics_lines(r.get("search_statistics")),
+        *_mode_lines(r),
         "",
         *_kept_lines(r.get("kept_your_model")),
         *[line for rf in (r.get("recipe_files") or [r.get("recipe_file")])

@@ -4,7 +4,7 @@ pipeline (:mod:`qdq_optuna._tune`) hands the outcome over."""
 
 from __future__ import annotations
 
-from qdq_optuna.outputs.report import build_report, runtime_keys, write_reports
+from qdq_optuna.outputs.report import build_report, mode_keys, runtime_keys, write_reports
 
 
 def write_outputs(outcome) -> dict:
@@ -23,6 +23,7 @@ def write_outputs(outcome) -> dict:
                                        o.comparison, o.plan, o.out)
         report["measurements"] = o.plans.measurements
     report.update(runtime_keys(o))
+    report.update(mode_keys(o.final_bytes, o.prepared.rules))
     report["elapsed_s"] = dict(o.elapsed)
     write_reports(o.out, report)
     return report

@@ -9,89 +9,164 @@ per-call activation range, so they are both faster and more accurate there than 
 ``quantize_dynamic`` 2.04x at cosine 0.9997); ONNX Runtime's documentation recommends it for
 transformers on CPU.
 
-This module holds the tool's recipe file (:func:`ort_dynamic_recipe_bytes`, what a user of
-ONNX Runtime gets from the one-liner) and which nodes can run dynamically
-(:func:`dynamic_candidates`).
+This module holds the quantization modes (:class:`QuantMode`), which nodes can run dynamically (:func:`dynamic_candidates`), the use that stands for a node
+run dynamically (:func:`dynamic_use`: what a pattern's ``dynamic`` insertion point covers, so
+the sampler, the pattern studies, the cache and resuming treat a mode like a placement) and
+how the exporter writes such a node (:func:`dynamic_node`).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Mapping
-from pathlib import Path
+import enum
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna.model.graph import InputShapes, load_model
-
-#: the op types ``quantize_dynamic`` writes with integer kernels in the recipe (its integer-op
-#: registry has MatMul, not Gemm: a Gemm stays float in the tool's own file)
-DYNAMIC_OP_TYPES = ("MatMul",)
-
-
-def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
-    """The nodes ``quantize_dynamic`` quantizes with the recipe's settings: MatMuls whose
-    weight (input B) is a constant, 2-D float initializer (``MatMulConstBOnly``)."""
-    consts = {t.name: t for t in model.graph.initializer}
-    return [n.name for n in model.graph.node
-            if n.op_type in DYNAMIC_OP_TYPES and len(n.input) > 1 and n.input[1] in consts
-            and len(consts[n.input[1]].dims) == 2
-            and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT]
+from qdq_optuna.errors import OptionError
+from qdq_optuna.model.graph import (
+    GRAPH_INITIALIZER,
+    GRAPH_NODE,
+    Graph,
+    Use,
+    wire_field,
+)
 
 
-def ort_dynamic_options() -> dict:
-    """``quantize_dynamic``'s settings in ONNX Runtime's transformer recipe (its transformers
-    tool's ``quantize_onnx_model``): MatMuls only, int8 weights per tensor, uint8 activations
-    (the only dynamic activation type), constant weights only, float where a tensor's type is
-    unknown; 7-bit weights where the CPU's u8 x s8 kernels saturate, as its documentation
-    advises."""
-    from onnxruntime.quantization import QuantType
+class QuantMode(str, enum.Enum):
+    """How a node runs quantized: ``static`` (Q/DQ pairs where the placement puts them,
+    scales calibrated once) or ``dynamic`` (activations quantized per call, int8 weights)."""
 
-    from qdq_optuna.model import calibration
+    STATIC = "static"
+    DYNAMIC = "dynamic"
 
-    return {"op_types_to_quantize": list(DYNAMIC_OP_TYPES), "per_channel": False,
-            "weight_type": QuantType.QInt8,
-            "reduce_range": calibration.cpu_saturates_u8s8(),
-            "extra_options": {"MatMulConstBOnly": True,
-                              "DefaultTensorType": onnx.TensorProto.FLOAT}}
-
-
-def ort_dynamic_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
-                             input_shapes: InputShapes | str | None = None) -> Path | None:
-    """ONNX Runtime's ``quantize_dynamic`` (:func:`ort_dynamic_options`) on a copy of
-    ``model`` written to ``work``: the path of the quantized model, or None when the model has
-    no MatMul with a constant weight (the tool would change nothing). Needs no data: its
-    activation ranges are taken per call."""
-    from onnxruntime.quantization import quantize_dynamic
-
-    from qdq_optuna.placement.starts import quiet_tool
-
-    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()
-    if not dynamic_candidates(proto):
-        return None
-    src, out = work / "float.onnx", work / "ort_dynamic.onnx"
-    big = proto.ByteSize() > (1 << 30)
-    onnx.save(proto, str(src), save_as_external_data=big)
-    with quiet_tool("ONNX Runtime's dynamic recipe (quantize_dynamic)"):
-        quantize_dynamic(str(src), str(out), use_external_data_format=big,
-                         **ort_dynamic_options())
-    return out
+    @staticmethod
+    def parse(value: str | Iterable[str] | None, offered: tuple[QuantMode, ...],
+              runtime: str) -> tuple[QuantMode, ...]:
+        """``--modes`` (comma-separated or a list; None: every mode ``offered``), checked
+        against what the runtime offers: a mode it lacks is one line naming it. Static is
+        always searched (the other modes add to the placement)."""
+        if value is None:
+            return offered
+        names = value.split(",") if isinstance(value, str) else list(value)
+        modes = []
+        for name in (str(getattr(n, "value", n)).strip() for n in names):
+            known = {m.value: m for m in QuantMode}
+            if name not in known:
+                raise OptionError(f"--modes: unknown mode {name!r} "
+                                  f"(choose from {', '.join(known)})")
+            if known[name] not in offered:
+                raise OptionError(f"--modes: {runtime} offers no {name} mode here "
+                                  f"(it offers {', '.join(m.value for m in offered)})")
+            modes.append(known[name])
+        return tuple(dict.fromkeys([QuantMode.STATIC, *modes]))
 
 
-def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
-                             input_shapes: InputShapes | str | None = None,
-                             data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
-    """The dynamic recipe's own file as bytes (the same model gives the same bytes: nothing
-    is calibrated); None when the model has no MatMul to quantize or does not fit one file.
-    ``data`` is accepted for the recipe-file interface and not used."""
-    from qdq_optuna.placement.starts import keep_recipe_file
+#: the slot of a dynamic use: a node run dynamically, not one of its input slots
+DYNAMIC_SLOT = -2
+#: the tensor name of a dynamic use, before the node's name (never a tensor of the graph)
+DYNAMIC_PREFIX = "dynamic:"
 
-    with tempfile.TemporaryDirectory(prefix="qdq-optuna-dynamic-") as tmp:
-        written = ort_dynamic_recipe_model(model, Path(tmp), input_shapes=input_shapes)
-        if written is None:
-            return None
-        path = Path(tmp) / "recipe.onnx"
-        return path.read_bytes() if keep_recipe_file(written, path) else None
+
+def dynamic_use(graph: Graph, node: int) -> Use:
+    """The use that stands for ``node`` run dynamically: what its insertion point covers."""
+    return (f"{DYNAMIC_PREFIX}{graph.nodes[node].name or node}", node, DYNAMIC_SLOT)
+
+
+def is_dynamic(use: Use) -> bool:
+    return use[2] == DYNAMIC_SLOT
+
+
+def _gemm_attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def dynamic_node_ok(graph: Graph, node: int, ops: Iterable[str]) -> bool:
+    """Whether ``node`` can run dynamically: one of ``ops`` (the rules' ``dynamic_ops``), a
+    float activation A and a constant 2-D FP32 weight B (``quantize_dynamic``'s
+    ``MatMulConstBOnly``); a Gemm (what ONNX Runtime's basic fusions make of MatMul + Add)
+    with alpha and beta 1, A not transposed and a constant bias or none."""
+    n = graph.nodes[node]
+    if n.op_type not in ops or len(n.input) < 2 or not n.input[1]:
+        return False
+    w = n.input[1]
+    if n.op_type == "Gemm":
+        attrs = _gemm_attrs(n)
+        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 \
+                or attrs.get("transA", 0) or (len(n.input) > 2 and n.input[2]
+                                              and not graph.is_constant(n.input[2])):
+            return False
+    return (w in graph.initializers and graph.is_constant(w) and graph.is_activation(n.input[0])
+            and graph.elem_types.get(w) == TensorProto.FLOAT
+            and graph.elem_types.get(n.input[0]) == TensorProto.FLOAT
+            and len(graph.initializer(w).dims) == 2)
+
+
+def dynamic_node(graph: Graph, node: int, unique: Callable[[str], str], weight: np.ndarray,
+                 qmax: float, *, source: str | None = None,
+                 output: str | None = None) -> tuple[bytes, bytes]:
+    """``(initializers, nodes)`` that replace ``node`` (a MatMul or Gemm of a constant weight),
+    as ``quantize_dynamic`` writes a MatMul: DynamicQuantizeLinear on A, int8 weights per tensor
+    (symmetric, ``qmax``: 7 bits where the CPU's kernels saturate), MatMulInteger, Cast, the
+    two scales multiplied, the product scaled; ``source`` and ``output``: the names it reads
+    and writes (the node's own unless renamed)."""
+    n = graph.nodes[node]
+    a, base = source or n.input[0], n.name or n.output[0]
+    out = output or n.output[0]
+    gemm = n.op_type == "Gemm"
+    if gemm and _gemm_attrs(n).get("transB", 0):
+        weight = weight.T
+    bias = n.input[2] if gemm and len(n.input) > 2 and n.input[2] else None
+    scale = max(float(np.abs(weight).max(initial=0.0)) / qmax, 1e-12)
+    wq = np.clip(np.rint(weight / np.float32(scale)), -qmax, qmax).astype(np.int8)
+    names = {k: unique(f"{base}_{k}") for k in (
+        "W_quantized", "W_scale", "W_zero_point", "A_quantized", "A_scale", "A_zero_point",
+        "MatMulInteger", "output_int32", "output_float", "scales", "scaled", "dynamic")}
+    inits = b"".join(wire_field(GRAPH_INITIALIZER, t.SerializeToString()) for t in (
+        numpy_helper.from_array(wq, names["W_quantized"]),
+        numpy_helper.from_array(np.array(scale, np.float32), names["W_scale"]),
+        numpy_helper.from_array(np.array(0, np.int8), names["W_zero_point"])))
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", [a],
+                         [names["A_quantized"], names["A_scale"], names["A_zero_point"]],
+                         name=unique(f"{base}_DynamicQuantizeLinear")),
+        helper.make_node("MatMulInteger", [names["A_quantized"], names["W_quantized"],
+                                           names["A_zero_point"], names["W_zero_point"]],
+                         [names["output_int32"]], name=n.name or names["MatMulInteger"]),
+        helper.make_node("Cast", [names["output_int32"]], [names["output_float"]],
+                         to=TensorProto.FLOAT, name=unique(f"{base}_Cast")),
+        helper.make_node("Mul", [names["A_scale"], names["W_scale"]], [names["scales"]],
+                         name=unique(f"{base}_scales_Mul")),
+        helper.make_node("Mul", [names["output_float"], names["scales"]],
+                         [names["scaled"] if bias else out], name=names["dynamic"]),
+    ]
+    if bias:  # Gemm's C, added as MatMul + Add (ONNX Runtime fuses it into the kernel)
+        nodes.append(helper.make_node("Add", [names["scaled"], bias], [out],
+                                      name=unique(f"{base}_bias_Add")))
+    return inits, b"".join(wire_field(GRAPH_NODE, x.SerializeToString()) for x in nodes)
+
+
+#: the ops whose mode :func:`node_modes` reports (the weighted ops)
+MODE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+#: the integer ops a dynamically quantized node is written as
+_DYNAMIC_OPS = frozenset({"MatMulInteger", "ConvInteger"})
+
+
+def node_modes(model: onnx.ModelProto | bytes) -> dict[str, str]:
+    """Each MatMul/Gemm/Conv's mode in a written model (report.json's ``node_modes``):
+    ``dynamic`` (written as an integer op reading DynamicQuantizeLinear: its name is the
+    node's), ``static`` (its activation input read through a DequantizeLinear) or ``float``.
+    Read from the file itself, so it holds for a recipe file that ships too."""
+    if isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    modes = {}
+    for i, n in enumerate(model.graph.node):
+        name = n.name or f"#{i}"
+        if n.op_type in _DYNAMIC_OPS:
+            modes[name] = QuantMode.DYNAMIC.value
+        elif n.op_type in MODE_OPS:
+            modes[name] = QuantMode.STATIC.value if n.input and n.input[0] in dq else "float"
+    return modes
+

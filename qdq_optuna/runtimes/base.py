@@ -7,6 +7,7 @@ candidate, what the runtime ran and, where measured, its integer-vs-float kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from typing import Any
 
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.errors import OptionError
 from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules
 
 
@@ -47,6 +50,32 @@ class Runtime:
     default_precision: str = "fp32"
     #: ``--scales auto``: calibrated scales inside trials, or placeholders (``default``)
     default_scales: str = "calibrated"
+
+    #: the quantization modes this runtime has kernels for (``--modes``): static Q/DQ
+    #: everywhere; dynamic int8 only where the profile says so
+    modes: tuple[QuantMode, ...] = (QuantMode.STATIC,)
+    #: the ops it runs dynamically when the run searches the dynamic mode
+    dynamic_ops: frozenset[str] = frozenset()
+
+    def searched_modes(self, requested: str | list[str] | None,
+                       precision: str) -> tuple[QuantMode, ...]:
+        """The modes a run searches: ``--modes`` (None: every mode this runtime offers),
+        checked; the dynamic mode needs an FP32 float part (its kernels take FP32), so it is
+        left out under ``--high-precision fp16|bf16`` unless asked for, and refused then."""
+        modes = QuantMode.parse(requested, self.modes, self.name)
+        if QuantMode.DYNAMIC in modes and precision != "fp32":
+            if requested is not None:
+                raise OptionError(f"--modes dynamic: dynamic int8 kernels take FP32; the "
+                                  f"float part is {precision} (--high-precision fp32)")
+            modes = tuple(m for m in modes if m is not QuantMode.DYNAMIC)
+        return modes
+
+    def rules_for_modes(self, modes: tuple[QuantMode, ...]) -> RuntimeRules:
+        """The rules with the dynamic insertion points of ``modes`` (the rules as they are
+        for static only: the search it has always been)."""
+        if QuantMode.DYNAMIC in modes and self.dynamic_ops:
+            return dataclasses.replace(self.rules, dynamic_ops=self.dynamic_ops)
+        return self.rules
 
     def high_precision(self, requested: str | None, backend: str) -> str:
         """The float part's precision for ``--high-precision`` on ``backend`` (checked)."""

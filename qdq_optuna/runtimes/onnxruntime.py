@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qdq_optuna.model.precision import HighPrecisionModel
+from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import ONNXRUNTIME_CPU
 from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
 
@@ -17,6 +18,10 @@ class OnnxRuntime(Runtime):
 
     has_recipe_file = True
     recipe_tool = "quantize_static"
+    #: dynamic int8 MatMuls (DynamicQuantizeMatMul / MatMulIntegerToFloat on its CPU), a
+    #: Gemm too (its basic fusions make Gemm of MatMul + Add)
+    modes = (QuantMode.STATIC, QuantMode.DYNAMIC)
+    dynamic_ops = frozenset({"MatMul", "Gemm"})
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
@@ -35,7 +40,7 @@ class OnnxRuntime(Runtime):
         """``quantize_static``'s file, then ``quantize_dynamic``'s (MatMuls with constant
         weights, int8: ONNX Runtime's recipe for transformers on CPU; no file for a model
         without such a MatMul)."""
-        from qdq_optuna.placement.dynamic import ort_dynamic_recipe_bytes
+        from qdq_optuna.placement.dynamic_recipe import ort_dynamic_recipe_bytes
 
         return (*super().recipe_files(),
                 RecipeFileSpec(f"{self.name}_dynamic", "quantize_dynamic",

@@ -208,6 +208,13 @@ class TuneOptions:
         None, group="model", nargs="+", metavar="OP",
         help="quantize only the inputs of these op types (space- or comma-separated, e.g. "
              "Conv,MatMul), like quantize_static's op_types_to_quantize")
+    modes: str | None = option(
+        None, group="search", metavar="MODE[,MODE]",
+        help="quantization modes the search chooses per node: static (Q/DQ placement), "
+             "dynamic (a MatMul/Gemm of constant weights with activations quantized per call "
+             "and int8 weights, as quantize_dynamic writes it); default: every mode the "
+             "runtime offers (onnxruntime: static,dynamic; openvino, tensorrt: static). "
+             "Static is always searched; 'static' alone searches Q/DQ placement only")
     remeasure: bool = option(
         False, group="output",
         help="a finished run: measure the final model again and rewrite the report (otherwise "
@@ -452,6 +459,8 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:
         fp["node_filter"] = prepared.node_filter.to_dict()
+    if prepared.rules.dynamic_ops:  # absent for static only: earlier runs still resume
+        fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
     if settings.accuracy:
         fp["accuracy"] = {
             "objectives": list(settings.objectives),

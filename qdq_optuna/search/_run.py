@@ -37,6 +37,7 @@ from qdq_optuna._progress import Progress
 from qdq_optuna.errors import ToolError, UserError, interrupted_by
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.placement.dynamic_recipe import dynamic_start
 from qdq_optuna.placement.export import QDQExporter, plan_uses
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.prepared import PreparedModel
@@ -256,6 +257,9 @@ class Tuner:
         from qdq_optuna.placement import starts
 
         found = []
+        dynamic = dynamic_start(self.prepared)  # the dynamic mode searched: its recipe
+        if dynamic is not None:
+            found.append(dynamic)
         if self.o.qdq_baseline:
             found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
         if self.cache is not None:
