@@ -206,3 +206,44 @@ def test_the_search_chooses_dynamic_nodes_and_the_report_records_each_nodes_mode
     assert dynamic.node_modes(shipped) == report["node_modes"]
     assert "6 dynamic" in (tmp_path / "r" / "report.md").read_text()
     assert any(s["name"] == "dynamic" for s in report["starts"])
+
+
+def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_float(tmp_path):
+    """Every point on (static Q/DQ) in a small encoder: its MatMul/Gemm units get their
+    dynamic kernel timed against float too, in real ONNX Runtime sessions; a timing cached
+    without it is completed."""
+    import math
+
+    from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
+    from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+    from qdq_optuna.measure import kernels as K
+    from qdq_optuna.measure.timing import TimingProtocol
+    from qdq_optuna.placement import starts
+
+    quick = TimingProtocol.fast().with_(process_warmup_rounds=0, min_rounds=2, max_rounds=2)
+    pm = PreparedModel.prepare(zoo.tiny_attention())
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    units = [u for u in K.units(K.with_shapes(qdq)) if u.op in K.DYNAMIC_KERNEL_OPS]
+    assert units
+    unit = units[0]
+    dyn = K.dynamic_unit_model(unit, K.unit_models(unit, K.with_shapes(qdq),
+                                                   K.with_shapes(flt))[1])
+    assert kernels_of(dyn).integer == 1  # one dynamic integer kernel, no float MatMul
+    skip = [u.node for u in K.units(K.with_shapes(qdq)) if u.node != unit.node]
+    cache = tmp_path / "kernels.json"
+    static_only = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                                 cache=K.KernelCache(cache))
+    assert static_only.timings[unit.node].dynamic_ms is None
+    table = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                           cache=K.KernelCache(cache), dynamic=True)
+    t = table.timings[unit.node]
+    assert t.int_ms == static_only.timings[unit.node].int_ms  # the static timing from the cache
+    assert all(math.isfinite(x) and x > 0 for x in (t.dynamic_ms, t.dynamic_ratio))
+    assert t.dynamic_ci[0] <= t.dynamic_ratio <= t.dynamic_ci[1]
+    row = table.to_dict()["kernels"][0]
+    assert {"int_ms", "float_ms", "dynamic_ms", "dynamic_ratio"} <= set(row)
+    again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                           cache=K.KernelCache(cache), dynamic=True)
+    assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel

@@ -133,7 +133,8 @@ class Runtime:
         from qdq_optuna.measure.kernels import kernel_table
 
         return functools.partial(kernel_table, backend,
-                                 output_q=bool(self.rules.output_quantized_ops))
+                                 output_q=bool(self.rules.output_quantized_ops),
+                                 dynamic=QuantMode.DYNAMIC in self.modes)
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"
