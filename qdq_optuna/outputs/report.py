@@ -495,21 +495,29 @@ def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
         return []
     rows = k["kernels"]
     rt = k.get("runtime") or {}
+    dyn = any(r.get("dynamic_ms") is not None for r in rows)  # MatMul/Gemm's dynamic kernel
     lines = ["", "## Kernels: integer vs float on this machine", "",
              f"{rt.get('name', 'the backend')} ({', '.join(f'{a}={b}' for a, b in rt.items() if a != 'name')}); "
              f"CPU flags: {', '.join(k.get('cpu_flags') or []) or 'none read'}. Each node's "
              f"integer kernel (its Q/DQ model cut at the Q outputs) against its float kernel, "
              f"interleaved A/B; {k['timed']} signature(s) timed in this run, {k['cached']} "
              f"from the cache. Float faster at "
-             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s).", "",
-             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |",
-             "|---|---|---:|---:|---|---|---|"]
+             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s)."
+             + (" Each MatMul/Gemm's dynamic kernel (activations quantized per call) is timed "
+                "against float too." if dyn else ""), "",
+             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |"
+             + (" dynamic ms | float/dynamic (interval) |" if dyn else ""),
+             "|---|---|---:|---:|---|---|---|" + ("---:|---|" if dyn else "")]
     for r in rows[:limit]:
+        cells = (f" {r['dynamic_ms']:.4g} | {r['dynamic_ratio']:.3f} ({r['dynamic_ci'][0]:.3f}-"
+                 f"{r['dynamic_ci'][1]:.3f}) |" if r.get("dynamic_ms") is not None
+                 else " — | — |") if dyn else ""
         lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
                      f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
-                     f"{r['action']} | {r.get('shipped', '?')} |")
+                     f"{r['action']} | {r.get('shipped', '?')} |" + cells)
     if len(rows) > limit:
-        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |")
+        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |"
+                     + (" | |" if dyn else ""))
     return lines
 
 

@@ -22,6 +22,7 @@ from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.placement.points import DYNAMIC
 from qdq_optuna.placement.prepared import PreparedModel
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
@@ -459,7 +460,9 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:
         fp["node_filter"] = prepared.node_filter.to_dict()
-    if prepared.rules.dynamic_ops:  # absent for static only: earlier runs still resume
+    if any(point.kind == DYNAMIC for pp in prepared.tunable for point in pp.points):
+        # absent without a dynamic point (static only, or a model with no MatMul/Gemm of
+        # constant weights): earlier runs still resume
         fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
     if settings.accuracy:
         fp["accuracy"] = {
