@@ -137,13 +137,19 @@ def one(name: str, args) -> dict:
     dyn = dynamic_recipe.ort_dynamic_recipe_model(path, work, input_shapes=shapes)
     if dyn is None:
         raise SystemExit(f"{name}: no MatMul with constant weights for quantize_dynamic")
-    _common.wait_quiet(args.max_load)
-    out, wall = tune(path, shapes, work, args.tune_args)
+    out, timing = work / "tuned", work / "tune_wall.json"
+    if args.keep_tuned and (out / "report.json").exists():  # tuned before (resumed runs add up)
+        wall = json.loads(timing.read_text()) if timing.exists() else None
+    else:
+        _common.wait_quiet(args.max_load)
+        out, wall = tune(path, shapes, work, args.tune_args)
+        timing.write_text(json.dumps(wall))
     report = json.loads((out / "report.json").read_text())
     paths = {"fp32": path, "static_recipe": static, "dynamic_recipe": dyn,
              "tuned": out / "optimized.onnx"}
     _common.wait_quiet(args.max_load)
-    row = {"model": name, "inputs": kind, "tune_s": round(wall, 1),
+    row = {"model": name, "inputs": kind, "tune_s": None if wall is None else round(wall, 1),
+           "tune_args": args.tune_args, "complete": report["complete"],
            "tuned_claimed_speedup": round(report["speedup"], 4),
            "modes": report.get("modes"), "mode_counts": report.get("mode_counts"),
            "shipped": report["accuracy"].get("shipped"),
@@ -165,7 +171,9 @@ def table(rows: list[dict]) -> str:
                          f"cos {a[v]['cosine_mean']:.5f}")
         mc = r.get("mode_counts") or {}
         cells += [f"{mc.get('dynamic', 0)} dyn / {mc.get('static', 0)} static / "
-                  f"{mc.get('float', 0)} float", str(r["shipped"]), f"{r['tune_s']:.0f} s"]
+                  f"{mc.get('float', 0)} float", str(r["shipped"]),
+                  "?" if r["tune_s"] is None else f"{r['tune_s']:.0f} s"
+                  + ("" if r["complete"] else " (stopped at --timeout)")]
         body.append(cells)
     return _common.markdown_table(
         ["model", "quantize_static (vs FP32, cosine)", "quantize_dynamic", "tuned (default mode)",
@@ -182,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--max-load", type=float, default=100.0,
                     help="wait until the 1-minute load is below this before each step")
+    ap.add_argument("--keep-tuned", action="store_true",
+                    help="measure a model tuned before (its run folder under --out) as it is; "
+                         "its wall time from tune_wall.json there")
     ap.add_argument("--tune-args", nargs=argparse.REMAINDER, default=[],
                     help="extra 'qdq-optuna tune' arguments (last)")
     ap.add_argument("--results", default=str(RESULTS / "transformer_modes"))
