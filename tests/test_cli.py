@@ -119,6 +119,11 @@ BAD = {
                          "warp-drive"], "warp-drive"),
     "negative refine rounds": (["tune", "--model", "{model}", "--output", "{tmp}/o",
                                 "--refine-rounds", "-1"], "--refine-rounds"),
+    "a mode the runtime lacks": (["tune", "--model", "{model}", "--output", "{tmp}/o",
+                                  "--backend", "costmodel", "--modes", "dynamic"],
+                                 "tensorrt offers no dynamic mode"),
+    "unknown mode": (["tune", "--model", "{model}", "--output", "{tmp}/o", "--modes",
+                      "static,int4"], "--modes: unknown mode 'int4'"),
 }
 
 

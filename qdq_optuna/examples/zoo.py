@@ -33,6 +33,7 @@ __all__ = [
     "tiny_concat",
     "tiny_residual",
     "transformer_like",
+    "vit_like",
     "yolo_like",
 ]
 
@@ -614,6 +615,43 @@ def transformer_like(
         [_value_info("input_ids", TensorProto.INT64, [batch, seq], dynamic_batch)],
         [_f32("hidden_states", [batch, seq, hidden], dynamic_batch)],
     )
+
+
+def vit_like(
+    *,
+    image: int = 224,
+    patch: int = 16,
+    hidden: int = 192,
+    heads: int = 3,
+    layers: int = 12,
+    ffn: int = 768,
+    num_classes: int = 1000,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """ViT-style image classifier (ViT-Ti/16 at the defaults): a strided Conv cuts the image
+    into patch embeddings, a position embedding is added, then the encoder layers of
+    :func:`transformer_like`, a LayerNorm, the mean over tokens and a Gemm head.
+
+    Input ``pixel_values`` [1, 3, image, image] -> output ``logits`` [1, num_classes].
+    """
+    g = _Graph(seed)
+    tokens = (image // patch) ** 2
+    x = g.op("Conv", "patch_embed/conv", ["pixel_values", g.const(
+        "patch_embed.weight", g._he(3, hidden, patch, 1)), g.const(
+        "patch_embed.bias", g.normal((hidden,), 0.01))], kernel_shape=[patch, patch],
+        strides=[patch, patch])
+    x = g.op("Reshape", "patch_embed/flatten", [x, g.const(
+        "patch_embed/flatten.shape", [1, hidden, tokens], np.int64)])
+    x = g.op("Transpose", "patch_embed/transpose", [x], perm=[0, 2, 1])
+    x = g.op("Add", "pos_embed/add", [x, g.const("pos_embed", g.normal((1, tokens, hidden),
+                                                                        0.02))])
+    for i in range(layers):
+        x = _encoder_layer(g, x, f"layer{i}", tokens, hidden, heads, ffn)
+    x = g.layer_norm(x, "norm", hidden)
+    x = g.op("ReduceMean", "pool", [x], axes=[1], keepdims=0)
+    g.gemm(x, "head", hidden, num_classes, out="logits")
+    return g.model("vit_like", [_f32("pixel_values", [1, 3, image, image])],
+                   [_f32("logits", [1, num_classes])])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,10 +16,17 @@ the float model cut at the same float tensors. Both are timed by the search's ow
 timing protocol (an interleaved A/B of fresh sessions), so the margin is the measurement's own
 confidence interval: a unit is ``integer`` (faster) or ``float`` only when the interval of the
 ratio float/integer excludes 1, else ``tie``. :func:`subgraph` cuts any region the same way.
+
+Where the runtime runs MatMul/Gemm dynamically too (``kernel_table(dynamic=True)``: ONNX
+Runtime), each such unit's float model is also written with that node dynamic (activations
+quantized per call, int8 weights: :func:`~qdq_optuna.placement.dynamic.dynamic_node`) and
+timed against float the same way: the row then shows the static, dynamic and float kernels of
+the node side by side (``dynamic_ms``, ``dynamic_ratio`` float/dynamic and its interval).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -88,6 +95,11 @@ class KernelTiming:
     ci_low: float
     ci_high: float
     rounds: int
+    #: the dynamic kernel of a MatMul/Gemm (None: not timed): its ms, float / dynamic and the
+    #: interval of that ratio
+    dynamic_ms: float | None = None
+    dynamic_ratio: float | None = None
+    dynamic_ci: tuple[float, float] | None = None
 
     @property
     def decision(self) -> KernelDecision:
@@ -108,7 +120,11 @@ class KernelTiming:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> KernelTiming:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """A cached timing (an entry cached before dynamic kernels were timed has none)."""
+        found = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if found.get("dynamic_ci") is not None:
+            found["dynamic_ci"] = tuple(found["dynamic_ci"])
+        return cls(**found)
 
 
 @dataclass(frozen=True)
@@ -360,11 +376,52 @@ def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
                         round(c.ci_low, 6), round(c.ci_high, 6), c.rounds)
 
 
+#: the ops whose dynamic kernel is timed beside the static one
+DYNAMIC_KERNEL_OPS = frozenset({"MatMul", "Gemm"})
+
+
+def dynamic_unit_model(unit: Unit, float_model: bytes) -> bytes | None:
+    """The unit's float model with its node written dynamically (None: the node has no
+    constant 2-D weight to quantize)."""
+    from qdq_optuna.model.graph import Graph
+    from qdq_optuna.placement.dynamic import dynamic_node, dynamic_node_ok
+
+    model = onnx.load_from_string(float_model)
+    graph = Graph.from_model(model)
+    index = next((i for i, n in enumerate(graph.nodes) if n.name == unit.node), None)
+    if index is None or not dynamic_node_ok(graph, index, DYNAMIC_KERNEL_OPS):
+        return None
+    weight = onnx.numpy_helper.to_array(graph.initializer(graph.nodes[index].input[1]))
+    inits, nodes = dynamic_node(graph, index, lambda name: f"dynamic/{name}", weight, 127)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    extra = onnx.GraphProto()
+    extra.ParseFromString(inits + nodes)
+    for i, n in enumerate(model.graph.node):
+        out.graph.node.extend(extra.node if i == index else [n])
+    out.graph.initializer.extend(extra.initializer)
+    return out.SerializeToString()
+
+
+def time_dynamic(measurer: Measurer, timing: KernelTiming, unit: Unit,
+                 float_model: bytes) -> KernelTiming:
+    """``timing`` with the unit's dynamic kernel timed against its float kernel."""
+    dyn = dynamic_unit_model(unit, float_model)
+    if dyn is None:
+        return timing
+    c = measurer.compare(float_model, dyn, until="precision")
+    return dataclasses.replace(timing, dynamic_ms=round(c.candidate.score_ms, 6),
+                               dynamic_ratio=round(c.ratio, 6),
+                               dynamic_ci=(round(c.ci_low, 6), round(c.ci_high, 6)))
+
+
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
-                 output_q: bool, deadline: float | None = None) -> KernelTable:
+                 output_q: bool, deadline: float | None = None,
+                 dynamic: bool = False) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
@@ -373,7 +430,9 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     writes integer needs a Q on its output (``RuntimeRules.output_quantized_ops``; the
     profile's ``kernel_timing`` passes it).
     Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
-    Inception v1's 57 uncached units once took minutes after the run's time was up."""
+    Inception v1's 57 uncached units once took minutes after the run's time was up.
+    ``dynamic``: each MatMul/Gemm unit's dynamic kernel is timed too (a cached timing
+    without it is completed and cached again)."""
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
@@ -393,12 +452,19 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
             table.cached += 1
         if timing is None and measurer.out_of_time():
             continue
-        if timing is None:
+        wants_dynamic = dynamic and unit.op in DYNAMIC_KERNEL_OPS and (
+            timing is None or timing.dynamic_ms is None) and unit.signature not in done
+        if timing is None or wants_dynamic:
             try:
-                timing = time_unit(measurer, unit, *unit_models(unit, qdq, flt))
+                int_model, float_unit = unit_models(unit, qdq, flt)
+                if timing is None:
+                    timing = time_unit(measurer, unit, int_model, float_unit)
+                if wants_dynamic:
+                    timing = time_dynamic(measurer, timing, unit, float_unit)
             except Exception as exc:  # evidence is an optimisation: never the run's failure
                 log.info("kernel %s not timed (%s)", unit.node, str(exc).splitlines()[0])
-                continue
+                if timing is None:
+                    continue
             table.timed += 1
             if cache is not None:
                 cache.put(key, {"runtime": runtime, "cpu_flags": isa(flags)}, timing)

@@ -18,6 +18,7 @@ from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.outputs.time_spent import time_spent_lines
+from qdq_optuna.placement.dynamic import node_modes
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -148,6 +149,18 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
                        "standalone": len(what.standalone), "float_nodes": len(what.float_nodes),
                        "reformats": len(what.reformats), "patterns": patterns}
     return out
+
+
+def mode_keys(final_bytes, rules) -> dict:
+    """``modes``: the modes searched (``static``, and ``dynamic`` where the rules have
+    dynamic ops); ``node_modes``: each MatMul/Gemm/Conv's mode in ``optimized.onnx``, and
+    ``mode_counts``."""
+    searched = ["static"] + (["dynamic"] if rules.dynamic_ops else [])
+    if not isinstance(final_bytes, bytes):  # a model too big for bytes: read where written
+        return {"modes": searched}
+    modes = node_modes(final_bytes)
+    counts = {m: list(modes.values()).count(m) for m in ("static", "dynamic", "float")}
+    return {"modes": searched, "node_modes": modes, "mode_counts": counts}
 
 
 def start_entries(record, baseline_ms: float | None) -> list[dict]:
@@ -580,21 +593,29 @@ def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
         return []
     rows = k["kernels"]
     rt = k.get("runtime") or {}
+    dyn = any(r.get("dynamic_ms") is not None for r in rows)  # MatMul/Gemm's dynamic kernel
     lines = ["", "## Kernels: integer vs float on this machine", "",
              f"{rt.get('name', 'the backend')} ({', '.join(f'{a}={b}' for a, b in rt.items() if a != 'name')}); "
              f"CPU flags: {', '.join(k.get('cpu_flags') or []) or 'none read'}. Each node's "
              f"integer kernel (its Q/DQ model cut at the Q outputs) against its float kernel, "
              f"interleaved A/B; {k['timed']} signature(s) timed in this run, {k['cached']} "
              f"from the cache. Float faster at "
-             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s).", "",
-             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |",
-             "|---|---|---:|---:|---|---|---|"]
+             f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s)."
+             + (" Each MatMul/Gemm's dynamic kernel (activations quantized per call) is timed "
+                "against float too." if dyn else ""), "",
+             "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |"
+             + (" dynamic ms | float/dynamic (interval) |" if dyn else ""),
+             "|---|---|---:|---:|---|---|---|" + ("---:|---|" if dyn else "")]
     for r in rows[:limit]:
+        cells = (f" {r['dynamic_ms']:.4g} | {r['dynamic_ratio']:.3f} ({r['dynamic_ci'][0]:.3f}-"
+                 f"{r['dynamic_ci'][1]:.3f}) |" if r.get("dynamic_ms") is not None
+                 else " — | — |") if dyn else ""
         lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
                      f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
-                     f"{r['action']} | {r.get('shipped', '?')} |")
+                     f"{r['action']} | {r.get('shipped', '?')} |" + cells)
     if len(rows) > limit:
-        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |")
+        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |"
+                     + (" | |" if dyn else ""))
     return lines
 
 
@@ -677,25 +698,38 @@ def _kept_lines(kept: dict | None) -> list[str]:
             "so no placement found beat it; the figures above re-measure the shipped file.", ""]
 
 
+def _mode_lines(r: dict) -> list[str]:
+    """How the MatMul/Gemm/Conv nodes of ``optimized.onnx`` run, when dynamic was searched."""
+    counts = r.get("mode_counts")
+    if "dynamic" not in r.get("modes", []) or not counts:
+        return []
+    return ["", f"Modes searched: {', '.join(r['modes'])}; the MatMul/Gemm/Conv nodes of "
+                f"`optimized.onnx`: {counts['dynamic']} dynamic, {counts['static']} static, "
+                f"{counts['float']} float."]
+
+
 def _recipe_file_lines(rf: dict | None) -> list[str]:
-    """The runtime's recipe file as written: against its re-export and the tuned model, what
-    differs in their Q/DQ, and whether it ships."""
+    """One recipe file as written: against what would ship (the tuned model, or an earlier
+    file that ships) and, for a file with a placement, against its re-export; what differs in
+    their Q/DQ, and whether it ships."""
     if not rf:
         return []
+    name = f"`{rf['file']}`" + (f", {rf['tool']}'s" if rf.get("tool") else "")
     if rf.get("failure"):
-        return [f"The recipe's own file (`{rf['file']}`) could not be measured: "
-                f"{rf['failure']}", ""]
+        return [f"The recipe's own file ({name}) could not be measured: {rf['failure']}", ""]
 
     def ab(c: dict) -> str:
         return f"{_f(c['ratio'])}x (interval {_f(c['ci_low'])}–{_f(c['ci_high'])})"
 
-    head = (f"**`optimized.onnx` is the recipe's own file** (`{rf['file']}`): the tuned model "
+    against = rf.get("against", "the tuned model")
+    head = (f"**`optimized.onnx` is the recipe's own file** ({name}): {against} "
             f"measured {ab(rf['tuned_vs_file'])} its latency." if rf["shipped"] else
-            f"The recipe's own file (`{rf['file']}`, measured as written): the tuned model "
-            f"measured {ab(rf['tuned_vs_file'])} its latency.")
-    lines = [head + f" The re-export of its placement with our scales measured "
-                    f"{ab(rf['reexport_vs_file'])} the file's; its output error "
-                    f"{_f(rf['error'], '{:.4g}')} is "
+            f"The recipe's own file ({name}, measured as written): {against} measured "
+            f"{ab(rf['tuned_vs_file'])} its latency.")
+    if "reexport_vs_file" in rf:
+        head += (f" The re-export of its placement with our scales measured "
+                 f"{ab(rf['reexport_vs_file'])} the file's.")
+    lines = [head + f" Its output error {_f(rf['error'], '{:.4g}')} is "
                     f"{'within' if rf['within_bound'] else 'past'} the bound."]
     if rf.get("differences"):
         lines += ["", "The re-export is slower than the file beyond noise; their Q/DQ differ "
@@ -825,9 +859,11 @@ def render_markdown(r: dict) -> str:
         f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
         "builds saved by the cache." + _elapsed(r),
         *_statistics_lines(r.get("search_statistics")),
+        *_mode_lines(r),
         "",
         *_kept_lines(r.get("kept_your_model")),
-        *_recipe_file_lines(r.get("recipe_file")),
+        *[line for rf in (r.get("recipe_files") or [r.get("recipe_file")])
+          for line in _recipe_file_lines(rf)],
         *_defaults_lines(r.get("defaults_taken")),
         *_starts_lines(r),
         *_repair_lines(r),

@@ -4,7 +4,13 @@ pipeline (:mod:`qdq_optuna._tune`) hands the outcome over."""
 
 from __future__ import annotations
 
-from qdq_optuna.outputs.report import build_report, runtime_keys, stopped_report, write_reports
+from qdq_optuna.outputs.report import (
+    build_report,
+    mode_keys,
+    runtime_keys,
+    stopped_report,
+    write_reports,
+)
 
 
 def write_outputs(outcome) -> dict:
@@ -23,6 +29,7 @@ def write_outputs(outcome) -> dict:
                                        o.comparison, o.plan, o.out)
         report["measurements"] = o.plans.measurements
     report.update(runtime_keys(o))
+    report.update(mode_keys(o.final_bytes, o.prepared.rules))
     report["elapsed_s"] = dict(o.elapsed)
     if o.wall_time is not None:
         report["wall_time"] = o.wall_time.to_dict()

@@ -58,6 +58,7 @@ from qdq_optuna.model.graph import (
     wire_field,
 )
 from qdq_optuna.model.precision import HighPrecisionModel
+from qdq_optuna.placement.dynamic import dynamic_node, is_dynamic
 from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules, SevenBitWeights
 
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
@@ -142,12 +143,14 @@ class QuantPlan:
     #: (consumer node, weight slot, quant type), sorted; under ONNX Runtime's rules also the
     #: constant operands and tables that come with the activations (:func:`constant_operands`)
     weights: tuple[tuple[int, int, str], ...]
+    #: the dynamic uses (:func:`~qdq_optuna.placement.dynamic.dynamic_use`) of the nodes run
+    #: dynamically, sorted: no Q/DQ on their inputs, their weights int8 per tensor
+    dynamic: tuple[Use, ...] = ()
 
     @functools.cached_property
     def key(self) -> str:  # computed once per plan (a trial asks several times)
-        return hashlib.sha256(
-            json.dumps([self.activations, self.weights], separators=(",", ":")).encode()
-        ).hexdigest()[:24]
+        parts = [self.activations, self.weights] + ([self.dynamic] if self.dynamic else [])
+        return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()[:24]
 
     @property
     def tensors(self) -> list[str]:
@@ -164,7 +167,8 @@ class QuantPlan:
 def plan_uses(plan: QuantPlan) -> dict[Use, str]:
     """The typed uses a plan quantizes (promotions included): the same plan again from any
     exporter of the same graph (``exporter.plan(plan_uses(plan))``)."""
-    return {(t, n, s): q for t, consumers, q in plan.activations for n, s in consumers}
+    return {**{(t, n, s): q for t, consumers, q in plan.activations for n, s in consumers},
+            **dict.fromkeys(plan.dynamic, QuantType.INT8)}
 
 
 class _QDQPieces:
@@ -505,9 +509,11 @@ class QDQExporter(_QDQPieces):
     def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
         """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
         typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
+        dynamic = sorted(u for u, q in typed.items() if is_dynamic(u) and q not in (None, "none", 0))
+        dyn_nodes = {n for _, n, _ in dynamic}
         by_tensor: dict[str, dict[tuple[int, int], str]] = {}
         for (t, n, s), q in typed.items():
-            if q in (None, "none", 0):
+            if q in (None, "none", 0) or n in dyn_nodes:  # a dynamic node takes no Q/DQ
                 continue
             by_tensor.setdefault(t, {})[(n, s)] = q
         activations = []
@@ -522,11 +528,18 @@ class QDQExporter(_QDQPieces):
                 found = memo[key] = self._plan_tensor(t, by_tensor[t])
             activations.extend(found[0])
             weights.update(found[1])
+        if dyn_nodes:  # a promotion may have covered a dynamic node's input again
+            activations = [(t, cs, q) for t, cs, q in (
+                (t, tuple(c for c in cs if c[0] not in dyn_nodes), q) for t, cs, q in activations)
+                if cs]
+            weights = {k: q for k, q in weights.items() if k[0] not in dyn_nodes}
         weights.update(constant_operands(self.graph, self.rules, activations))
         weights.update(preserved_weights(self.graph, self.rules, activations, weights))
         return QuantPlan(
             activations=tuple(activations),
-            weights=tuple(sorted((n, s, q) for (n, s), q in weights.items())),
+            weights=tuple(sorted((n, s, q) for (n, s), q in weights.items()
+                                 if n not in dyn_nodes)),
+            dynamic=tuple(dynamic),
         )
 
     def _plan_tensor(self, t: str, covered: dict[tuple[int, int], str]) -> tuple[list, list]:
@@ -605,18 +618,25 @@ class QDQExporter(_QDQPieces):
                         inits.append(b_init)
                         head.append(b_node)
                     rewire[n][2] = b_out
+        dynamic = self._dynamic_parts(plan, rewire)
         replaced = {graph.nodes[n].input[s] for n, rw in rewire.items() for s in rw if s >= 0}
+        replaced |= {graph.nodes[n].input[1] for n in dynamic}
         kept = [
             b for name, b in self._init_bytes.items()
             if name not in replaced or name in self._listed_inputs
-            or any(rewire.get(n, {}).get(s) is None for n, s in graph.consumers.get(name, []))
+            or any(n not in dynamic and rewire.get(n, {}).get(s) is None
+                   for n, s in graph.consumers.get(name, []))
         ]
+        for i_bytes, _ in dynamic.values():
+            inits.append(i_bytes)
         body: list[bytes] = []
         rewired = self._rewired
         if len(rewired) > _MEMO_PER_NODE * len(self.graph.nodes) + 1000:
             rewired.clear()
         for idx, cached in enumerate(self._node_bytes):
-            if idx in rewire:
+            if idx in dynamic:
+                body.append(dynamic[idx][1])
+            elif idx in rewire:
                 key = (idx, tuple(sorted(rewire[idx].items())))
                 node_bytes = rewired.get(key)
                 if node_bytes is None:
@@ -633,6 +653,23 @@ class QDQExporter(_QDQPieces):
         parts = [self._static, *kept, *inits, *head, *body]
         payload_len = sum(map(len, parts))
         return [self._prefix, bytes([MODEL_GRAPH]), varint(payload_len), *parts]
+
+    def _dynamic_parts(self, plan: QuantPlan, rewire: dict[int, dict[int, str]]
+                       ) -> dict[int, tuple[bytes, bytes]]:
+        """Node -> (initializers, nodes) that write it dynamically; its output renamed where
+        :func:`_output_rewiring` renamed it (a graph output carrying Q/DQ)."""
+        cache = self.__dict__.setdefault("_dynamic_cache", {})
+        found = {}
+        for _, n, _ in plan.dynamic:
+            renames = rewire.pop(n, {})
+            key = (n, renames.get(0), renames.get(-1))
+            if key not in cache:
+                qmax = self._weight_qmax(QuantType.INT8, n) or QMAX["int8"]
+                weight = self._fp32_weight(self.graph.nodes[n].input[1])
+                cache[key] = dynamic_node(self.graph, n, self._unique, weight, qmax,
+                                          source=key[1], output=key[2])
+            found[n] = cache[key]
+        return found
 
     def to_model(self, plan: QuantPlan) -> onnx.ModelProto:
         """The exported model as a ``ModelProto`` (for saving and for user callables). In

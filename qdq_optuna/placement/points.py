@@ -7,6 +7,9 @@ Three kinds, all addressed relative to the pattern so one scheme applies to ever
 * ``RegionOutput``: output ``index`` of child ``child`` (or of the region itself for a leaf):
   every use of the tensor anywhere (a graph output too, where the rules allow it: see
   ``graph.GRAPH_OUTPUT``), i.e. one tensor-level Q/DQ pair.
+* ``Dynamic``: pattern node ``index`` run dynamically (activations quantized per call, int8
+  weights; the rules' ``dynamic_ops``): a mode rather than a place, as an on/off point so the
+  sampler, the studies and the cache treat it like any other (:mod:`.dynamic`).
 
 A point resolves, per member region, to the set of tensor uses it covers, after the runtime's
 rules drop the uses that must never carry Q/DQ. Points that cover nothing, or exactly what an
@@ -19,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qdq_optuna.model.graph import Graph, Use
+from qdq_optuna.placement.dynamic import DYNAMIC_SLOT, dynamic_node_ok, dynamic_use
 from qdq_optuna.placement.patterns import Pattern, PatternIndex
 from qdq_optuna.placement.regions import RegionTree
 from qdq_optuna.placement.rules import RuntimeRules
@@ -26,6 +30,7 @@ from qdq_optuna.placement.rules import RuntimeRules
 NODE_INPUT = "NodeInput"
 CHILD_REGION_INPUT = "ChildRegionInput"
 REGION_OUTPUT = "RegionOutput"
+DYNAMIC = "Dynamic"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class InsertionPoint:
             return f"n{self.index}.{self.label}.in{self.slot}"
         if self.kind == CHILD_REGION_INPUT:
             return f"c{self.index}.in{self.slot}"
+        if self.kind == DYNAMIC:
+            return f"n{self.index}.{self.label}.dynamic"
         owner = f"c{self.index}." if self.index >= 0 else ""
         return f"{owner}out{self.slot}.{self.label}"
 
@@ -130,6 +137,13 @@ def enumerate_points(
                 resolved[r] = filt(graph.uses(mt) + graph.output_uses(mt))
             label = graph.nodes[p_node].op_type
             candidates.append((InsertionPoint(REGION_OUTPUT, j, k, label), resolved))
+    # Dynamic (a node's mode): where every member's node can run dynamically
+    for idx, n in enumerate(rep_nodes):
+        members = {r: pattern.node(r, idx) for r in pattern.regions}
+        if rules.dynamic_ops and all(dynamic_node_ok(graph, m, rules.dynamic_ops)
+                                     for m in members.values()):
+            candidates.append((InsertionPoint(DYNAMIC, idx, DYNAMIC_SLOT, graph.nodes[n].op_type),
+                               {r: [dynamic_use(graph, m)] for r, m in members.items()}))
 
     points: list[InsertionPoint] = []
     resolved_by_id: dict[str, dict[int, list[Use]]] = {}

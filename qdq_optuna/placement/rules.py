@@ -393,6 +393,10 @@ class RuntimeRules:
     #: what ``--preprocess auto`` applies before the rules see the graph (``ort-basic``: ONNX
     #: Runtime's basic fusions, which its own runtime applies before its Q/DQ fusions)
     preprocess: str = "none"
+    #: ops that may run dynamically (activations quantized per call, int8 weights), each a
+    #: ``dynamic`` insertion point of its own: the runtime profile sets them for the modes
+    #: a run searches (``Runtime.rules_for_modes``); none in the plain rules
+    dynamic_ops: frozenset[str] = frozenset()
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
         """Why a use is not a Q/DQ site on this runtime, or None when it is one."""

@@ -418,3 +418,14 @@ def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tup
                 if dq.op_type == "DequantizeLinear" and dq.output[0] in outputs:
                     out[dq.output[0]] = params
     return out
+
+
+def dynamic_start(pm) -> Start | None:
+    """A runtime's dynamic mode as a whole-model start (ONNX Runtime's transformer recipe): every dynamic point on and
+    nothing else (what ``quantize_dynamic`` writes, with the search's graph and weights);
+    None when the prepared model has no dynamic point."""
+    schemes = {pp.pattern.id: {pid: 1 for pid in pp.ids if pid.endswith(".dynamic")}
+               for pp in pm.tunable}
+    if not any(schemes.values()):
+        return None
+    return start_from_schemes(pm, "dynamic", schemes)

@@ -223,6 +223,12 @@ class Agreed:
     RECIPE_FILE = "recipe_file"
 
     @staticmethod
+    def recipe_file(name: str) -> str:
+        """The decision of the profile's further recipe file ``name`` (the first is under
+        :attr:`RECIPE_FILE`)."""
+        return f"recipe_file/{name}"
+
+    @staticmethod
     def reference(study_name: str) -> str:
         return f"reference/{study_name}"
 

@@ -7,17 +7,38 @@ candidate, what the runtime ran and, where measured, its integer-vs-float kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qdq_optuna.backends import BACKENDS
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.errors import OptionError
 from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.rules import RuntimeRules
+
+
+@dataclass(frozen=True)
+class RecipeFileSpec:
+    """One file a runtime's own quantization tool writes, kept in the run folder as the tool
+    wrote it and measured against what would ship (``search/_recipe_file.py``).
+
+    ``name`` names it (``recipe_NAME.onnx``, report.json's ``recipe_files``); ``tool`` is what
+    wrote it; ``make(model, input_shapes=, data=)`` writes it again (bytes, or None where the
+    tool has nothing to do for this model or it does not fit one file); ``placement``: whether
+    its static Q/DQ placement is read back and re-exported with our scales (a file of another
+    mode has none to read)."""
+
+    name: str
+    tool: str
+    make: Callable[..., bytes | None]
+    placement: bool = True
 
 
 class Runtime:
@@ -31,6 +52,32 @@ class Runtime:
     default_precision: str = "fp32"
     #: ``--scales auto``: calibrated scales inside trials, or placeholders (``default``)
     default_scales: Scales = Scales.CALIBRATED
+
+    #: the quantization modes this runtime has kernels for (``--modes``): static Q/DQ
+    #: everywhere; dynamic int8 only where the profile says so
+    modes: tuple[QuantMode, ...] = (QuantMode.STATIC,)
+    #: the ops it runs dynamically when the run searches the dynamic mode
+    dynamic_ops: frozenset[str] = frozenset()
+
+    def searched_modes(self, requested: str | list[str] | None,
+                       precision: str) -> tuple[QuantMode, ...]:
+        """The modes a run searches: ``--modes`` (None: every mode this runtime offers),
+        checked; the dynamic mode needs an FP32 float part (its kernels take FP32), so it is
+        left out under ``--high-precision fp16|bf16`` unless asked for, and refused then."""
+        modes = QuantMode.parse(requested, self.modes, self.name)
+        if QuantMode.DYNAMIC in modes and precision != "fp32":
+            if requested is not None:
+                raise OptionError(f"--modes dynamic: dynamic int8 kernels take FP32; the "
+                                  f"float part is {precision} (--high-precision fp32)")
+            modes = tuple(m for m in modes if m is not QuantMode.DYNAMIC)
+        return modes
+
+    def rules_for_modes(self, modes: tuple[QuantMode, ...]) -> RuntimeRules:
+        """The rules with the dynamic insertion points of ``modes`` (the rules as they are
+        for static only: the search it has always been)."""
+        if QuantMode.DYNAMIC in modes and self.dynamic_ops:
+            return dataclasses.replace(self.rules, dynamic_ops=self.dynamic_ops)
+        return self.rules
 
     def high_precision(self, requested: str | None, backend: str) -> str:
         """The float part's precision for ``--high-precision`` on ``backend`` (checked against
@@ -59,6 +106,17 @@ class Runtime:
         """The recipe tool's own file made again (same model, data, settings: same bytes);
         None where the runtime has no such tool here or the model does not fit one file."""
         return None
+
+    #: what writes the recipe file (report.json's ``recipe_files[].tool``)
+    recipe_tool: str = ""
+
+    def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
+        """Every recipe file of this runtime, the classic recipe's (:meth:`recipe_file`)
+        first; each is measured as written and ships when the tuned model is slower beyond
+        noise and it keeps the accuracy bound."""
+        if not self.has_recipe_file:
+            return ()
+        return (RecipeFileSpec(self.name, self.recipe_tool, self.recipe_file),)
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels
@@ -94,7 +152,8 @@ class Runtime:
         from qdq_optuna.measure.kernels import kernel_table
 
         return functools.partial(kernel_table, backend,
-                                 output_q=bool(self.rules.output_quantized_ops))
+                                 output_q=bool(self.rules.output_quantized_ops),
+                                 dynamic=QuantMode.DYNAMIC in self.modes)
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"

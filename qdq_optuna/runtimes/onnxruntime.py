@@ -1,5 +1,6 @@
 """ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe (run, and read back
-as a start), fused scoring, and how its recipe's kernels compare with our export's."""
+as a start) and its ``quantize_dynamic`` transformer recipe as files, fused scoring, and how its
+recipe's kernels compare with our export's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
+from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
     Start,
@@ -27,7 +29,7 @@ from qdq_optuna.placement.starts import (
     recipe_file_bytes,
     start_from_uses,
 )
-from qdq_optuna.runtimes.base import Runtime
+from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
 
 #: the loggers ONNX Runtime's quantization tool writes to besides the root (quieted while it runs)
 TOOL_LOGGERS = ("onnxruntime",)
@@ -222,11 +224,84 @@ def recipe_parity(pm, model, *, data=None, input_shapes=None, check_samples: int
         return RecipeParity(start, kernels_of(ours), kernels_of(path), agreement)
 
 
+# -- ONNX Runtime's transformer recipe (quantize_dynamic) --------------------------------------
+#: the op types ``quantize_dynamic`` writes with integer kernels in the recipe (its integer-op
+#: registry has MatMul, not Gemm: a Gemm stays float in the tool's own file)
+DYNAMIC_OP_TYPES = ("MatMul",)
+
+
+def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
+    """The nodes ``quantize_dynamic`` quantizes with the recipe's settings: MatMuls whose
+    weight (input B) is a constant, 2-D float initializer (``MatMulConstBOnly``)."""
+    consts = {t.name: t for t in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type in DYNAMIC_OP_TYPES and len(n.input) > 1 and n.input[1] in consts
+            and len(consts[n.input[1]].dims) == 2
+            and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT]
+
+
+def ort_dynamic_options() -> dict:
+    """``quantize_dynamic``'s settings in ONNX Runtime's transformer recipe (its transformers
+    tool's ``quantize_onnx_model``): MatMuls only, int8 weights per tensor, uint8 activations
+    (the only dynamic activation type), constant weights only, float where a tensor's type is
+    unknown; 7-bit weights where the CPU's u8 x s8 kernels saturate, as its documentation
+    advises."""
+    from onnxruntime.quantization import QuantType
+
+    from qdq_optuna.model import calibration
+
+    return {"op_types_to_quantize": list(DYNAMIC_OP_TYPES), "per_channel": False,
+            "weight_type": QuantType.QInt8,
+            "reduce_range": calibration.cpu_saturates_u8s8(),
+            "extra_options": {"MatMulConstBOnly": True,
+                              "DefaultTensorType": onnx.TensorProto.FLOAT}}
+
+
+def ort_dynamic_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
+                             input_shapes: InputShapes | str | None = None) -> Path | None:
+    """ONNX Runtime's ``quantize_dynamic`` (:func:`ort_dynamic_options`) on a copy of
+    ``model`` written to ``work``: the path of the quantized model, or None when the model has
+    no MatMul with a constant weight (the tool would change nothing). Needs no data: its
+    activation ranges are taken per call."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    proto = load_model(model, shapes).full_model()
+    if not dynamic_candidates(proto):
+        return None
+    src, out = work / "float.onnx", work / "ort_dynamic.onnx"
+    big = proto.ByteSize() > (1 << 30)
+    onnx.save(proto, str(src), save_as_external_data=big)
+    with quiet_tool("ONNX Runtime's dynamic recipe (quantize_dynamic)", TOOL_LOGGERS):
+        quantize_dynamic(str(src), str(out), use_external_data_format=big,
+                         **ort_dynamic_options())
+    return out
+
+
+def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
+                             input_shapes: InputShapes | str | None = None,
+                             data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
+    """The dynamic recipe's own file as bytes (the same model gives the same bytes: nothing
+    is calibrated); None when the model has no MatMul to quantize or does not fit one file.
+    ``data`` is accepted for the recipe-file interface and not used."""
+    with tempfile.TemporaryDirectory(prefix="qdq-optuna-dynamic-") as tmp:
+        written = ort_dynamic_recipe_model(model, Path(tmp), input_shapes=input_shapes)
+        if written is None:
+            return None
+        path = Path(tmp) / "recipe.onnx"
+        return path.read_bytes() if keep_recipe_file(written, path) else None
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
     rules = ONNXRUNTIME_CPU
 
     has_recipe_file = True
+    recipe_tool = "quantize_static"
+    #: dynamic int8 MatMuls (DynamicQuantizeMatMul / MatMulIntegerToFloat on its CPU), a
+    #: Gemm too (its basic fusions make Gemm of MatMul + Add)
+    modes = (QuantMode.STATIC, QuantMode.DYNAMIC)
+    dynamic_ops = frozenset({"MatMul", "Gemm"})
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
@@ -236,6 +311,14 @@ class OnnxRuntime(Runtime):
                     data: Any = None) -> bytes | None:
         return recipe_file_bytes(lambda work: ort_recipe_model(
             model, work, data=data, input_shapes=input_shapes))
+
+    def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
+        """``quantize_static``'s file, then ``quantize_dynamic``'s (MatMuls with constant
+        weights, int8: ONNX Runtime's recipe for transformers on CPU; no file for a model
+        without such a MatMul)."""
+        return (*super().recipe_files(),
+                RecipeFileSpec(f"{self.name}_dynamic", "quantize_dynamic",
+                               ort_dynamic_recipe_bytes, placement=False))
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """ONNX Runtime's fused integer kernels are what its rules stand for, but only with an

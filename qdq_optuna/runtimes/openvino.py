@@ -168,6 +168,7 @@ class OpenVino(Runtime):
         return {"precision": hint, "precision_why": why}
 
     has_recipe_file = True
+    recipe_tool = "nncf.quantize"
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):

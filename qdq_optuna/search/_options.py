@@ -24,6 +24,7 @@ from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import Scales
+from qdq_optuna.placement.points import DYNAMIC
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
@@ -220,6 +221,13 @@ class TuneOptions:
         None, group="model", nargs="+", metavar="OP",
         help="quantize only the inputs of these op types (space- or comma-separated, e.g. "
              "Conv,MatMul), like quantize_static's op_types_to_quantize")
+    modes: str | None = option(
+        None, group="search", metavar="MODE[,MODE]",
+        help="quantization modes the search chooses per node: static (Q/DQ placement), "
+             "dynamic (a MatMul/Gemm of constant weights with activations quantized per call "
+             "and int8 weights, as quantize_dynamic writes it); default: every mode the "
+             "runtime offers (onnxruntime: static,dynamic; openvino, tensorrt: static). "
+             "Static is always searched; 'static' alone searches Q/DQ placement only")
     remeasure: bool = option(
         False, group="output",
         help="a finished run: measure the final model again and rewrite the report (otherwise "
@@ -495,6 +503,10 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:
         fp["node_filter"] = prepared.node_filter.to_dict()
+    if any(point.kind == DYNAMIC for pp in prepared.tunable for point in pp.points):
+        # absent without a dynamic point (static only, or a model with no MatMul/Gemm of
+        # constant weights): earlier runs still resume
+        fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
     if settings.accuracy:
         fp["accuracy"] = {
             "objectives": list(settings.objectives),

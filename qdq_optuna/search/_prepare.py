@@ -90,13 +90,13 @@ class PreparedRun:
             backend = backend_for(options)
         check_runtime_named(options, backend)
         profile = Settings.profile_of(options, backend)
+        precision = profile.high_precision(options.high_precision, backend_name(options, backend))
+        modes = profile.searched_modes(options.modes, precision)
         with wall.step(PREPARING, "model"):
             prepared = PreparedModel.prepare(
-                options.model, runtime=profile.rules, quant_type=options.quant_type,
-                input_shapes=options.input_shapes, config=options.config,
-                preprocess=options.preprocess,
-                high_precision=profile.high_precision(options.high_precision,
-                                                      backend_name(options, backend)),
+                options.model, runtime=profile.rules_for_modes(modes),
+                quant_type=options.quant_type, input_shapes=options.input_shapes,
+                config=options.config, preprocess=options.preprocess, high_precision=precision,
                 keep_io_types=options.keep_io_types, exclude_nodes=options.exclude_nodes,
                 op_types=options.op_types, upgrade_opset=options.opset_upgrade,
                 fed_inputs=fed_names(options.calibration_data),

@@ -1,19 +1,22 @@
-"""The runtime's recipe file as written: what a user of that runtime gets from its own tool
-(NNCF's ``nncf.quantize`` for OpenVINO, ``quantize_static`` for ONNX Runtime), with its Q/DQ,
-scales, zero points and types exactly as the tool wrote them.
+"""The runtime's recipe files as written: what a user of that runtime gets from its own tools
+(NNCF's ``nncf.quantize`` for OpenVINO; ``quantize_static`` and, for models with MatMuls of
+constant weights, ``quantize_dynamic`` for ONNX Runtime), with their Q/DQ, scales, zero
+points and types exactly as the tools wrote them; the profile lists them
+(``Runtime.recipe_files``), the classic recipe's first.
 
 The starts phase reads the recipe's placement from that file and the descent moves from its
 re-export with our scales (the ``recipe:RUNTIME`` start). The file itself is kept in the run
-folder (``recipe_RUNTIME.onnx``, written once when the recipe is made, so a resumed run
+folder (``recipe_NAME.onnx``, written once when the recipe is made, so a resumed run
 measures the same file; made again the same way when it is missing) and is a start of its
-own when the run concludes, measured as written:
+own when the run concludes, measured as written (each file in turn, against what would ship
+so far):
 
 * against the re-export of its placement: when the re-export is slower beyond noise (the
   A/B's interval above 1), the report lists what differs in their Q/DQ tensors
   (:func:`~qdq_optuna.measure.recipe_parity.qdq_differences`);
-* against the tuned model: when the tuned model is slower beyond noise and the file keeps the
-  accuracy bound, the file ships as ``optimized.onnx``, so the result is never slower than
-  the recipe beyond noise.
+* against the tuned model (or an earlier file that ships): when that is slower beyond noise
+  and the file keeps the accuracy bound, the file ships as ``optimized.onnx``, so the result
+  is never slower than any recipe file within the bound beyond noise.
 
 Why: on SqueezeNet (OpenVINO, BF16 CPU) NNCF's file measured 1.614x FP32 and the re-export
 of its placement 1.296x; the search had never started from what NNCF gives.
@@ -41,15 +44,23 @@ SHIPPED_RECIPE_FILE = "the recipe's own file"
 
 
 class RecipeFile:
-    """The recipe file of one run: ``path`` in the run ``folder`` (None: no file); ``make``
-    makes it again (bytes, or None when the tool cannot) when the file is missing."""
+    """One recipe file of one run: ``path`` in the run ``folder`` (None: no file); ``make``
+    makes it again (bytes, or None when the tool cannot) when the file is missing; ``name``
+    and ``tool`` name it in the report; ``placement``: whether its static Q/DQ placement is
+    read back and its re-export with our scales measured against it; ``agreed``: the stored
+    run's key of its decision."""
 
     def __init__(self, search, folder: RunFolder, path: Path | None,
-                 make: Callable[[], bytes | None]) -> None:
+                 make: Callable[[], bytes | None], *, name: str = "", tool: str = "",
+                 placement: bool = True, agreed: str = Agreed.RECIPE_FILE) -> None:
         self.s = search
         self.folder = folder
         self.path = path
         self.make = make
+        self.name = name
+        self.tool = tool
+        self.placement = placement
+        self.agreed = agreed
 
     def data(self) -> bytes | None:
         """The file's bytes: as kept, else made again and kept."""
@@ -66,65 +77,102 @@ class RecipeFile:
             self.folder.keep(self.path, data)
         return data
 
-    def conclude(self, plan, final_bytes: bytes | None, exporter) -> tuple:
-        """``(plan, final_bytes, report)``: the tuned model's, or the recipe file's when it
-        ships (``optimized.onnx`` rewritten; ``plan``: the re-export of its placement, what
-        the report lists); ``report``: report.json's ``recipe_file`` (None: no file)."""
+    def conclude(self, plan, final_bytes: bytes | None, exporter,
+                 against: str = "the tuned model") -> tuple:
+        """``(plan, final_bytes, report)``: what would ship (``against``: the tuned model, or
+        an earlier recipe file that ships), or this file when it ships (``optimized.onnx``
+        rewritten; ``plan``: the re-export of its placement, what the report lists, for a
+        file with a placement); ``report``: this file's entry of report.json's
+        ``recipe_files`` (None: no file)."""
         data = self.data() if isinstance(final_bytes, bytes) else None
         if data is None:
             return plan, final_bytes, None
-        pm, space = self.s.prepared, self.s.settings.space
-        uses, _, _ = starts.read_placement(pm, onnx.load_from_string(data))
-        start = starts.start_from_uses(pm, "recipe", uses)  # as the starts phase places it
-        reexport = exporter.plan(self.s.record.uses({
-            pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
-                                         pp.ids) for pp in pm.tunable}, start.pinned))
+        reexport = self._reexport(data, exporter) if self.placement else None
         # measured once per run and agreed in the stored run: a rerun, --remeasure or a
         # second worker reads the decision instead of measuring again
-        report = self.s.record.agree(Agreed.RECIPE_FILE, lambda: self._measure(
-            data, plan, final_bytes, exporter.source(reexport), reexport.key == plan.key))
+        report = self.s.record.agree(self.agreed, lambda: self._measure(
+            data, plan, final_bytes, None if reexport is None else exporter.source(reexport),
+            reexport is not None and reexport.key == plan.key, against))
         if not report.get("shipped"):
             return plan, final_bytes, report
         self.folder.write_optimized(data)
-        return reexport, data, report
+        return (plan if reexport is None else reexport), data, report
 
-    def _measure(self, data: bytes, plan, final_bytes: bytes, reexport: bytes,
-                 same: bool) -> dict:
-        """The file's errors, its re-export's and the tuned model's A/Bs against it, and
-        whether it ships: the tuned model slower beyond noise by at least
+    def _reexport(self, data: bytes, exporter):
+        """Our export of the file's placement, as the starts phase places it."""
+        pm, space = self.s.prepared, self.s.settings.space
+        uses, _, _ = starts.read_placement(pm, onnx.load_from_string(data))
+        start = starts.start_from_uses(pm, "recipe", uses)
+        return exporter.plan(self.s.record.uses({
+            pp.pattern.id: space.indices(space.seed(start.schemes.get(pp.pattern.id, {})),
+                                         pp.ids) for pp in pm.tunable}, start.pinned))
+
+    def _measure(self, data: bytes, plan, final_bytes: bytes, reexport: bytes | None,
+                 same: bool, against: str) -> dict:
+        """The file's errors, its re-export's (with a placement) and what would ship's A/Bs
+        against it, and whether it ships: what would ship slower beyond noise by at least
         ``Config.performance_threshold`` (the commit rule's bar for adding Q/DQ) and the file
         within the accuracy bound. Counted as the ``lanes`` phase (which model ships)."""
         plans = self.s.plans
-        report: dict = {"file": self.path.name, "shipped": False}
+        report: dict = {"name": self.name, "tool": self.tool, "file": self.path.name,
+                        "against": against, "shipped": False}
         try:
             errors = plans.scorer.score_bytes(data)
-            vs_file = plans.compare(reexport, data, "lanes")
+            vs_file = None if reexport is None else plans.compare(reexport, data, "lanes")
             vs_tuned = vs_file if same else plans.compare(final_bytes, data, "lanes")
         except BackendError as exc:
-            log.warning("the recipe's own file could not be measured (%s)", exc)
+            log.warning("the recipe's own file %s could not be measured (%s)",
+                        self.path.name, exc)
             return {**report, "failure": str(exc)[:500]}
         guard = self.s.guard
         within = guard is None or errors["error"] <= guard.bound
         report.update(error=errors["error"], output_errors=errors["output_errors"],
-                      within_bound=within, reexport_vs_file=vs_file.to_dict(),
-                      tuned_vs_file=vs_tuned.to_dict(),
-                      differences=qdq_differences(reexport, data)
-                      if vs_file.verdict == "slower" else [])
+                      within_bound=within, tuned_vs_file=vs_tuned.to_dict())
+        if vs_file is not None:
+            report.update(reexport_vs_file=vs_file.to_dict(),
+                          differences=qdq_differences(reexport, data)
+                          if vs_file.verdict == "slower" else [])
         threshold = self.s.config.performance_threshold
         if within and vs_tuned.verdict == "slower" and vs_tuned.ratio >= threshold:
-            log.warning("the tuned model measured %.3fx the latency of the recipe's own file "
-                        "(95%% interval %.3f-%.3f): optimized.onnx is that file",
-                        vs_tuned.ratio, vs_tuned.ci_low, vs_tuned.ci_high)
+            log.warning("%s measured %.3fx the latency of the recipe's own file %s "
+                        "(95%% interval %.3f-%.3f): optimized.onnx is that file", against,
+                        vs_tuned.ratio, self.path.name, vs_tuned.ci_low, vs_tuned.ci_high)
             report["shipped"] = True
         return report
 
 
-def shipped_accuracy(accuracy: dict, recipe_file: dict | None) -> dict:
-    """report.json's accuracy keys, with the recipe file's errors when it ships."""
-    if recipe_file is None:
+def conclude_recipe_files(files: list[RecipeFile], plan, final_bytes: bytes | None,
+                          exporter) -> tuple:
+    """``(plan, final_bytes, reports)``: each recipe file in turn measured against what
+    would ship so far (the tuned model, then the last file that shipped), so what ships is
+    never slower beyond noise than any of them that keeps the bound; ``reports``: the
+    measured files' entries (report.json's ``recipe_files``)."""
+    reports, against = [], "the tuned model"
+    for rf in files:
+        plan, final_bytes, report = rf.conclude(plan, final_bytes, exporter, against)
+        if report is None:
+            continue
+        reports.append(report)
+        if report.get("shipped"):
+            against = f"the recipe's own file {report['file']}"
+    return plan, final_bytes, reports
+
+
+def shipped_recipe_file(reports: list[dict]) -> dict | None:
+    """The entry of the recipe file that ships (the last one shipped), or None."""
+    return next((r for r in reversed(reports) if r.get("shipped")), None)
+
+
+def shipped_accuracy(accuracy: dict, reports: list[dict]) -> dict:
+    """report.json's accuracy keys, with the shipped recipe file's errors when one ships;
+    ``recipe_file`` is the runtime's classic recipe's entry (the first), ``recipe_files``
+    every measured file's."""
+    if not reports:
         return accuracy
-    accuracy["recipe_file"] = recipe_file
-    if recipe_file.get("shipped"):
+    accuracy["recipe_file"] = reports[0]
+    accuracy["recipe_files"] = reports
+    recipe_file = shipped_recipe_file(reports)
+    if recipe_file is not None:
         accuracy["accuracy"].update(shipped=SHIPPED_RECIPE_FILE, error=recipe_file["error"],
                                     output_errors=recipe_file["output_errors"])
         accuracy["final_output_error"] = recipe_file["error"]

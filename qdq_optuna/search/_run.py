@@ -44,6 +44,7 @@ from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.scheme import compute_inputs_scheme
 from qdq_optuna.placement.seeds import PatternCache, baseline_seed
 from qdq_optuna.record import (
+    Agreed,
     AgreedStarts,
     RunRecord,
     release,
@@ -63,7 +64,12 @@ from qdq_optuna.search._options import (
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._prepare import OpenedRun, PreparedRun
-from qdq_optuna.search._recipe_file import RecipeFile, shipped_accuracy
+from qdq_optuna.search._recipe_file import (
+    RecipeFile,
+    conclude_recipe_files,
+    shipped_accuracy,
+    shipped_recipe_file,
+)
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.samplers import is_ours, sampler_name
@@ -264,6 +270,9 @@ class Tuner:
         from qdq_optuna.placement import starts
 
         found = []
+        dynamic = starts.dynamic_start(self.prepared)  # the dynamic mode searched: its recipe
+        if dynamic is not None:
+            found.append(dynamic)
         if self.o.qdq_baseline:
             found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
         if self.cache is not None:
@@ -314,8 +323,8 @@ class Tuner:
         final_bytes = self._save_final(guard.shipped_exporter(final_exporter), plan)
         corrected = guard.correction_keys(plan)
         self._mark("guard")
-        plan, final_bytes, recipe_file = run_recipe_file(self).conclude(plan, final_bytes,
-                                                                       final_exporter)
+        plan, final_bytes, recipe_files = conclude_recipe_files(
+            run_recipe_files(self), plan, final_bytes, final_exporter)
         self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
@@ -329,14 +338,14 @@ class Tuner:
         accuracy = shipped_accuracy(guard.report_keys(
             verdict, bound_given=self.o.max_output_error is not None,
             scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
-                                             evaluator.runner)), recipe_file)
+                                             evaluator.runner)), recipe_files)
         if kept is not None:
             accuracy["kept_your_model"] = kept
-        elif not (recipe_file or {}).get("shipped"):  # the guard's plan ships
+        elif shipped_recipe_file(recipe_files) is None:  # the guard's plan ships
             accuracy["accuracy"]["sensitivity"] = guard.sensitivity(verdict.plan, self._in_time)
         if guard.corrected is not None:  # what ships: the recipe file, or no Q/DQ, has none
             accuracy["accuracy"]["bias_correction"] = (
-                corrected if kept is None and not (recipe_file or {}).get("shipped")
+                corrected if kept is None and shipped_recipe_file(recipe_files) is None
                 else {"applied": False})
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
@@ -482,13 +491,18 @@ def conclusion_reserve(timeout: float, session_s: float | None) -> float:
     return share if session_s is None else min(share, CONCLUSION_ROUNDS * 2 * session_s)
 
 
-def run_recipe_file(tuner: Tuner) -> RecipeFile:
-    """The run's recipe file (none for two objectives: a front has no one model to match)."""
-    profile, o, calibration = tuner.profile, tuner.o, tuner.calibration
-    path = tuner.folder.recipe_file(profile.name) \
-        if profile.has_recipe_file and not tuner.settings.multi_objective else None
-    return RecipeFile(tuner.search_state, tuner.folder, path, lambda: profile.recipe_file(
-        o.model, input_shapes=o.input_shapes, data=calibration[0] if calibration else None))
+def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
+    """The run's recipe files, as the profile lists them (none for two objectives: a front
+    has no one model to match)."""
+    if tuner.settings.multi_objective:
+        return []
+    o, calibration = tuner.o, tuner.calibration
+    data = calibration[0] if calibration else None
+    return [RecipeFile(tuner.search_state, tuner.folder, tuner.folder.recipe_file(spec.name),
+                       partial(spec.make, o.model, input_shapes=o.input_shapes, data=data),
+                       name=spec.name, tool=spec.tool, placement=spec.placement,
+                       agreed=Agreed.RECIPE_FILE if i == 0 else Agreed.recipe_file(spec.name))
+            for i, spec in enumerate(tuner.profile.recipe_files())]
 
 
 def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,

@@ -1,0 +1,250 @@
+"""Dynamic int8 MatMuls (ONNX Runtime's transformer recipe): ``quantize_dynamic``'s own file
+kept in the run folder, measured as written against what would ship, and shipped when that is
+slower; no file for a model without a MatMul of constant weights. Dynamic as a per-node mode:
+its insertion points, the export ONNX Runtime runs on integer kernels, ``--modes``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from qdq_optuna import tune
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.config import Config
+from qdq_optuna.errors import OptionError
+from qdq_optuna.examples import zoo
+from qdq_optuna.placement import dynamic
+from qdq_optuna.placement.dynamic import QuantMode
+from qdq_optuna.placement.export import plan_uses
+from qdq_optuna.runtimes import onnxruntime as ort_runtime
+from qdq_optuna.runtimes import profile_for
+from qdq_optuna.runtimes.prepared import PreparedModel
+
+ORT = profile_for("onnxruntime")
+
+
+def _dynamic(model: onnx.ModelProto) -> bool:
+    return any(n.op_type == "DynamicQuantizeLinear" for n in model.graph.node)
+
+
+def dynamic_fastest(model: onnx.ModelProto) -> float:
+    """A model with dynamically quantized MatMuls 1 ms, every other model 2 ms."""
+    return 1.0 if _dynamic(model) else 2.0
+
+
+def dynamic_slowest(model: onnx.ModelProto) -> float:
+    return 3.0 if _dynamic(model) else 2.0
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("encoder") / "encoder.onnx"
+    onnx.save(zoo.tiny_attention(), str(path))
+    return path
+
+
+def _tune(model, out, fn, **options) -> dict:
+    return tune(str(model), out, benchmark=CallableBackend(fn, deterministic=True),
+                runtime="onnxruntime", config=Config(schemes_per_region=3, refine_rounds=0),
+                progress=False, **options).report
+
+
+def test_the_dynamic_recipe_writes_integer_matmuls_for_constant_weights_only():
+    model = zoo.tiny_attention()
+    weights = ort_runtime.dynamic_candidates(model)
+    # the six linear layers (Q, K, V, output, fc1, fc2); the two activation MatMuls stay float
+    assert len(weights) == 6
+    written = onnx.load_from_string(ort_runtime.ort_dynamic_recipe_bytes(model))
+    ops = [n.op_type for n in written.graph.node]
+    assert ops.count("MatMulInteger") == 6 and ops.count("MatMul") == 2
+    assert ort_runtime.ort_dynamic_recipe_bytes(model) == ort_runtime.ort_dynamic_recipe_bytes(model)
+
+
+def test_no_dynamic_file_for_a_model_without_constant_matmul_weights(residual, tmp_path):
+    assert ort_runtime.ort_dynamic_recipe_bytes(str(residual)) is None
+    report = _tune(residual, tmp_path / "r", dynamic_fastest)
+    assert [f["name"] for f in report["recipe_files"]] == ["onnxruntime"]
+    assert not (tmp_path / "r" / "recipe_onnxruntime_dynamic.onnx").exists()
+
+
+def test_the_dynamic_file_ships_when_what_would_ship_is_slower(encoder, tmp_path):
+    """Placement only (``--modes static``): the tuned model has no dynamic node, and the
+    recipe's dynamic file, faster, ships."""
+    report = _tune(encoder, tmp_path / "r", dynamic_fastest, modes="static")
+    assert report["modes"] == ["static"]
+    static, dyn = report["recipe_files"]
+    assert (static["tool"], dyn["tool"]) == ("quantize_static", "quantize_dynamic")
+    assert report["recipe_file"] == static
+    kept = (tmp_path / "r" / dyn["file"]).read_bytes()
+    assert kept == ort_runtime.ort_dynamic_recipe_bytes(str(encoder))
+    assert dyn["shipped"] and dyn["within_bound"] and "reexport_vs_file" not in dyn
+    assert dyn["tuned_vs_file"]["verdict"] == "slower"
+    assert (tmp_path / "r" / "optimized.onnx").read_bytes() == kept
+    assert report["accuracy"]["shipped"] == "the recipe's own file"
+    assert report["final_output_error"] == dyn["error"]
+    # each node's mode is read from what ships: the file's six dynamic MatMuls
+    assert report["node_modes"] == dynamic.node_modes(kept)
+    assert report["mode_counts"]["dynamic"] == 6
+    assert "quantize_dynamic's" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_the_tuned_model_ships_when_the_dynamic_file_is_slower(encoder, tmp_path):
+    report = _tune(encoder, tmp_path / "r", dynamic_slowest)
+    dyn = report["recipe_files"][1]
+    assert not dyn["shipped"] and dyn["tuned_vs_file"]["verdict"] == "faster"
+    assert dyn["against"] == "the tuned model"
+    assert not _dynamic(onnx.load(str(tmp_path / "r" / "optimized.onnx")))
+
+
+# -- dynamic int8 as a per-node mode ----------------------------------------------------------
+def _prepared(model, modes=(QuantMode.STATIC, QuantMode.DYNAMIC)) -> PreparedModel:
+    return PreparedModel.prepare(model, runtime=ORT.rules_for_modes(tuple(modes)))
+
+
+def _dynamic_ids(pm: PreparedModel) -> dict[str, list[str]]:
+    return {pp.pattern.id: [p for p in pp.ids if p.endswith(".dynamic")] for pp in pm.tunable}
+
+
+def _session(data: bytes, optimized: Path | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if optimized is not None:
+        so.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_a_dynamic_point_runs_its_matmul_on_an_integer_kernel(tmp_path):
+    """Every dynamic point on: the model runs in ONNX Runtime, each linear layer on its
+    dynamic integer kernels (the optimized graph's op types), close to float."""
+    model = zoo.small("transformer")
+    pm = _prepared(model)
+    exporter = pm.exporter()
+    uses = set().union(*(pp.uses(ids) for pp, ids in zip(pm.tunable, _dynamic_ids(pm).values())))
+    plan = exporter.plan(uses)
+    linear = [i for i, n in enumerate(pm.graph.nodes) if dynamic.dynamic_node_ok(
+        pm.graph, i, ORT.dynamic_ops)]
+    assert len(plan.dynamic) == len(linear) > 0 and plan.activations == ()
+    assert exporter.plan(plan_uses(plan)).key == plan.key  # the plan read back from its uses
+    data = exporter.to_bytes(plan)
+    onnx.checker.check_model(onnx.load_from_string(data))
+    optimized = tmp_path / "optimized.onnx"
+    quantized = _session(data, optimized)
+    ops = [n.op_type for n in onnx.load(str(optimized)).graph.node]
+    integer = ops.count("DynamicQuantizeMatMul") + ops.count("MatMulIntegerToFloat")
+    assert integer == len(linear)
+    assert "MatMulInteger" not in ops  # every one fused into a dynamic kernel
+    feed = {"input_ids": np.random.default_rng(1).integers(0, 50, (1, 16)).astype(np.int64)}
+    assert _cosine(_session(model.SerializeToString()).run(None, feed)[0],
+                   quantized.run(None, feed)[0]) > 0.999
+    modes = dynamic.node_modes(data)
+    assert sorted(n for n, m in modes.items() if m == "dynamic") == sorted(
+        pm.graph.nodes[i].name for i in linear)
+
+
+def test_a_dynamic_node_takes_no_static_qdq_on_its_inputs():
+    pm = _prepared(zoo.tiny_attention())
+    exporter = pm.exporter()
+    every = set().union(*(pp.uses(pp.ids) for pp in pm.tunable))
+    plan = exporter.plan(every)
+    dyn = {n for _, n, _ in plan.dynamic}
+    assert dyn and not any(n in dyn for _, cs, _ in plan.activations for n, _ in cs)
+    assert not any(n in dyn for n, _, _ in plan.weights)
+    static = exporter.plan({u for u in every if not dynamic.is_dynamic(u)})
+    assert static.weights and set(plan.weights) < set(static.weights)
+    _session(exporter.to_bytes(plan))  # valid for ONNX Runtime
+
+
+def test_modes_static_gives_the_placement_search_of_the_plain_rules():
+    model = zoo.tiny_attention()
+    static = _prepared(model, [QuantMode.STATIC])
+    plain = PreparedModel.prepare(model, runtime="onnxruntime")
+    assert [pp.ids for pp in static.tunable] == [pp.ids for pp in plain.tunable]
+    assert not any(_dynamic_ids(static).values())
+    both = _prepared(model)
+    for pp, dyn, old in zip(both.tunable, _dynamic_ids(both).values(), plain.tunable):
+        assert [p for p in pp.ids if p not in dyn] == old.ids
+    assert sum(map(len, _dynamic_ids(both).values())) == 6
+
+
+def test_the_modes_each_runtime_offers():
+    assert QuantMode.parse(None, ORT.modes, "onnxruntime") == (QuantMode.STATIC,
+                                                               QuantMode.DYNAMIC)
+    assert QuantMode.parse("dynamic", ORT.modes, "onnxruntime") == (QuantMode.STATIC,
+                                                                    QuantMode.DYNAMIC)
+    assert QuantMode.parse("static", ORT.modes, "onnxruntime") == (QuantMode.STATIC,)
+    for name in ("openvino", "tensorrt"):
+        with pytest.raises(OptionError, match=f"{name} offers no dynamic mode"):
+            profile_for(name).searched_modes("dynamic", "fp32")
+    # dynamic kernels take FP32: left out of the default under an FP16 float part
+    assert ORT.searched_modes(None, "fp16") == (QuantMode.STATIC,)
+    with pytest.raises(OptionError, match="--modes dynamic"):
+        ORT.searched_modes("dynamic", "fp16")
+
+
+def dynamic_pays(model: onnx.ModelProto) -> float:
+    """Each dynamically written MatMul 0.1 ms off 2 ms; the recipe files slower than all."""
+    if model.producer_name == "onnx.quantize":
+        return 5.0
+    return 2.0 - 0.1 * sum(n.op_type == "MatMulInteger" for n in model.graph.node)
+
+
+def test_the_search_chooses_dynamic_nodes_and_the_report_records_each_nodes_mode(
+        encoder, tmp_path):
+    report = _tune(encoder, tmp_path / "r", dynamic_pays)
+    assert report["modes"] == ["static", "dynamic"]
+    assert report["mode_counts"]["dynamic"] == 6
+    assert not any(f["shipped"] for f in report["recipe_files"])
+    shipped = onnx.load(str(tmp_path / "r" / "optimized.onnx"))
+    assert dynamic.node_modes(shipped) == report["node_modes"]
+    assert "6 dynamic" in (tmp_path / "r" / "report.md").read_text()
+    assert any(s["name"] == "dynamic" for s in report["starts"])
+
+
+def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_float(tmp_path):
+    """Every point on (static Q/DQ) in a small encoder: its MatMul/Gemm units get their
+    dynamic kernel timed against float too, in real ONNX Runtime sessions; a timing cached
+    without it is completed."""
+    import math
+
+    from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
+    from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+    from qdq_optuna.measure import kernels as K
+    from qdq_optuna.measure.timing import TimingProtocol
+    from qdq_optuna.placement import starts
+
+    quick = TimingProtocol.fast().with_(process_warmup_rounds=0, min_rounds=2, max_rounds=2)
+    pm = PreparedModel.prepare(zoo.tiny_attention())
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    units = [u for u in K.units(K.with_shapes(qdq)) if u.op in K.DYNAMIC_KERNEL_OPS]
+    assert units
+    unit = units[0]
+    dyn = K.dynamic_unit_model(unit, K.unit_models(unit, K.with_shapes(qdq),
+                                                   K.with_shapes(flt))[1])
+    assert kernels_of(dyn).integer == 1  # one dynamic integer kernel, no float MatMul
+    skip = [u.node for u in K.units(K.with_shapes(qdq)) if u.node != unit.node]
+    cache = tmp_path / "kernels.json"
+    static_only = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                                 cache=K.KernelCache(cache))
+    assert static_only.timings[unit.node].dynamic_ms is None
+    table = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                           cache=K.KernelCache(cache), dynamic=True)
+    t = table.timings[unit.node]
+    assert t.int_ms == static_only.timings[unit.node].int_ms  # the static timing from the cache
+    assert all(math.isfinite(x) and x > 0 for x in (t.dynamic_ms, t.dynamic_ratio))
+    assert t.dynamic_ci[0] <= t.dynamic_ratio <= t.dynamic_ci[1]
+    row = table.to_dict()["kernels"][0]
+    assert {"int_ms", "float_ms", "dynamic_ms", "dynamic_ratio"} <= set(row)
+    again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+                           cache=K.KernelCache(cache), dynamic=True)
+    assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel
