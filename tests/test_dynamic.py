@@ -234,10 +234,10 @@ def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_fl
     assert kernels_of(dyn).integer == 1  # one dynamic integer kernel, no float MatMul
     skip = [u.node for u in K.units(K.with_shapes(qdq)) if u.node != unit.node]
     cache = tmp_path / "kernels.json"
-    static_only = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+    static_only = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick, output_q=True,
                                  cache=K.KernelCache(cache))
     assert static_only.timings[unit.node].dynamic_ms is None
-    table = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+    table = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick, output_q=True,
                            cache=K.KernelCache(cache), dynamic=True)
     t = table.timings[unit.node]
     assert t.int_ms == static_only.timings[unit.node].int_ms  # the static timing from the cache
@@ -245,6 +245,6 @@ def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_fl
     assert t.dynamic_ci[0] <= t.dynamic_ratio <= t.dynamic_ci[1]
     row = table.to_dict()["kernels"][0]
     assert {"int_ms", "float_ms", "dynamic_ms", "dynamic_ratio"} <= set(row)
-    again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick,
+    again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick, output_q=True,
                            cache=K.KernelCache(cache), dynamic=True)
     assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel

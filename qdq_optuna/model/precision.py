@@ -46,7 +46,9 @@ from qdq_optuna.model.graph import (
 
 log = logging.getLogger("qdq_optuna")
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+#: the float part in full precision (the input model's own)
+FP32 = "fp32"
+PRECISIONS = (FP32, "fp16", "bf16")
 ELEM_TYPE = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 _TYPE_STR = {"fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 

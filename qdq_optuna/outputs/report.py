@@ -18,7 +18,7 @@ from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.outputs.time_spent import time_spent_lines
-from qdq_optuna.placement.dynamic import node_modes
+from qdq_optuna.placement.dynamic import QuantMode, node_modes
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -701,7 +701,7 @@ def _kept_lines(kept: dict | None) -> list[str]:
 def _mode_lines(r: dict) -> list[str]:
     """How the MatMul/Gemm/Conv nodes of ``optimized.onnx`` run, when dynamic was searched."""
     counts = r.get("mode_counts")
-    if "dynamic" not in r.get("modes", []) or not counts:
+    if QuantMode.DYNAMIC not in r.get("modes", []) or not counts:
         return []
     return ["", f"Modes searched: {', '.join(r['modes'])}; the MatMul/Gemm/Conv nodes of "
                 f"`optimized.onnx`: {counts['dynamic']} dynamic, {counts['static']} static, "

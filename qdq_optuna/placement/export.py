@@ -67,6 +67,10 @@ _MEMO_PER_NODE = 2
 _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
 
 
+
+#: what a use maps to when it is not quantized (a scheme's 0, the choice "none", nothing)
+_OFF = (None, "none", 0)
+
 class Scales(str, Enum):
     """The scales trials export with (``--scales``)."""
 
@@ -509,11 +513,11 @@ class QDQExporter(_QDQPieces):
     def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
         """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
         typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
-        dynamic = sorted(u for u, q in typed.items() if is_dynamic(u) and q not in (None, "none", 0))
+        dynamic = sorted(u for u, q in typed.items() if is_dynamic(u) and q not in _OFF)
         dyn_nodes = {n for _, n, _ in dynamic}
         by_tensor: dict[str, dict[tuple[int, int], str]] = {}
         for (t, n, s), q in typed.items():
-            if q in (None, "none", 0) or n in dyn_nodes:  # a dynamic node takes no Q/DQ
+            if q in _OFF or n in dyn_nodes:  # a dynamic node takes no Q/DQ
                 continue
             by_tensor.setdefault(t, {})[(n, s)] = q
         activations = []

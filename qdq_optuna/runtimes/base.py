@@ -18,7 +18,7 @@ from qdq_optuna.backends import BACKENDS
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.errors import OptionError
-from qdq_optuna.model.precision import HighPrecisionModel, resolve_high_precision
+from qdq_optuna.model.precision import FP32, HighPrecisionModel, resolve_high_precision
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.export import Scales
 from qdq_optuna.placement.rules import RuntimeRules
@@ -65,7 +65,7 @@ class Runtime:
         checked; the dynamic mode needs an FP32 float part (its kernels take FP32), so it is
         left out under ``--high-precision fp16|bf16`` unless asked for, and refused then."""
         modes = QuantMode.parse(requested, self.modes, self.name)
-        if QuantMode.DYNAMIC in modes and precision != "fp32":
+        if QuantMode.DYNAMIC in modes and precision != FP32:
             if requested is not None:
                 raise OptionError(f"--modes dynamic: dynamic int8 kernels take FP32; the "
                                   f"float part is {precision} (--high-precision fp32)")
