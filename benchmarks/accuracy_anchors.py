@@ -51,9 +51,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import _common
 import numpy as np
@@ -62,10 +64,18 @@ import real_models
 
 from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 
+
 #: what a tool's file runs on (its speed is measured there, against the FP32 model)
-RUNTIME = {"ours_onnxruntime": "onnxruntime", "ort_recipe_excluded": "onnxruntime",
-           "ort_recipe": "onnxruntime", "ours_openvino": "openvino",
-           "nncf_accuracy_control": "openvino", "nncf_quantize": "openvino"}
+class Runtime(Enum):
+    """Where a tool's file runs (its backend name in the package)."""
+
+    ONNXRUNTIME = "onnxruntime"
+    OPENVINO = "openvino"
+
+
+RUNTIME = {"ours_onnxruntime": Runtime.ONNXRUNTIME, "ort_recipe_excluded": Runtime.ONNXRUNTIME,
+           "ort_recipe": Runtime.ONNXRUNTIME, "ours_openvino": Runtime.OPENVINO,
+           "nncf_accuracy_control": Runtime.OPENVINO, "nncf_quantize": Runtime.OPENVINO}
 TOOLS = tuple(RUNTIME)
 #: the models the anchors are measured on: the real YOLOv8n, the PP-OCR detectors and a
 #: classifier, all fed photographs
@@ -128,10 +138,10 @@ class Outputs:
         self.shapes = shapes
         self._openvino = None
 
-    def __call__(self, path: Path, runtime: str, data: Mapping[str, np.ndarray]) -> dict:
+    def __call__(self, path: Path, runtime: Runtime, data: Mapping[str, np.ndarray]) -> dict:
         from qdq_optuna.measure.accuracy import run_model
 
-        if runtime == "onnxruntime":
+        if runtime is Runtime.ONNXRUNTIME:
             return run_model(str(path), data, optimize=True)  # the deployed (fused) kernels
         if self._openvino is None:
             from qdq_optuna.backends.openvino import OpenVinoBackend
@@ -145,12 +155,12 @@ class Outputs:
 # -- the tools ----------------------------------------------------------------------------------
 
 def ours(model: Path, work: Path, cal_npz: Path, shapes: str | None, bound: float,
-         backend: str, args) -> tuple[Path, dict]:
+         backend: Runtime, args) -> tuple[Path, dict]:
     """``qdq_optuna.tune`` as a user calls it, with the bound as ``max_output_error``."""
     import qdq_optuna
 
-    extra = {"high_precision": "fp32"} if backend == "openvino" else {}
-    result = qdq_optuna.tune(model, work, backend=backend, mode=args.mode,
+    extra = {"high_precision": "fp32"} if backend is Runtime.OPENVINO else {}
+    result = qdq_optuna.tune(model, work, backend=backend.value, mode=args.mode,
                              timeout=args.tune_timeout, calibration_data=str(cal_npz),
                              input_shapes=shapes, max_output_error=bound, progress=False,
                              fresh=True, **extra)
@@ -321,7 +331,7 @@ def ort_recipe_excluded(model: Path, work: Path, cal: dict, ref_cal: dict, shape
     outputs = Outputs(shapes)
 
     def cal_error(path: Path) -> float:
-        return error(ref_cal, outputs(path, "onnxruntime", cal))
+        return error(ref_cal, outputs(path, Runtime.ONNXRUNTIME, cal))
 
     tried: dict[int, float] = {0: cal_error(recipe)}
     info: dict = {"rank_by": args.rank_by, "debug_samples": args.debug_samples}
@@ -369,18 +379,18 @@ def data_for(name: str, folder: Path, args) -> tuple[dict, dict, Path]:
     return cal, held, folder / "calibration.npz"
 
 
-def measurers(shapes: str | None, sample: Mapping[str, np.ndarray]) -> dict[str, Callable]:
-    """Per runtime, a function (candidate, FP32 file) -> the interleaved A/B comparison."""
+def measurers(shapes: str | None, sample: Mapping[str, np.ndarray]) -> dict[Runtime, Any]:
+    """Per runtime, the package's ``Measurer`` (1 thread, robust protocol, a real photo in)."""
     from qdq_optuna.backends import OnnxRuntimeBackend
     from qdq_optuna.backends.openvino import OpenVinoBackend
     from qdq_optuna.measure.timing import Measurer, TimingProtocol
     from qdq_optuna.model.graph import InputShapes
 
     fixed = InputShapes.parse(shapes).shapes
-    backends = {"onnxruntime": OnnxRuntimeBackend(threads=1, input_shapes=fixed,
-                                                  input_data=sample),
-                "openvino": OpenVinoBackend(threads=1, precision="f32", input_shapes=fixed,
-                                            input_data=sample)}
+    backends = {Runtime.ONNXRUNTIME: OnnxRuntimeBackend(threads=1, input_shapes=fixed,
+                                                        input_data=sample),
+                Runtime.OPENVINO: OpenVinoBackend(threads=1, precision="f32",
+                                                  input_shapes=fixed, input_data=sample)}
     return {k: Measurer(b, TimingProtocol.robust()) for k, b in backends.items()}
 
 
@@ -410,10 +420,10 @@ def one(name: str, args) -> dict:
             with time_limit(args.tool_timeout, tool):
                 if tool == "ours_onnxruntime":
                     path, info = ours(model, work / tool, cal_npz, shapes, args.bound,
-                                      "onnxruntime", args)
+                                      Runtime.ONNXRUNTIME, args)
                 elif tool == "ours_openvino":
                     path, info = ours(model, work / tool, cal_npz, shapes, args.bound,
-                                      "openvino", args)
+                                      Runtime.OPENVINO, args)
                 elif tool == "nncf_accuracy_control":
                     path, info = nncf_accuracy_control(model, work / tool, cal, ref_cal, shapes,
                                                        args.bound)
@@ -434,7 +444,7 @@ def one(name: str, args) -> dict:
         cal_out = outputs(path, runtime, cal)
         held_out = outputs(path, runtime, held)
         held_each = per_sample(ref_held, held_out)
-        tools[tool] = {"runtime": runtime, "seconds": round(time.monotonic() - t0, 1), **info,
+        tools[tool] = {"runtime": runtime.value, "seconds": round(time.monotonic() - t0, 1), **info,
                        "calibration_error": round(error(ref_cal, cal_out), 4),
                        "held_out_error": round(error(ref_held, held_out), 4),
                        "held_out_per_sample": spread(held_each),
@@ -445,8 +455,8 @@ def one(name: str, args) -> dict:
     row["load_before_timing"] = _common.wait_quiet(QUIET_LOAD, limit_s=args.max_wait)
     sample = {k: v[:1] for k, v in cal.items()}
     timing = measurers(shapes, sample)
-    for runtime in ("onnxruntime", "openvino"):
-        if any(RUNTIME[t] == runtime for t in made):
+    for runtime in Runtime:
+        if any(RUNTIME[t] is runtime for t in made):
             timing[runtime].warm_up([str(model)], force=True)
     for tool, path in made.items():
         cmp = timing[RUNTIME[tool]].compare(str(path), str(model), until="precision")
@@ -454,7 +464,7 @@ def one(name: str, args) -> dict:
                            speedup_ci=[round(1.0 / cmp.ci_high, 3), round(1.0 / cmp.ci_low, 3)],
                            ms=round(cmp.candidate.score_ms, 3),
                            fp32_ms=round(cmp.reference.score_ms, 3), rounds=cmp.rounds)
-        print(f"  {tool}: {tools[tool]['speedup']}x vs FP32 on {RUNTIME[tool]}", flush=True)
+        print(f"  {tool}: {tools[tool]['speedup']}x vs FP32 on {RUNTIME[tool].value}", flush=True)
     row["load_after_timing"] = _common.load_avg()
     return row
 
@@ -488,7 +498,7 @@ def table(doc: dict) -> str:
             continue
         for tool, t in row["tools"].items():
             if "failed" in t:
-                rows.append([row["model"], tool, RUNTIME[tool], f"failed: {t['failed'][:100]}",
+                rows.append([row["model"], tool, RUNTIME[tool].value, f"failed: {t['failed'][:100]}",
                              "", "", "", "", "", t["seconds"]])
                 continue
             s = t["held_out_per_sample"]
