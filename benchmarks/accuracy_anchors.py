@@ -459,7 +459,11 @@ def one(name: str, args) -> dict:
         if any(RUNTIME[t] is runtime for t in made):
             timing[runtime].warm_up([str(model)], force=True)
     for tool, path in made.items():
-        cmp = timing[RUNTIME[tool]].compare(str(path), str(model), until="precision")
+        try:
+            cmp = timing[RUNTIME[tool]].compare(str(path), str(model), until="precision")
+        except Exception as exc:  # a runtime that refuses the file: the row says so
+            tools[tool]["timing_failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
         tools[tool].update(speedup=round(1.0 / cmp.ratio, 3),
                            speedup_ci=[round(1.0 / cmp.ci_high, 3), round(1.0 / cmp.ci_low, 3)],
                            ms=round(cmp.candidate.score_ms, 3),
@@ -473,7 +477,7 @@ def one(name: str, args) -> dict:
 
 def _x(t: dict) -> str:
     if "speedup" not in t:
-        return "-"
+        return f"timing failed: {t['timing_failed'][:80]}" if "timing_failed" in t else "-"
     lo, hi = t["speedup_ci"]
     return f"{t['speedup']:.2f}x ({lo:.2f}-{hi:.2f})"
 
