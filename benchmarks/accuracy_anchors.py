@@ -51,7 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -394,9 +394,14 @@ def measurers(shapes: str | None, sample: Mapping[str, np.ndarray]) -> dict[Runt
     return {k: Measurer(b, TimingProtocol.robust()) for k, b in backends.items()}
 
 
-def one(name: str, args) -> dict:
+def one(name: str, args, save: Callable[[dict], None] = lambda row: None) -> dict:
+    """One model's row; ``save(row)`` after each tool and each timing (a stopped run keeps
+    what it measured). Past ``args.stop_at`` (a monotonic time) a tool is not started and
+    nothing more is timed: the row says so."""
     work = Path(args.work) / name
     row: dict = {"model": name}
+    if past(args):
+        return {**row, "skipped": f"not started: past --budget {args.budget:g} s"}
     try:
         model = real_models.fetch(name, args.cache)
     except Exception as exc:  # pip or the network: a row with the reason, the others go on
@@ -414,6 +419,10 @@ def one(name: str, args) -> dict:
     made: dict[str, Path] = {}
     tools = row["tools"] = {}
     for tool in args.tools:
+        if past(args):
+            tools[tool] = {"failed": f"not started: past --budget {args.budget:g} s",
+                           "seconds": 0.0}
+            continue
         print(f"[{name}] {tool} ...", flush=True)
         t0 = time.monotonic()
         try:
@@ -450,6 +459,7 @@ def one(name: str, args) -> dict:
                        "held_out_per_sample": spread(held_each),
                        "held_out_within_bound": error(ref_held, held_out) <= args.bound}
         made[tool] = path
+        save(row)
         print(f"  {tool}: {tools[tool]['seconds']} s, calibration {tools[tool]['calibration_error']}"
               f", held out {tools[tool]['held_out_error']}", flush=True)
     row["load_before_timing"] = _common.wait_quiet(QUIET_LOAD, limit_s=args.max_wait)
@@ -459,25 +469,33 @@ def one(name: str, args) -> dict:
         if any(RUNTIME[t] is runtime for t in made):
             timing[runtime].warm_up([str(model)], force=True)
     for tool, path in made.items():
+        if past(args):
+            tools[tool]["timing_failed"] = f"not timed: past --budget {args.budget:g} s"
+            continue
         try:
             cmp = timing[RUNTIME[tool]].compare(str(path), str(model), until="precision")
         except Exception as exc:  # a runtime that refuses the file: the row says so
-            tools[tool]["timing_failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            tools[tool]["timing_failed"] = f"timing failed: {type(exc).__name__}: {exc}"[:200]
             continue
         tools[tool].update(speedup=round(1.0 / cmp.ratio, 3),
                            speedup_ci=[round(1.0 / cmp.ci_high, 3), round(1.0 / cmp.ci_low, 3)],
                            ms=round(cmp.candidate.score_ms, 3),
                            fp32_ms=round(cmp.reference.score_ms, 3), rounds=cmp.rounds)
         print(f"  {tool}: {tools[tool]['speedup']}x vs FP32 on {RUNTIME[tool].value}", flush=True)
+        save(row)
     row["load_after_timing"] = _common.load_avg()
     return row
+
+
+def past(args) -> bool:
+    return args.stop_at is not None and time.monotonic() > args.stop_at
 
 
 # -- tables -------------------------------------------------------------------------------------
 
 def _x(t: dict) -> str:
     if "speedup" not in t:
-        return f"timing failed: {t['timing_failed'][:80]}" if "timing_failed" in t else "-"
+        return t["timing_failed"][:80] if "timing_failed" in t else "-"
     lo, hi = t["speedup_ci"]
     return f"{t['speedup']:.2f}x ({lo:.2f}-{hi:.2f})"
 
@@ -500,7 +518,7 @@ def table(doc: dict) -> str:
         if "skipped" in row:
             rows.append([row["model"], "-", "-", row["skipped"][:120]] + [""] * 6)
             continue
-        for tool, t in row["tools"].items():
+        for tool, t in row.get("tools", {}).items():
             if "failed" in t:
                 rows.append([row["model"], tool, RUNTIME[tool].value, f"failed: {t['failed'][:100]}",
                              "", "", "", "", "", t["seconds"]])
@@ -571,6 +589,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="qdq_loss_debug's SQNR that ranks tensors for exclusion")
     ap.add_argument("--max-wait", type=float, default=600.0,
                     help="seconds to wait for a quiet machine before timing")
+    ap.add_argument("--budget", type=float,
+                    help="seconds for the whole run: past it no tool starts and nothing more "
+                         "is timed (the rows say so)")
     ap.add_argument("--cache", help="real models' cache folder")
     ap.add_argument("--work", default="runs/accuracy_anchors", help="work folder")
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
@@ -591,6 +612,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     if not args.bound > 0:
         ap.error("--bound must be > 0")
+    if args.budget is not None and not args.budget > 0:
+        ap.error("--budget must be > 0")
+    args.stop_at = None if args.budget is None else time.monotonic() + args.budget
     return args
 
 
@@ -612,12 +636,18 @@ def main(argv: list[str] | None = None) -> int:
            "machine": _machine(), "versions": {
                "qdq_optuna": qdq_optuna.__version__, "onnxruntime": onnxruntime.__version__,
                "openvino": openvino.__version__, "nncf": nncf.__version__},
-           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k != "stop_at"},
            "rows": []}
     for name in args.models:
-        doc["rows"].append(one(name, args))
-        if args.out:
-            write(doc, args.out)
+        doc["rows"].append({"model": name})
+
+        def save(row: dict, at: int = len(doc["rows"]) - 1) -> None:
+            doc["rows"][at] = row
+            if args.out:
+                write(doc, args.out)
+
+        save(one(name, args, save))
     print(table(doc), end="")
     return 0
 

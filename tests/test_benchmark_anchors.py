@@ -47,6 +47,7 @@ def test_the_defaults_name_picture_models_and_every_tool(anchors):
     (["--tools", "ours_onnxruntime,bogus"], "--tools: unknown tool 'bogus'"),
     (["--bound", "0"], "--bound must be > 0"),
     (["--held-out", "0"], "--held-out must be >= 1"),
+    (["--budget", "-5"], "--budget must be > 0"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(anchors, capsys, argv, says):
     with pytest.raises(SystemExit) as stop:
@@ -123,3 +124,17 @@ def test_results_are_written_whole_with_failures_and_skips(anchors, tmp_path):
     assert "**no**" in md and "failed: ToolTimeout: ran past 9 s" in md
     assert "fetch failed: no network" in md
     assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["anchors.json", "anchors.md"]
+
+
+def test_past_the_budget_a_model_is_a_row_that_says_so(anchors, tmp_path):
+    args = anchors.parse(["--models", "nudenet-320n", "--budget", "1",
+                          "--work", str(tmp_path)])
+    args.stop_at -= 2  # the budget spent
+    row = anchors.one("nudenet-320n", args)
+    assert row == {"model": "nudenet-320n", "skipped": "not started: past --budget 1 s"}
+    assert list(tmp_path.iterdir()) == []  # nothing fetched or written
+
+
+def test_a_row_still_running_renders_without_tools(anchors):
+    doc = {"bound": 0.2, "machine": "a CPU", "rows": [{"model": "ppocr-det"}]}
+    assert anchors.table(doc).count("\n") == 2  # the header only
