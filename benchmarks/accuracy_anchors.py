@@ -202,6 +202,7 @@ def nncf_accuracy_control(model: Path, work: Path, cal: dict, ref_cal: dict,
     import openvino as ov
 
     from qdq_optuna.placement.starts import quiet_tool
+    from qdq_optuna.runtimes.openvino import TOOL_LOGGERS as OV_TOOL_LOGGERS
 
     names = list(ref_cal)
     calls = {"validations": 0}
@@ -220,7 +221,7 @@ def nncf_accuracy_control(model: Path, work: Path, cal: dict, ref_cal: dict,
         return -error(r, c), [-e for e in per_sample(r, c)]
 
     data = nncf_dataset(cal)
-    with quiet_tool("nncf.quantize_with_accuracy_control"):
+    with quiet_tool("nncf.quantize_with_accuracy_control", OV_TOOL_LOGGERS):
         quantized = nncf.quantize_with_accuracy_control(
             ov_model(model, shapes), data, data, validate, max_drop=bound,
             drop_type=nncf.DropType.ABSOLUTE, subset_size=len(next(iter(cal.values()))))
@@ -235,8 +236,9 @@ def nncf_quantize(model: Path, work: Path, cal: dict, shapes: str | None) -> tup
     import openvino as ov
 
     from qdq_optuna.placement.starts import quiet_tool
+    from qdq_optuna.runtimes.openvino import TOOL_LOGGERS as OV_TOOL_LOGGERS
 
-    with quiet_tool("nncf.quantize"):
+    with quiet_tool("nncf.quantize", OV_TOOL_LOGGERS):
         quantized = nncf.quantize(ov_model(model, shapes), nncf_dataset(cal),
                                   subset_size=len(next(iter(cal.values()))))
     out = work / "nncf_quantize.xml"
@@ -246,19 +248,20 @@ def nncf_quantize(model: Path, work: Path, cal: dict, shapes: str | None) -> tup
 
 
 def ort_recipe(model: Path, work: Path, cal: dict, shapes: str | None) -> tuple[Path, dict]:
-    from qdq_optuna.placement import starts
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
     work.mkdir(parents=True, exist_ok=True)
-    return starts.ort_recipe_model(str(model), work, data=cal, input_shapes=shapes), {}
+    return ort_runtime.ort_recipe_model(str(model), work, data=cal, input_shapes=shapes), {}
 
 
 def quantize_excluding(pre: Path, out: Path, cal: dict, exclude: list[str]) -> Path:
     """ONNX Runtime's recipe on the pre-processed model with ``nodes_to_exclude``."""
     from onnxruntime.quantization import quantize_static
 
-    from qdq_optuna.placement.starts import ort_recipe_options, quiet_tool
+    from qdq_optuna.placement.starts import quiet_tool
+    from qdq_optuna.runtimes.onnxruntime import TOOL_LOGGERS, ort_recipe_options
 
-    with quiet_tool("quantize_static"):
+    with quiet_tool("quantize_static", TOOL_LOGGERS):
         quantize_static(str(pre), str(out), _common.calibration_reader(cal),
                         nodes_to_exclude=exclude, **ort_recipe_options())
     return out

@@ -34,7 +34,6 @@ import onnx
 import real_models
 
 from qdq_optuna.examples import zoo
-from qdq_optuna.placement import starts
 from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
 RESULTS = Path(__file__).parent / "results"
@@ -134,7 +133,7 @@ def accuracy(paths: dict[str, Path], held: dict) -> dict:
 def one(name: str, args) -> dict:
     work = Path(args.out) / name
     path, shapes, cal, held, kind = model_files(name, work, args.samples, args.cache)
-    static = starts.ort_recipe_model(path, work, data=cal, input_shapes=shapes)
+    static = ort_runtime.ort_recipe_model(path, work, data=cal, input_shapes=shapes)
     dyn = ort_runtime.ort_dynamic_recipe_model(path, work, input_shapes=shapes)
     if dyn is None:
         raise SystemExit(f"{name}: no MatMul with constant weights for quantize_dynamic")

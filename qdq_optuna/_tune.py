@@ -157,10 +157,12 @@ def _run(options: TuneOptions) -> TuneResult:
             raise
         save_run_overview(outcome.record, outcome.out, report, dict(outcome.plans.by_phase))
         if outcome.partial:
-            log.warning("--timeout %gs cut the run short: %s is the best model found by then "
+            cut = (f"--timeout {options.timeout:g}s" if options.timeout is not None
+                   else "the run's deadline")
+            log.warning("%s cut the run short: %s is the best model found by then "
                         "(report.md: incomplete); rerun the same command to resume from the "
                         "stored studies (a larger --timeout, or none, lets it finish)",
-                        options.timeout, tuner.out / OPTIMIZED)
+                        cut, tuner.out / OPTIMIZED)
         return TuneResult(tuner.out, report)
 
 

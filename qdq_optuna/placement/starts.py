@@ -87,6 +87,9 @@ class Start:
 
 
 # -- schemes <-> uses -------------------------------------------------------------------------
+#: the ops a CNN is made of (against which :func:`dynamic_start` weighs the dynamic nodes)
+CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
+
 def scheme_uses(pm, schemes: Mapping[str, Mapping[str, int]]) -> set[Use]:
     """The uses that per-pattern on/off schemes quantize together."""
     out: set[Use] = set()
@@ -421,11 +424,16 @@ def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tup
 
 
 def dynamic_start(pm) -> Start | None:
-    """A runtime's dynamic mode as a whole-model start (ONNX Runtime's transformer recipe): every dynamic point on and
-    nothing else (what ``quantize_dynamic`` writes, with the search's graph and weights);
-    None when the prepared model has no dynamic point."""
+    """A runtime's dynamic mode as a whole-model start (ONNX Runtime's transformer recipe):
+    every dynamic point on and nothing else (what ``quantize_dynamic`` writes, with the
+    search's graph and weights). None when the prepared model has no dynamic point, or when
+    its convolutions outnumber the nodes the dynamic points cover (a CNN with a classifier
+    Gemm: a start that is the float model but for one layer is not worth its measurement;
+    the descent can still try those points)."""
     schemes = {pp.pattern.id: {pid: 1 for pid in pp.ids if pid.endswith(".dynamic")}
                for pp in pm.tunable}
-    if not any(schemes.values()):
+    covered = {n for pp in pm.tunable for _, n, _ in pp.uses(schemes[pp.pattern.id])}
+    convolutions = sum(1 for n in pm.graph.nodes if n.op_type in CONVOLUTIONS)
+    if not covered or len(covered) < convolutions:
         return None
     return start_from_schemes(pm, "dynamic", schemes)
