@@ -116,6 +116,21 @@ class Repair:
                 "sensitivity": [g.to_dict() for g in self.groups]}
 
 
+
+class _ScoredOnce:
+    """``error_fn`` scored once per plan (by its key); NaN reads as infinity, so a plan whose
+    outputs broke never looks within the bound. ``memo`` counts the evaluations."""
+
+    def __init__(self, error_fn: PlanError) -> None:
+        self.error_fn = error_fn
+        self.memo: dict[str, float] = {}
+
+    def __call__(self, p: QuantPlan) -> float:
+        if p.key not in self.memo:
+            value = self.error_fn(p)
+            self.memo[p.key] = math.inf if math.isnan(value) else float(value)
+        return self.memo[p.key]
+
 def _quoted(name: str) -> str:
     """A node name as a shell word."""
     safe = name and all(c.isalnum() or c in "_-./:#" for c in name)
@@ -350,13 +365,8 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     bisection). Within the bound as given: nothing returned. Out of evaluations (or once
     ``time_left()`` is false: the run's timeout) short of the bound, every group is
     returned (the model without Q/DQ)."""
-    memo: dict[str, float] = {}
-
-    def err(p: QuantPlan) -> float:
-        if p.key not in memo:
-            value = error_fn(p)
-            memo[p.key] = math.inf if math.isnan(value) else float(value)
-        return memo[p.key]
+    err = _ScoredOnce(error_fn)
+    memo = err.memo
 
     graph = exporter.graph
     groups = plan_groups(graph, plan)
@@ -520,13 +530,8 @@ def sensitivity(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, *,
     groups = plan_groups(exporter.graph, plan)
     if not groups:
         return None
-    memo: dict[str, float] = {}
-
-    def err(p: QuantPlan) -> float:
-        if p.key not in memo:
-            value = error_fn(p)
-            memo[p.key] = math.inf if math.isnan(value) else float(value)
-        return memo[p.key]
+    err = _ScoredOnce(error_fn)
+    memo = err.memo
 
     def without(gone_groups) -> QuantPlan:
         gone = {u for g in gone_groups for u in g.uses}
