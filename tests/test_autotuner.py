@@ -145,12 +145,13 @@ def _python_block(text: str, containing: str) -> str:
 
 
 def test_the_ask_tell_example_runs_as_written(tmp_path, monkeypatch) -> None:
-    """docs/api.md's ask/tell script, run as written (its 30 trials per pattern cut to 2) on
-    an example model and calibration data under the names it reads; the Autotuner docstring
+    """The Autotuner docstring's ask/tell script, run as written (its 30 trials per pattern
+    cut to 2) on an example model and calibration data under the names it reads; docs/api.md
     shows the same script."""
-    page = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
-    script = _python_block(page, "Autotuner(")
-    assert script == _python_block(Autotuner.__doc__, "Autotuner(")
+    script = _python_block(Autotuner.__doc__, "Autotuner(")
+    page = REPO / "docs" / "api.md"
+    if page.is_file():  # the checkout (a suite copied beside a wheel has the docstring alone)
+        assert _python_block(page.read_text(encoding="utf-8"), "Autotuner(") == script
     assert script.count("range(30)") == 1
     model = zoo.build("tiny_residual")
     onnx.save(model, tmp_path / "model.onnx")
