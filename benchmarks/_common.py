@@ -115,3 +115,10 @@ def markdown_table(header: list[str], rows: Iterable[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def machine() -> str:
+    """The machine a result was measured on, in one line: the CPU's name and its cores."""
+    from qdq_optuna.machine import current_cpu
+
+    return f"{current_cpu().model_name or 'unknown CPU'}, {os.cpu_count()} cores"

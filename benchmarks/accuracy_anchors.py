@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -561,14 +560,6 @@ def _preamble(doc: dict) -> str:
             + "\n\n")
 
 
-def _machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = "unknown CPU"
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -636,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     import qdq_optuna
 
     doc = {"bound": args.bound, "error": "worst-output relative L2 vs FP32 (ONNX Runtime)",
-           "machine": _machine(), "versions": {
+           "machine": _common.machine(), "versions": {
                "qdq_optuna": qdq_optuna.__version__, "onnxruntime": onnxruntime.__version__,
                "openvino": openvino.__version__, "nncf": nncf.__version__},
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _common  # noqa: E402
 import numpy as np
 import onnx
 import real_models
@@ -296,17 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(
                 {"openvino": openvino.__version__, "nncf": nncf.__version__,
-                 "machine": _machine(), "args": vars(args), "rows": rows}, indent=1) + "\n")
+                 "machine": _common.machine(), "args": vars(args), "rows": rows}, indent=1) + "\n")
     return 0
 
-
-def _machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = "unknown CPU"
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ Hypothesis strategies for random ONNX DAGs live in ``tests/strategies.py``.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import onnx
 import onnxruntime as ort
 import pytest
@@ -57,3 +60,14 @@ def residual(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny_residual.onnx"
     onnx.save(zoo.build("tiny_residual"), str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    """The docs site's build hooks (docs/hooks.py), for the tests of what they render."""
+    pytest.importorskip("mkdocs")
+    path = Path(__file__).resolve().parent.parent / "docs" / "hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import importlib.util
 import os
 import re
 import subprocess
@@ -22,15 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 if os.environ.get("QDQ_OPTUNA_TEST_INSTALLED") == "1":  # the suite copied beside a wheel
     pytest.skip("checks the source tree: run from the checkout", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def hooks():
-    pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("dotted", ["qdq_optuna.search.TuneOptions", "qdq_optuna.config.Config"])

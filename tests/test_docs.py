@@ -6,7 +6,6 @@ README row no longer matches its results file, or when the docs hook would rende
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -40,15 +39,6 @@ def test_the_readme_stays_short_and_starts_with_the_two_commands():
     assert len(lines) < 300
     assert lines[4].startswith("python3 -m venv .venv && .venv/bin/pip install -e . && ")
     assert lines[6].startswith('python3 -m venv .venv && .venv/bin/pip install -e ".[test]"')
-
-
-@pytest.fixture(scope="module")
-def hooks():
-    pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cells_and_tables(hooks):
