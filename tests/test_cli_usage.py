@@ -162,10 +162,11 @@ def test_python_warnings_are_one_log_line(model, tmp_path):
 
 def test_each_tune_option_is_defined_once_on_its_field():
     """Every TuneOptions field with a group is one tune flag (its dest the field's name, its
-    default the field's), and the parsed flags are TuneOptions' keyword arguments."""
+    default the field's), and the parsed flags reach TuneOptions through the routing the command
+    uses (``options_from``)."""
     import dataclasses
 
-    from qdq_optuna.cli.commands import tune_options
+    from qdq_optuna._tune import options_from
     from qdq_optuna.search import TuneOptions
 
     tune = _subparsers(build_parser())["tune"]
@@ -178,9 +179,8 @@ def test_each_tune_option_is_defined_once_on_its_field():
         assert dests[name].help == fields[name].metadata["help"], name
     args = build_parser().parse_args(["tune", "-m", "m.onnx", "--no-isolate", "--seed", "3",
                                       "--op-types", "Conv", "MatMul", "--worker"])
-    given = tune_options(args)
-    assert set(given) == flagged
-    opts = TuneOptions(**given)
+    keywords = {k: v for k, v in vars(args).items() if k != "command"}  # as cmd_tune passes
+    opts = options_from(keywords.pop("model"), keywords.pop("output_dir"), **keywords)
     assert (opts.isolate, opts.seed, opts.op_types, opts.worker) == (False, 3, ["Conv", "MatMul"],
                                                                      True)
 

@@ -121,16 +121,6 @@ def add_options(groups: dict, names=None, **overrides) -> None:
         groups[m["group"]].add_argument(*field_flags(f), **kw)
 
 
-def tune_options(args: argparse.Namespace) -> dict:
-    """The parsed flags as :class:`~qdq_optuna.TuneOptions` fields (those the command has)."""
-    import dataclasses
-
-    from qdq_optuna.search import TuneOptions
-
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions)
-            if f.metadata.get("group") and hasattr(args, f.name)}
-
-
 #: the model-side flags that ``inspect`` shares with ``tune``
 MODEL_OPTIONS = ("input_shapes", "quant_type", "preprocess", "high_precision", "keep_io_types",
                  "exclude_nodes", "op_types", "opset_upgrade")

@@ -235,7 +235,6 @@ class StartsPhase:
         error = lambda p: s.guard.error(p)["error"]  # noqa: E731
         time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
         found = rank_repair(s.exporter, plan, error, s.guard.bound, what=self._what_ran(plan),
-                            node_costs=getattr(s, "node_costs", None),
                             max_evaluations=REPAIR_EVALUATIONS,
                             time_left=(lambda: True) if past_deadline else time_left)
         name = f"{start.name}{REPAIRED}"
@@ -265,8 +264,7 @@ class StartsPhase:
     def _holds(self, row: StartOutcome) -> float:
         """The integer speed a start's placement holds by the repair's cost model."""
         plan = self._row_plan(row)
-        return estimated_speed(self.s.exporter, plan, self._what_ran(plan),
-                               getattr(self.s, "node_costs", None))
+        return estimated_speed(self.s.exporter, plan, self._what_ran(plan))
 
     def _what_ran(self, plan):
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
