@@ -81,6 +81,30 @@ def test_a_worker_on_another_cpu_is_refused_and_commits_nothing(tmp_path):
     assert _complete(db) > before
     assert (tmp_path / "vnni2" / "report.json").exists()
 
+    # with --measuring-group the AVX2 machine measures as a run of its own beside it: it
+    # finishes, and not one trial of the VNNI machines' studies changes
+    vnni_trials = _complete(db)
+    group = subprocess.run(worker("avx2") + ["--measuring-group", "avx2"], cwd=REPO,
+                           env=cli_env(QDQ_OPTUNA_CPU_FLAGS="avx2"), capture_output=True,
+                           text=True, timeout=240)
+    assert group.returncode == 0, group.stderr
+    after = _complete(db)
+    assert {t for t in after if not t[0].startswith("shared@avx2")} == vnni_trials
+    new = after - vnni_trials
+    assert new and all(t[0].startswith("shared@avx2") for t in new), sorted({t[0] for t in new})
+    assert (tmp_path / "avx2" / "report.json").exists()
+
+
+def test_a_measuring_group_name_is_checked(tmp_path):
+    from qdq_optuna import TuneOptions
+    from qdq_optuna.errors import OptionError
+
+    opts = TuneOptions(model="m.onnx", output_dir=tmp_path / "out", run_id="r",
+                       measuring_group="avx2")
+    assert opts.run_id_or_default == "r@avx2"
+    with pytest.raises(OptionError, match="--measuring-group"):
+        TuneOptions(model="m.onnx", output_dir=tmp_path / "out", measuring_group="a/b")
+
 
 def test_what_makes_two_machines_differ():
     ort = measuring({"name": "onnxruntime", "onnxruntime": "1.32.0", "threads": 1, "seed": 0,

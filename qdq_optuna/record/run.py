@@ -228,8 +228,9 @@ class RunRecord:
             raise UserError(
                 f"{where}: run {self.run_id!r} measures on another machine ("
                 f"{'; '.join(differs)}): its timings and this process's do not compare; run "
-                "this process where the run measures, add --fresh to start over here, or pick "
-                "another --output")
+                "this process where the run measures, add --measuring-group NAME to measure "
+                "as a group of its own, add --fresh to start over here, or pick another "
+                "--output")
 
     def settle_fingerprint(self, settings: dict, digest: str, where: str) -> None:
         """Store the run's settings once (workers starting together agree on one set); refuse

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -148,6 +149,11 @@ class TuneOptions:
         help="name of the run in the storage (default: output folder name)")
     worker: bool = option(False, group="storage and workers",
                           help="cooperate with other workers on the same --storage run")
+    measuring_group: str | None = option(
+        None, group="storage and workers", metavar="NAME",
+        help="measure as a group of its own within --run-id (its own studies and standing "
+             "model in the storage, named RUN@NAME): for workers on a machine unlike the "
+             "run's, whose timings must never be compared with the run's")
     preprocess: str = option(
         "auto", group="model", choices=("auto", "none", "ort-basic"),
         help="float-model preprocessing; auto = ONNX Runtime basic fusions for the ONNX "
@@ -253,13 +259,20 @@ class TuneOptions:
             raise OptionError(f"--threads must be >= 1, got {self.threads}")
         check_metric_drop(self.max_metric_drop, self.metric_drop_type, self.metric,
                           self.max_output_error)
+        if self.measuring_group is not None and not re.fullmatch(r"[\w.-]+",
+                                                                  self.measuring_group):
+            raise OptionError("--measuring-group takes a name of letters, digits, '.', '_' "
+                              f"and '-', got {self.measuring_group!r}")
         if self.accuracy_confidence is not None and not 0.5 <= self.accuracy_confidence < 1:
             raise OptionError("--accuracy-confidence must be at least 0.5 and below 1, got "
                               f"{self.accuracy_confidence:g}")
 
     @property
     def run_id_or_default(self) -> str:
-        return self.run_id or Path(self.output_dir).resolve().name or "run"
+        """The run's name in the storage; a measuring group's studies are a run of their
+        own beside it (``RUN@GROUP``), so no timing of one is compared with the other's."""
+        run = self.run_id or Path(self.output_dir).resolve().name or "run"
+        return f"{run}@{self.measuring_group}" if self.measuring_group else run
 
 
 @dataclass
