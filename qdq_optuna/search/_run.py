@@ -80,9 +80,10 @@ log = logging.getLogger("qdq_optuna")
 #: ``--timeout``: the share of the timeout the conclusion may keep at most; the search stops
 #: that much earlier. Inception v1 (300 s) once concluded 560 s past its deadline.
 CONCLUSION_SHARE = 0.15
-#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, and the
-#: lanes' and the recipe file's A/Bs at about their minimum
-CONCLUSION_ROUNDS = 16
+#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, the lanes'
+#: A/Bs at about their minimum, and a recipe file's A/B (it runs to its verdict past the
+#: deadline: three rounds when the file is far off, six when it is not faster)
+CONCLUSION_ROUNDS = 20
 
 
 class Tuner:
