@@ -188,7 +188,7 @@ def models(rounds: int, runs: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Weight-only MatMuls (MatMulNBits) vs float and dynamic int8 on ONNX Runtime CPU",
+    lines = ["# Weight-only MatMuls (MatMulNBits) vs float and dynamic int8 on ONNX Runtime CPU",
              "",
              f"`nice -n 15 python benchmarks/matmul_nbits.py` on {result['machine']}, "
              f"onnxruntime {result['onnxruntime']}, one thread, 1-minute load "

@@ -176,8 +176,8 @@ def test_modes_static_gives_the_placement_search_of_the_plain_rules():
 
 
 def test_the_modes_each_runtime_offers():
-    assert QuantMode.parse(None, ORT.modes, "onnxruntime") == (QuantMode.STATIC,
-                                                               QuantMode.DYNAMIC)
+    # without --modes: static and dynamic (the weight-only modes are offered on request)
+    assert ORT.searched_modes(None, "fp32") == (QuantMode.STATIC, QuantMode.DYNAMIC)
     assert QuantMode.parse("dynamic", ORT.modes, "onnxruntime") == (QuantMode.STATIC,
                                                                     QuantMode.DYNAMIC)
     assert QuantMode.parse("static", ORT.modes, "onnxruntime") == (QuantMode.STATIC,)

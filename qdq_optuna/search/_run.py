@@ -221,7 +221,8 @@ class Tuner:
             sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
             progress=self.progress, remaining=self.remaining, guard=opened.guard,
-            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend),
+            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(
+                self.backend, self.prepared.rules.weight_only_modes),
             kernel_cache=self.o.kernel_cache)
         return self.search_state
 
@@ -267,13 +268,13 @@ class Tuner:
                            baseline=self.baseline_source()[0]).run()
 
     def _seed_starts(self) -> list:
-        """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
+        """The per-node modes' starts (every point of a mode on) and the user's seeds:
+        ``--qdq-baseline``, ``--pattern-cache``."""
         from qdq_optuna.placement import starts
 
-        found = []
-        dynamic = starts.dynamic_start(self.prepared)  # the dynamic mode searched: its recipe
-        if dynamic is not None:
-            found.append(dynamic)
+        pm = self.prepared  # each per-node mode searched: its start (dynamic: the recipe)
+        found = [s for s in (starts.dynamic_start(pm), *(starts.mode_start(pm, m) for m in
+                                                         pm.rules.weight_only_modes)) if s is not None]
         if self.o.qdq_baseline:
             found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
         if self.cache is not None:
