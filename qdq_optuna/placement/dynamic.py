@@ -109,9 +109,14 @@ def dynamic_use(graph: Graph, node: int) -> Use:
     return mode_use(graph, node, QuantMode.DYNAMIC)
 
 
+def slot_mode(slot: int) -> QuantMode | None:
+    """The per-node mode a use's slot stands for (None: an input slot, static Q/DQ)."""
+    return _SLOT_MODES.get(slot)
+
+
 def use_mode(use: Use) -> QuantMode | None:
     """The per-node mode a use stands for (None: a tensor use, static Q/DQ)."""
-    return _SLOT_MODES.get(use[2])
+    return slot_mode(use[2])
 
 
 def is_dynamic(use: Use) -> bool:

@@ -31,7 +31,7 @@ from qdq_optuna.placement.dynamic import (
     dynamic_node_ok,
     dynamic_use,
     mode_use,
-    use_mode,
+    slot_mode,
 )
 from qdq_optuna.placement.patterns import Pattern, PatternIndex
 from qdq_optuna.placement.regions import RegionTree
@@ -63,7 +63,7 @@ class InsertionPoint:
         if self.kind == DYNAMIC:
             return f"n{self.index}.{self.label}.dynamic"
         if self.kind == WEIGHT_ONLY:
-            return f"n{self.index}.{self.label}.{use_mode(('', 0, self.slot)).value}"
+            return f"n{self.index}.{self.label}.{slot_mode(self.slot).value}"
         owner = f"c{self.index}." if self.index >= 0 else ""
         return f"{owner}out{self.slot}.{self.label}"
 
