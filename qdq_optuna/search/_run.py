@@ -80,10 +80,12 @@ log = logging.getLogger("qdq_optuna")
 #: ``--timeout``: the share of the timeout the conclusion may keep at most; the search stops
 #: that much earlier. Inception v1 (300 s) once concluded 560 s past its deadline.
 CONCLUSION_SHARE = 0.15
-#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, the lanes'
-#: A/Bs at about their minimum, and a recipe file's A/B (it runs to its verdict past the
-#: deadline: three rounds when the file is far off, six when it is not faster)
-CONCLUSION_ROUNDS = 20
+#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8 and the
+#: lanes' A/Bs at about their minimum, and :data:`FILE_ROUNDS` per recipe file
+CONCLUSION_ROUNDS = 14
+#: a recipe file's A/B runs to its verdict past the deadline: three rounds when the file is
+#: far off, six when it is not faster (the give-up point)
+FILE_ROUNDS = 6
 
 
 class Tuner:
@@ -140,7 +142,8 @@ class Tuner:
         if self.o.timeout is None:
             return
         if not concluding:
-            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s)
+            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s,
+                                              len(self.profile.recipe_files()))
         self.search_state.plans.set_deadline(
             self.started + self.o.timeout - (0.0 if concluding else self.reserve))
 
@@ -484,13 +487,14 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def conclusion_reserve(timeout: float, session_s: float | None) -> float:
-    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe file's A/Bs,
-    the final A/B): :data:`CONCLUSION_ROUNDS` rounds of two sessions as long as the last one
-    measured, at most :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was
-    measured yet)."""
+def conclusion_reserve(timeout: float, session_s: float | None, files: int = 1) -> float:
+    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe files' A/Bs,
+    the final A/B): :data:`CONCLUSION_ROUNDS` rounds and :data:`FILE_ROUNDS` per recipe file
+    (``files``), of two sessions as long as the last one measured, at most
+    :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was measured yet)."""
     share = CONCLUSION_SHARE * timeout
-    return share if session_s is None else min(share, CONCLUSION_ROUNDS * 2 * session_s)
+    rounds = CONCLUSION_ROUNDS + FILE_ROUNDS * files
+    return share if session_s is None else min(share, rounds * 2 * session_s)
 
 
 def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
