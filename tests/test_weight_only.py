@@ -183,6 +183,9 @@ def test_onnx_runtimes_weight_only_file_is_a_recipe_file_of_the_run(tmp_path):
     onnx.save(model, str(path))
     large, small = ort_runtime.weight_only_candidates(model)
     assert large and not small  # every linear layer's K is 128 or 256
+    tiny = zoo.tiny_attention()  # K 16 and 32: no whole block, no file
+    assert ort_runtime.weight_only_candidates(tiny)[0] == []
+    assert ort_runtime.ort_weight_only_recipe_bytes(tiny) is None
     data = ort_runtime.ort_weight_only_recipe_bytes(str(path))
     assert data == ort_runtime.ort_weight_only_recipe_bytes(str(path))
     written = onnx.load_from_string(data)
