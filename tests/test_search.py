@@ -731,8 +731,8 @@ def test_on_a_measured_backend_the_recipe_gets_its_ab_when_float_measured_fastes
 
 def test_on_a_measured_backend_the_recipe_stands_when_the_fastest_start_ties_float(tmp_path):
     """Every point on measured fastest once, but its A/B against float is a tie: the
-    runtime's recipe (faster than float) still gets its A/B against float and stands, where
-    float used to stand with the recipe never compared (a ViT on a loaded machine)."""
+    runtime's recipe (faster than float) still gets its A/B against float and stands (on a
+    ViT on a loaded machine float stood without that A/B)."""
     from collections import Counter
 
     model = zoo.build("resnet", "small")
