@@ -170,8 +170,10 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{s[v]['speedup']:.3f}x ({s[v]['ci'][0]:.3f}-{s[v]['ci'][1]:.3f}), "
                          f"cos {a[v]['cosine_mean']:.5f}")
         mc = r.get("mode_counts") or {}
+        weight_only = mc.get("weight_int8", 0) + mc.get("weight_int4", 0)
         cells += [f"{mc.get('dynamic', 0)} dyn / {mc.get('static', 0)} static / "
-                  f"{mc.get('float', 0)} float", str(r["shipped"]),
+                  + (f"{weight_only} weight-only / " if weight_only else "")
+                  + f"{mc.get('float', 0)} float", str(r["shipped"]),
                   "?" if r["tune_s"] is None else f"{r['tune_s']:.0f} s"
                   + ("" if r["complete"] else " (stopped at --timeout)")]
         body.append(cells)

@@ -124,6 +124,9 @@ BAD = {
                                  "tensorrt offers no dynamic mode"),
     "unknown mode": (["tune", "--model", "{model}", "--output", "{tmp}/o", "--modes",
                       "static,int4"], "--modes: unknown mode 'int4'"),
+    "a weight-only mode the runtime lacks": (
+        ["tune", "--model", "{model}", "--output", "{tmp}/o", "--backend", "costmodel",
+         "--modes", "static,weight_int4"], "tensorrt offers no weight_int4 mode"),
 }
 
 

@@ -176,8 +176,8 @@ def test_modes_static_gives_the_placement_search_of_the_plain_rules():
 
 
 def test_the_modes_each_runtime_offers():
-    assert QuantMode.parse(None, ORT.modes, "onnxruntime") == (QuantMode.STATIC,
-                                                               QuantMode.DYNAMIC)
+    # without --modes: static and dynamic (the weight-only modes are offered on request)
+    assert ORT.searched_modes(None, "fp32") == (QuantMode.STATIC, QuantMode.DYNAMIC)
     assert QuantMode.parse("dynamic", ORT.modes, "onnxruntime") == (QuantMode.STATIC,
                                                                     QuantMode.DYNAMIC)
     assert QuantMode.parse("static", ORT.modes, "onnxruntime") == (QuantMode.STATIC,)
@@ -248,3 +248,54 @@ def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_fl
     again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick, output_q=True,
                            cache=K.KernelCache(cache), dynamic=True)
     assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel
+
+
+# -- the recipe file's decision past --timeout --------------------------------------------------
+def test_a_faster_dynamic_file_ships_when_the_timeout_came_before_the_search_ended(tmp_path):
+    """Real ONNX Runtime sessions: a transformer whose ``quantize_dynamic`` file runs about
+    2x its float model, searched from float by placement only with a one-second timeout, so
+    what would ship is (about) float. The file's A/B against it runs to its verdict past the
+    deadline (not cut at three rounds) and the file ships."""
+    path = tmp_path / "encoder.onnx"
+    onnx.save(zoo.transformer_like(seq=32, hidden=256, heads=4, layers=2, ffn=1024), str(path))
+    result = tune(str(path), tmp_path / "r", modes="static", start="float", timeout=1.0,
+                  progress=False)
+    report = result.report
+    assert not report["complete"]
+    dyn = report["recipe_files"][1]
+    assert dyn["tool"] == "quantize_dynamic" and dyn["within_bound"]
+    ab = dyn["tuned_vs_file"]
+    assert not ab["cut_short"] and ab["verdict"] == "slower", ab
+    assert dyn["shipped"]
+    kept = (tmp_path / "r" / dyn["file"]).read_bytes()
+    assert (tmp_path / "r" / "optimized.onnx").read_bytes() == kept
+    assert report["mode_counts"]["dynamic"] == 12
+
+
+class _Noisy:
+    """A loaded machine as a latency function: the dynamic file runs ``fast`` ms, every other
+    model 1 ms, each session's reading scaled by a seeded log-normal factor."""
+
+    def __init__(self, fast: float, sigma: float, seed: int = 0) -> None:
+        self.fast, self.sigma = fast, sigma
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, model: onnx.ModelProto) -> float:
+        base = self.fast if _dynamic(model) else 1.0
+        return base * float(np.exp(self.rng.normal(0.0, self.sigma)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_file_is_the_candidate_of_its_ab_so_noise_does_not_end_it_early(encoder, tmp_path,
+                                                                           seed):
+    """On a noisy machine an A/B with what would ship as its candidate gave up after half
+    its rounds because that candidate was not faster (and past ``--timeout``'s deadline it
+    was cut at three): the very case where the file should win. Timed as the candidate, to
+    its verdict, a file 2x faster under 30 % noise per session ships, its A/B decided."""
+    report = tune(str(encoder), tmp_path / "r", benchmark=CallableBackend(_Noisy(0.5, 0.3,
+                                                                                 seed)),
+                  runtime="onnxruntime", modes="static", start="float", timeout=0.5,
+                  config=Config(schemes_per_region=2, refine_rounds=0), progress=False).report
+    dyn = report["recipe_files"][1]
+    assert dyn["shipped"], dyn["tuned_vs_file"]
+    assert dyn["tuned_vs_file"]["decided"] and not dyn["tuned_vs_file"]["cut_short"]

@@ -729,6 +729,37 @@ def test_on_a_measured_backend_the_recipe_gets_its_ab_when_float_measured_fastes
     assert f"{recipe['ab_vs_float']['ratio']:.3f}" in line and line.endswith("; chosen.")
 
 
+def test_on_a_measured_backend_the_recipe_stands_when_the_fastest_start_ties_float(tmp_path):
+    """Every point on measured fastest once, but its A/B against float is a tie: the
+    runtime's recipe (faster than float) still gets its A/B against float and stands (on a
+    ViT on a loaded machine float stood without that A/B)."""
+    from collections import Counter
+
+    model = zoo.build("resnet", "small")
+    order: list[int] = []  # Q counts in the order first seen: the all-on start, the recipe
+    calls: Counter = Counter()
+
+    def latency(m: onnx.ModelProto) -> float:
+        q = sum(n.op_type == "QuantizeLinear" for n in m.graph.node)
+        if q == 0:
+            return 10.0
+        if q not in order:
+            order.append(q)
+        calls[q] += 1
+        if q == order[0]:  # all-on: fast while its start is measured, float's speed after
+            return 8.0 if calls[q] <= 5 else 10.0
+        return 9.0
+
+    result = tune(model, tmp_path / "o", benchmark=CallableBackend(latency),
+                  runtime="onnxruntime", config=Config(schemes_per_region=2, refine_rounds=0),
+                  progress=False)
+    starts = {s["name"]: s for s in result.report["starts"]}
+    assert starts["all"]["latency_ms"] < starts["recipe:onnxruntime"]["latency_ms"]
+    assert starts["all"]["ab_vs_float"]["ratio"] == pytest.approx(1.0)
+    recipe = starts["recipe:onnxruntime"]
+    assert recipe["chosen"] and recipe["ab_vs_float"]["ratio"] == pytest.approx(0.9)
+
+
 def _by_start(recipe_ms: float, moved: float = 12.0):
     """Latency by Q count (the starts are told apart by it, in the order first seen: the
     all-on start, then the recipe): float 10 ms, all-on 12 ms, the recipe ``recipe_ms``,

@@ -21,7 +21,9 @@ Where the runtime runs MatMul/Gemm dynamically too (``kernel_table(dynamic=True)
 Runtime), each such unit's float model is also written with that node dynamic (activations
 quantized per call, int8 weights: :func:`~qdq_optuna.placement.dynamic.dynamic_node`) and
 timed against float the same way: the row then shows the static, dynamic and float kernels of
-the node side by side (``dynamic_ms``, ``dynamic_ratio`` float/dynamic and its interval).
+the node side by side (``dynamic_ms``, ``dynamic_ratio`` float/dynamic and its interval). The
+weight-only modes a run searches are timed likewise (``kernel_table(weight_only=...)``: the
+node as MatMulNBits, ``weight_int8_*`` and ``weight_int4_*``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.measure.timing import Measurer, TimingProtocol, Until
+from qdq_optuna.placement.dynamic import QuantMode
 
 log = logging.getLogger("qdq_optuna")
 
@@ -100,6 +103,13 @@ class KernelTiming:
     dynamic_ms: float | None = None
     dynamic_ratio: float | None = None
     dynamic_ci: tuple[float, float] | None = None
+    #: the weight-only kernels (MatMulNBits, int8 and int4 blocks), likewise (None: not timed)
+    weight_int8_ms: float | None = None
+    weight_int8_ratio: float | None = None
+    weight_int8_ci: tuple[float, float] | None = None
+    weight_int4_ms: float | None = None
+    weight_int4_ratio: float | None = None
+    weight_int4_ci: tuple[float, float] | None = None
 
     @property
     def decision(self) -> KernelDecision:
@@ -122,9 +132,14 @@ class KernelTiming:
     def from_dict(cls, data: Mapping) -> KernelTiming:
         """A cached timing (an entry cached before dynamic kernels were timed has none)."""
         found = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        if found.get("dynamic_ci") is not None:
-            found["dynamic_ci"] = tuple(found["dynamic_ci"])
+        for mode in MODE_KERNELS:
+            if found.get(f"{mode.value}_ci") is not None:
+                found[f"{mode.value}_ci"] = tuple(found[f"{mode.value}_ci"])
         return cls(**found)
+
+    def mode_ms(self, mode: QuantMode) -> float | None:
+        """A per-node mode's kernel ms (None: not timed)."""
+        return getattr(self, f"{mode.value}_ms")
 
 
 @dataclass(frozen=True)
@@ -376,15 +391,21 @@ def time_unit(measurer: Measurer, unit: Unit, int_model: bytes,
                         round(c.ci_low, 6), round(c.ci_high, 6), c.rounds)
 
 
-#: the ops whose dynamic kernel is timed beside the static one
+#: the ops whose dynamic and weight-only kernels are timed beside the static one
 DYNAMIC_KERNEL_OPS = frozenset({"MatMul", "Gemm"})
+#: the per-node modes a kernel row may time, in its column order
+MODE_KERNELS = (QuantMode.DYNAMIC, QuantMode.WEIGHT_INT8, QuantMode.WEIGHT_INT4)
 
 
-def dynamic_unit_model(unit: Unit, float_model: bytes) -> bytes | None:
-    """The unit's float model with its node written dynamically (None: the node has no
-    constant 2-D weight to quantize)."""
+def mode_unit_model(unit: Unit, float_model: bytes,
+                    mode: QuantMode = QuantMode.DYNAMIC) -> bytes | None:
+    """The unit's float model with its node written in a per-node ``mode`` (dynamic:
+    :func:`~qdq_optuna.placement.dynamic.dynamic_node`; weight-only:
+    :func:`~qdq_optuna.placement.weight_only.weight_only_node`); None: the node has no
+    constant 2-D weight to quantize."""
     from qdq_optuna.model.graph import Graph
     from qdq_optuna.placement.dynamic import dynamic_node, dynamic_node_ok
+    from qdq_optuna.placement.weight_only import MS_DOMAIN, weight_only_node
 
     model = onnx.load_from_string(float_model)
     graph = Graph.from_model(model)
@@ -392,7 +413,9 @@ def dynamic_unit_model(unit: Unit, float_model: bytes) -> bytes | None:
     if index is None or not dynamic_node_ok(graph, index, DYNAMIC_KERNEL_OPS):
         return None
     weight = onnx.numpy_helper.to_array(graph.initializer(graph.nodes[index].input[1]))
-    inits, nodes = dynamic_node(graph, index, lambda name: f"dynamic/{name}", weight, 127)
+    unique = lambda name: f"{mode.value}/{name}"  # noqa: E731
+    inits, nodes = (dynamic_node(graph, index, unique, weight, 127) if mode is QuantMode.DYNAMIC
+                    else weight_only_node(graph, index, unique, weight, mode.bits))
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
@@ -401,19 +424,34 @@ def dynamic_unit_model(unit: Unit, float_model: bytes) -> bytes | None:
     for i, n in enumerate(model.graph.node):
         out.graph.node.extend(extra.node if i == index else [n])
     out.graph.initializer.extend(extra.initializer)
+    if mode.bits and MS_DOMAIN not in {o.domain for o in out.opset_import}:
+        out.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return out.SerializeToString()
+
+
+def dynamic_unit_model(unit: Unit, float_model: bytes) -> bytes | None:
+    """The unit's float model with its node written dynamically (see :func:`mode_unit_model`)."""
+    return mode_unit_model(unit, float_model, QuantMode.DYNAMIC)
+
+
+def time_mode(measurer: Measurer, timing: KernelTiming, unit: Unit, float_model: bytes,
+              mode: QuantMode = QuantMode.DYNAMIC) -> KernelTiming:
+    """``timing`` with the unit's kernel in a per-node ``mode`` timed against its float
+    kernel (its ``<mode>_ms``, ``<mode>_ratio`` float/mode and interval)."""
+    model = mode_unit_model(unit, float_model, mode)
+    if model is None:
+        return timing
+    c = measurer.compare(float_model, model, until="precision")
+    return dataclasses.replace(timing, **{
+        f"{mode.value}_ms": round(c.candidate.score_ms, 6),
+        f"{mode.value}_ratio": round(c.ratio, 6),
+        f"{mode.value}_ci": (round(c.ci_low, 6), round(c.ci_high, 6))})
 
 
 def time_dynamic(measurer: Measurer, timing: KernelTiming, unit: Unit,
                  float_model: bytes) -> KernelTiming:
     """``timing`` with the unit's dynamic kernel timed against its float kernel."""
-    dyn = dynamic_unit_model(unit, float_model)
-    if dyn is None:
-        return timing
-    c = measurer.compare(float_model, dyn, until="precision")
-    return dataclasses.replace(timing, dynamic_ms=round(c.candidate.score_ms, 6),
-                               dynamic_ratio=round(c.ratio, 6),
-                               dynamic_ci=(round(c.ci_low, 6), round(c.ci_high, 6)))
+    return time_mode(measurer, timing, unit, float_model, QuantMode.DYNAMIC)
 
 
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
@@ -421,7 +459,7 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
                  output_q: bool, deadline: float | None = None,
-                 dynamic: bool = False) -> KernelTable:
+                 dynamic: bool = False, weight_only: Iterable[QuantMode] = ()) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
@@ -432,7 +470,8 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     Past ``deadline`` (``time.monotonic()``, a ``--timeout`` run's) no unit is timed any more:
     Inception v1's 57 uncached units once took minutes after the run's time was up.
     ``dynamic``: each MatMul/Gemm unit's dynamic kernel is timed too (a cached timing
-    without it is completed and cached again)."""
+    without it is completed and cached again); ``weight_only``: likewise its kernel in each
+    of these weight-only modes (MatMulNBits)."""
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
@@ -443,6 +482,8 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
     measurer.deadline = deadline
     done: dict[str, KernelTiming] = {}
+    chosen = set(weight_only) | ({QuantMode.DYNAMIC} if dynamic else set())
+    modes = [m for m in MODE_KERNELS if m in chosen]
     for unit in units(qdq, output_q):
         if unit.node in skip:
             continue
@@ -452,15 +493,15 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
             table.cached += 1
         if timing is None and measurer.out_of_time():
             continue
-        wants_dynamic = dynamic and unit.op in DYNAMIC_KERNEL_OPS and (
-            timing is None or timing.dynamic_ms is None) and unit.signature not in done
-        if timing is None or wants_dynamic:
+        wanted = [m for m in modes if unit.op in DYNAMIC_KERNEL_OPS and (
+            timing is None or timing.mode_ms(m) is None) and unit.signature not in done]
+        if timing is None or wanted:
             try:
                 int_model, float_unit = unit_models(unit, qdq, flt)
                 if timing is None:
                     timing = time_unit(measurer, unit, int_model, float_unit)
-                if wants_dynamic:
-                    timing = time_dynamic(measurer, timing, unit, float_unit)
+                for mode in wanted:
+                    timing = time_mode(measurer, timing, unit, float_unit, mode)
             except Exception as exc:  # evidence is an optimisation: never the run's failure
                 log.info("kernel %s not timed (%s)", unit.node, str(exc).splitlines()[0])
                 if timing is None:

@@ -144,6 +144,19 @@ class Comparison:
             return "not faster"
         return "same" if self.decided else "undecided"
 
+    def turned(self) -> Comparison:
+        """The same A/B read the other way round (reference / candidate). A comparison that
+        gave up (the candidate not faster at all) reads as decided: the reference is not
+        slower."""
+        def turn(x: float) -> float:
+            return 1.0 / x if x > 0 else math.inf
+
+        return Comparison(
+            ratio=turn(self.ratio), ci_low=turn(self.ci_high), ci_high=turn(self.ci_low),
+            candidate=self.reference, reference=self.candidate, rounds=self.rounds,
+            decided=self.decided or self.gave_up, ratios=[turn(x) for x in self.ratios],
+            confidence=self.confidence, same_model=self.same_model, cut_short=self.cut_short)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ratio": _r(self.ratio),

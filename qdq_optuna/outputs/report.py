@@ -18,7 +18,7 @@ from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.machine import current_cpu
 from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.outputs.time_spent import time_spent_lines
-from qdq_optuna.placement.dynamic import QuantMode, node_modes
+from qdq_optuna.placement.dynamic import MODE_COUNT_KEYS, QuantMode, node_modes
 from qdq_optuna.record import (
     PHASES,
     PatternAttr,
@@ -152,14 +152,15 @@ def runtime_keys(outcome: SearchOutcome) -> dict:
 
 
 def mode_keys(final_bytes, rules) -> dict:
-    """``modes``: the modes searched (``static``, and ``dynamic`` where the rules have
-    dynamic ops); ``node_modes``: each MatMul/Gemm/Conv's mode in ``optimized.onnx``, and
-    ``mode_counts``."""
-    searched = ["static"] + (["dynamic"] if rules.dynamic_ops else [])
+    """``modes``: the modes searched (``static``; ``dynamic`` where the rules have dynamic
+    ops; the rules' weight-only modes); ``node_modes``: each MatMul/Gemm/Conv's mode in
+    ``optimized.onnx``, and ``mode_counts`` (every mode's count, and ``float``)."""
+    searched = ["static"] + (["dynamic"] if rules.dynamic_ops else []) \
+        + [m.value for m in rules.weight_only_modes]
     if not isinstance(final_bytes, bytes):  # a model too big for bytes: read where written
         return {"modes": searched}
     modes = node_modes(final_bytes)
-    counts = {m: list(modes.values()).count(m) for m in ("static", "dynamic", "float")}
+    counts = {m: list(modes.values()).count(m) for m in MODE_COUNT_KEYS}
     return {"modes": searched, "node_modes": modes, "mode_counts": counts}
 
 
@@ -593,7 +594,9 @@ def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
         return []
     rows = k["kernels"]
     rt = k.get("runtime") or {}
-    dyn = any(r.get("dynamic_ms") is not None for r in rows)  # MatMul/Gemm's dynamic kernel
+    # MatMul/Gemm's per-node mode kernels: a column pair per mode timed in any row
+    modes = [m for m in ("dynamic", "weight_int8", "weight_int4")
+             if any(r.get(f"{m}_ms") is not None for r in rows)]
     lines = ["", "## Kernels: integer vs float on this machine", "",
              f"{rt.get('name', 'the backend')} ({', '.join(f'{a}={b}' for a, b in rt.items() if a != 'name')}); "
              f"CPU flags: {', '.join(k.get('cpu_flags') or []) or 'none read'}. Each node's "
@@ -601,21 +604,23 @@ def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
              f"interleaved A/B; {k['timed']} signature(s) timed in this run, {k['cached']} "
              f"from the cache. Float faster at "
              f"{sum(r['decision'] == 'float' for r in rows)} of {len(rows)} node(s)."
-             + (" Each MatMul/Gemm's dynamic kernel (activations quantized per call) is timed "
-                "against float too." if dyn else ""), "",
+             + (f" Each MatMul/Gemm's kernel in the {', '.join(modes)} mode(s) (dynamic: "
+                f"activations quantized per call; weight_int8/int4: MatMulNBits) is timed "
+                f"against float too." if modes else ""), "",
              "| node | op | int ms | float ms | float/int (interval) | evidence | shipped |"
-             + (" dynamic ms | float/dynamic (interval) |" if dyn else ""),
-             "|---|---|---:|---:|---|---|---|" + ("---:|---|" if dyn else "")]
+             + "".join(f" {m} ms | float/{m} (interval) |" for m in modes),
+             "|---|---|---:|---:|---|---|---|" + "---:|---|" * len(modes)]
     for r in rows[:limit]:
-        cells = (f" {r['dynamic_ms']:.4g} | {r['dynamic_ratio']:.3f} ({r['dynamic_ci'][0]:.3f}-"
-                 f"{r['dynamic_ci'][1]:.3f}) |" if r.get("dynamic_ms") is not None
-                 else " — | — |") if dyn else ""
+        cells = "".join(
+            f" {r[f'{m}_ms']:.4g} | {r[f'{m}_ratio']:.3f} ({r[f'{m}_ci'][0]:.3f}-"
+            f"{r[f'{m}_ci'][1]:.3f}) |" if r.get(f"{m}_ms") is not None else " — | — |"
+            for m in modes)
         lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
                      f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
                      f"{r['action']} | {r.get('shipped', '?')} |" + cells)
     if len(rows) > limit:
         lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |"
-                     + (" | |" if dyn else ""))
+                     + " | |" * len(modes))
     return lines
 
 
@@ -699,13 +704,15 @@ def _kept_lines(kept: dict | None) -> list[str]:
 
 
 def _mode_lines(r: dict) -> list[str]:
-    """How the MatMul/Gemm/Conv nodes of ``optimized.onnx`` run, when dynamic was searched."""
+    """How the MatMul/Gemm/Conv nodes of ``optimized.onnx`` run, when a per-node mode
+    (dynamic, weight-only) was searched."""
     counts = r.get("mode_counts")
-    if QuantMode.DYNAMIC not in r.get("modes", []) or not counts:
+    if r.get("modes", []) == [QuantMode.STATIC.value] or not counts:
         return []
+    shown = [m for m in MODE_COUNT_KEYS if m in {*r["modes"], "float"} or counts.get(m)]
     return ["", f"Modes searched: {', '.join(r['modes'])}; the MatMul/Gemm/Conv nodes of "
-                f"`optimized.onnx`: {counts['dynamic']} dynamic, {counts['static']} static, "
-                f"{counts['float']} float."]
+                f"`optimized.onnx`: "
+                f"{', '.join(f'{counts.get(m, 0)} {m}' for m in shown)}."]
 
 
 def _recipe_file_lines(rf: dict | None) -> list[str]:

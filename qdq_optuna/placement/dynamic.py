@@ -9,10 +9,12 @@ per-call activation range, so they are both faster and more accurate there than 
 ``quantize_dynamic`` 2.04x at cosine 0.9997); ONNX Runtime's documentation recommends it for
 transformers on CPU.
 
-This module holds the quantization modes (:class:`QuantMode`), which nodes can run dynamically (:func:`dynamic_candidates`), the use that stands for a node
-run dynamically (:func:`dynamic_use`: what a pattern's ``dynamic`` insertion point covers, so
-the sampler, the pattern studies, the cache and resuming treat a mode like a placement) and
-how the exporter writes such a node (:func:`dynamic_node`).
+This module holds the quantization modes (:class:`QuantMode`), which nodes can run in a
+per-node mode (:func:`dynamic_node_ok`), the use that stands for a node run in such a mode
+(:func:`mode_use`: what a pattern's ``dynamic``, ``weight_int8`` or ``weight_int4``
+insertion point covers, so the sampler, the pattern studies, the cache and resuming treat a
+mode like a placement) and how the exporter writes a dynamic node (:func:`dynamic_node`; a
+weight-only one: :mod:`.weight_only`).
 """
 
 from __future__ import annotations
@@ -36,19 +38,36 @@ from qdq_optuna.model.graph import (
 
 class QuantMode(str, enum.Enum):
     """How a node runs quantized: ``static`` (Q/DQ pairs where the placement puts them,
-    scales calibrated once) or ``dynamic`` (activations quantized per call, int8 weights)."""
+    scales calibrated once), ``dynamic`` (activations quantized per call, int8 weights) or
+    weight-only (``weight_int8``, ``weight_int4``: the weight stored in blocks of 8 or 4 bits,
+    the activation float; :mod:`.weight_only`)."""
 
     STATIC = "static"
     DYNAMIC = "dynamic"
+    WEIGHT_INT8 = "weight_int8"
+    WEIGHT_INT4 = "weight_int4"
+
+    @property
+    def bits(self) -> int | None:
+        """A weight-only mode's weight bits (None for the others)."""
+        return {QuantMode.WEIGHT_INT8: 8, QuantMode.WEIGHT_INT4: 4}.get(self)
+
+    @property
+    def per_node(self) -> bool:
+        """A mode a node takes as a whole (an on/off insertion point of its own), not a
+        placement of Q/DQ pairs."""
+        return self is not QuantMode.STATIC
 
     @staticmethod
     def parse(value: str | Iterable[str] | None, offered: tuple[QuantMode, ...],
-              runtime: str) -> tuple[QuantMode, ...]:
-        """``--modes`` (comma-separated or a list; None: every mode ``offered``), checked
-        against what the runtime offers: a mode it lacks is one line naming it. Static is
-        always searched (the other modes add to the placement)."""
+              runtime: str, default: tuple[QuantMode, ...] | None = None,
+              lacking: dict[QuantMode, str] | None = None) -> tuple[QuantMode, ...]:
+        """``--modes`` (comma-separated or a list; None: ``default``, else every mode
+        ``offered``), checked against what the runtime offers: a mode it lacks is one line
+        naming it (``lacking``: why, for a mode its installed version has no kernel for).
+        Static is always searched (the other modes add to the placement)."""
         if value is None:
-            return offered
+            return offered if default is None else tuple(m for m in default if m in offered)
         names = value.split(",") if isinstance(value, str) else list(value)
         modes = []
         for name in (str(getattr(n, "value", n)).strip() for n in names):
@@ -57,21 +76,47 @@ class QuantMode(str, enum.Enum):
                 raise OptionError(f"--modes: unknown mode {name!r} "
                                   f"(choose from {', '.join(known)})")
             if known[name] not in offered:
-                raise OptionError(f"--modes: {runtime} offers no {name} mode here "
+                why = (lacking or {}).get(known[name])
+                raise OptionError(f"--modes: {why}" if why else
+                                  f"--modes: {runtime} offers no {name} mode here "
                                   f"(it offers {', '.join(m.value for m in offered)})")
             modes.append(known[name])
-        return tuple(dict.fromkeys([QuantMode.STATIC, *modes]))
+        chosen = {QuantMode.STATIC, *modes}
+        return tuple(m for m in QuantMode if m in chosen)  # one order: the run's fingerprint
 
 
 #: the slot of a dynamic use: a node run dynamically, not one of its input slots
 DYNAMIC_SLOT = -2
 #: the tensor name of a dynamic use, before the node's name (never a tensor of the graph)
 DYNAMIC_PREFIX = "dynamic:"
+#: the slot of each per-node mode's use (never an input slot of the node)
+MODE_SLOTS = {QuantMode.DYNAMIC: DYNAMIC_SLOT, QuantMode.WEIGHT_INT8: -3,
+              QuantMode.WEIGHT_INT4: -4}
+_SLOT_MODES = {slot: mode for mode, slot in MODE_SLOTS.items()}
+#: which mode a node whose uses of several modes are on runs (the search proposes points
+#: independently; a node runs one mode): the most accurate
+MODE_PRECEDENCE = (QuantMode.DYNAMIC, QuantMode.WEIGHT_INT8, QuantMode.WEIGHT_INT4)
+
+
+def mode_use(graph: Graph, node: int, mode: QuantMode) -> Use:
+    """The use that stands for ``node`` run in a per-node ``mode``: what its insertion point
+    covers (a name that is never a tensor of the graph, the mode's slot)."""
+    return (f"{mode.value}:{graph.nodes[node].name or node}", node, MODE_SLOTS[mode])
 
 
 def dynamic_use(graph: Graph, node: int) -> Use:
     """The use that stands for ``node`` run dynamically: what its insertion point covers."""
-    return (f"{DYNAMIC_PREFIX}{graph.nodes[node].name or node}", node, DYNAMIC_SLOT)
+    return mode_use(graph, node, QuantMode.DYNAMIC)
+
+
+def slot_mode(slot: int) -> QuantMode | None:
+    """The per-node mode a use's slot stands for (None: an input slot, static Q/DQ)."""
+    return _SLOT_MODES.get(slot)
+
+
+def use_mode(use: Use) -> QuantMode | None:
+    """The per-node mode a use stands for (None: a tensor use, static Q/DQ)."""
+    return slot_mode(use[2])
 
 
 def is_dynamic(use: Use) -> bool:
@@ -151,22 +196,32 @@ def dynamic_node(graph: Graph, node: int, unique: Callable[[str], str], weight: 
 MODE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 #: the integer ops a dynamically quantized node is written as
 _DYNAMIC_OPS = frozenset({"MatMulInteger", "ConvInteger"})
+#: the op a weight-only node is written as (its ``bits`` attribute says which mode)
+_WEIGHT_ONLY_OP = "MatMulNBits"
 
 
 def node_modes(model: onnx.ModelProto | bytes) -> dict[str, str]:
     """Each MatMul/Gemm/Conv's mode in a written model (report.json's ``node_modes``):
     ``dynamic`` (written as an integer op reading DynamicQuantizeLinear: its name is the
-    node's), ``static`` (its activation input read through a DequantizeLinear) or ``float``.
-    Read from the file itself, so it holds for a recipe file that ships too."""
+    node's), ``weight_int8``/``weight_int4`` (a MatMulNBits of that many bits), ``static``
+    (its activation input read through a DequantizeLinear) or ``float``. Read from the file
+    itself, so it holds for a recipe file that ships too."""
     if isinstance(model, bytes):
         model = onnx.load_from_string(model)
     dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    weight_only = {m.bits: m.value for m in QuantMode if m.bits}
     modes = {}
     for i, n in enumerate(model.graph.node):
         name = n.name or f"#{i}"
         if n.op_type in _DYNAMIC_OPS:
             modes[name] = QuantMode.DYNAMIC.value
+        elif n.op_type == _WEIGHT_ONLY_OP:
+            bits = {a.name: a.i for a in n.attribute}.get("bits", 4)
+            modes[name] = weight_only.get(bits, f"weight_{bits}bit")
         elif n.op_type in MODE_OPS:
             modes[name] = QuantMode.STATIC.value if n.input and n.input[0] in dq else "float"
     return modes
 
+
+#: report.json ``mode_counts``' keys, in order
+MODE_COUNT_KEYS = (*(m.value for m in QuantMode), "float")

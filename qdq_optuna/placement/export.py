@@ -58,8 +58,9 @@ from qdq_optuna.model.graph import (
     wire_field,
 )
 from qdq_optuna.model.precision import HighPrecisionModel
-from qdq_optuna.placement.dynamic import dynamic_node, is_dynamic
+from qdq_optuna.placement.dynamic import MODE_PRECEDENCE, QuantMode, dynamic_node, use_mode
 from qdq_optuna.placement.rules import WEIGHTED_OPS, RuntimeRules, SevenBitWeights
+from qdq_optuna.placement.weight_only import MS_DOMAIN, weight_only_node
 
 #: entries of the exporter's planning / rewiring memos, per node of the graph, before they are
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
@@ -147,8 +148,8 @@ class QuantPlan:
     #: (consumer node, weight slot, quant type), sorted; under ONNX Runtime's rules also the
     #: constant operands and tables that come with the activations (:func:`constant_operands`)
     weights: tuple[tuple[int, int, str], ...]
-    #: the dynamic uses (:func:`~qdq_optuna.placement.dynamic.dynamic_use`) of the nodes run
-    #: dynamically, sorted: no Q/DQ on their inputs, their weights int8 per tensor
+    #: the mode uses (:func:`~qdq_optuna.placement.dynamic.mode_use`) of the nodes run in a
+    #: per-node mode (dynamic, weight-only), one per node, sorted: no Q/DQ on their inputs
     dynamic: tuple[Use, ...] = ()
 
     @functools.cached_property
@@ -166,6 +167,18 @@ class QuantPlan:
 
     def __len__(self) -> int:
         return len(self.activations)
+
+
+def _one_mode_per_node(uses: Iterable[Use]) -> list[Use]:
+    """The mode uses that are on, one per node (:data:`MODE_PRECEDENCE` where the scheme
+    turned several on), sorted."""
+    best: dict[int, Use] = {}
+    for u in uses:
+        kept = best.get(u[1])
+        if kept is None or MODE_PRECEDENCE.index(use_mode(u)) < MODE_PRECEDENCE.index(
+                use_mode(kept)):
+            best[u[1]] = u
+    return sorted(best.values())
 
 
 def plan_uses(plan: QuantPlan) -> dict[Use, str]:
@@ -487,6 +500,8 @@ class QDQExporter(_QDQPieces):
         prefix = onnx.ModelProto()
         prefix.CopyFrom(model)
         prefix.ClearField("graph")
+        if rules.weight_only_modes and MS_DOMAIN not in {o.domain for o in prefix.opset_import}:
+            prefix.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))  # MatMulNBits
         self._prefix = prefix.SerializeToString()
         static = onnx.GraphProto()
         static.CopyFrom(model.graph)
@@ -513,7 +528,8 @@ class QDQExporter(_QDQPieces):
     def plan(self, uses: Iterable[Use] | Mapping[Use, str]) -> QuantPlan:
         """Merge covered uses into per-tensor Q/DQ, apply promotions, add weights."""
         typed = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, self.quant_type)
-        dynamic = sorted(u for u, q in typed.items() if is_dynamic(u) and q not in _OFF)
+        dynamic = _one_mode_per_node(u for u, q in typed.items()
+                                     if use_mode(u) is not None and q not in _OFF)
         dyn_nodes = {n for _, n, _ in dynamic}
         by_tensor: dict[str, dict[tuple[int, int], str]] = {}
         for (t, n, s), q in typed.items():
@@ -660,18 +676,24 @@ class QDQExporter(_QDQPieces):
 
     def _dynamic_parts(self, plan: QuantPlan, rewire: dict[int, dict[int, str]]
                        ) -> dict[int, tuple[bytes, bytes]]:
-        """Node -> (initializers, nodes) that write it dynamically; its output renamed where
-        :func:`_output_rewiring` renamed it (a graph output carrying Q/DQ)."""
+        """Node -> (initializers, nodes) that write it in its mode (dynamic, weight-only);
+        its output renamed where :func:`_output_rewiring` renamed it (a graph output
+        carrying Q/DQ)."""
         cache = self.__dict__.setdefault("_dynamic_cache", {})
         found = {}
-        for _, n, _ in plan.dynamic:
+        for use in plan.dynamic:
+            n, mode = use[1], use_mode(use)
             renames = rewire.pop(n, {})
-            key = (n, renames.get(0), renames.get(-1))
+            key = (n, renames.get(0), renames.get(-1), mode)
             if key not in cache:
-                qmax = self._weight_qmax(QuantType.INT8, n) or QMAX["int8"]
                 weight = self._fp32_weight(self.graph.nodes[n].input[1])
-                cache[key] = dynamic_node(self.graph, n, self._unique, weight, qmax,
-                                          source=key[1], output=key[2])
+                if mode is QuantMode.DYNAMIC:
+                    qmax = self._weight_qmax(QuantType.INT8, n) or QMAX["int8"]
+                    cache[key] = dynamic_node(self.graph, n, self._unique, weight, qmax,
+                                              source=key[1], output=key[2])
+                else:
+                    cache[key] = weight_only_node(self.graph, n, self._unique, weight,
+                                                  mode.bits, source=key[1], output=key[2])
             found[n] = cache[key]
         return found
 

@@ -10,6 +10,9 @@ Three kinds, all addressed relative to the pattern so one scheme applies to ever
 * ``Dynamic``: pattern node ``index`` run dynamically (activations quantized per call, int8
   weights; the rules' ``dynamic_ops``): a mode rather than a place, as an on/off point so the
   sampler, the studies and the cache treat it like any other (:mod:`.dynamic`).
+* ``WeightOnly``: pattern node ``index`` run weight-only (``slot``: which of the modes,
+  ``weight_int8`` or ``weight_int4``; the rules' ``weight_only_modes``), written as ONNX
+  Runtime's MatMulNBits (:mod:`.weight_only`); a mode as well, exclusive with the others.
 
 A point resolves, per member region, to the set of tensor uses it covers, after the runtime's
 rules drop the uses that must never carry Q/DQ. Points that cover nothing, or exactly what an
@@ -22,15 +25,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qdq_optuna.model.graph import Graph, Use
-from qdq_optuna.placement.dynamic import DYNAMIC_SLOT, dynamic_node_ok, dynamic_use
+from qdq_optuna.placement.dynamic import (
+    DYNAMIC_SLOT,
+    MODE_SLOTS,
+    dynamic_node_ok,
+    dynamic_use,
+    mode_use,
+    slot_mode,
+)
 from qdq_optuna.placement.patterns import Pattern, PatternIndex
 from qdq_optuna.placement.regions import RegionTree
 from qdq_optuna.placement.rules import RuntimeRules
+from qdq_optuna.placement.weight_only import WEIGHT_ONLY_OPS
 
 NODE_INPUT = "NodeInput"
 CHILD_REGION_INPUT = "ChildRegionInput"
 REGION_OUTPUT = "RegionOutput"
 DYNAMIC = "Dynamic"
+WEIGHT_ONLY = "WeightOnly"
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,8 @@ class InsertionPoint:
             return f"c{self.index}.in{self.slot}"
         if self.kind == DYNAMIC:
             return f"n{self.index}.{self.label}.dynamic"
+        if self.kind == WEIGHT_ONLY:
+            return f"n{self.index}.{self.label}.{slot_mode(self.slot).value}"
         owner = f"c{self.index}." if self.index >= 0 else ""
         return f"{owner}out{self.slot}.{self.label}"
 
@@ -144,6 +158,13 @@ def enumerate_points(
                                      for m in members.values()):
             candidates.append((InsertionPoint(DYNAMIC, idx, DYNAMIC_SLOT, graph.nodes[n].op_type),
                                {r: [dynamic_use(graph, m)] for r, m in members.items()}))
+        # WeightOnly (a node's mode too): one point per weight-only mode the rules offer
+        if rules.weight_only_modes and all(dynamic_node_ok(graph, m, WEIGHT_ONLY_OPS)
+                                           for m in members.values()):
+            for mode in rules.weight_only_modes:
+                candidates.append((
+                    InsertionPoint(WEIGHT_ONLY, idx, MODE_SLOTS[mode], graph.nodes[n].op_type),
+                    {r: [mode_use(graph, m, mode)] for r, m in members.items()}))
 
     points: list[InsertionPoint] = []
     resolved_by_id: dict[str, dict[int, list[Use]]] = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
+from qdq_optuna.placement.dynamic import QuantMode
 
 ALL_SLOTS = -1
 
@@ -397,6 +398,10 @@ class RuntimeRules:
     #: ``dynamic`` insertion point of its own: the runtime profile sets them for the modes
     #: a run searches (``Runtime.rules_for_modes``); none in the plain rules
     dynamic_ops: frozenset[str] = frozenset()
+    #: weight-only modes (``weight_int8``, ``weight_int4``) a MatMul/Gemm of a constant 2-D
+    #: weight may run in, each an insertion point of its own; set by the profile for the
+    #: modes a run searches, none in the plain rules
+    weight_only_modes: tuple[QuantMode, ...] = ()
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
         """Why a use is not a Q/DQ site on this runtime, or None when it is one."""

@@ -36,6 +36,7 @@ import onnx
 
 from qdq_optuna.errors import ToolError, UserError
 from qdq_optuna.model.graph import Graph, Use
+from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.seeds import PatternCache
 
 log = logging.getLogger("qdq_optuna")
@@ -430,10 +431,19 @@ def dynamic_start(pm) -> Start | None:
     its convolutions outnumber the nodes the dynamic points cover (a CNN with a classifier
     Gemm: a start that is the float model but for one layer is not worth its measurement;
     the descent can still try those points)."""
-    schemes = {pp.pattern.id: {pid: 1 for pid in pp.ids if pid.endswith(".dynamic")}
+    return mode_start(pm, QuantMode.DYNAMIC)
+
+
+def mode_start(pm, mode: QuantMode) -> Start | None:
+    """A per-node ``mode`` as a whole-model start named after it: every point of that mode
+    on and nothing else (for ``dynamic`` ONNX Runtime's transformer recipe, for a weight-only
+    mode its weight-only recipe with the search's graph and weights); None as for
+    :func:`dynamic_start`."""
+    suffix = f".{mode.value}"
+    schemes = {pp.pattern.id: {pid: 1 for pid in pp.ids if pid.endswith(suffix)}
                for pp in pm.tunable}
     covered = {n for pp in pm.tunable for _, n, _ in pp.uses(schemes[pp.pattern.id])}
     convolutions = sum(1 for n in pm.graph.nodes if n.op_type in CONVOLUTIONS)
     if not covered or len(covered) < convolutions:
         return None
-    return start_from_schemes(pm, "dynamic", schemes)
+    return start_from_schemes(pm, mode.value, schemes)

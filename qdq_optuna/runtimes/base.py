@@ -54,30 +54,44 @@ class Runtime:
     default_scales: Scales = Scales.CALIBRATED
 
     #: the quantization modes this runtime has kernels for (``--modes``): static Q/DQ
-    #: everywhere; dynamic int8 only where the profile says so
+    #: everywhere; dynamic int8 and weight-only only where the profile says so
     modes: tuple[QuantMode, ...] = (QuantMode.STATIC,)
+    #: the modes a run searches without ``--modes`` (None: every mode offered)
+    default_modes: tuple[QuantMode, ...] | None = None
     #: the ops it runs dynamically when the run searches the dynamic mode
     dynamic_ops: frozenset[str] = frozenset()
 
+    def lacking_modes(self) -> dict[QuantMode, str]:
+        """Modes this runtime has kernels for in some version but not in the one installed,
+        with the line that says so (``--modes`` refuses them with it)."""
+        return {}
+
     def searched_modes(self, requested: str | list[str] | None,
                        precision: str) -> tuple[QuantMode, ...]:
-        """The modes a run searches: ``--modes`` (None: every mode this runtime offers),
-        checked; the dynamic mode needs an FP32 float part (its kernels take FP32), so it is
-        left out under ``--high-precision fp16|bf16`` unless asked for, and refused then."""
-        modes = QuantMode.parse(requested, self.modes, self.name)
-        if QuantMode.DYNAMIC in modes and precision != FP32:
+        """The modes a run searches: ``--modes`` (None: the profile's default modes),
+        checked; the per-node modes (dynamic, weight-only) need an FP32 float part (their
+        kernels take FP32), so they are left out under ``--high-precision fp16|bf16`` unless
+        asked for, and refused then."""
+        modes = QuantMode.parse(requested, self.modes, self.name, self.default_modes,
+                                self.lacking_modes())
+        per_node = [m for m in modes if m.per_node]
+        if per_node and precision != FP32:
             if requested is not None:
-                raise OptionError(f"--modes dynamic: dynamic int8 kernels take FP32; the "
+                raise OptionError(f"--modes {per_node[0].value}: its kernels take FP32; the "
                                   f"float part is {precision} (--high-precision fp32)")
-            modes = tuple(m for m in modes if m is not QuantMode.DYNAMIC)
+            modes = tuple(m for m in modes if not m.per_node)
         return modes
 
     def rules_for_modes(self, modes: tuple[QuantMode, ...]) -> RuntimeRules:
-        """The rules with the dynamic insertion points of ``modes`` (the rules as they are
+        """The rules with the per-node insertion points of ``modes`` (the rules as they are
         for static only: the search it has always been)."""
+        rules = self.rules
         if QuantMode.DYNAMIC in modes and self.dynamic_ops:
-            return dataclasses.replace(self.rules, dynamic_ops=self.dynamic_ops)
-        return self.rules
+            rules = dataclasses.replace(rules, dynamic_ops=self.dynamic_ops)
+        weight_only = tuple(m for m in modes if m.bits)
+        if weight_only:
+            rules = dataclasses.replace(rules, weight_only_modes=weight_only)
+        return rules
 
     def high_precision(self, requested: str | None, backend: str) -> str:
         """The float part's precision for ``--high-precision`` on ``backend`` (checked against
@@ -145,15 +159,19 @@ class Runtime:
         """What the runtime fused, ran standalone, kept float, reformatted for ``model``."""
         return backend.what_ran(model)
 
-    def kernel_timing(self, backend: Backend) -> Callable:
+    def kernel_timing(self, backend: Backend,
+                      weight_only: tuple[QuantMode, ...] = ()) -> Callable:
         """``fn(float_model, qdq_model, **kw) -> KernelTable``: each integer kernel this
         runtime runs timed against its float kernel on ``backend`` (this machine), its units
-        cut as the rules fuse them (:func:`qdq_optuna.measure.kernels.kernel_table`)."""
+        cut as the rules fuse them (:func:`qdq_optuna.measure.kernels.kernel_table`); a
+        MatMul/Gemm's dynamic kernel too where the runtime has one, and its kernel in each of
+        the ``weight_only`` modes (the ones a run searches)."""
         from qdq_optuna.measure.kernels import kernel_table
 
         return functools.partial(kernel_table, backend,
                                  output_q=bool(self.rules.output_quantized_ops),
-                                 dynamic=QuantMode.DYNAMIC in self.modes)
+                                 dynamic=QuantMode.DYNAMIC in self.modes,
+                                 weight_only=weight_only)
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"

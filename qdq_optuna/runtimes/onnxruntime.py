@@ -1,6 +1,7 @@
 """ONNX Runtime (CPU): its rules, ONNX Runtime's ``quantize_static`` recipe (run, and read back
-as a start) and its ``quantize_dynamic`` transformer recipe as files, fused scoring, and how its
-recipe's kernels compare with our export's."""
+as a start), its ``quantize_dynamic`` transformer recipe and its weight-only recipe
+(``MatMulNBitsQuantizer``) as files, the modes its installed version has kernels for, fused
+scoring, and how its recipe's kernels compare with our export's."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import numpy as np
 import onnx
 
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+from qdq_optuna.errors import ToolError
 from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
+from qdq_optuna.placement import weight_only
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
@@ -292,16 +295,89 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
         return path.read_bytes() if keep_recipe_file(written, path) else None
 
 
+# -- ONNX Runtime's weight-only recipe (MatMulNBitsQuantizer) -------------------------------------
+#: the weight-only recipe's bits: int4, what ONNX Runtime's LLM users deploy
+WEIGHT_ONLY_RECIPE_BITS = 4
+
+
+def weight_only_candidates(model: onnx.ModelProto, block_size: int = weight_only.BLOCK_SIZE
+                           ) -> tuple[list[str], list[str]]:
+    """``(large, small)``: the MatMuls of a constant 2-D float weight, named, whose K holds a
+    whole block (``block_size`` rows: the weight-only recipe's), and the others."""
+    consts = {t.name: t for t in model.graph.initializer}
+    large, small = [], []
+    for n in model.graph.node:
+        if n.op_type in DYNAMIC_OP_TYPES and len(n.input) > 1 and n.input[1] in consts \
+                and len(consts[n.input[1]].dims) == 2 \
+                and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT:
+            (large if consts[n.input[1]].dims[0] >= block_size else small).append(n.name)
+    return large, small
+
+
+def ort_weight_only_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
+                                 input_shapes: InputShapes | str | None = None,
+                                 data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
+    """ONNX Runtime's weight-only recipe as its own tool writes it: ``MatMulNBitsQuantizer``
+    (int4, its default block size 128, asymmetric, ``accuracy_level`` 4) on the MatMuls of
+    constant weights whose K holds a whole block (the large ones; the others stay float);
+    None when the model has none, or the file would not fit one protobuf. ``data`` is accepted
+    for the recipe-file interface and not used (nothing is calibrated)."""
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    proto = load_model(model, shapes).full_model()
+    large, small = weight_only_candidates(proto)
+    if not large or not weight_only.kernel_available(WEIGHT_ONLY_RECIPE_BITS):
+        return None
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ImportError as exc:  # its onnx_ir dependency missing
+        raise ToolError(f"ONNX Runtime's weight-only recipe (matmul_nbits_quantizer) cannot "
+                        f"be imported ({exc}; pip install onnx-ir)") from exc
+    if proto.ByteSize() > (1 << 31) - 1:
+        return None
+    with quiet_tool("ONNX Runtime's weight-only recipe (MatMulNBitsQuantizer)", TOOL_LOGGERS):
+        quantizer = MatMulNBitsQuantizer(
+            proto, bits=WEIGHT_ONLY_RECIPE_BITS, block_size=weight_only.BLOCK_SIZE,
+            is_symmetric=False, accuracy_level=weight_only.ACCURACY_LEVEL,
+            nodes_to_exclude=small, op_types_to_quantize=DYNAMIC_OP_TYPES)
+        quantizer.process()
+    return quantizer.model.model.SerializeToString()
+
+
+def weight_only_modes_lacking() -> dict[QuantMode, str]:
+    """The weight-only modes the installed onnxruntime has no MatMulNBits kernel for, with
+    the line ``--modes`` refuses them with."""
+    import onnxruntime
+
+    return {m: f"{m.value} needs ONNX Runtime's MatMulNBits kernel ({m.bits}-bit), which "
+               f"onnxruntime {onnxruntime.__version__} here lacks"
+            for m in (QuantMode.WEIGHT_INT8, QuantMode.WEIGHT_INT4)
+            if not weight_only.kernel_available(m.bits)}
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
     rules = ONNXRUNTIME_CPU
 
     has_recipe_file = True
     recipe_tool = "quantize_static"
-    #: dynamic int8 MatMuls (DynamicQuantizeMatMul / MatMulIntegerToFloat on its CPU), a
-    #: Gemm too (its basic fusions make Gemm of MatMul + Add)
-    modes = (QuantMode.STATIC, QuantMode.DYNAMIC)
+    #: without ``--modes``: static and dynamic int8 MatMuls (DynamicQuantizeMatMul /
+    #: MatMulIntegerToFloat on its CPU; a Gemm too, its basic fusions make Gemm of MatMul +
+    #: Add). The weight-only modes are offered on request: at a transformer's 128-196 token
+    #: rows MatMulNBits ran 0.34-1.03x float where dynamic int8 ran 2.4-4.6x
+    #: (benchmarks/results/matmul_nbits.md); it wins at a few rows (7.7x at one)
+    default_modes = (QuantMode.STATIC, QuantMode.DYNAMIC)
     dynamic_ops = frozenset({"MatMul", "Gemm"})
+
+    @property
+    def modes(self) -> tuple[QuantMode, ...]:
+        """Static, dynamic, and each weight-only mode whose MatMulNBits kernel the installed
+        onnxruntime runs (checked with one node, once per process)."""
+        lacking = self.lacking_modes()
+        return (*self.default_modes,
+                *(m for m in (QuantMode.WEIGHT_INT8, QuantMode.WEIGHT_INT4) if m not in lacking))
+
+    def lacking_modes(self) -> dict[QuantMode, str]:
+        return weight_only_modes_lacking()
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
                      keep: Path | None = None):
@@ -314,11 +390,14 @@ class OnnxRuntime(Runtime):
 
     def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
         """``quantize_static``'s file, then ``quantize_dynamic``'s (MatMuls with constant
-        weights, int8: ONNX Runtime's recipe for transformers on CPU; no file for a model
-        without such a MatMul)."""
+        weights, int8: ONNX Runtime's recipe for transformers on CPU), then its weight-only
+        file (``MatMulNBitsQuantizer``, int4 on the large MatMuls); no dynamic or weight-only
+        file for a model without such a MatMul."""
         return (*super().recipe_files(),
                 RecipeFileSpec(f"{self.name}_dynamic", "quantize_dynamic",
-                               ort_dynamic_recipe_bytes, placement=False))
+                               ort_dynamic_recipe_bytes, placement=False),
+                RecipeFileSpec(f"{self.name}_weight_only", "MatMulNBitsQuantizer",
+                               ort_weight_only_recipe_bytes, placement=False))
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """ONNX Runtime's fused integer kernels are what its rules stand for, but only with an

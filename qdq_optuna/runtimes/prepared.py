@@ -25,7 +25,7 @@ from qdq_optuna.model.graph import (
     transform_graph,
 )
 from qdq_optuna.model.precision import HighPrecisionModel, convert_precision
-from qdq_optuna.placement.dynamic import is_dynamic
+from qdq_optuna.placement.dynamic import use_mode
 from qdq_optuna.placement.export import QDQExporter, check_quant_type, required_opset, upgrade_for
 from qdq_optuna.placement.filters import NodeFilter
 from qdq_optuna.placement.patterns import PatternIndex
@@ -203,7 +203,7 @@ class PreparedModel:
         """Every activation tensor some point can quantize (what calibration must cover)."""
         tensors: set[str] = set()
         for pp in self.points:
-            tensors.update(u[0] for u in pp.uses(pp.ids) if not is_dynamic(u))
+            tensors.update(u[0] for u in pp.uses(pp.ids) if use_mode(u) is None)
         return sorted(tensors)
 
     def to_json(self) -> dict:

@@ -25,8 +25,10 @@ from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import Scales
-from qdq_optuna.placement.points import DYNAMIC
+from qdq_optuna.placement.points import DYNAMIC, WEIGHT_ONLY
 from qdq_optuna.placement.scheme import ChoiceSpace
+from qdq_optuna.placement.weight_only import ACCURACY_LEVEL
+from qdq_optuna.placement.weight_only import BLOCK_SIZE as WEIGHT_ONLY_BLOCK
 from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
 from qdq_optuna.run_folder import OPTIMIZED
 from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
@@ -231,8 +233,11 @@ class TuneOptions:
         None, group="search", metavar="MODE[,MODE]",
         help="quantization modes the search chooses per node: static (Q/DQ placement), "
              "dynamic (a MatMul/Gemm of constant weights with activations quantized per call "
-             "and int8 weights, as quantize_dynamic writes it); default: every mode the "
-             "runtime offers (onnxruntime: static,dynamic; openvino, tensorrt: static). "
+             "and int8 weights, as quantize_dynamic writes it), weight_int8 and weight_int4 "
+             "(such a node as ONNX Runtime's MatMulNBits: int8 or int4 weight blocks, float "
+             "activations; where the installed onnxruntime has the kernel); default: "
+             "onnxruntime static,dynamic (the weight-only modes on request: slower than float "
+             "at a transformer's token counts where measured), openvino and tensorrt static. "
              "Static is always searched; 'static' alone searches Q/DQ placement only")
     remeasure: bool = option(
         False, group="output",
@@ -520,6 +525,10 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         # absent without a dynamic point (static only, or a model with no MatMul/Gemm of
         # constant weights): earlier runs still resume
         fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
+    if any(point.kind == WEIGHT_ONLY for pp in prepared.tunable for point in pp.points):
+        # likewise absent without a weight-only point; the kernel's settings with the modes
+        fp["weight_only"] = {"modes": [m.value for m in prepared.rules.weight_only_modes],
+                             "block_size": WEIGHT_ONLY_BLOCK, "accuracy_level": ACCURACY_LEVEL}
     if settings.accuracy:
         fp["accuracy"] = {
             "objectives": list(settings.objectives),

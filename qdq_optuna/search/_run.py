@@ -80,9 +80,12 @@ log = logging.getLogger("qdq_optuna")
 #: ``--timeout``: the share of the timeout the conclusion may keep at most; the search stops
 #: that much earlier. Inception v1 (300 s) once concluded 560 s past its deadline.
 CONCLUSION_SHARE = 0.15
-#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8, and the
-#: lanes' and the recipe file's A/Bs at about their minimum
-CONCLUSION_ROUNDS = 16
+#: the conclusion's rounds (two sessions each) it is sized to: the final A/B's 8 and the
+#: lanes' A/Bs at about their minimum, and :data:`FILE_ROUNDS` per recipe file
+CONCLUSION_ROUNDS = 14
+#: a recipe file's A/B runs to its verdict past the deadline: three rounds when the file is
+#: far off, six when it is not faster (the give-up point)
+FILE_ROUNDS = 6
 
 
 class Tuner:
@@ -139,7 +142,8 @@ class Tuner:
         if self.o.timeout is None:
             return
         if not concluding:
-            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s)
+            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s,
+                                              len(self.profile.recipe_files()))
         self.search_state.plans.set_deadline(
             self.started + self.o.timeout - (0.0 if concluding else self.reserve))
 
@@ -220,7 +224,8 @@ class Tuner:
             sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
             workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
             progress=self.progress, remaining=self.remaining, guard=opened.guard,
-            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(self.backend),
+            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(
+                self.backend, self.prepared.rules.weight_only_modes),
             kernel_cache=self.o.kernel_cache)
         return self.search_state
 
@@ -266,13 +271,13 @@ class Tuner:
                            baseline=self.baseline_source()[0]).run()
 
     def _seed_starts(self) -> list:
-        """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
+        """The per-node modes' starts (every point of a mode on) and the user's seeds:
+        ``--qdq-baseline``, ``--pattern-cache``."""
         from qdq_optuna.placement import starts
 
-        found = []
-        dynamic = starts.dynamic_start(self.prepared)  # the dynamic mode searched: its recipe
-        if dynamic is not None:
-            found.append(dynamic)
+        pm = self.prepared  # each per-node mode searched: its start (dynamic: the recipe)
+        found = [s for s in (starts.dynamic_start(pm), *(starts.mode_start(pm, m) for m in
+                                                         pm.rules.weight_only_modes)) if s is not None]
         if self.o.qdq_baseline:
             found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
         if self.cache is not None:
@@ -482,13 +487,14 @@ class Tuner:
                 log.debug("state.yaml not written", exc_info=True)
 
 
-def conclusion_reserve(timeout: float, session_s: float | None) -> float:
-    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe file's A/Bs,
-    the final A/B): :data:`CONCLUSION_ROUNDS` rounds of two sessions as long as the last one
-    measured, at most :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was
-    measured yet)."""
+def conclusion_reserve(timeout: float, session_s: float | None, files: int = 1) -> float:
+    """Seconds of ``timeout`` the conclusion keeps (which lane ships, the recipe files' A/Bs,
+    the final A/B): :data:`CONCLUSION_ROUNDS` rounds and :data:`FILE_ROUNDS` per recipe file
+    (``files``), of two sessions as long as the last one measured, at most
+    :data:`CONCLUSION_SHARE` of the timeout (that share when nothing was measured yet)."""
     share = CONCLUSION_SHARE * timeout
-    return share if session_s is None else min(share, CONCLUSION_ROUNDS * 2 * session_s)
+    rounds = CONCLUSION_ROUNDS + FILE_ROUNDS * files
+    return share if session_s is None else min(share, rounds * 2 * session_s)
 
 
 def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:

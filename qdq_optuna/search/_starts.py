@@ -327,7 +327,8 @@ class StartsPhase:
         had to beat float in an A/B keeps it (``ab_vs_float``; ``rows`` is updated). On a
         measured backend float measured fastest once still lets the runtime's recipe try its
         A/B against float (one measurement cannot rank close starts), and when the recipe is
-        the fastest or float measured fastest, float has to beat the recipe instead
+        the fastest, float measured fastest, or the fastest start's A/B could not confirm it
+        beats float, float has to beat the recipe instead
         (:meth:`_recipe_unless_float_beats_it`)."""
         ok = sorted((r for r in rows if r.usable), key=lambda r: (r.latency_ms, r.name))
         flt = next((r for r in rows if r.name == "float"), None)
@@ -347,7 +348,12 @@ class StartsPhase:
         cmp = self.s.plans.compare(self._source(best), self._source(flt), "starts")
         rows[rows.index(best)] = replace(best, ab_vs_float=_ab(cmp))
         if not rule.confirmed(cmp, rule.threshold, False):
-            return "float"
+            # the fastest start could not show it beats float: the recipe still stands
+            # unless float beats it (a ViT on a loaded machine: every point on measured
+            # fastest once, its A/B against float undecided, and float stood, with the
+            # recipe and the dynamic start never compared)
+            return "float" if recipe is None or recipe.plan_key == flt.plan_key \
+                else self._recipe_unless_float_beats_it(rows, recipe, flt)
         return self._recipe_unless_beaten(rows, best)
 
     def _recipe_unless_float_beats_it(self, rows: list[StartOutcome], recipe: StartOutcome,
