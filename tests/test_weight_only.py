@@ -239,3 +239,27 @@ def test_the_kernel_table_times_a_matmuls_weight_only_kernels_beside_the_others(
     header = next(line for line in _kernel_lines({"kernels": rows, "timed": 1, "cached": 0})
                   if line.startswith("| node"))
     assert "float/weight_int8" in header and "float/weight_int4" in header
+
+
+def test_a_cnn_with_a_matmul_head_gets_no_transformer_recipe_files():
+    """The dynamic and weight-only files (and the mode starts) are for models whose MatMuls
+    are the work: a CNN whose one MatMul is its head would get a file that is the float model
+    but for that layer, and a whole-model A/B for nothing."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.standard_normal((8 * 16 * 16, 256)).astype(np.float32),
+                                     "head")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Flatten", ["c2"], ["f"], name="flatten"),
+             helper.make_node("MatMul", ["f", "head"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 16, 16])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, 256])], inits)
+    cnn = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert ort_runtime.ort_dynamic_recipe_bytes(cnn) is None
+    assert ort_runtime.ort_weight_only_recipe_bytes(cnn) is None
+    # the companion: a transformer gets its dynamic file
+    assert ort_runtime.ort_dynamic_recipe_bytes(zoo.build("transformer")) is not None

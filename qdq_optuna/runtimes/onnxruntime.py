@@ -24,6 +24,7 @@ from qdq_optuna.placement import weight_only
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
+    CONVOLUTIONS,
     Start,
     keep_recipe_file,
     quiet_tool,
@@ -243,6 +244,13 @@ def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
             and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT]
 
 
+def convolutions_outnumber(model: onnx.ModelProto, candidates: list[str]) -> bool:
+    """Whether the model's convolutions outnumber the MatMuls a transformer recipe would
+    change (a CNN with a MatMul head): its file would be the float model but for a layer or
+    two, not worth a whole-model A/B; the mode starts use the same rule."""
+    return len(candidates) < sum(1 for n in model.graph.node if n.op_type in CONVOLUTIONS)
+
+
 def ort_dynamic_options() -> dict:
     """``quantize_dynamic``'s settings in ONNX Runtime's transformer recipe (its transformers
     tool's ``quantize_onnx_model``): MatMuls only, int8 weights per tensor, uint8 activations
@@ -285,10 +293,15 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
                              input_shapes: InputShapes | str | None = None,
                              data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
     """The dynamic recipe's own file as bytes (the same model gives the same bytes: nothing
-    is calibrated); None when the model has no MatMul to quantize or does not fit one file.
+    is calibrated); None when the model has no MatMul to quantize, its convolutions
+    outnumber them (:func:`convolutions_outnumber`), or it does not fit one file.
     ``data`` is accepted for the recipe-file interface and not used."""
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    proto = load_model(model, shapes).full_model()
+    if convolutions_outnumber(proto, dynamic_candidates(proto)):
+        return None
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-dynamic-") as tmp:
-        written = ort_dynamic_recipe_model(model, Path(tmp), input_shapes=input_shapes)
+        written = ort_dynamic_recipe_model(proto, Path(tmp), input_shapes=shapes)
         if written is None:
             return None
         path = Path(tmp) / "recipe.onnx"
@@ -325,7 +338,8 @@ def ort_weight_only_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
     proto = load_model(model, shapes).full_model()
     large, small = weight_only_candidates(proto)
-    if not large or not weight_only.kernel_available(WEIGHT_ONLY_RECIPE_BITS):
+    if (not large or convolutions_outnumber(proto, large)
+            or not weight_only.kernel_available(WEIGHT_ONLY_RECIPE_BITS)):
         return None
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
