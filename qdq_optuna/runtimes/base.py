@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qdq_optuna.backends import BACKENDS
-from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.base import Backend, SessionSettings
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.errors import OptionError
 from qdq_optuna.model.precision import FP32, HighPrecisionModel, resolve_high_precision
@@ -117,6 +117,16 @@ class Runtime:
         if not self.has_recipe_file:
             return ()
         return (RecipeFileSpec(self.name, self.recipe_tool, self.recipe_file),)
+
+    #: session settings that can change what this runtime runs for a placement (its own
+    #: optimizer undoing or worsening one): each that changes the shipped model's kernels is
+    #: A/B-timed on it, and the faster beyond noise ships with it (``search/_settings.py``)
+    session_settings: tuple[SessionSettings, ...] = ()
+
+    def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:
+        """Whether ``settings`` change what this runtime runs for ``model`` (one that
+        changes nothing is not timed); a runtime that cannot tell times each."""
+        return True
 
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels

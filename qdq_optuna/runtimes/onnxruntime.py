@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qdq_optuna.backends.base import SessionSettings
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
 from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
@@ -292,9 +293,30 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
         return path.read_bytes() if keep_recipe_file(written, path) else None
 
 
+#: ONNX Runtime's session settings that change what it runs for a placement, each A/B-timed
+#: on the shipped model where it changes the kernels ONNX Runtime runs
+SESSION_SETTINGS = (
+    SessionSettings(
+        "no_qdq_propagation",
+        (("optimization.disable_specified_optimizers", "QDQPropagationTransformer"),),
+        why="ONNX Runtime's QDQPropagationTransformer moves a QuantizeLinear in front of an "
+            "op that only selects or moves values (MaxPool, Reshape, Transpose, ...), so that "
+            "op runs on uint8 where the placement left it float; a uint8 MaxPool after a "
+            "float op runs in a slower NCHW kernel than the float one",
+        code=('so.add_session_config_entry("optimization.disable_specified_optimizers", '
+              '"QDQPropagationTransformer")',)),
+)
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
     rules = ONNXRUNTIME_CPU
+    session_settings = SESSION_SETTINGS
+
+    def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:
+        """Whether ONNX Runtime's optimized graph of ``model`` has other kernels (op types,
+        float ops, Q/DQ left) under ``settings`` than under its defaults."""
+        return not kernels_of(model).same_as(kernels_of(model, settings.entries))
 
     has_recipe_file = True
     recipe_tool = "quantize_static"
