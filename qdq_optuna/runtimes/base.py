@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from qdq_optuna.backends import BACKENDS
@@ -118,6 +119,11 @@ class Runtime:
             return ()
         return (RecipeFileSpec(self.name, self.recipe_tool, self.recipe_file),)
 
+    #: op type -> the builder of its integer kernel's model (``measure/kernels.py``'s
+    #: ``OpUnitBuilder``): the ops besides Conv/Gemm/MatMul this runtime has integer kernels
+    #: for, each node of them timed integer against float for the limit (none by default)
+    op_units: Mapping[str, Callable] = MappingProxyType({})
+
     #: session settings that can change what this runtime runs for a placement (its own
     #: optimizer undoing or worsening one): each that changes the shipped model's kernels is
     #: A/B-timed on it, and the faster beyond noise ships with it (``search/_settings.py``)
@@ -163,7 +169,8 @@ class Runtime:
 
         return functools.partial(kernel_table, backend,
                                  output_q=bool(self.rules.output_quantized_ops),
-                                 dynamic=QuantMode.DYNAMIC in self.modes)
+                                 dynamic=QuantMode.DYNAMIC in self.modes,
+                                 op_units=dict(self.op_units) or None)
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"

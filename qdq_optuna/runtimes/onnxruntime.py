@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import onnx
 
 from qdq_optuna.backends.base import SessionSettings
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
+from qdq_optuna.measure.kernels import qdq_unit
 from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
@@ -308,10 +310,45 @@ SESSION_SETTINGS = (
 )
 
 
+#: the attributes NhwcMaxPool takes of a MaxPool's
+_NHWC_POOL_ATTRS = frozenset({"auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads",
+                              "strides"})
+
+
+def nhwc_max_pool_unit(node: onnx.NodeProto, inputs: list, output: tuple,
+                       params: list) -> onnx.ModelProto:
+    """A uint8 MaxPool as ONNX Runtime runs it between its integer kernels, which run in
+    NHWC: its NhwcMaxPool on uint8 (the MaxPool alone behind DQ -> Q runs a NCHW uint8
+    kernel about 10x slower than the float one, which is not what a chain of integer kernels
+    runs)."""
+    from onnx import TensorProto, helper
+
+    def nhwc(shape: list) -> list:
+        return [shape[0], *shape[2:], shape[1]]
+
+    (name, shape), = inputs
+    pool = helper.make_node("NhwcMaxPool", [name], [output[0]], domain="com.microsoft")
+    pool.attribute.extend(a for a in node.attribute if a.name in _NHWC_POOL_ATTRS)
+    graph = helper.make_graph(
+        [pool], "unit", [helper.make_tensor_value_info(name, TensorProto.UINT8, nhwc(shape))],
+        [helper.make_tensor_value_info(output[0], TensorProto.UINT8, nhwc(output[1]))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+#: the ops besides Conv/Gemm/MatMul ONNX Runtime's CPU provider has integer kernels for, and
+#: how each one's integer kernel is built alone to be timed (QLinearConcat, QLinearAdd,
+#: QLinearMul, QLinearAveragePool, QLinearGlobalAveragePool, a uint8 Resize, NhwcMaxPool)
+OP_UNITS = MappingProxyType({
+    "MaxPool": nhwc_max_pool_unit, "AveragePool": qdq_unit, "GlobalAveragePool": qdq_unit,
+    "Concat": qdq_unit, "Add": qdq_unit, "Mul": qdq_unit, "Resize": qdq_unit})
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
     rules = ONNXRUNTIME_CPU
     session_settings = SESSION_SETTINGS
+    op_units = OP_UNITS
 
     def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:
         """Whether ONNX Runtime's optimized graph of ``model`` has other kernels (op types,

@@ -161,6 +161,7 @@ class Unfused:
                 onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
                 onnx.load_from_string(model), cache=self._cache(),
                 skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()),
+                timed=set(self.kernels.timings if self.kernels else ()),
                 deadline=self.s.plans.measurer.deadline)
         except Exception as exc:  # evidence is an optimisation: never the run's failure
             log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
@@ -349,7 +350,7 @@ def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
 
     try:
         return {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                      table.output_q)}
+                                      table.output_q, table.ops)}
     except Exception:  # the table still ships without the column
         return None
 
