@@ -102,3 +102,18 @@ def test_the_limit_names_the_pools_the_placement_left_float():
     pool = table.timings["pool"]
     assert placed.placed_ms == pytest.approx(placed_float.placed_ms
                                              - (pool.float_ms - pool.int_ms))
+
+
+def test_additions_the_kernel_table_says_gain_go_first():
+    """A point next to an integer-faster kernel (an integer MaxPool, say) placed float: the
+    move that switches it on is proposed before every other move; without the table's gains
+    a single-point addition is not first."""
+    from qdq_optuna.samplers.qdq_mutation import Visit, VisitSpec
+
+    standing = {"a": 0, "b": 0, "c": 0}
+    spec = VisitSpec(standing=standing, add_gains={"b": 0.3, "c": 0.1})
+    assert VisitSpec.from_attr(spec.to_attr()) == spec
+    moves = Visit(spec, ["a", "b", "c"]).all_moves()
+    assert [set(m.on) for m in moves[:2]] == [{"b"}, {"c"}] and not moves[0].off
+    plain = Visit({"standing": standing}, ["a", "b", "c"]).all_moves()
+    assert set(plain[0].on) != {"b"}

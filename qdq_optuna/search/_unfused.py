@@ -51,7 +51,14 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext as _nothing
 
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.measure.kernels import KernelCache, KernelTable, kernel_cache, units, with_shapes
+from qdq_optuna.measure.kernels import (
+    KernelCache,
+    KernelDecision,
+    KernelTable,
+    kernel_cache,
+    units,
+    with_shapes,
+)
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -210,6 +217,19 @@ class Unfused:
             return sum(t.gain_ms for t in ts if t is not None and t.decision == "float")
         return gain
 
+    def add_gains(self) -> Callable[[Point], float]:
+        """Per point: the ms adding its Q/DQ can save by the kernel table (the nodes next to
+        its tensors whose integer kernel measured faster, each counted once): a move that
+        sets up an integer MaxPool, Concat or Add where the runtime has the kernel goes first."""
+        g, timings = self.s.prepared.graph, self.kernels.timings
+
+        def gain(pt: Point) -> float:
+            _, nodes = self._around(pt)
+            ts = [timings.get(g.nodes[n].name) for n in nodes]
+            return sum(-t.gain_ms for t in ts
+                       if t is not None and t.decision is KernelDecision.INTEGER)
+        return gain
+
     def site_tensors(self, points: Iterable[Point], what: WhatRan) -> dict[str, list[str]]:
         """Tensor -> why a move over ``points`` can still win there (empty: it cannot)."""
         g = self.s.prepared.graph
@@ -297,7 +317,9 @@ class Unfused:
         out = {"sites": self.point_sites(what), "resolvable": self.resolvable(),
                "settled": self.settled(what), "added": self.added(what)}
         gains = self.gains(what)
-        return {**out, "gains": gains} if gains is not None else out
+        if gains is None:
+            return out
+        return {**out, "gains": gains, "add_gains": self.add_gains()}
 
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
