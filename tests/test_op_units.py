@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
 from qdq_optuna.measure import kernels as K
 from qdq_optuna.measure.timing import Measurer
+from qdq_optuna.outputs.limit import limit_lines
 from qdq_optuna.runtimes.onnxruntime import PROFILE
 from qdq_optuna.search._limit import estimate
 
@@ -96,6 +97,11 @@ def test_the_limit_names_the_pools_the_placement_left_float():
     placed_float = estimate(table, float_ms, set(), {})
     assert placed_float.by_op()["MaxPool"] > 0
     assert placed_float.to_dict()["timed_by_op"] == {"Add": 1, "Concat": 1, "MaxPool": 2}
+    r = {"limit": placed_float.to_dict(), "baseline_latency_ms": float_ms,
+         "final_latency_ms": float_ms}
+    text = "\n".join(limit_lines(r))
+    assert "4 nodes at their faster measured kernel: 1 Add, 1 Concat, 2 MaxPool" in text
+    assert "| op MaxPool |" in text
     integer = {u.node for u in K.units(_pools(qdq_pool=True), True, table.ops)}
     assert integer == {"pool"}
     placed = estimate(table, float_ms, integer, {})
