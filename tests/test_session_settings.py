@@ -136,6 +136,9 @@ def test_the_faster_setting_ships_with_its_error_and_ab():
     assert entry["shipped"]["entries"] == {
         "optimization.disable_specified_optimizers": "QDQPropagationTransformer"}
     assert entry["candidates"][0]["decision"] == "ships"
+    choice.baseline_ships()  # the tuned model lost to the user's: no settings ship with it
+    assert choice.report()["shipped"] is None
+    assert choice.report()["candidates"][0]["decision"] == SettingsDecision.BASELINE_SHIPS.value
     past = choose_settings(PROFILE, plans.measurer.backend, plans, trial.error / 2, model)
     assert past.shipped is None
     assert past.trials[0].decision is SettingsDecision.PAST_BOUND

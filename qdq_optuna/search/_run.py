@@ -338,7 +338,7 @@ class Tuner:
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
-            settings.shipped = None  # the baseline ships as a user runs it
+            settings.baseline_ships()
         evaluator = plans.scorer.evaluator
         accuracy = shipped_accuracy(guard.report_keys(
             verdict, bound_given=self.o.max_output_error is not None,

@@ -34,6 +34,7 @@ class SettingsDecision(str, Enum):
     PAST_BOUND = "the output error under it is past the bound"
     NOT_SCORED = "the accuracy guard cannot run the model under it"
     FAILED = "the runtime refused it"
+    BASELINE_SHIPS = "the baseline ships (the tuned model measured slower than it)"
 
 
 @dataclass
@@ -69,6 +70,13 @@ class SettingsChoice:
     trials: list[SettingsTrial] = field(default_factory=list)
     #: whether the runtime's profile lists any (report.json has no key where it lists none)
     listed: bool = True
+
+    def baseline_ships(self) -> None:
+        """The user's model ships instead of the tuned one: as a user runs it, no settings."""
+        for t in self.trials:
+            if t.settings == self.shipped:
+                t.decision = SettingsDecision.BASELINE_SHIPS
+        self.shipped = None
 
     def source(self, model):
         """What the final A/B times: ``model`` under the shipped settings."""
