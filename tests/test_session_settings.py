@@ -178,3 +178,16 @@ def test_a_tuned_model_ships_with_the_settings_it_was_measured_with(tmp_path):
     assert NO_PROPAGATION.code[0] in text
     assert json.loads((out / "report.json").read_text())["session_settings"] == ss
     assert "session settings A/B" in text  # its phase in "Where the time went"
+
+
+def test_past_the_deadline_no_setting_is_timed():
+    """``--timeout``: past the run's deadline the final A/B gets what is left; the setting
+    is not timed and says why."""
+    import time
+
+    model = _pooled(True).SerializeToString()
+    plans = _plans(model)
+    plans.set_deadline(time.monotonic() - 1.0)
+    choice = choose_settings(PROFILE, plans.measurer.backend, plans, 0.2, model)
+    assert choice.shipped is None and plans.measurer.loads == 0
+    assert [t.decision for t in choice.trials] == [SettingsDecision.OUT_OF_TIME]

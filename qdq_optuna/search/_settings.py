@@ -35,6 +35,7 @@ class SettingsDecision(str, Enum):
     NOT_SCORED = "the accuracy guard cannot run the model under it"
     FAILED = "the runtime refused it"
     BASELINE_SHIPS = "the baseline ships (the tuned model measured slower than it)"
+    OUT_OF_TIME = "not timed: the run's time was up"
 
 
 @dataclass
@@ -117,6 +118,8 @@ def choose_settings(profile, backend, plans, bound: float, model) -> SettingsCho
 
 
 def _try(profile, plans, bound: float, model: bytes, settings: SessionSettings) -> SettingsTrial:
+    if plans.measurer.out_of_time():  # --timeout: the final A/B gets what is left
+        return SettingsTrial(settings, SettingsDecision.OUT_OF_TIME)
     try:
         if not profile.settings_matter(model, settings):
             return SettingsTrial(settings, SettingsDecision.SAME_KERNELS)
