@@ -160,7 +160,7 @@ def test_a_tuned_model_ships_with_the_settings_it_was_measured_with(tmp_path):
     propagated uint8 MaxPool (about 0.97 ms against 1.20 ms float, 0.80 ms with the setting,
     on a 2-core Xeon with AVX512-VNNI): report.json's ``session_settings`` holds the setting's A/B on the shipped model
     (the propagation changes its kernels), the final A/B measured the model with what ships,
-    and report.md gives the line a deployment adds."""
+    what ran is read under it, and report.md gives the line a deployment adds."""
     src = tmp_path / "pooled.onnx"
     onnx.save(_pooled(False, channels=128, side=16, kernel=3, convs=6, head="LRN"), str(src))
     out = tmp_path / "run"
@@ -176,6 +176,8 @@ def test_a_tuned_model_ships_with_the_settings_it_was_measured_with(tmp_path):
     assert ss["shipped"] is not None, candidate
     assert candidate["decision"] == "ships" and candidate["ci"][1] < 1
     assert NO_PROPAGATION.code[0] in text
+    # what the runtime ran is read under the settings it ships with
+    assert report["what_ran"]["how"].endswith(f"session settings {NO_PROPAGATION.name})")
     assert json.loads((out / "report.json").read_text())["session_settings"] == ss
     assert "session settings A/B" in text  # its phase in "Where the time went"
 

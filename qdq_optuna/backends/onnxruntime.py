@@ -128,9 +128,13 @@ class OnnxRuntimeBackend(Backend):
             "seed": self.seed,
         }
 
-    def what_ran(self, model: bytes):
+    def what_ran(self, model: bytes | Configured):
         """Read from ONNX Runtime's optimized graph (CPU at its full optimization only: what a
-        GPU provider or a lower level runs is not what that graph shows)."""
+        GPU provider or a lower level runs is not what that graph shows); a
+        :class:`~qdq_optuna.backends.base.Configured` model's under its session settings."""
+        settings = model.settings if isinstance(model, Configured) else None
+        if isinstance(model, Configured):
+            model = model.model
         if self.on_gpu or self.optimization != "all" or not isinstance(model, bytes):
             return None
         import onnx
@@ -139,8 +143,10 @@ class OnnxRuntimeBackend(Backend):
         from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 
         proto = onnx.load_from_string(model)
-        return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",
-                       **what_onnxruntime_ran(proto, quantized_tensors(proto)))
+        how = "ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL" + (
+            f", session settings {settings.name})" if settings is not None else ")")
+        return WhatRan(how, **what_onnxruntime_ran(
+            proto, quantized_tensors(proto), settings.entries if settings is not None else ()))
 
     def _session_options(self, entries: tuple[tuple[str, str], ...] = ()) -> Any:
         ort = self._ort

@@ -159,8 +159,8 @@ def _float_tensors(graph: onnx.GraphProto) -> set[str]:
 _REORDERS = frozenset({"ReorderInput", "ReorderOutput"})
 
 
-def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
-                         quantized: Mapping[str, str]) -> dict[str, frozenset[str]]:
+def what_onnxruntime_ran(model: bytes | onnx.ModelProto, quantized: Mapping[str, str],
+                         config: Sequence[tuple[str, str]] = ()) -> dict[str, frozenset[str]]:
     """The fields of a :class:`~qdq_optuna.backends.what_ran.WhatRan` of a Q/DQ model on ONNX
     Runtime's CPU provider (``quantized``: its Q/DQ tensors -> the float tensor each
     quantizes), read from its fully optimized graph: a Q or DQ node still there ran standalone
@@ -170,7 +170,7 @@ def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
     names = {n.name for n in proto.graph.node if n.name}
     tensors = {t for n in proto.graph.node for t in (*n.input, *n.output) if t}
-    graph = optimized_graph(proto).graph
+    graph = optimized_graph(proto, config=config).graph
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list] = collections.defaultdict(list)
     for n in graph.node:

@@ -367,7 +367,7 @@ class Tuner:
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
             elapsed=dict(self.elapsed), wall_time=self.wall, session_settings=settings.report(),
-            **read_what_ran(self.profile, self.backend, final_bytes))
+            **read_what_ran(self.profile, self.backend, final_bytes, settings))
 
     def _in_time(self) -> bool:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
@@ -542,11 +542,14 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, cali
         return None
 
 
-def read_what_ran(profile: Runtime, backend, model) -> dict:
-    """What the runtime ran for the shipped model, read by its profile (``what_ran``), or
-    why it could not be (``what_ran_error``: the report still ships without it)."""
+def read_what_ran(profile: Runtime, backend, model,
+                  settings: SettingsChoice | None = None) -> dict:
+    """What the runtime ran for the shipped model (under the session ``settings`` it ships
+    with), read by its profile (``what_ran``), or why it could not be (``what_ran_error``:
+    the report still ships without it)."""
     try:
-        return {"what_ran": profile.what_ran(backend, model) if isinstance(model, bytes)
+        source = model if settings is None else settings.source(model)
+        return {"what_ran": profile.what_ran(backend, source) if isinstance(model, bytes)
                 else None}
     except Exception as exc:  # the report still ships without it
         return {"what_ran_error": str(exc)}
