@@ -10,7 +10,9 @@ table says which layers run faster in float on this CPU. Run it under the bench 
         --input-shapes data_0:1x3x224x224 --json /some/folder/kernels.json
 
 ``--cache`` defaults to a fresh file (every kernel timed); pass the user cache
-(``~/.cache/qdq_optuna/kernels.json``) to see what a run would reuse.
+(``~/.cache/qdq_optuna/kernels.json``) to see what a run would reuse. ``--op-units`` times the
+ops besides Conv/Gemm/MatMul that ONNX Runtime has integer kernels for too (its profile's
+``OP_UNITS``: every MaxPool, Concat, Add, ... alone, integer against float).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def by_kernel(table: K.KernelTable) -> list[dict]:
     groups: dict[str, dict] = defaultdict(lambda: {"nodes": 0, "int_ms": 0.0, "float_ms": 0.0,
                                                    "float": 0, "integer": 0, "tie": 0})
     for t in table.timings.values():
-        attrs = json.loads(t.signature)[1]
+        sig = json.loads(t.signature)
+        attrs = sig[2] if sig[0] == "op unit" else sig[1]  # an op unit's: kind, op, attrs
         size = "x".join(map(str, attrs.get("kernel_shape", []))) or "-"
         g = groups[f"{t.op} {size}"]
         g["nodes"] += 1
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", help="kernel cache file (default: a fresh one)")
     ap.add_argument("--json", help="write the table here")
+    ap.add_argument("--op-units", action="store_true",
+                    help="time ONNX Runtime's op units too (MaxPool, Concat, Add, ... alone, "
+                         "integer against float, every node whatever the placement)")
     ap.add_argument("--fold", metavar="OUT.onnx",
                     help="first fold the model's constant weights (see folded()) into this file")
     args = ap.parse_args(argv)
@@ -117,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache = K.KernelCache(args.cache or Path(tmp) / "kernels.json")
         table = K.kernel_table(OnnxRuntimeBackend(threads=args.threads), flt, qdq, cache=cache,
-                               output_q=True)
+                               output_q=True,
+                               op_units=ort_runtime.OP_UNITS if args.op_units else None)
+    ops = table.op_units
     print(f"{args.model}: {len(table.timings)} integer kernel(s), {table.timed} signature(s) "
-          f"timed, {table.cached} cached, {table.seconds:.1f} s; CPU flags: "
+          f"timed, {table.cached} cached, {table.seconds:.1f} s (op units: {ops['timed']} "
+          f"timed, {ops['cached']} cached, {ops['seconds']:.1f} s); CPU flags: "
           f"{', '.join(table.flags) or 'none read'}; runtime {table.runtime}")
     print("| node | op | int ms | float ms | float/int (interval) | faster |")
     print("|---|---|---:|---:|---|---|")

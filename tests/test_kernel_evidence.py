@@ -156,6 +156,10 @@ def test_pruning_follows_the_kernel_evidence_in_both_directions(resnet):
     integer = K.KernelTable({}, [], {c: _timing("integer") for c in convs})
     assert not removal(visit(integer)) and visit(integer).dropped.get("fused")
     assert not removal(visit(None))
+    # adding a pair there can save what its integer-faster neighbours measured (0.3 ms each)
+    unfused.kernels = integer
+    near = [n for n in unfused._around(target)[1] if g.nodes[n].name in integer.timings]
+    assert near and unfused.add_gains()(target) == pytest.approx(0.3 * len(near))
     # float measured faster at that Conv: the removal is kept, with the ones the table
     # recommends ahead of every other move
     table = K.KernelTable({}, [], {**integer.timings, conv: _timing("float")})

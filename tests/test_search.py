@@ -204,7 +204,7 @@ def test_elapsed_marks_each_phase_in_order(e2e):
     from these), in the report and its markdown."""
     at = e2e.report["elapsed_s"]
     assert list(at) == ["baseline", "starts", "descent", "lanes", "guard", "recipe_file",
-                        "final", "finish"]
+                        "session_settings", "final", "finish"]
     assert all(0 <= a <= b for a, b in zip(at.values(), list(at.values())[1:]))
     assert "Phases ended at baseline" in (e2e.output_dir / "report.md").read_text()
 

@@ -16,8 +16,10 @@ from qdq_optuna.backends.base import (
     Backend,
     BackendError,
     BackendUnavailable,
+    Configured,
     ModelSource,
     Runner,
+    SessionSettings,
     TransientBackendError,
 )
 from qdq_optuna.backends.callable import CallableBackend, load_callable
@@ -35,10 +37,12 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "CallableBackend",
+    "Configured",
     "IsolatedBackend",
     "ModelSource",
     "OnnxRuntimeBackend",
     "Runner",
+    "SessionSettings",
     "TensorRTBackend",
     "TransientBackendError",
     "TrtexecBackend",

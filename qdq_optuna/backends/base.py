@@ -12,6 +12,7 @@ import abc
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +21,35 @@ if TYPE_CHECKING:
 #: A model handed to a backend: serialized ``ModelProto`` bytes, or a path to an ``.onnx`` file
 #: (needed when weights live in external data files next to it).
 ModelSource = bytes | str | os.PathLike
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Settings of a runtime's session (not of the model file) that change what it runs for a
+    placement: a runtime's own graph optimizer can undo or worsen a placement, and a
+    deployment must then create its sessions with these settings to run what was measured.
+
+    ``name`` names them in the report; ``entries``: (key, value) pairs as the runtime's
+    session API takes them; ``why``: what they change; ``code``: the lines a deployment
+    adds where it creates its session."""
+
+    name: str
+    entries: tuple[tuple[str, str], ...]
+    why: str = ""
+    code: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "entries": dict(self.entries), "why": self.why,
+                "code": list(self.code)}
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A model to be run under :class:`SessionSettings` (what a backend with
+    ``session_settings`` loads besides a plain :data:`ModelSource`)."""
+
+    model: bytes | str | os.PathLike
+    settings: SessionSettings
 
 
 #: the keys of a backend's ``describe()`` that change what one of its timings means: the
@@ -105,10 +135,13 @@ class Backend(abc.ABC):
     #: build a fresh runner for every measurement round (cheap ORT sessions: yes; TensorRT
     #: engine builds cost seconds, so those backends time one runner repeatedly instead)
     fresh_sessions: bool = True
+    #: whether :meth:`load` takes a :class:`Configured` model (runs it under its settings)
+    session_settings: bool = False
 
     @abc.abstractmethod
     def load(self, model: ModelSource) -> Runner:
-        """Build the model (session creation / engine build). Raises :class:`BackendError`."""
+        """Build the model (session creation / engine build). Raises :class:`BackendError`.
+        A backend with :attr:`session_settings` also takes a :class:`Configured` model."""
 
     def describe(self) -> dict:
         """Settings that change what is measured; part of the run fingerprint."""

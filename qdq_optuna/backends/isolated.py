@@ -29,6 +29,7 @@ from qdq_optuna.backends.base import (
     Backend,
     BackendError,
     BackendUnavailable,
+    Configured,
     ModelSource,
     Runner,
     TransientBackendError,
@@ -107,6 +108,7 @@ def _worker_main() -> None:
             "name": backend.name,
             "deterministic": bool(backend.deterministic),
             "fresh_sessions": bool(getattr(backend, "fresh_sessions", True)),
+            "session_settings": bool(getattr(backend, "session_settings", False)),
             "describe": backend.describe(),
         }
         _send(channel, ("ok", info))
@@ -130,7 +132,9 @@ def _worker_main() -> None:
                     source = msg[1]
                     if len(msg) > 2 and msg[2] is not None:
                         _keep(kept, msg[2], source)  # before building: a failure keeps it too
-                runners[next_id] = backend.load(source)
+                settings = msg[3] if len(msg) > 3 else None
+                runners[next_id] = backend.load(
+                    source if settings is None else Configured(source, settings))
                 reply: tuple = ("ok", next_id)
                 next_id += 1
             elif op == "time":
@@ -344,6 +348,10 @@ class IsolatedBackend(Backend):
     def fresh_sessions(self) -> bool:  # type: ignore[override]
         return self._ensure_info()["fresh_sessions"]
 
+    @property
+    def session_settings(self) -> bool:  # type: ignore[override]
+        return bool(self._ensure_info().get("session_settings"))
+
     def describe(self) -> dict:
         return {**self._ensure_info()["describe"], "isolated": True}
 
@@ -362,15 +370,19 @@ class IsolatedBackend(Backend):
         worker = self._worker
         return [worker.proc.pid] if worker is not None and worker.alive() else []
 
-    def load(self, model: ModelSource) -> Runner:
+    def load(self, model: ModelSource | Configured) -> Runner:
+        settings = model.settings if isinstance(model, Configured) else None
+        if isinstance(model, Configured):
+            model = model.model
         with self._lock:
             self._ensure_worker()
             if isinstance(model, bytes):
                 key = (hash(model), len(model))  # a bytes object caches its hash
-                msg: tuple = ("load_kept", key) if key in self._kept else ("load", model, key)
+                msg: tuple = (("load_kept", key, None, settings) if key in self._kept
+                              else ("load", model, key, settings))
                 _keep(self._kept, key)
             else:
-                msg = ("load", os.fspath(model), None)
+                msg = ("load", os.fspath(model), None, settings)
             runner_id = self._exchange(msg, self.load_timeout_s, f"building {_model_label(model)}")
             return _ProxyRunner(self, runner_id, self.generation, _model_label(model))
 

@@ -17,6 +17,7 @@ from qdq_optuna.backends.base import (
     Backend,
     BackendError,
     BackendUnavailable,
+    Configured,
     ModelSource,
     Runner,
     time_calls,
@@ -62,7 +63,10 @@ def _provider_name(spec: ProviderSpec) -> str:
 
 
 class OnnxRuntimeBackend(Backend):
-    """Times ``InferenceSession.run`` with inputs generated once per session."""
+    """Times ``InferenceSession.run`` with inputs generated once per session; a
+    :class:`~qdq_optuna.backends.base.Configured` model runs with its session config entries."""
+
+    session_settings = True
 
     def __init__(
         self,
@@ -124,9 +128,13 @@ class OnnxRuntimeBackend(Backend):
             "seed": self.seed,
         }
 
-    def what_ran(self, model: bytes):
+    def what_ran(self, model: bytes | Configured):
         """Read from ONNX Runtime's optimized graph (CPU at its full optimization only: what a
-        GPU provider or a lower level runs is not what that graph shows)."""
+        GPU provider or a lower level runs is not what that graph shows); a
+        :class:`~qdq_optuna.backends.base.Configured` model's under its session settings."""
+        settings = model.settings if isinstance(model, Configured) else None
+        if isinstance(model, Configured):
+            model = model.model
         if self.on_gpu or self.optimization != "all" or not isinstance(model, bytes):
             return None
         import onnx
@@ -135,10 +143,12 @@ class OnnxRuntimeBackend(Backend):
         from qdq_optuna.backends.what_ran import WhatRan, quantized_tensors
 
         proto = onnx.load_from_string(model)
-        return WhatRan("ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL)",
-                       **what_onnxruntime_ran(proto, quantized_tensors(proto)))
+        how = "ONNX Runtime optimized graph (CPU, ORT_ENABLE_ALL" + (
+            f", session settings {settings.name})" if settings is not None else ")")
+        return WhatRan(how, **what_onnxruntime_ran(
+            proto, quantized_tensors(proto), settings.entries if settings is not None else ()))
 
-    def _session_options(self) -> Any:
+    def _session_options(self, entries: tuple[tuple[str, str], ...] = ()) -> Any:
         ort = self._ort
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
@@ -148,12 +158,17 @@ class OnnxRuntimeBackend(Backend):
             ort.GraphOptimizationLevel, _OPT_LEVELS[self.optimization]
         )
         so.log_severity_level = 3  # warnings would flood the progress output
+        for key, value in entries:
+            so.add_session_config_entry(key, value)
         return so
 
-    def load(self, model: ModelSource) -> Runner:
+    def load(self, model: ModelSource | Configured) -> Runner:
+        entries = model.settings.entries if isinstance(model, Configured) else ()
+        if isinstance(model, Configured):
+            model = model.model
         src: bytes | str = model if isinstance(model, bytes) else os.fspath(model)
         providers = [p if isinstance(p, str) else (p[0], dict(p[1])) for p in self.providers]
-        options = self._session_options()
+        options = self._session_options(entries)
         # a big model's export references the input's weight files where they are: map them
         # (kept alive until the session has copied what it needs)
         mapped = _map_external_sources(options, src) if isinstance(src, str) else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +90,10 @@ def is_integer_kernel(op: str) -> bool:
 
 
 def optimized_graph(model: bytes | str | os.PathLike | onnx.ModelProto,
-                    folder: str | os.PathLike | None = None) -> onnx.ModelProto:
-    """The graph ONNX Runtime's CPU provider runs, after every graph optimization."""
+                    folder: str | os.PathLike | None = None,
+                    config: Sequence[tuple[str, str]] = ()) -> onnx.ModelProto:
+    """The graph ONNX Runtime's CPU provider runs, after every graph optimization (with the
+    session ``config`` entries)."""
     import onnxruntime as ort
 
     if isinstance(model, onnx.ModelProto):
@@ -104,13 +106,17 @@ def optimized_graph(model: bytes | str | os.PathLike | onnx.ModelProto,
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         so.log_severity_level = 3
         so.intra_op_num_threads = 1
+        for key, value in config:
+            so.add_session_config_entry(key, value)
         ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         return onnx.load(so.optimized_model_filepath)
 
 
-def kernels_of(model: bytes | str | os.PathLike | onnx.ModelProto) -> Kernels:
-    """:class:`Kernels` of ``model``'s ONNX Runtime-optimized graph (CPU)."""
-    graph = optimized_graph(model).graph
+def kernels_of(model: bytes | str | os.PathLike | onnx.ModelProto,
+               config: Sequence[tuple[str, str]] = ()) -> Kernels:
+    """:class:`Kernels` of ``model``'s ONNX Runtime-optimized graph (CPU; with the session
+    ``config`` entries)."""
+    graph = optimized_graph(model, config=config).graph
     constants = {t.name for t in graph.initializer}
     floats = _float_tensors(graph)
     ops = collections.Counter(n.op_type for n in graph.node)
@@ -153,8 +159,8 @@ def _float_tensors(graph: onnx.GraphProto) -> set[str]:
 _REORDERS = frozenset({"ReorderInput", "ReorderOutput"})
 
 
-def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
-                         quantized: Mapping[str, str]) -> dict[str, frozenset[str]]:
+def what_onnxruntime_ran(model: bytes | onnx.ModelProto, quantized: Mapping[str, str],
+                         config: Sequence[tuple[str, str]] = ()) -> dict[str, frozenset[str]]:
     """The fields of a :class:`~qdq_optuna.backends.what_ran.WhatRan` of a Q/DQ model on ONNX
     Runtime's CPU provider (``quantized``: its Q/DQ tensors -> the float tensor each
     quantizes), read from its fully optimized graph: a Q or DQ node still there ran standalone
@@ -164,7 +170,7 @@ def what_onnxruntime_ran(model: bytes | onnx.ModelProto,
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
     names = {n.name for n in proto.graph.node if n.name}
     tensors = {t for n in proto.graph.node for t in (*n.input, *n.output) if t}
-    graph = optimized_graph(proto).graph
+    graph = optimized_graph(proto, config=config).graph
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list] = collections.defaultdict(list)
     for n in graph.node:

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ def run_model(
     batch_size: int = 1,
     threads: int = 1,
     optimize: bool = True,
+    config: Sequence[tuple[str, str]] = (),
 ) -> dict[str, np.ndarray]:
     """All outputs of ``model`` over ``data``, batches concatenated on axis 0.
 
@@ -53,7 +54,8 @@ def run_model(
     kernels an ONNX Runtime deployment would use; ``optimize=False`` runs the model's ONNX
     semantics node by node (the better proxy for other runtimes, and the only correct one for
     FP8 Q/DQ: ONNX Runtime's Relu->QuantizeLinear fusion drops a Relu in front of a float8 Q).
-    A path keeps external weights next to the model loadable.
+    A path keeps external weights next to the model loadable; ``config``: session config
+    entries the session is created with (the settings a model ships with).
     """
     if isinstance(model, onnx.ModelProto):
         try:
@@ -62,7 +64,7 @@ def run_model(
             raise ModelError(
                 f"model too large to serialize in memory; pass its path ({one_line(exc)})"
             ) from exc
-    session = make_session(model, optimize=optimize, threads=threads)
+    session = make_session(model, optimize=optimize, threads=threads, config=config)
     names = [o.name for o in session.get_outputs()]
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in iter_batches(session, data, batch_size):
@@ -291,6 +293,8 @@ class AccuracyEvaluator:
         #: ``--accuracy-confidence``: the error is the upper bound of the mean per-sample
         #: error at this confidence (:func:`error_spread`); None: the error over all samples
         self.confidence = confidence
+        #: session config entries the candidates run with (ONNX Runtime scoring only)
+        self.session_config: tuple[tuple[str, str], ...] = ()
         try:
             self.reference = run_model(
                 reference_model, self.data, batch_size=batch_size, threads=threads,
@@ -309,7 +313,7 @@ class AccuracyEvaluator:
             else:
                 outputs = run_model(
                     candidate_model, self.data, batch_size=self.batch_size,
-                    threads=self.threads, optimize=self.optimize,
+                    threads=self.threads, optimize=self.optimize, config=self.session_config,
                 )
         except UserError:
             raise
@@ -562,6 +566,18 @@ class ErrorScorer:
             return None
         return {"error": float(np.mean(values)), "draws": draws, "levels": FLOOR_LEVELS,
                 "steps": steps}
+
+    def error_under(self, model: bytes, config: tuple[tuple[str, str], ...]) -> float | None:
+        """The guard's error of ``model`` run with the session ``config`` entries (the
+        settings it would ship with: a runtime optimizer turned off may change its outputs);
+        None where the guard does not score through ONNX Runtime's fused kernels (it cannot
+        say what those settings do)."""
+        if not self.evaluator.optimize or self.bf16 or self.evaluator.runner is not None:
+            return None
+        configured = copy.copy(self.evaluator)  # the same reference outputs and data
+        configured.session_config = tuple(config)
+        self.evaluations += 1
+        return float(configured.evaluate(model)[0])
 
     def default_session_check(self, model: bytes) -> dict | None:
         """What a user who checks the shipped model on ONNX Runtime CPU with default options

@@ -34,13 +34,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.backends.base import Backend
@@ -170,6 +171,13 @@ class KernelTable:
     timed: int = 0
     cached: int = 0
     seconds: float = 0.0
+    #: the op types whose placement as an integer kernel the table reads (:func:`units`'s
+    #: ``ops``): the multiply-add ops, and the ops timed as op units (:func:`time_op_units`)
+    ops: frozenset[str] = KERNEL_OPS
+    #: op units (:func:`time_op_units`): signatures timed now, read from the cache, their
+    #: seconds, and the nodes left untimed once :data:`OP_UNITS_BUDGET_S` was spent
+    op_units: dict = field(default_factory=lambda: {"timed": 0, "cached": 0, "seconds": 0.0,
+                                                    "left": 0})
 
     def merge(self, other: KernelTable) -> None:
         """Add another model's timings (a later standing model of the same run)."""
@@ -177,6 +185,10 @@ class KernelTable:
         self.timed += other.timed
         self.cached += other.cached
         self.seconds += other.seconds
+        self.ops = self.ops | other.ops
+        for k in ("timed", "cached", "seconds"):
+            self.op_units[k] += other.op_units[k]
+        self.op_units["left"] = other.op_units["left"]
 
     def decision(self, node: str) -> str | None:
         t = self.timings.get(node)
@@ -187,7 +199,9 @@ class KernelTable:
         rows = [{"node": n, **t.to_dict()} for n, t in
                 sorted(self.timings.items(), key=lambda nt: (-nt[1].gain_ms, nt[0]))]
         return {"runtime": self.runtime, "cpu_flags": self.flags, "timed": self.timed,
-                "cached": self.cached, "seconds": round(self.seconds, 3), "kernels": rows}
+                "cached": self.cached, "seconds": round(self.seconds, 3),
+                "op_units": {**self.op_units, "seconds": round(self.op_units["seconds"], 3)},
+                "kernels": rows}
 
 
 # -- units and cutting -----------------------------------------------------------------------
@@ -214,8 +228,9 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple]:
     return out
 
 
-def units(qdq_model: onnx.ModelProto, output_q: bool = True) -> list[Unit]:
-    """The nodes of a Q/DQ model set up to run as integer kernels (see the module
+def units(qdq_model: onnx.ModelProto, output_q: bool = True,
+          ops: frozenset[str] = KERNEL_OPS) -> list[Unit]:
+    """The nodes of ``ops`` a Q/DQ model sets up to run as integer kernels (see the module
     docstring). ``qdq_model`` must carry shapes (:func:`onnx.shape_inference.infer_shapes`).
     ``output_q``: the runtime's integer kernel needs a Q on the output too (ONNX Runtime's
     QLinear ops); without it (OpenVINO, TensorRT: integer in, float out) a unit may end at its
@@ -230,7 +245,7 @@ def units(qdq_model: onnx.ModelProto, output_q: bool = True) -> list[Unit]:
     shapes = _shapes(qdq_model)
     found = []
     for node in g.node:
-        if node.op_type not in KERNEL_OPS or not node.name:
+        if node.op_type not in ops or not node.name:
             continue
         int_in, float_in, shape_in = [], [], []
         for pos, t in enumerate(node.input):
@@ -454,12 +469,141 @@ def time_dynamic(measurer: Measurer, timing: KernelTiming, unit: Unit,
     return time_mode(measurer, timing, unit, float_model, QuantMode.DYNAMIC)
 
 
+# -- op units: ops whose integer kernel moves bytes rather than multiply-adds ---------------
+#: seconds one kernel table may spend timing op units the cache does not hold; the nodes left
+#: untimed count at their float time in the limit, as every untimed op does
+OP_UNITS_BUDGET_S = 20.0
+#: the scale and zero point of an op unit's integer tensors (a kernel's work does not depend
+#: on them)
+UNIT_SCALE, UNIT_ZERO = 0.02, 128
+#: inputs that are parameters, not data: taken from the model as they are
+PARAMETER_INPUTS = {"Resize": (1, 2, 3)}
+
+#: ``builder(node, inputs, output, params) -> ModelProto``: the integer model of one op unit
+#: (``inputs``/``output``: (name, shape) of its data tensors; ``params``: its parameter
+#: initializers), as the runtime runs the op fused
+OpUnitBuilder = Callable[[onnx.NodeProto, list, tuple, list], onnx.ModelProto]
+
+
+def _unit_model(nodes: list, inputs: list, outputs: list, inits: list,
+                opsets: tuple = ()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "unit", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   *(helper.make_opsetid(d, v)
+                                                     for d, v in opsets)])
+
+
+def qdq_unit(node: onnx.NodeProto, inputs: list, output: tuple,
+             params: list) -> onnx.ModelProto:
+    """The op as a runtime's QDQ fusion runs it: uint8 data in -> DQ -> op -> Q -> uint8 out
+    (ONNX Runtime: QLinearConcat, QLinearAdd, QLinearAveragePool, a uint8 Resize, ...)."""
+    qp = [numpy_helper.from_array(np.array(UNIT_SCALE, np.float32), "unit_scale"),
+          numpy_helper.from_array(np.array(UNIT_ZERO, np.uint8), "unit_zero")]
+    nodes = [helper.make_node("DequantizeLinear", [name, "unit_scale", "unit_zero"],
+                              [f"{name}/dq"]) for name, _ in inputs]
+    data = {name: f"{name}/dq" for name, _ in inputs}
+    op = onnx.NodeProto()
+    op.CopyFrom(node)
+    op.output[0] = "unit_out"
+    for i, t in enumerate(op.input):
+        op.input[i] = data.get(t, t)
+    nodes += [op, helper.make_node("QuantizeLinear", ["unit_out", "unit_scale", "unit_zero"],
+                                   [output[0]])]
+    return _unit_model(
+        nodes, [helper.make_tensor_value_info(n, TensorProto.UINT8, s) for n, s in inputs],
+        [helper.make_tensor_value_info(output[0], TensorProto.UINT8, output[1])], qp + params)
+
+
+def float_unit(node: onnx.NodeProto, inputs: list, output: tuple,
+               params: list) -> onnx.ModelProto:
+    """The op alone in float: float data in, float out."""
+    op = onnx.NodeProto()
+    op.CopyFrom(node)
+    del op.output[1:]
+    return _unit_model(
+        [op], [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])], params)
+
+
+def _op_unit(node: onnx.NodeProto, shapes: dict, consts: dict) -> tuple | None:
+    """(inputs, output, params, signature) of one node as an op unit; None where it cannot be
+    one: a data input that is a constant (its integer form needs the constant quantized too),
+    or a shape not known."""
+    skip = PARAMETER_INPUTS.get(node.op_type, ())
+    inputs, params, described = [], [], []
+    for pos, t in enumerate(node.input):
+        if not t:
+            continue
+        if pos in skip:
+            if t in consts:
+                params.append(consts[t])
+                described.append(numpy_helper.to_array(consts[t]).tolist())
+            continue
+        shape = shapes.get(t)
+        if t in consts or not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+            return None
+        inputs.append((t, list(shape)))
+        described.append(list(shape))
+    out = shapes.get(node.output[0]) if node.output else None
+    if not inputs or not out or not all(isinstance(d, int) and d > 0 for d in out):
+        return None
+    signature = json.dumps(["op unit", node.op_type, _attrs(node), described],
+                           sort_keys=True, default=str)
+    return inputs, (node.output[0], list(out)), params, signature
+
+
+def time_op_units(table: KernelTable, measurer: Measurer, float_model: onnx.ModelProto,
+                  builders: Mapping[str, OpUnitBuilder], *, skip: Iterable[str] = (),
+                  cache: KernelCache | None = None, key: str = "", about: Mapping = {},
+                  budget_s: float = OP_UNITS_BUDGET_S) -> None:
+    """Each node of ``builders``' op types (but ``skip``'s) timed as its integer kernel
+    against its float one, built alone from its shapes (the integer model by its op's
+    builder; the float one the op alone), whatever the placement: the limit then has both
+    kernels of every such node. Each signature once (``cache``: across runs); no new
+    signature is timed past ``budget_s`` seconds or the measurer's deadline."""
+    t0 = time.perf_counter()
+    shapes = _shapes(float_model)
+    consts = {t.name: t for t in float_model.graph.initializer}
+    skip, done = set(skip), {}
+    for node in float_model.graph.node:
+        builder = builders.get(node.op_type)
+        if builder is None or not node.name or node.name in skip or node.name in table.timings:
+            continue
+        found = _op_unit(node, shapes, consts)
+        if found is None:
+            continue
+        inputs, output, params, signature = found
+        timing = done.get(signature) or (cache.get(key, signature) if cache else None)
+        if timing is not None and signature not in done:
+            table.op_units["cached"] += 1
+        if timing is None:
+            if measurer.out_of_time() or time.perf_counter() - t0 > budget_s:
+                table.op_units["left"] += 1
+                continue
+            unit = Unit(node.name, node.op_type, signature, (), (), (), 0)
+            try:
+                timing = time_unit(
+                    measurer, unit, builder(node, inputs, output, params).SerializeToString(),
+                    float_unit(node, inputs, output, params).SerializeToString())
+            except Exception as exc:  # evidence is an optimisation: never the run's failure
+                log.info("op %s not timed (%s)", node.name, str(exc).splitlines()[0])
+                continue
+            table.op_units["timed"] += 1
+            if cache is not None:
+                cache.put(key, about, timing)
+        done[signature] = timing
+        table.timings[node.name] = timing
+    table.op_units["seconds"] += time.perf_counter() - t0
+
+
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
                  protocol: TimingProtocol | None = None,
                  output_q: bool, deadline: float | None = None,
-                 dynamic: bool = False, weight_only: Iterable[QuantMode] = ()) -> KernelTable:
+                 dynamic: bool = False, weight_only: Iterable[QuantMode] = (),
+                 op_units: Mapping[str, OpUnitBuilder] | None = None,
+                 timed: Iterable[str] = ()) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
@@ -471,12 +615,15 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     Inception v1's 57 uncached units once took minutes after the run's time was up.
     ``dynamic``: each MatMul/Gemm unit's dynamic kernel is timed too (a cached timing
     without it is completed and cached again); ``weight_only``: likewise its kernel in each
-    of these weight-only modes (MatMulNBits)."""
+    of these weight-only modes (MatMulNBits). ``op_units``: op type -> the builder of its
+    integer model (the profile's table): every node of those types is timed as an op unit
+    (:func:`time_op_units`) but those in ``timed`` (the run's table has them already)."""
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
     key = machine_key(runtime, flags)
-    table = KernelTable(runtime, isa(flags), output_q=output_q)
+    table = KernelTable(runtime, isa(flags), output_q=output_q,
+                        ops=KERNEL_OPS | frozenset(op_units or ()))
     qdq, flt = with_shapes(qdq_model), with_shapes(float_model)
     skip = set(skip)
     measurer = Measurer(backend, protocol or KERNEL_PROTOCOL)
@@ -511,7 +658,10 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                 cache.put(key, {"runtime": runtime, "cpu_flags": isa(flags)}, timing)
         done[unit.signature] = timing
         table.timings[unit.node] = timing
-    if cache is not None and table.timed:
+    if op_units:
+        time_op_units(table, measurer, flt, op_units, skip=timed, cache=cache, key=key,
+                      about={"runtime": runtime, "cpu_flags": isa(flags)})
+    if cache is not None and (table.timed or table.op_units["timed"]):
         cache.save()
     table.seconds = time.perf_counter() - t0
     return table

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from qdq_optuna.backends.base import Backend, BackendError, ModelSource, Runner
+from qdq_optuna.backends.base import Backend, BackendError, Configured, ModelSource, Runner
 from qdq_optuna.errors import OptionError
 
 log = logging.getLogger(__name__)
@@ -443,16 +443,19 @@ class _Acc:
         )
 
 
-def _as_source(model: Any) -> ModelSource:
-    if isinstance(model, (bytes, str, os.PathLike)):
+def _as_source(model: Any) -> ModelSource | Configured:
+    if isinstance(model, (bytes, str, os.PathLike, Configured)):
         return model
     if hasattr(model, "SerializeToString"):  # onnx.ModelProto
         return model.SerializeToString()
     raise TypeError(f"expected model bytes, a path or a ModelProto, got {type(model).__name__}")
 
 
-def _key(model: ModelSource):
-    """A model as :attr:`Measurer._seen` knows it: its path, or its bytes' length and hash."""
+def _key(model: ModelSource | Configured):
+    """A model as :attr:`Measurer._seen` knows it: its path, or its bytes' length and hash
+    (and its session settings)."""
+    if isinstance(model, Configured):
+        return _key(model.model), model.settings.entries
     if isinstance(model, (str, os.PathLike)):
         return os.fspath(model)
     return len(model), hash(model)

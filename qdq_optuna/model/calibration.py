@@ -365,8 +365,10 @@ def make_session(
     threads: int = 0,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     external_data_dir: str | None = None,
+    config: Sequence[tuple[str, str]] = (),
 ):
-    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes."""
+    """An ORT session; ``external_data_dir`` resolves external weights of a model given as bytes;
+    ``config``: session config entries (key, value) it is created with."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -378,6 +380,8 @@ def make_session(
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    for key, value in config:
+        opts.add_session_config_entry(key, value)
     if external_data_dir is not None:
         opts.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", external_data_dir

@@ -30,8 +30,10 @@ def limit_lines(r: dict) -> list[str]:
     lim = r["limit"]
     lines = ["## The limit", "",
              f"Estimated fastest on this runtime and machine: **{t['limit_ms']:.4g} ms** "
-             f"({lim['timed_nodes']} Conv/Gemm/MatMul nodes at their faster measured kernel, "
-             "every other op at its float time); the shipped model measured "
+             f"({lim['timed_nodes']} nodes at their faster measured kernel"
+             + (": " + ", ".join(f"{n} {op}" for op, n in lim["timed_by_op"].items())
+                if lim.get("timed_by_op") else "")
+             + "; every other op at its float time); the shipped model measured "
              f"{t['tuned_ms']:.4g} ms, **{t['gap']:+.1%}** from it. " + (
                  f"Of that, {t['explained_ms']:.3g} ms is timed kernels placed at their slower "
                  f"kernel, {t['rest_ms']:.3g} ms is outside the kernel table (ops without a "

@@ -758,6 +758,34 @@ def _speedup_line(r: dict, lo, hi) -> str:
             "baseline)." + cut)
 
 
+def _session_settings_lines(ss: dict | None) -> list[str]:
+    """The runtime settings the model ships with (and the line a deployment adds), or what
+    became of each one tried."""
+    if not ss or not ss.get("candidates"):
+        return []
+
+    def ab(c: dict) -> str:
+        if c.get("ratio") is None:
+            return ""
+        lo, hi = c.get("ci") or (None, None)
+        return f" ({_f(c['ratio'])}x the latency with it, interval {_f(lo)}–{_f(hi)})"
+
+    shipped = ss.get("shipped")
+    lines = []
+    if shipped:
+        chosen = next(c for c in ss["candidates"] if c["name"] == shipped["name"])
+        lines += [f"**`optimized.onnx` ships with runtime session settings** "
+                  f"`{shipped['name']}`{ab(chosen)}: {shipped['why']}. The speedup above is "
+                  "measured with them; create each session with them, as this line does "
+                  "(`so`: the session options):", "", "```python", *shipped["code"], "```", ""]
+    tried = [c for c in ss["candidates"] if not shipped or c["name"] != shipped["name"]]
+    if tried:
+        lines += ["Runtime session settings tried on the shipped model: "
+                  + "; ".join(f"`{c['name']}`: {c['decision']}{ab(c)}" for c in tried) + ".",
+                  ""]
+    return lines
+
+
 def _defaults_lines(taken: list[str] | None) -> list[str]:
     """One line: the file's graph inputs that were initializers nobody fed, tuned as constants."""
     if not taken:
@@ -862,6 +890,7 @@ def render_markdown(r: dict) -> str:
         "",
         _speedup_line(r, lo, hi),
         "",
+        *_session_settings_lines(r.get("session_settings")),
         f"{len(r['quantized_tensors'])} activation tensors and {len(r['quantized_weights'])} weights carry "
         f"Q/DQ. {r['measurements']} measurements ({_phases(r)}); {r['builds_saved_by_cache']} "
         "builds saved by the cache." + _elapsed(r),

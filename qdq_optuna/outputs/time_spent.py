@@ -7,7 +7,8 @@ from __future__ import annotations
 #: the phases in the order a run passes them, and how the table names them
 PHASE_NAMES = {"preparing": "preparing", "baseline": "baseline", "starts": "starts",
                "descent": "descent", "lanes": "which lane ships", "guard": "accuracy guard",
-               "recipe_file": "recipe file A/B", "final": "final A/B", "finish": "finish"}
+               "recipe_file": "recipe file A/B", "session_settings": "session settings A/B",
+               "final": "final A/B", "finish": "finish"}
 
 
 def _f(x, fmt: str = "{:.3f}") -> str:
@@ -28,6 +29,14 @@ def _recipe_file(r: dict) -> str:
     if rf.get("failure"):
         return "not measured"
     return "the recipe file ships" if rf.get("shipped") else "the tuned model ships"
+
+
+def _session_settings(r: dict) -> str:
+    ss = r.get("session_settings") or {}
+    if not ss.get("candidates"):
+        return "none tried"
+    shipped = ss.get("shipped")
+    return f"ships with {shipped['name']}" if shipped else "the runtime's defaults ship"
 
 
 def decided(phase: str, r: dict) -> str:
@@ -85,5 +94,6 @@ _DECIDED = {
     "descent": lambda r: _descent(r),
     "lanes": lambda r: f"ships lane {(r.get('descent') or {}).get('shipped', 'main')}",
     "recipe_file": _recipe_file,
+    "session_settings": _session_settings,
     "final": lambda r: f"speedup {_f(r.get('speedup'))}x",
 }

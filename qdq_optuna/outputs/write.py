@@ -30,6 +30,8 @@ def write_outputs(outcome) -> dict:
         report["measurements"] = o.plans.measurements
     report.update(runtime_keys(o))
     report.update(mode_keys(o.final_bytes, o.prepared.rules))
+    if o.session_settings is not None:
+        report["session_settings"] = o.session_settings
     report["elapsed_s"] = dict(o.elapsed)
     if o.wall_time is not None:
         report["wall_time"] = o.wall_time.to_dict()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from qdq_optuna.backends import BACKENDS
-from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.base import Backend, SessionSettings
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.errors import OptionError
 from qdq_optuna.model.precision import FP32, HighPrecisionModel, resolve_high_precision
@@ -132,6 +133,21 @@ class Runtime:
             return ()
         return (RecipeFileSpec(self.name, self.recipe_tool, self.recipe_file),)
 
+    #: op type -> the builder of its integer kernel's model (``measure/kernels.py``'s
+    #: ``OpUnitBuilder``): the ops besides Conv/Gemm/MatMul this runtime has integer kernels
+    #: for, each node of them timed integer against float for the limit (none by default)
+    op_units: Mapping[str, Callable] = MappingProxyType({})
+
+    #: session settings that can change what this runtime runs for a placement (its own
+    #: optimizer undoing or worsening one): each that changes the shipped model's kernels is
+    #: A/B-timed on it, and the faster beyond noise ships with it (``search/_settings.py``)
+    session_settings: tuple[SessionSettings, ...] = ()
+
+    def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:
+        """Whether ``settings`` change what this runtime runs for ``model`` (one that
+        changes nothing is not timed); a runtime that cannot tell times each."""
+        return True
+
     def scores_fused(self, high_precision: HighPrecisionModel | None) -> bool:
         """Whether the accuracy guard scores candidates through ONNX Runtime's fused kernels
         (``ErrorScorer(optimize=...)``) rather than the Q/DQ as written."""
@@ -171,7 +187,8 @@ class Runtime:
         return functools.partial(kernel_table, backend,
                                  output_q=bool(self.rules.output_quantized_ops),
                                  dynamic=QuantMode.DYNAMIC in self.modes,
-                                 weight_only=weight_only)
+                                 weight_only=weight_only,
+                                 op_units=dict(self.op_units) or None)
 
     def __repr__(self) -> str:
         return f"<runtime {self.name}>"

@@ -9,13 +9,16 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import onnx
 
+from qdq_optuna.backends.base import SessionSettings
 from qdq_optuna.backends.onnxruntime_kernels import kernels_of
 from qdq_optuna.errors import ToolError
+from qdq_optuna.measure.kernels import qdq_unit
 from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
 from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
@@ -368,9 +371,65 @@ def weight_only_modes_lacking() -> dict[QuantMode, str]:
             if not weight_only.kernel_available(m.bits)}
 
 
+#: ONNX Runtime's session settings that change what it runs for a placement, each A/B-timed
+#: on the shipped model where it changes the kernels ONNX Runtime runs
+SESSION_SETTINGS = (
+    SessionSettings(
+        "no_qdq_propagation",
+        (("optimization.disable_specified_optimizers", "QDQPropagationTransformer"),),
+        why="ONNX Runtime's QDQPropagationTransformer moves a QuantizeLinear in front of an "
+            "op that only selects or moves values (MaxPool, Reshape, Transpose, ...), so that "
+            "op runs on uint8 where the placement left it float; a uint8 MaxPool after a "
+            "float op runs in a slower NCHW kernel than the float one",
+        code=('so.add_session_config_entry("optimization.disable_specified_optimizers", '
+              '"QDQPropagationTransformer")',)),
+)
+
+
+#: the attributes NhwcMaxPool takes of a MaxPool's
+_NHWC_POOL_ATTRS = frozenset({"auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads",
+                              "strides"})
+
+
+def nhwc_max_pool_unit(node: onnx.NodeProto, inputs: list, output: tuple,
+                       params: list) -> onnx.ModelProto:
+    """A uint8 MaxPool as ONNX Runtime runs it between its integer kernels, which run in
+    NHWC: its NhwcMaxPool on uint8 (the MaxPool alone behind DQ -> Q runs a NCHW uint8
+    kernel about 10x slower than the float one, which is not what a chain of integer kernels
+    runs)."""
+    from onnx import TensorProto, helper
+
+    def nhwc(shape: list) -> list:
+        return [shape[0], *shape[2:], shape[1]]
+
+    (name, shape), = inputs
+    pool = helper.make_node("NhwcMaxPool", [name], [output[0]], domain="com.microsoft")
+    pool.attribute.extend(a for a in node.attribute if a.name in _NHWC_POOL_ATTRS)
+    graph = helper.make_graph(
+        [pool], "unit", [helper.make_tensor_value_info(name, TensorProto.UINT8, nhwc(shape))],
+        [helper.make_tensor_value_info(output[0], TensorProto.UINT8, nhwc(output[1]))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+#: the ops besides Conv/Gemm/MatMul ONNX Runtime's CPU provider has integer kernels for, and
+#: how each one's integer kernel is built alone to be timed (QLinearConcat, QLinearAdd,
+#: QLinearMul, QLinearAveragePool, QLinearGlobalAveragePool, a uint8 Resize, NhwcMaxPool)
+OP_UNITS = MappingProxyType({
+    "MaxPool": nhwc_max_pool_unit, "AveragePool": qdq_unit, "GlobalAveragePool": qdq_unit,
+    "Concat": qdq_unit, "Add": qdq_unit, "Mul": qdq_unit, "Resize": qdq_unit})
+
+
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
     rules = ONNXRUNTIME_CPU
+    session_settings = SESSION_SETTINGS
+    op_units = OP_UNITS
+
+    def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:
+        """Whether ONNX Runtime's optimized graph of ``model`` has other kernels (op types,
+        float ops, Q/DQ left) under ``settings`` than under its defaults."""
+        return not kernels_of(model).same_as(kernels_of(model, settings.entries))
 
     has_recipe_file = True
     recipe_tool = "quantize_static"

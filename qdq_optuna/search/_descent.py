@@ -76,7 +76,8 @@ class Descent:
         self.on_change = on_change
         #: node name -> pattern id (where a node's gap to its faster kernel is)
         self.patterns = node_patterns(search.prepared)
-        self.heavy = heavy_nodes(search.prepared)
+        #: the kernel table's op types -> pattern id -> its nodes of them
+        self.heavy: dict[frozenset, dict[str, set[str]]] = {}
         #: each round's plan by the gap (report.json ``descent_plan``)
         self.plans: list[dict] = []
 
@@ -154,8 +155,10 @@ class Descent:
         if what is None or integer is None:
             return None
         limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns)
+        if u.kernels.ops not in self.heavy:
+            self.heavy[u.kernels.ops] = heavy_nodes(s.prepared, u.kernels.ops)
         plan = plan_visits([pp.pattern.id for pp in self.tunable], limit,
-                           u.pattern_sites(what), self.heavy, self._start_ms(lane))
+                           u.pattern_sites(what), self.heavy[u.kernels.ops], self._start_ms(lane))
         self.plans.append({"lane": lane, "round": rnd, **plan.to_dict()})
         log.info("round %d planned by the gap: standing %.4g ms, limit %.4g ms; order %s; "
                  "%d skipped", rnd, limit.placed_ms, limit.limit_ms, ", ".join(plan.order),

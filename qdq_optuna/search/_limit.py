@@ -2,24 +2,26 @@
 and where a model's gap to it is.
 
 From the run's kernel table (:mod:`~qdq_optuna.measure.kernels`: each Conv/Gemm/MatMul the
-runtime ran integer, timed as its integer kernel and as its float one on this machine): every
-timed node at its faster kernel, every other op at its float time (the float model's latency
-less the timed nodes' float times). A model placed by the search is estimated the same way with
-each timed node at the kernel it was placed as; its *gap* is what its nodes lose against their
-faster kernel, per node, op type and pattern. A node's gap counts only where its two kernels
-were told apart (the A/B interval of integer vs float excludes 1): a tie is no gap.
+runtime ran integer, timed as its integer kernel and as its float one on this machine, and,
+where the runtime's profile lists them, every node of the ops it has other integer kernels for:
+MaxPool, Concat, Add, Resize, ... as op units): every timed node at its faster kernel, every
+other op at its float time (the float model's latency less the timed nodes' float times). A
+model placed by the search is estimated the same way with each timed node at the kernel it was
+placed as; its *gap* is what its nodes lose against their faster kernel, per node, op type and
+pattern. A node's gap counts only where its two kernels were told apart (the A/B interval of
+integer vs float excludes 1): a tie is no gap.
 
-What this cannot see: ops outside the kernel table (MaxPool, Concat, Add, LRN, ...) run at
-their float time in the estimate, and a conversion (a standalone Q or DQ) costs nothing in it;
-so a measured model can be slower than its estimate, and the report gives that rest too.
+What this cannot see: ops outside the kernel table (LRN, Softmax, ...) run at their float time
+in the estimate, and a conversion (a standalone Q or DQ) costs nothing in it; so a measured
+model can be slower than its estimate, and the report gives that rest too.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from qdq_optuna.measure.kernels import KernelDecision, KernelTable
+from qdq_optuna.measure.kernels import KERNEL_OPS, KernelDecision, KernelTable
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Limit:
                 "placed_ms": r(self.placed_ms), "placed_ratio":
                 r(self.placed_ms / self.float_ms) if self.float_ms else None,
                 "timed_nodes": len(self.nodes),
+                "timed_by_op": dict(sorted(Counter(n.op for n in self.nodes).items())),
                 "gap_by_pattern": {k: r(v) for k, v in self.by_pattern().items()},
                 "gap_by_op": {k: r(v) for k, v in self.by_op().items()},
                 "nodes": [{"node": n.node, "op": n.op, "pattern": n.pattern,
@@ -121,7 +124,7 @@ def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
 #: is 1.5 %), below which a commit cannot be confirmed anyway
 NOISE_SHARE = 0.015
 #: why the plan skipped a pattern, and why it ended a lane
-WITHIN_NOISE = ("gap within noise: its Conv/Gemm/MatMul nodes run at their faster measured "
+WITHIN_NOISE = ("gap within noise: its timed nodes run at their faster measured "
                 "kernel (or within {noise:.3g} ms of it) and the runtime left nothing "
                 "unfused in it")
 LEFT_WITHIN_NOISE = ("what is left is within noise: the standing model is {gap:.3g} ms from "
@@ -151,7 +154,7 @@ class GapPlan:
 def plan_visits(pattern_ids: list[str], limit: Limit, unfused: dict[str, bool],
                 heavy: dict[str, set[str]], standing_ms: float | None = None) -> GapPlan:
     """The round's visits by the gap. ``unfused``: pattern id -> whether the runtime left
-    something unfused in it; ``heavy``: pattern id -> its Conv/Gemm/MatMul nodes. A pattern
+    something unfused in it; ``heavy``: pattern id -> its nodes of the table's op types. A pattern
     is skipped only when every heavy node of it was timed, its gap is within noise and the
     runtime left nothing unfused in it (a pattern of other ops, or one with an untimed
     node, is visited: the estimate cannot speak for it); the lane ends when that holds for
@@ -176,13 +179,12 @@ def plan_visits(pattern_ids: list[str], limit: Limit, unfused: dict[str, bool],
     return GapPlan(tuple(order), skipped, gaps, noise)
 
 
-def heavy_nodes(prepared) -> dict[str, set[str]]:
-    """Pattern id -> the Conv/Gemm/MatMul nodes among the nodes its uses read into."""
-    from qdq_optuna.measure.kernels import KERNEL_OPS
-
+def heavy_nodes(prepared, ops: frozenset[str] = KERNEL_OPS) -> dict[str, set[str]]:
+    """Pattern id -> the nodes of ``ops`` (the kernel table's op types) among the nodes its
+    uses read into."""
     g, out = prepared.graph, {}
     for pp in prepared.tunable:
         out[pp.pattern.id] = {g.nodes[u[1]].name for u in pp.uses(pp.ids)
                               if 0 <= u[1] < len(g.nodes)
-                              and g.nodes[u[1]].op_type in KERNEL_OPS}
+                              and g.nodes[u[1]].op_type in ops}
     return out

@@ -51,7 +51,8 @@ class MoveSpace:
               resolvable: Mapping | None = None,
               settled: Callable[[Point], bool] | None = None,
               added: Callable[[Point], int] | None = None,
-              gains: Callable[[Point], float] | None = None) -> VisitMoves:
+              gains: Callable[[Point], float] | None = None,
+              add_gains: Callable[[Point], float] | None = None) -> VisitMoves:
         """The visit of pattern ``pid`` from the standing ``schemes``. ``sites(point)``: by
         the runtime's report, the tensors where removing the point's Q/DQ may still win, with
         their activation elements (None: no report); ``resolvable``: ``min_share`` of
@@ -59,7 +60,9 @@ class MoveSpace:
         a Q/DQ pair there can change no layer's precision (None: the report cannot tell);
         ``added(point)``: the activation elements a pair added there can save work on (-1:
         unbounded; None: additions are never too small); ``gains(point)``: the ms removing
-        its Q/DQ saves by the measured kernel table (such removals go first)."""
+        its Q/DQ saves by the measured kernel table (such removals go first);
+        ``add_gains(point)``: the ms adding it can save by that table (such additions go
+        first too)."""
         pp = self.by_id[pid]
         mine = {(pid, q) for q in pp.ids}
         chains = [c for c in self.chains if c & mine]
@@ -85,7 +88,10 @@ class MoveSpace:
             # only points the kernel table says gain
             gains=None if gains is None else {
                 name(pt): round(g, 6) for pt in sorted(mine) + foreign if (g := gains(pt)) > 0}
-            or None)
+            or None,
+            add_gains=None if add_gains is None else {
+                name(pt): round(g, 6) for pt in sorted(mine) + foreign
+                if (g := add_gains(pt)) > 0} or None)
         return VisitMoves(pid, schemes, spec.to_attr(), Visit(spec, pp.ids, pp.fusion_groups,
                                                               pp.concat_groups))
 

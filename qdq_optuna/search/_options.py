@@ -359,6 +359,9 @@ class SearchOutcome:
     what_ran: WhatRan | None = None
     #: why it could not be read (the report ships without it)
     what_ran_error: str | None = None
+    #: report.json's ``session_settings``: the runtime settings the model ships with and
+    #: every candidate's A/B (None: the runtime's profile lists none)
+    session_settings: dict | None = None
 
 
 @dataclass

@@ -70,6 +70,7 @@ from qdq_optuna.search._recipe_file import (
     shipped_accuracy,
     shipped_recipe_file,
 )
+from qdq_optuna.search._settings import SettingsChoice, choose_settings
 from qdq_optuna.search._starts import StartsPhase
 from qdq_optuna.search._workers import Workers
 from qdq_optuna.search.samplers import is_ours, sampler_name
@@ -332,13 +333,17 @@ class Tuner:
             run_recipe_files(self), plan, final_bytes, final_exporter)
         self._mark("recipe_file")
         base_bytes, base_key, _ = self.baseline_source()
+        settings = run_settings(self, plan, base_key, final_bytes)
+        self._mark("session_settings")
         cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
-               else plans.compare(final_bytes, base_bytes, "final", until=Until.PRECISION))
+               else plans.compare(settings.source(final_bytes), base_bytes, "final",
+                                  until=Until.PRECISION))
         self._mark("final")
         kept = None
         if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
                 and not self.settings.multi_objective:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
+            settings.baseline_ships()
         evaluator = plans.scorer.evaluator
         accuracy = shipped_accuracy(guard.report_keys(
             verdict, bound_given=self.o.max_output_error is not None,
@@ -366,7 +371,8 @@ class Tuner:
             rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
             baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
             accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
-            elapsed=dict(self.elapsed), wall_time=self.wall, **read_what_ran(self.profile, self.backend, final_bytes))
+            elapsed=dict(self.elapsed), wall_time=self.wall, session_settings=settings.report(),
+            **read_what_ran(self.profile, self.backend, final_bytes, settings))
 
     def _in_time(self) -> bool:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
@@ -497,6 +503,16 @@ def conclusion_reserve(timeout: float, session_s: float | None, files: int = 1) 
     return share if session_s is None else min(share, rounds * 2 * session_s)
 
 
+def run_settings(tuner: Tuner, plan, base_key: str, final_bytes) -> SettingsChoice:
+    """The session settings the model that ships runs with (none when it has no Q/DQ, or
+    for two objectives: a front has no one model)."""
+    if plan.key == base_key or not len(plan) or tuner.settings.multi_objective:
+        return SettingsChoice(listed=bool(tuner.profile.session_settings))
+    search = tuner.search_state
+    return choose_settings(tuner.profile, tuner.backend, search.plans, search.guard.bound,
+                           final_bytes)
+
+
 def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
     """The run's recipe files, as the profile lists them (none for two objectives: a front
     has no one model to match)."""
@@ -532,11 +548,14 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, cali
         return None
 
 
-def read_what_ran(profile: Runtime, backend, model) -> dict:
-    """What the runtime ran for the shipped model, read by its profile (``what_ran``), or
-    why it could not be (``what_ran_error``: the report still ships without it)."""
+def read_what_ran(profile: Runtime, backend, model,
+                  settings: SettingsChoice | None = None) -> dict:
+    """What the runtime ran for the shipped model (under the session ``settings`` it ships
+    with), read by its profile (``what_ran``), or why it could not be (``what_ran_error``:
+    the report still ships without it)."""
     try:
-        return {"what_ran": profile.what_ran(backend, model) if isinstance(model, bytes)
+        source = model if settings is None else settings.source(model)
+        return {"what_ran": profile.what_ran(backend, source) if isinstance(model, bytes)
                 else None}
     except Exception as exc:  # the report still ships without it
         return {"what_ran_error": str(exc)}

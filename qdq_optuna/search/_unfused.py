@@ -51,7 +51,14 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext as _nothing
 
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.measure.kernels import KernelCache, KernelTable, kernel_cache, units, with_shapes
+from qdq_optuna.measure.kernels import (
+    KernelCache,
+    KernelDecision,
+    KernelTable,
+    kernel_cache,
+    units,
+    with_shapes,
+)
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -161,6 +168,7 @@ class Unfused:
                 onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
                 onnx.load_from_string(model), cache=self._cache(),
                 skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()),
+                timed=set(self.kernels.timings if self.kernels else ()),
                 deadline=self.s.plans.measurer.deadline)
         except Exception as exc:  # evidence is an optimisation: never the run's failure
             log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
@@ -207,6 +215,19 @@ class Unfused:
             _, nodes = self._around(pt)
             ts = [self.kernels.timings.get(g.nodes[n].name) for n in nodes]
             return sum(t.gain_ms for t in ts if t is not None and t.decision == "float")
+        return gain
+
+    def add_gains(self) -> Callable[[Point], float]:
+        """Per point: the ms adding its Q/DQ can save by the kernel table (the nodes next to
+        its tensors whose integer kernel measured faster, each counted once): a move that
+        sets up an integer MaxPool, Concat or Add where the runtime has the kernel goes first."""
+        g, timings = self.s.prepared.graph, self.kernels.timings
+
+        def gain(pt: Point) -> float:
+            _, nodes = self._around(pt)
+            ts = [timings.get(g.nodes[n].name) for n in nodes]
+            return sum(-t.gain_ms for t in ts
+                       if t is not None and t.decision is KernelDecision.INTEGER)
         return gain
 
     def site_tensors(self, points: Iterable[Point], what: WhatRan) -> dict[str, list[str]]:
@@ -296,7 +317,9 @@ class Unfused:
         out = {"sites": self.point_sites(what), "resolvable": self.resolvable(),
                "settled": self.settled(what), "added": self.added(what)}
         gains = self.gains(what)
-        return {**out, "gains": gains} if gains is not None else out
+        if gains is None:
+            return out
+        return {**out, "gains": gains, "add_gains": self.add_gains()}
 
     def resolvable(self) -> dict | None:
         """What a removal must touch to be measured: ``min_share`` of ``total`` activation
@@ -349,7 +372,7 @@ def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
 
     try:
         return {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                      table.output_q)}
+                                      table.output_q, table.ops)}
     except Exception:  # the table still ships without the column
         return None
 

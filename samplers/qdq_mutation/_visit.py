@@ -30,6 +30,10 @@ e.g. qdq_optuna's search) that says where the visit starts and what the sampler 
   integer kernel next to it measured slower than its float one); optional. A move that only
   switches such points off goes first, by its summed gain, and the first of all is ``kernel``:
   every such point of the visit off at once (the table's recommendation in one measurement).
+* ``add_gains``: per point, the ms switching its Q/DQ on can save by the kernel table (a node
+  next to it whose integer kernel measured faster than its float one: a Conv, and where the
+  runtime has them a MaxPool, Concat, Add, ...); optional. A move that only switches points
+  on is ordered by their summed gain, as the removals by theirs.
 
 The fusion and Concat groups come from the study's ``qdq_fusion_groups`` /
 ``qdq_concat_groups``.
@@ -216,6 +220,8 @@ class VisitSpec:
     prior: dict[str, list[int]] | None = None
     #: the ms the kernel table says switching each point off saves (points with a gain only)
     gains: dict[str, float] | None = None
+    #: the ms the kernel table says switching each point on can save (points with one only)
+    add_gains: dict[str, float] | None = None
 
     def to_attr(self) -> dict[str, Any]:
         """The study attr (``min_share``/``total`` and ``prior`` only when set)."""
@@ -230,6 +236,8 @@ class VisitSpec:
             attr["prior"] = self.prior
         if self.gains:
             attr["gains"] = self.gains
+        if self.add_gains:
+            attr["add_gains"] = self.add_gains
         return attr
 
     @classmethod
@@ -248,7 +256,9 @@ class VisitSpec:
             added=None if added is None else {str(p): int(n) for p, n in added.items()},
             min_share=attr.get("min_share"), total=attr.get("total"),
             prior=attr.get("prior"),
-            gains={str(p): float(g) for p, g in (attr.get("gains") or {}).items()} or None)
+            gains={str(p): float(g) for p, g in (attr.get("gains") or {}).items()} or None,
+            add_gains={str(p): float(g) for p, g in (attr.get("add_gains") or {}).items()}
+            or None)
 
 
 class Visit:
@@ -274,6 +284,7 @@ class Visit:
         self.min_share = spec.min_share
         self.total = spec.total or 0
         self.gains = dict(spec.gains or {})
+        self.add_gains = dict(spec.add_gains or {})
         self.fusion = [frozenset(g) for g in fusion_groups]
         self.concat = [frozenset(g) for g in concat_groups]
         self._moves: tuple[list[Move], dict[str, int]] | None = None
@@ -337,14 +348,17 @@ class Visit:
                 if (m.on or m.off) and (m.on, m.off) not in seen:
                     seen.add((m.on, m.off))
                     moves.append((rank, m))
-        # stable: a removal the kernel table says gains first (by its gain), then the
-        # learned rate, then kind, then the prior (the order above)
+        # stable: a removal or an addition the kernel table says gains first (by its gain),
+        # then the learned rate, then kind, then the prior (the order above)
         moves.sort(key=lambda rm: (-self.gain(rm[1]), -self.stats.rate(rm[1].signature),
                                    rm[0]))
         return [m for _, m in moves]
 
     def gain(self, move: Move) -> float:
-        """The measured kernel gain of a move that only switches points off (0 otherwise)."""
+        """The measured kernel gain of a move that only switches points off, or only on (0
+        otherwise)."""
+        if move.on and not move.off:
+            return sum(self.add_gains.get(p, 0.0) for p in move.on)
         if move.on or not self.gains:
             return 0.0
         return sum(self.gains.get(p, 0.0) for p in move.off)
