@@ -121,3 +121,20 @@ def test_parse_accepts_what_users_type():
     assert f.exclude_nodes == ("a/b",) and f.op_types == ("Conv", "MatMul", "Add")
     assert not NodeFilter.parse() and f
     assert f.to_dict() == {"exclude_nodes": ["a/b"], "op_types": ["Conv", "MatMul", "Add"]}
+
+
+def test_a_recipe_file_that_quantizes_excluded_nodes_is_caught():
+    """A runtime's tool runs on the whole model, so its file may quantize what the user
+    excluded: the filter names those nodes (static Q/DQ, ``quantize_dynamic``'s integer ops
+    under their ``_quant`` names), and a file that does not is clean."""
+    from qdq_optuna.runtimes import onnxruntime as ort_runtime
+
+    model = zoo.build("transformer")
+    dynamic = onnx.load_from_string(ort_runtime.ort_dynamic_recipe_bytes(model))
+    matmuls = [n.name for n in model.graph.node if n.op_type == "MatMul"]
+    query = next(n for n in matmuls if "query" in n)
+    found = NodeFilter.parse(exclude_nodes=[r".*/query/.*"]).quantized_against(dynamic)
+    assert query in found and all("query" in n for n in found)
+    assert NodeFilter.parse(op_types="Conv").quantized_against(dynamic)  # MatMuls, not Conv
+    assert NodeFilter.parse(exclude_nodes=["no_such_node"]).quantized_against(dynamic) == []
+    assert NodeFilter().quantized_against(dynamic) == []

@@ -38,6 +38,15 @@ def _names(value: str | Iterable[str] | None, option: str, split: bool) -> tuple
     return tuple(dict.fromkeys(out))
 
 
+#: the conversions themselves (never "a node the user excluded")
+_CONVERSIONS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+#: integer ops a recipe tool writes, and the op each stands for
+_INTEGER_OPS = {"MatMulInteger": "MatMul", "ConvInteger": "Conv", "MatMulNBits": "MatMul",
+                "DynamicQuantizeMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul"}
+#: the suffix ONNX Runtime's quantizers add to a node they rewrite as an integer op
+_TOOL_SUFFIX = re.compile(r"(_quant|_Q\d+)$")
+
+
 @dataclass(frozen=True)
 class NodeFilter:
     """``exclude_nodes``: node names or regular expressions matching a whole name (an unnamed
@@ -92,6 +101,38 @@ class NodeFilter:
                 if node.op_type not in wanted:
                     out.setdefault(i, f"{node.op_type} is not in --op-types")
         return out
+
+    def quantized_against(self, model: onnx.ModelProto) -> list[str]:
+        """The nodes of a written model (a runtime tool's recipe file) that run quantized
+        although this filter keeps them float: an integer op (``MatMulInteger``,
+        ``ConvInteger``, ``MatMulNBits``, ``QLinear*``; named as the tool names it, its
+        source node's name plus ``_quant`` or ``_Q4``/``_Q8``) or an op reading a
+        DequantizeLinear. A recipe tool is run on the whole model, so its file may quantize
+        what the user excluded; such a file must not ship."""
+        if not self:
+            return []
+        dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        regexes = []
+        for pattern in self.exclude_nodes:
+            try:
+                regexes.append(re.compile(pattern))
+            except re.error:
+                regexes.append(re.compile(re.escape(pattern)))
+        found = []
+        for n in model.graph.node:
+            if n.op_type in _CONVERSIONS:
+                continue
+            op = _INTEGER_OPS.get(n.op_type) or (n.op_type[len("QLinear"):]
+                                                 if n.op_type.startswith("QLinear") else None)
+            if op is None and not any(t in dq for t in n.input):
+                continue
+            name = _TOOL_SUFFIX.sub("", n.name) if op else n.name
+            op = op or n.op_type
+            if (name and any(name == p or r.fullmatch(name)
+                             for p, r in zip(self.exclude_nodes, regexes))) or (
+                    self.op_types and op not in self.op_types):
+                found.append(name or op)
+        return found
 
     def restrict(self, rules: RuntimeRules, graph: Graph) -> RuntimeRules:
         """``rules`` that also refuse every use the filter excludes in ``graph``."""

@@ -124,6 +124,16 @@ class RecipeFile:
         plans = self.s.plans
         report: dict = {"name": self.name, "tool": self.tool, "file": self.path.name,
                         "against": against, "shipped": False}
+        node_filter = self.s.prepared.node_filter
+        excluded = node_filter.quantized_against(onnx.load_from_string(data))
+        if excluded:  # the tool ran on the whole model: not a file this user may ship
+            shown = ", ".join(excluded[:5]) + (f" and {len(excluded) - 5} more"
+                                               if len(excluded) > 5 else "")
+            log.info("the recipe's own file %s quantizes nodes --exclude-nodes/--op-types "
+                     "keep float (%s): not measured", self.path.name, shown)
+            return {**report, "failure": f"not measured: it quantizes {len(excluded)} "
+                    f"node(s) --exclude-nodes/--op-types keep float ({shown})",
+                    "against_node_filter": excluded}
         guard = self.s.guard
         try:
             errors = plans.scorer.score_bytes(data)
