@@ -27,7 +27,7 @@ from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR, AccuracyBound, AskedBound
 from qdq_optuna.placement.export import quantized_tensors
 from qdq_optuna.search._guard import FALLBACK, WITHIN_BOUND
 
@@ -203,8 +203,11 @@ def _guard(model: onnx.ModelProto, bound: float):
     everything = set()
     for pp in pm.tunable:
         everything |= pp.uses(pp.ids)
-    return Guard(plans, exporter, bound, "relative_l2", "--calibration-data test"), \
-        exporter.plan(everything), scorer
+    return Guard(plans, exporter, _bound(bound)), exporter.plan(everything), scorer
+
+
+def _bound(value: float) -> AccuracyBound:
+    return AccuracyBound.resolve(AskedBound(value, "relative_l2"), "--calibration-data test")
 
 
 def test_the_final_check_alone_bisects_and_keeps_the_rest():
@@ -220,7 +223,7 @@ def test_the_final_check_alone_bisects_and_keeps_the_rest():
     before = scorer.evaluations
     assert guard.final(plan).plan.key == verdict.plan.key and scorer.evaluations == before
     # a bound not even the model without Q/DQ keeps: it ships, and says so
-    guard.bound = -1.0
+    guard.bound = _bound(-1.0)
     worst = guard.final(plan)
     assert worst.status == "float model past bound" and worst.plan.tensors == []
     assert worst.shipped == "model without Q/DQ"

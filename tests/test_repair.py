@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_guard_run import _guard
 
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.measure.repair import Repair, plan_groups, rank_repair
 from qdq_optuna.placement.export import plan_uses
 

@@ -650,6 +650,43 @@ def test_the_run_file_write_check_finds_each_form(tmp_path):
         "m.py:5: open()", "m.py:7: atomic_write_bytes()"]
 
 
+# -- one accuracy bound --------------------------------------------------------------------------
+#: the options the accuracy bound is built from
+BOUND_OPTIONS = {"max_output_error", "max_metric_drop", "metric_drop_type", "accuracy_confidence"}
+#: where they may be read: their definition and checks, where the bound is built, the bound
+BOUND_BUILDERS = {"search/_options.py", "search/_prepare.py", "measure/bound.py"}
+
+
+def _bound_option_reads(root: Path) -> list[str]:
+    """Reads of :data:`BOUND_OPTIONS` as attributes (``options.max_output_error``) in the
+    modules under ``root`` outside :data:`BOUND_BUILDERS`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in BOUND_BUILDERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in BOUND_OPTIONS:
+                found.append(f"{rel}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_accuracy_bound_is_read_from_one_object():
+    """Every feasibility check, the report and the fingerprint read the guard's
+    ``AccuracyBound`` (``measure/bound.py``), built once from the options while preparing:
+    no other module reads the options it is built from."""
+    assert _bound_option_reads(REPO / "qdq_optuna") == []
+
+
+def test_the_bound_option_check_finds_a_read(tmp_path):
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "_pattern.py").write_text(
+        "x = s.settings.max_output_error\ny = o.max_metric_drop\nf(max_output_error=1)\n")
+    (tmp_path / "search" / "_prepare.py").write_text("x = options.max_output_error\n")
+    assert _bound_option_reads(tmp_path) == ["search/_pattern.py:1: .max_output_error",
+                                             "search/_pattern.py:2: .max_metric_drop"]
+
+
 # -- typed boundaries ------------------------------------------------------------------------------
 def _any_fields(source: str, cls: str) -> list[str]:
     """The fields of class ``cls`` whose annotation names ``Any``."""

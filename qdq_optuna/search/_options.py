@@ -19,7 +19,7 @@ from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR, AskedBound
 from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.model.graph import InputShapes
@@ -412,16 +412,12 @@ class Settings:
     #: scales inside trials: calibrated or placeholders (never ``AUTO``: resolved)
     scales: Scales
     objectives: tuple[str, ...]
-    constrained: bool
-    #: output errors are measured (any accuracy option)
+    #: output errors are measured (any accuracy option; the bound itself is the guard's
+    #: :class:`~qdq_optuna.measure.bound.AccuracyBound`)
     accuracy: bool
     space: ChoiceSpace
     #: descent rounds at most (1 + ``Config.refine_rounds``; 1 with two objectives)
     rounds: int
-    max_output_error: float | None = None
-    #: the accuracy guard's bound on the output error (``--max-output-error``, else
-    #: :data:`~qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR`)
-    error_bound: float = DEFAULT_MAX_OUTPUT_ERROR
     #: where the descent starts (``Config.start``; ``float`` with two objectives)
     start: str = "best"
     #: two objectives (latency, error)
@@ -445,7 +441,7 @@ class Settings:
         scales = Scales.parse(profile.default_scales) if asked is Scales.AUTO else asked
         objectives = parse_objectives(options.objectives)
         multi = len(objectives) > 1
-        constrained = options.max_output_error is not None
+        constrained = options.max_output_error is not None  # trials carry the bound
         accuracy = (multi or constrained or options.validation_data is not None
                     or options.metric is not None)
         if accuracy:  # errors with placeholder scales say nothing about the real model
@@ -461,16 +457,14 @@ class Settings:
         # two objectives: one pass from float (the report's Pareto chain is built from one
         # decision per pattern, added to the float model)
         rounds = 1 if multi else 1 + options.config.refine_rounds
-        bound = (float(options.max_output_error) if options.max_output_error is not None
-                 else DEFAULT_MAX_OUTPUT_ERROR)
-        return cls(backend_name(options, backend), runtime, scales, objectives, constrained,
-                   accuracy, space, rounds, options.max_output_error, bound,
-                   "float" if multi else options.config.start)
+        return cls(backend_name(options, backend), runtime, scales, objectives, accuracy,
+                   space, rounds, "float" if multi else options.config.start)
 
 
 def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
-                backend: Backend, validation_id: str | None = None) -> dict:
-    """The settings that change a run's result: a resumed run must have the same."""
+                backend: Backend, bound: AskedBound, validation_id: str | None = None) -> dict:
+    """The settings that change a run's result (the accuracy bound's as asked): a resumed run
+    must have the same."""
     o = options
     fp = {
         FLOW: WHOLE_MODEL,
@@ -497,8 +491,8 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         fp["mixed_types"] = list(settings.space.types)
     if o.bias_correction:
         fp["bias_correction"] = BIAS_MODE
-    if o.accuracy_confidence is not None:  # absent when off: older runs still resume
-        fp["accuracy_confidence"] = o.accuracy_confidence
+    if bound.confidence is not None:  # absent when off: older runs still resume
+        fp["accuracy_confidence"] = bound.confidence
     if prepared.high_precision is not None:
         fp["high_precision"] = prepared.high_precision.describe()
     if prepared.node_filter:
@@ -508,15 +502,9 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         # constant weights): earlier runs still resume
         fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
     if settings.accuracy:
-        fp["accuracy"] = {
-            "objectives": list(settings.objectives),
-            "max_output_error": o.max_output_error,
-            "error_measure": o.error_measure,
-            "metric": metric_label(o.metric),
-            "validation_data": validation_id,
-        }
-        if o.max_metric_drop is not None:  # absent when unset: older runs still resume
-            fp["accuracy"]["max_metric_drop"] = [o.max_metric_drop, o.metric_drop_type]
+        # max_metric_drop is absent when unset: older runs still resume
+        fp["accuracy"] = {"objectives": list(settings.objectives), **bound.fingerprint_keys(),
+                          "validation_data": validation_id}
     return fp
 
 
@@ -527,11 +515,6 @@ def metric_label(metric: str | Callable | None) -> str | None:
         return metric
     return (f"{getattr(metric, '__module__', None) or '?'}:"
             f"{getattr(metric, '__qualname__', type(metric).__name__)}")
-
-
-def measure_label(o: TuneOptions) -> str:
-    """What the accuracy guard's error is, in the report: ``metric MODULE:NAME`` or a measure."""
-    return f"metric {metric_label(o.metric)}" if o.metric else o.error_measure
 
 
 def digest(fp: dict) -> str:

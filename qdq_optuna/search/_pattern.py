@@ -107,6 +107,12 @@ class Search:
         if self.neighbourhood is None:
             self.neighbourhood = Neighbourhood(self.prepared)
 
+    @property
+    def constrained(self) -> bool:
+        """Whether trials carry the accuracy bound as their Optuna constraint (the guard's
+        bound says: a ``--max-output-error`` the user gave)."""
+        return self.guard is not None and self.guard.bound.constrains_trials
+
 
 class PatternStudy:
     """One study of one pattern (see the module docstring).
@@ -259,8 +265,7 @@ class PatternStudy:
         excess = None
         if s.settings.accuracy:
             err = s.plans.error(s.exporter, plan)
-            excess = (err["error"] - float(s.settings.max_output_error)
-                      if s.settings.constrained else None)
+            excess = s.guard.bound.excess(err["error"]) if s.guard is not None else None
             note_error(trial, err, excess)
         if not s.settings.multi_objective:
             trial.set_user_attr(TrialAttr.IMPROVED, self._improves(trial.number, latency,
@@ -279,7 +284,7 @@ class PatternStudy:
         budget)."""
         done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                 if t.values]
-        if self.s.settings.constrained:
+        if self.s.constrained:
             done = [t for t in done if feasible(t)]
         return done
 
@@ -442,7 +447,7 @@ class PatternStudy:
         if s.settings.multi_objective:
             complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best, why = choose_candidate(complete, multi_objective=True,
-                                         constrained=s.settings.constrained,
+                                         constrained=s.constrained,
                                          threshold=max(self.rule.threshold, EQUALLY_FAST))
             decision = Decision(keep, reason=why if complete else "no trial finished")
             if best is not None:
@@ -485,7 +490,7 @@ class Judge:
         pool = sorted(self.ps._pool(), key=self.ps._rank)
         if not pool:
             return Decision(keep, reason="no trial met the error budget"
-                            if s.settings.constrained else "no trial finished")
+                            if s.constrained else "no trial finished")
         refused = []
         for best in pool[:3]:
             plan = self.ps.plan_of(best)
@@ -494,7 +499,7 @@ class Judge:
             if s.guard is not None and not s.guard.allows(plan):
                 refused.append(f"trial #{best.number}: output error "
                                f"{s.guard.error(plan)['error']:.3g} over the guard's bound "
-                               f"{s.guard.bound:g}")
+                               f"{s.guard.bound.value:g}")
                 continue
             decision = self.judge(best, keep, reference_ms, confirm)
             if refused:

@@ -125,7 +125,7 @@ class RecipeFile:
                         self.path.name, exc)
             return {**report, "failure": str(exc)[:500]}
         guard = self.s.guard
-        within = guard is None or errors["error"] <= guard.bound
+        within = guard is None or guard.bound.allows(errors["error"])
         report.update(error=errors["error"], output_errors=errors["output_errors"],
                       within_bound=within, tuned_vs_file=vs_tuned.to_dict())
         if vs_file is not None:

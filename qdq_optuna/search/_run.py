@@ -336,8 +336,7 @@ class Tuner:
             kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
         evaluator = plans.scorer.evaluator
         accuracy = shipped_accuracy(guard.report_keys(
-            verdict, bound_given=self.o.max_output_error is not None,
-            scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
+            verdict, scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
                                              evaluator.runner)), recipe_files)
         if kept is not None:
             accuracy["kept_your_model"] = kept
@@ -350,8 +349,8 @@ class Tuner:
         check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
         if self.settings.accuracy:  # the accuracy modes' keys, as before
             accuracy.update({"objectives": list(self.settings.objectives),
-                             "error_measure": guard.measure,
-                             "max_output_error": self.o.max_output_error})
+                             "error_measure": guard.bound.label,
+                             "max_output_error": guard.bound.trial_budget})
         self._mark("finish")
         return SearchOutcome(
             out=self.out, header=self._header(), record=self.record, plans=plans,

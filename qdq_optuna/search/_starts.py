@@ -234,7 +234,7 @@ class StartsPhase:
         s = self.s
         error = lambda p: s.guard.error(p)["error"]  # noqa: E731
         time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
-        found = rank_repair(s.exporter, plan, error, s.guard.bound, what=self._what_ran(plan),
+        found = rank_repair(s.exporter, plan, error, s.guard.bound.value, what=self._what_ran(plan),
                             max_evaluations=REPAIR_EVALUATIONS,
                             time_left=(lambda: True) if past_deadline else time_left)
         name = f"{start.name}{REPAIRED}"
@@ -249,7 +249,7 @@ class StartsPhase:
                        f"accuracy bound: {listed(nodes)}"]), table, ""
         if not time_left():
             return None, table, NO_TIME
-        cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
+        cut = bisect_plan(s.exporter, plan, error, s.guard.bound.value,
                           max_evaluations=BISECT_EVALUATIONS)
         if not cut.within or not cut.kept.activations:
             return None, table, KEPT_NOTHING
@@ -318,7 +318,7 @@ class StartsPhase:
             return replace(row, latency_ms=ms, feasible=True)
         with step("starts", "accuracy"):
             error = s.guard.error(plan)["error"]
-        return replace(row, latency_ms=ms, error=error, feasible=error <= s.guard.bound)
+        return replace(row, latency_ms=ms, error=error, feasible=s.guard.bound.allows(error))
 
     def _choose(self, rows: list[StartOutcome]) -> str:
         """The fastest feasible start, when it beats float as a commit must (the run's
