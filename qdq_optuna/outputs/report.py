@@ -439,8 +439,9 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     elif acc["status"] != WITHIN_BOUND:
         culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
         lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
-                  f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "
-                  f"evaluations): {culprits}. `optimized.onnx` is the {acc['shipped']}; every "
+                  f"Q/DQ taken out by the repair ({acc.get('repair', 'bisection')}, "
+                  f"{acc['bisection_evaluations']} error evaluations): {culprits}. "
+                  f"`optimized.onnx` is the {acc['shipped']}; every "
                   "figure in this report is that model's.", ""]
     lines += ["| output | cosine | relative L2 | max abs |", "|---|---|---|---|"]
     for name, e in acc.get("output_errors", {}).items():

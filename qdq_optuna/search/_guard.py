@@ -23,9 +23,8 @@ from qdq_optuna.accuracy_words import (
 from qdq_optuna.measure.accuracy import samples_needed
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
-from qdq_optuna.measure.bisect import bisect_plan
 from qdq_optuna.measure.bound import AccuracyBound
-from qdq_optuna.measure.repair import sensitivity
+from qdq_optuna.measure.repair import RepairMethod, repair, sensitivity
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.search._plans import PlanMeasurer
 
@@ -111,28 +110,26 @@ class Guard:
     def allows(self, plan: QuantPlan) -> bool:
         return self.bound.allows(self.error(plan)["error"])
 
-    def final(self, plan: QuantPlan, *, max_evaluations: int = 64) -> Verdict:
+    def final(self, plan: QuantPlan, *, what=None) -> Verdict:
         """What may ship of the tuned ``plan``: the plan itself when it is within the bound;
-        else, with the Q/DQ pairs responsible named by bisection
-        (:func:`~qdq_optuna.measure.bisect.bisect_plan`), the plan without them (every other commit
-        kept), or the model without Q/DQ when that is all that is within the bound."""
+        else the run's one repair (:func:`~qdq_optuna.measure.repair.repair`, as the starts'):
+        quantizer groups returned to float by error per latency cost (``what``: what the
+        runtime ran, the costs), else the plan without the Q/DQ bisection names (every other
+        commit kept), or the model without Q/DQ when that is all that is within the bound."""
         tuned = self.error(plan)
         if self.bound.allows(tuned["error"]):
             return Verdict(plan, WITHIN_BOUND, SHIPPED_TUNED, tuned, tuned, [], 0, plan.tensors)
-        found = bisect_plan(self.exporter, plan, lambda p: self.error(p)["error"],
-                            self.bound.value, max_evaluations=max_evaluations)
-        kept, shipped = found.kept, SHIPPED_WITHOUT
-        if not found.within or not found.kept.activations:
-            kept, shipped = self.exporter.plan(set()), SHIPPED_FLOAT
-        errors = self.error(kept)
+        fixed = repair(self.exporter, plan, lambda p: self.error(p)["error"], self.bound.value,
+                       what=what)
+        errors = self.error(fixed.plan)
         status = FALLBACK if self.bound.allows(errors["error"]) else FLOAT_PAST_BOUND
-        return Verdict(kept, status, shipped, errors, tuned, list(found.responsible),
-                       found.evaluations, plan.tensors)
+        return Verdict(fixed.plan, status, SHIPPED_BY[fixed.method], errors, tuned,
+                       fixed.responsible, fixed.evaluations, plan.tensors, fixed.method)
 
-    def ship(self, plan: QuantPlan, precision: str) -> Verdict:
+    def ship(self, plan: QuantPlan, precision: str, *, what=None) -> Verdict:
         """:meth:`final`, said in one warning line when the guard had to step in
         (``precision``: the run's high precision, named when even its float model drifts)."""
-        verdict = self.final(plan)
+        verdict = self.final(plan, what=what)
         self._say_claim(verdict)
         if verdict.status == WITHIN_BOUND:
             return verdict
@@ -213,6 +210,7 @@ class Guard:
                 "tuned_tensors": verdict.tuned_tensors,
                 "responsible_tensors": verdict.responsible,
                 "bisection_evaluations": verdict.evaluations,
+                **({"repair": verdict.repair.value} if verdict.repair else {}),
                 "confidence": self.bound.confidence,
                 "claim": self.claim(errors),
                 **({"input_noise_floor": self.floor} if self.floor else {}),
@@ -234,7 +232,11 @@ FLOAT_PAST_BOUND = "float model past bound"
 #: :attr:`Verdict.shipped`
 SHIPPED_TUNED = "tuned model"
 SHIPPED_WITHOUT = "tuned model without the responsible tensors' Q/DQ"
+SHIPPED_RANKED = "tuned model with its costliest quantizer groups returned to float"
 SHIPPED_FLOAT = "model without Q/DQ"
+#: what ships after each way :func:`~qdq_optuna.measure.repair.repair` ends
+SHIPPED_BY = {RepairMethod.RANKED: SHIPPED_RANKED, RepairMethod.BISECTION: SHIPPED_WITHOUT,
+              RepairMethod.FLOAT: SHIPPED_FLOAT, RepairMethod.NO_TIME: SHIPPED_FLOAT}
 
 
 @dataclass
@@ -249,12 +251,14 @@ class Verdict:
     #: :func:`qdq_optuna.measure.accuracy.error_record`)
     errors: dict
     tuned_errors: dict
-    #: activation tensors whose Q/DQ broke the bound (empty when within it)
+    #: activation tensors whose Q/DQ the repair took out (empty when within the bound)
     responsible: list[str]
-    #: error evaluations the bisection made
+    #: error evaluations the repair made
     evaluations: int
     #: activation tensors the tuned plan quantizes
     tuned_tensors: list[str]
+    #: how the repair ended (None: the tuned plan was within the bound)
+    repair: RepairMethod | None = None
 
 
 def listed(names: list[str], limit: int = 6) -> str:

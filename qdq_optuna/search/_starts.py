@@ -30,8 +30,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO
-from qdq_optuna.measure.bisect import bisect_plan
-from qdq_optuna.measure.repair import estimated_speed, rank_repair
+from qdq_optuna.measure.repair import RepairMethod, estimated_speed, repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
@@ -43,11 +42,6 @@ log = logging.getLogger("qdq_optuna")
 #: a repaired start's name is its start's with this suffix (``recipe:openvino-in-bound``): the
 #: start without the Q/DQ that broke the accuracy bound (:meth:`StartsPhase._repairs`)
 REPAIRED = "-in-bound"
-#: error evaluations a repair may spend ranking quantizer groups and finding how many to return
-#: to float (:func:`~qdq_optuna.measure.repair.rank_repair`)
-REPAIR_EVALUATIONS = 64
-#: error evaluations the bisection over tensors may spend where the ranked repair kept nothing
-BISECT_EVALUATIONS = 48
 #: a start's ``repair_outcome`` when its repair yielded no start to measure
 NO_TIME = "not repaired: no time left under --timeout"
 KEPT_NOTHING = ("not repaired: no quantized part of it kept the accuracy bound (ranked groups, "
@@ -232,27 +226,25 @@ class StartsPhase:
         ``past_deadline``: the ranked repair runs to its evaluation budget whatever the
         deadline."""
         s = self.s
-        error = lambda p: s.guard.error(p)["error"]  # noqa: E731
         time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
-        found = rank_repair(s.exporter, plan, error, s.guard.bound.value, what=self._what_ran(plan),
-                            max_evaluations=REPAIR_EVALUATIONS,
-                            time_left=(lambda: True) if past_deadline else time_left)
-        name = f"{start.name}{REPAIRED}"
+        fixed = repair(s.exporter, plan, lambda p: s.guard.error(p)["error"],
+                       s.guard.bound.value, what=self._what_ran(plan), time_left=time_left,
+                       rank_time_left=(lambda: True) if past_deadline else time_left)
+        name, found = f"{start.name}{REPAIRED}", fixed.ranked
         table = found.to_dict()
-        if found.within and found.kept.activations:
+        if fixed.method is RepairMethod.RANKED:
             nodes = [g.name for g in found.returned]
             return whole.start_from_uses(
-                s.prepared, name, list(plan_uses(found.kept)),
+                s.prepared, name, list(plan_uses(fixed.plan)),
                 notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
                        f"group(s) returned to float, ranked by output error per latency "
                        f"cost ({found.evaluations} error evaluations) until within the "
                        f"accuracy bound: {listed(nodes)}"]), table, ""
-        if not time_left():
+        if fixed.method is RepairMethod.NO_TIME:
             return None, table, NO_TIME
-        cut = bisect_plan(s.exporter, plan, error, s.guard.bound.value,
-                          max_evaluations=BISECT_EVALUATIONS)
-        if not cut.within or not cut.kept.activations:
+        if fixed.method is RepairMethod.FLOAT:
             return None, table, KEPT_NOTHING
+        cut = fixed.bisection
         gone = set(cut.responsible)
         return whole.start_from_uses(
             s.prepared, name, [u for u in plan_uses(plan) if u[0] not in gone],
