@@ -687,6 +687,66 @@ def test_the_bound_option_check_finds_a_read(tmp_path):
                                              "search/_pattern.py:2: .max_metric_drop"]
 
 
+#: the modules that write files and are no run folder's writer, each with why; every other
+#: module under qdq_optuna/ writes through ``run_folder.py`` (and ``_files.py`` under it)
+OTHER_WRITERS = {
+    "backends/tensorrt.py": "TensorRT's timing cache, beside the user's engine files",
+    "backends/trtexec.py": "the model handed to the trtexec binary, in a temporary folder",
+    "cli/bench.py": "`qdq-optuna bench`'s own folder: models, records, tables",
+    "cli/commands.py": "`qdq-optuna export`'s model at --output; JSON on stdout",
+    "measure/kernels.py": "the kernel timings' cache (--kernel-cache), shared by runs",
+    "outputs/dashboard.py": "the dashboard's pictures, drawn in a temporary folder",
+    "placement/export.py": "the exporter's model file and external weights (RunFolder calls it)",
+    "runtimes/onnxruntime.py": "the model handed to quantize_static, in a temporary folder",
+}
+#: where a run's output files are written
+RUN_FOLDER_WRITERS = ("run_folder.py", "_files.py")
+_WRITE_MODES = re.compile(r"[wax+]")
+
+
+def _file_writes(root: Path) -> dict[str, int]:
+    """File writes per module under ``root``: the calls of :data:`WRITES` (a YAML or JSON
+    ``dump`` only into a stream), ``.save(...)`` (onnx, numpy, an exporter, a cache),
+    ``np.savez``, and ``open`` with a writing mode."""
+    found: dict[str, int] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name == "open":
+                mode = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "mode"), None)
+                writes = (isinstance(mode, ast.Constant) and isinstance(mode.value, str)
+                          and bool(_WRITE_MODES.search(mode.value)))
+            else:
+                writes = (name in WRITES - {"dump", "safe_dump"} or name in ("save", "savez")
+                          or name in ("dump", "safe_dump") and len(node.args) > 1)
+            if writes:
+                found[rel] = found.get(rel, 0) + 1
+    return found
+
+
+def test_every_other_file_write_is_a_named_exception():
+    """What a run leaves is written by ``RunFolder``; the few modules that write other files
+    (a tool's temporary input, a cache shared by runs, a command's own output) are named,
+    each with why. A new writer elsewhere fails here."""
+    writers = {m for m in _file_writes(REPO / "qdq_optuna")
+               if m not in RUN_FOLDER_WRITERS}
+    assert writers == set(OTHER_WRITERS)
+
+
+def test_the_file_write_count_finds_each_form(tmp_path):
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "pareto.py").write_text(
+        'onnx.save(m, p)\nnp.save(p, a)\nopen(p, "wb")\nopen(p, mode="a")\nopen(p, "rb")\n'
+        'open(p)\natomic_write_json(p, {})\np.write_text("x")\njson.dump(d, fh)\n'
+        'json.dumps(d)\nnp.savez(p, a=a)\n')
+    (tmp_path / "run_folder.py").write_text('atomic_write_bytes(p, b"")\n')
+    assert _file_writes(tmp_path) == {"outputs/pareto.py": 8, "run_folder.py": 1}
+
+
 # -- typed boundaries ------------------------------------------------------------------------------
 def _any_fields(source: str, cls: str) -> list[str]:
     """The fields of class ``cls`` whose annotation names ``Any``."""

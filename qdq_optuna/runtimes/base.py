@@ -11,7 +11,6 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from qdq_optuna.backends import BACKENDS
@@ -93,9 +92,10 @@ class Runtime:
         return {}
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
-                     keep: Path | None = None):
-        """The runtime's classic quantization recipe as a whole-model start; ``keep``: where
-        the recipe tool's own file is written as the tool wrote it (runtimes that have one)."""
+                     keep: Callable[[bytes], None] | None = None):
+        """The runtime's classic quantization recipe as a whole-model start; ``keep``: what the
+        recipe tool's own file is handed to as the tool wrote it (the run folder's writer;
+        runtimes that have one)."""
         raise NotImplementedError
 
     #: whether the recipe is a tool run here whose own file is a start (:meth:`recipe_file`)

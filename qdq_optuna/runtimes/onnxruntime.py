@@ -21,12 +21,14 @@ from qdq_optuna.model.precision import HighPrecisionModel
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
+    KeepFile,
     Start,
     keep_recipe_file,
     quiet_tool,
     read_placement,
     read_scales,
     recipe_file_bytes,
+    recipe_file_data,
     start_from_uses,
 )
 from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
@@ -189,10 +191,10 @@ def ort_recipe_options() -> dict:
 def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                      data: Mapping[str, np.ndarray] | None = None,
                      input_shapes: InputShapes | str | None = None,
-                     keep: Path | None = None) -> Start:
+                     keep: KeepFile | None = None) -> Start:
     """ONNX Runtime's recipe (:func:`ort_recipe_model`) on the user's ``model``, read back onto
-    ``pm``'s graph; with ``keep``, the recipe's own file is also written there as the tool
-    wrote it (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
+    ``pm``'s graph; with ``keep``, the recipe's own file as the tool wrote it is also handed to
+    it (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
         path = ort_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
         uses, notes, counts = read_placement(pm, path)
@@ -288,8 +290,7 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
         written = ort_dynamic_recipe_model(model, Path(tmp), input_shapes=input_shapes)
         if written is None:
             return None
-        path = Path(tmp) / "recipe.onnx"
-        return path.read_bytes() if keep_recipe_file(written, path) else None
+        return recipe_file_data(written)
 
 
 class OnnxRuntime(Runtime):
@@ -304,7 +305,7 @@ class OnnxRuntime(Runtime):
     dynamic_ops = frozenset({"MatMul", "Gemm"})
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
-                     keep: Path | None = None):
+                     keep: KeepFile | None = None):
         return ort_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
 
     def recipe_file(self, model: Any, *, input_shapes: Any = None,

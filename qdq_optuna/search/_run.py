@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
 import onnx
 
@@ -257,8 +256,8 @@ class Tuner:
 
     # -- starts ----------------------------------------------------------------------------
     def _starts(self, search: Search) -> AgreedStarts:
-        keep = self.folder.recipe_file(self.profile.name) if self.profile.has_recipe_file \
-            else None
+        keep = (partial(self.folder.keep, self.folder.recipe_file(self.profile.name))
+                if self.profile.has_recipe_file else None)
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
                          wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
@@ -505,10 +504,10 @@ def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
 
 
 def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,
-                 keep: Path | None = None, wall: WallTime | None = None):
-    """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: where
-    its own file is written as the tool wrote it; ``wall``: its time is the starts' "recipe"
-    step."""
+                 keep: Callable[[bytes], None] | None = None, wall: WallTime | None = None):
+    """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: the run
+    folder's writer its own file is handed to as the tool wrote it; ``wall``: its time is the
+    starts' "recipe" step."""
     try:
         with (wall or WallTime()).step("starts", "recipe"):
             return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
