@@ -26,6 +26,7 @@ from qdq_optuna.measure.bias import CorrectedExports
 from qdq_optuna.measure.bound import AccuracyBound
 from qdq_optuna.measure.repair import RepairMethod, repair, sensitivity
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
+from qdq_optuna.search._outcome import ShippedAccuracy
 from qdq_optuna.search._plans import PlanMeasurer
 
 log = logging.getLogger("qdq_optuna")
@@ -189,14 +190,14 @@ class Guard:
             f"about {needed} samples with this spread would support it (--validation-data)"
             if needed else "no number of samples with this mean would support it")
 
-    def report_keys(self, verdict: Verdict, *, scored_as: str) -> dict:
-        """report.json's ``accuracy`` (bound, measure, data, errors of what ships and of the
-        tuned placement, status, responsible tensors) and ``final_output_error(s)``;
-        ``scored_as``: how the guard ran candidates, in the profile's words
-        (``Runtime.scored_as``)."""
+    def shipped_accuracy(self, verdict: Verdict, *, scored_as: str) -> ShippedAccuracy:
+        """What the guard measured of what ships: report.json's ``accuracy`` (bound, measure,
+        data, errors of what ships and of the tuned placement, status, responsible tensors)
+        and ``final_output_error(s)``; ``scored_as``: how the guard ran candidates, in the
+        profile's words (``Runtime.scored_as``)."""
         errors = verdict.errors
-        return {
-            "accuracy": {
+        return ShippedAccuracy(
+            {
                 **self.bound.report_keys(),
                 "data_kind": data_kind(self.bound.data),
                 "scored_as": scored_as,
@@ -215,9 +216,7 @@ class Guard:
                 "claim": self.claim(errors),
                 **({"input_noise_floor": self.floor} if self.floor else {}),
             },
-            "final_output_error": errors["error"],
-            "final_output_errors": errors["output_errors"],
-        }
+            errors["error"], errors["output_errors"])
 
 
 #: the noise floor's share of the bound's room at which the guard warns that 8-bit placements

@@ -1,48 +1,27 @@
-"""A run's options, what they resolve to, and the fingerprint a resumed run must match."""
+"""A run's options: each defined once, as a field of :class:`TuneOptions` and its command-line
+flag (:func:`option`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import onnx
 
-from qdq_optuna.backends import BACKEND_HELP, BACKENDS, DEFAULT_BACKEND, make_backend
+from qdq_optuna.backends import BACKEND_HELP, DEFAULT_BACKEND
 from qdq_optuna.backends.base import Backend
-from qdq_optuna.backends.callable import CallableBackend
-from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
-from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
-from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR, AskedBound
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
-from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import Scales
-from qdq_optuna.placement.points import DYNAMIC
-from qdq_optuna.placement.scheme import ChoiceSpace
-from qdq_optuna.record import FLOW, WHOLE_MODEL, PatternStanding, RunRecord
-from qdq_optuna.run_folder import OPTIMIZED
-from qdq_optuna.runtimes import RUNTIME_NAMES, Runtime, profile_for, profile_for_backend
-from qdq_optuna.runtimes.prepared import PreparedModel
-from qdq_optuna.search.objectives import (
-    check_error_options,
-    check_metric_drop,
-    check_sampler,
-    parse_objectives,
-)
-from qdq_optuna.search.samplers import SAMPLERS, SamplerArg, sampler_name, takes_categorical
-from qdq_optuna.wall_time import WallTime
-
-if TYPE_CHECKING:  # the search's own types, listed above this module (annotations only)
-    from qdq_optuna.measure.timing import Comparison
-    from qdq_optuna.placement.export import ExportedModel, QDQExporter, QuantPlan
-    from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.runtimes import RUNTIME_NAMES
+from qdq_optuna.search.objectives import check_error_options, check_metric_drop, parse_objectives
+from qdq_optuna.search.samplers import SAMPLERS, SamplerArg
 
 
 def option(default: Any = MISSING, *, help: str, group: str | None, flag: str | None = None,
@@ -260,262 +239,3 @@ class TuneOptions:
     @property
     def run_id_or_default(self) -> str:
         return self.run_id or Path(self.output_dir).resolve().name or "run"
-
-
-@dataclass
-class TuneResult:
-    """What ``tune()`` returns: where the outputs are, and ``report.json`` as a dict.
-
-    ``result.speedup`` is your model's latency over the tuned one's (the final interleaved A/B;
-    ``report["final_comparison"]`` has its interval), ``result.optimized_model`` the path of
-    ``optimized.onnx``. Every key of ``report``: the docs' "Outputs and schemas" page.
-    """
-
-    output_dir: Path
-    report: dict
-    #: the run had finished before: ``report`` is its stored report, nothing was measured
-    finished_before: bool = False
-
-    @property
-    def speedup(self) -> float:
-        return self.report["speedup"]
-
-    @property
-    def optimized_model(self) -> Path:
-        return self.output_dir / OPTIMIZED
-
-
-@dataclass(frozen=True)
-class DescentFindings:
-    """What the descent read of the runtime, for the report: the visits the runtime's report
-    of the standing model skipped (lane, round, pattern id, why); how many standing models'
-    reports it read and the kernel table it timed (None: it read none, pruning was off), with
-    how the shipped model placed each node."""
-
-    skipped: list[tuple[str, int, str, str]]
-    what_ran_reads: int | None = None
-    kernel_table: dict | None = None
-    #: the limit estimate and the shipped model's gap to it (:mod:`~qdq_optuna.search._limit`)
-    limit: dict | None = None
-    #: each round's visits as the gap planned them (order, skipped, gaps, noise)
-    plans: list[dict] | None = None
-
-
-@dataclass
-class SearchOutcome:
-    """What a search concluded, for the outputs (:func:`qdq_optuna.outputs.write.write_outputs`):
-    the model that ships (saved as ``out/optimized.onnx``), its A/B against the baseline, its
-    accuracy, and the objects the report reads (the run record, the plan measurer)."""
-
-    out: Path
-    #: report.json's first fields: what was tuned, where, how
-    header: dict
-    record: RunRecord
-    #: every measurement, counted per phase
-    plans: PlanMeasurer
-    prepared: PreparedModel
-    backend: Backend
-    #: what the descent read of the runtime (None when the run stopped before it)
-    descent: DescentFindings | None
-    lane: str
-    #: each pattern's place in the shipped lane's standing model
-    rows: list[PatternStanding]
-    #: the shipped model's Q/DQ
-    plan: QuantPlan
-    #: the exporter with the final scales
-    exporter: QDQExporter
-    final_bytes: bytes | None
-    #: what every speedup is against (a model written piece by piece: its files)
-    baseline_bytes: bytes | ExportedModel
-    #: the final A/B (shipped model vs baseline)
-    comparison: Comparison
-    baseline_ms: float
-    #: report.json's ``accuracy`` and ``final_output_error(s)`` (and the accuracy modes' keys)
-    accuracy: dict
-    partial: bool
-    multi_objective: bool
-    elapsed: dict[str, float]
-    #: where the wall time went, phase by phase (the report's "Where the time went")
-    wall_time: WallTime | None = None
-    #: what the runtime ran for the shipped model (its profile's reader; None: no report)
-    what_ran: WhatRan | None = None
-    #: why it could not be read (the report ships without it)
-    what_ran_error: str | None = None
-
-
-@dataclass
-class StoppedOutcome:
-    """What a run stopped part way (Ctrl-C, SIGTERM, SIGHUP) knows, for the report of what is
-    known (:func:`qdq_optuna.outputs.write.write_stopped_outputs`): nothing is measured
-    after the signal; ``optimized.onnx`` is the standing model the search last saved."""
-
-    out: Path
-    header: dict
-    record: RunRecord
-    #: the signal that stopped the run (``signal.SIGINT`` for Ctrl-C)
-    signum: int
-    #: the lane whose standing model ``optimized.onnx`` holds ("" before the starts agreed)
-    lane: str
-    rows: list[PatternStanding]
-    #: None: stopped before the baseline was measured
-    baseline_ms: float | None
-    #: this process's measurements, counted per phase
-    measurements: int
-    by_phase: dict[str, int]
-    elapsed: dict[str, float]
-
-
-def backend_for(options: TuneOptions) -> Backend:
-    """The backend that measures this run (see :data:`~qdq_optuna.backends.BACKENDS`)."""
-    b = options.backend
-    if isinstance(b, Backend):
-        return b
-    if callable(b):
-        return CallableBackend(b)
-    spec = BACKENDS.get(b)
-    given = {"threads": options.threads,
-             "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
-    kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
-    if spec is not None:  # the runtime's own options (OpenVINO: its precision hint)
-        kwargs.update(profile_for(spec.runtime).backend_options(
-            options.model, options.high_precision, options.threads, given["input_shapes"]))
-    if ":" not in b:
-        kwargs["isolate"] = bool(options.isolate)
-    return make_backend(b, **kwargs)
-
-
-def backend_name(options: TuneOptions, backend: Backend) -> str:
-    return options.backend if isinstance(options.backend, str) else backend.name
-
-
-def check_runtime_named(options: TuneOptions, backend: Backend) -> None:
-    """A backend whose runtime we cannot know (``--backend package.module:function``, a
-    callable, a Backend of a name outside the table) must name it: ONNX Runtime's rules and
-    preprocessing on a TensorRT-like callable would place Q/DQ for the wrong runtime."""
-    if options.runtime is not None:
-        return
-    name = backend_name(options, backend)
-    if name in BACKENDS:
-        return
-    what = (f"--backend {name}" if isinstance(options.backend, str)
-            else f"backend {getattr(backend, 'describe', lambda: {})().get('callable') or name}")
-    raise OptionError(f"{what}: name the runtime it measures with --runtime onnxruntime or "
-                      "--runtime tensorrt (whose rules place the Q/DQ)")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a run's options resolve to once its backend and model are known."""
-
-    backend: str
-    runtime: str
-    #: scales inside trials: calibrated or placeholders (never ``AUTO``: resolved)
-    scales: Scales
-    objectives: tuple[str, ...]
-    #: output errors are measured (any accuracy option; the bound itself is the guard's
-    #: :class:`~qdq_optuna.measure.bound.AccuracyBound`)
-    accuracy: bool
-    space: ChoiceSpace
-    #: descent rounds at most (1 + ``Config.refine_rounds``; 1 with two objectives)
-    rounds: int
-    #: where the descent starts (``Config.start``; ``float`` with two objectives)
-    start: str = "best"
-    #: two objectives (latency, error)
-    multi_objective: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "multi_objective", len(self.objectives) > 1)
-
-    @staticmethod
-    def profile_of(options: TuneOptions, backend: Backend) -> Runtime:
-        """The run's runtime profile, chosen once: ``--runtime``, else the backend's."""
-        if options.runtime is not None:
-            return profile_for(options.runtime)
-        return profile_for_backend(backend_name(options, backend))
-
-    @classmethod
-    def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
-        profile = cls.profile_of(options, backend)
-        runtime = profile.name
-        asked = Scales.parse(options.scales)
-        scales = Scales.parse(profile.default_scales) if asked is Scales.AUTO else asked
-        objectives = parse_objectives(options.objectives)
-        multi = len(objectives) > 1
-        constrained = options.max_output_error is not None  # trials carry the bound
-        accuracy = (multi or constrained or options.validation_data is not None
-                    or options.metric is not None)
-        if accuracy:  # errors with placeholder scales say nothing about the real model
-            if asked is Scales.DEFAULT:
-                raise OptionError("--scales default cannot be combined with accuracy options "
-                                  "(--max-output-error, --objectives latency,error, "
-                                  "--validation-data, --metric): errors need calibrated scales")
-            scales = Scales.CALIBRATED
-        space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
-                            categorical=takes_categorical(options.sampler))
-        check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
-                      constrained=constrained)
-        # two objectives: one pass from float (the report's Pareto chain is built from one
-        # decision per pattern, added to the float model)
-        rounds = 1 if multi else 1 + options.config.refine_rounds
-        return cls(backend_name(options, backend), runtime, scales, objectives, accuracy,
-                   space, rounds, "float" if multi else options.config.start)
-
-
-def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
-                backend: Backend, bound: AskedBound, validation_id: str | None = None) -> dict:
-    """The settings that change a run's result (the accuracy bound's as asked): a resumed run
-    must have the same."""
-    o = options
-    fp = {
-        FLOW: WHOLE_MODEL,
-        "model_sha256": prepared.source_sha256,
-        "backend": backend.describe(),
-        "runtime": settings.runtime,
-        "quant_type": prepared.quant_type,
-        "input_shapes": str(InputShapes.parse(o.input_shapes)),
-        "config": o.config.search_relevant(),
-        "sampler": sampler_name(o.sampler),
-        "seed": o.seed,
-        "timing": o.timing,
-        "scales": settings.scales.value,
-        "calibration_method": o.calibration_method,
-        # scales are made from the cached statistics each time: a run stored before activation
-        # ranges were cut at their readers' saturation measured other scales, and must not
-        # resume with these
-        "activation_ranges": "cut at readers",
-        "preprocess": prepared.preprocess,
-    }
-    # the accuracy / mixed-precision modes are absent when off, so runs made before these
-    # options existed still resume
-    if settings.space.mixed:
-        fp["mixed_types"] = list(settings.space.types)
-    if o.bias_correction:
-        fp["bias_correction"] = BIAS_MODE
-    if bound.confidence is not None:  # absent when off: older runs still resume
-        fp["accuracy_confidence"] = bound.confidence
-    if prepared.high_precision is not None:
-        fp["high_precision"] = prepared.high_precision.describe()
-    if prepared.node_filter:
-        fp["node_filter"] = prepared.node_filter.to_dict()
-    if any(point.kind == DYNAMIC for pp in prepared.tunable for point in pp.points):
-        # absent without a dynamic point (static only, or a model with no MatMul/Gemm of
-        # constant weights): earlier runs still resume
-        fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
-    if settings.accuracy:
-        # max_metric_drop is absent when unset: older runs still resume
-        fp["accuracy"] = {"objectives": list(settings.objectives), **bound.fingerprint_keys(),
-                          "validation_data": validation_id}
-    return fp
-
-
-def metric_label(metric: str | Callable | None) -> str | None:
-    """``--metric``'s text, or a callable's ``module:name`` (its repr holds an address, which
-    would change the fingerprint of every process and the report's wording)."""
-    if metric is None or isinstance(metric, str):
-        return metric
-    return (f"{getattr(metric, '__module__', None) or '?'}:"
-            f"{getattr(metric, '__qualname__', type(metric).__name__)}")
-
-
-def digest(fp: dict) -> str:
-    return hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qdq_optuna._files import remove_stale_temps
+from qdq_optuna._progress import Progress
 from qdq_optuna.backends.base import Backend, measuring
 from qdq_optuna.errors import UserError
 from qdq_optuna.machine import measuring_machine
@@ -39,10 +41,13 @@ from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_o
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
 from qdq_optuna.runtimes.prepared import PreparedModel
+from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
-from qdq_optuna.search._options import (
+from qdq_optuna.search._options import TuneOptions
+from qdq_optuna.search._pattern import Search
+from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._settings import (
     Settings,
-    TuneOptions,
     backend_for,
     backend_name,
     check_runtime_named,
@@ -50,8 +55,7 @@ from qdq_optuna.search._options import (
     fingerprint,
     metric_label,
 )
-from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._workers import retry_stale_trial
+from qdq_optuna.search._workers import Workers, retry_stale_trial
 from qdq_optuna.wall_time import WallTime
 
 log = logging.getLogger("qdq_optuna")
@@ -174,6 +178,21 @@ def open_run(run: PreparedRun) -> OpenedRun:
         guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
+
+
+def search_context(run: PreparedRun, opened: OpenedRun, *, progress: Progress,
+                   remaining: Callable[[], float | None],
+                   on_commit: list[Callable]) -> Search:
+    """What every pattern study of ``run`` shares, from what was prepared and opened: the
+    commit rule, the workers' slots, the profile's kernel timing on this backend."""
+    o, cfg = run.options, run.options.config
+    return Search(
+        prepared=run.prepared, exporter=opened.exporter, settings=run.settings, config=cfg,
+        record=opened.record, rule=CommitRule(cfg.performance_threshold), sampler=o.sampler,
+        seed=o.seed, plans=opened.plans,
+        workers=Workers(opened.record, worker=o.worker, remaining=remaining),
+        progress=progress, remaining=remaining, guard=opened.guard, on_commit=on_commit,
+        kernel_timing=run.profile.kernel_timing(run.backend), kernel_cache=o.kernel_cache)
 
 
 def _bias_corrected(o: TuneOptions, prepared: PreparedModel, exporter: QDQExporter,

@@ -34,7 +34,7 @@ from qdq_optuna.runtimes import DEFAULT_RUNTIME, profile_for
 from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard, Verdict
-from qdq_optuna.search._options import Settings, TuneOptions
+from qdq_optuna.search._options import TuneOptions
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
 from qdq_optuna.search._prepare import (
@@ -44,6 +44,7 @@ from qdq_optuna.search._prepare import (
     error_scorer,
     read_data,
 )
+from qdq_optuna.search._settings import Settings
 from qdq_optuna.search.samplers import SamplerArg
 
 
