@@ -222,6 +222,12 @@ def test_the_final_check_alone_repairs_and_keeps_the_rest():
     assert verdict.tuned_errors["error"] > DEFAULT_MAX_OUTPUT_ERROR >= verdict.errors["error"]
     assert verdict.responsible and set(verdict.responsible) & TAILED
     assert verdict.plan.tensors and set(verdict.plan.tensors) < set(plan.tensors)
+    # what the runtime ran (the repair's costs) is read only when the guard steps in
+    read = []
+    guard.final(verdict.plan, what_ran=lambda p: read.append(p.key))
+    assert read == []
+    guard.final(plan, what_ran=lambda p: read.append(p.key))
+    assert read == [plan.key]
     # errors are scored once per plan: asking again costs nothing
     before = scorer.evaluations
     assert guard.final(plan).plan.key == verdict.plan.key and scorer.evaluations == before

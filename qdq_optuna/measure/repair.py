@@ -25,15 +25,19 @@ nothing either.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.bisect import Bisection, bisect_plan
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
+
+log = logging.getLogger("qdq_optuna")
 
 PlanError = Callable[[QuantPlan], float]
 
@@ -166,6 +170,16 @@ class Repaired:
         if self.bisection is not None:
             return list(self.bisection.responsible)
         return sorted({t for g in self.ranked.groups for t in g.tensors})
+
+
+def read_ran(backend: Backend, exporter: QDQExporter, plan: QuantPlan) -> WhatRan | None:
+    """What the runtime ran integer for ``plan`` (a repair's latency costs), or None when the
+    backend cannot tell."""
+    try:
+        return backend.what_ran(exporter.to_bytes(plan))
+    except Exception as exc:  # a report only sharpens the costs: never the failure
+        log.info("what the runtime ran could not be read (%s)", exc)
+        return None
 
 
 #: error evaluations :func:`repair` may spend ranking quantizer groups and finding how many to

@@ -10,11 +10,13 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import onnx
 
 from qdq_optuna.backends.base import Backend
+from qdq_optuna.measure.repair import read_ran
 from qdq_optuna.measure.timing import Comparison, Until
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
@@ -99,7 +101,8 @@ def conclude(lane: str, *, record: RunRecord, plans: PlanMeasurer, guard: Guard,
     it, and its independent A/B against ``baseline`` (the user's model ships instead when the
     tuned one measured slower); ``mark`` ends each of these steps."""
     uses, rows = record.committed(lane)
-    verdict = guard.ship(guard.exporter.plan(plan_uses(final_exporter.plan(uses))), precision)
+    verdict = guard.ship(guard.exporter.plan(plan_uses(final_exporter.plan(uses))), precision,
+                         what_ran=partial(read_ran, plans.measurer.backend, guard.exporter))
     plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
     final_bytes = folder.save_optimized(guard.shipped_exporter(final_exporter), plan)
     corrected = guard.correction_keys(plan)

@@ -11,6 +11,7 @@ random inputs) and compared with the FP32 model; the measure is the run's ``--er
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qdq_optuna.accuracy_words import (
@@ -20,6 +21,7 @@ from qdq_optuna.accuracy_words import (
     default_session_lines,
     share_words,
 )
+from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.accuracy import samples_needed
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
@@ -111,26 +113,29 @@ class Guard:
     def allows(self, plan: QuantPlan) -> bool:
         return self.bound.allows(self.error(plan)["error"])
 
-    def final(self, plan: QuantPlan, *, what=None) -> Verdict:
+    def final(self, plan: QuantPlan, *,
+              what_ran: Callable[[QuantPlan], WhatRan | None] | None = None) -> Verdict:
         """What may ship of the tuned ``plan``: the plan itself when it is within the bound;
         else the run's one repair (:func:`~qdq_optuna.measure.repair.repair`, as the starts'):
-        quantizer groups returned to float by error per latency cost (``what``: what the
-        runtime ran, the costs), else the plan without the Q/DQ bisection names (every other
-        commit kept), or the model without Q/DQ when that is all that is within the bound."""
+        quantizer groups returned to float by error per latency cost (``what_ran``: what the
+        runtime ran for a plan, the costs; read only when the guard steps in), else the plan
+        without the Q/DQ bisection names (every other commit kept), or the model without Q/DQ
+        when that is all that is within the bound."""
         tuned = self.error(plan)
         if self.bound.allows(tuned["error"]):
             return Verdict(plan, WITHIN_BOUND, SHIPPED_TUNED, tuned, tuned, [], 0, plan.tensors)
         fixed = repair(self.exporter, plan, lambda p: self.error(p)["error"], self.bound.value,
-                       what=what)
+                       what=what_ran(plan) if what_ran is not None else None)
         errors = self.error(fixed.plan)
         status = FALLBACK if self.bound.allows(errors["error"]) else FLOAT_PAST_BOUND
         return Verdict(fixed.plan, status, SHIPPED_BY[fixed.method], errors, tuned,
                        fixed.responsible, fixed.evaluations, plan.tensors, fixed.method)
 
-    def ship(self, plan: QuantPlan, precision: str, *, what=None) -> Verdict:
+    def ship(self, plan: QuantPlan, precision: str, *,
+             what_ran: Callable[[QuantPlan], WhatRan | None] | None = None) -> Verdict:
         """:meth:`final`, said in one warning line when the guard had to step in
         (``precision``: the run's high precision, named when even its float model drifts)."""
-        verdict = self.final(plan, what=what)
+        verdict = self.final(plan, what_ran=what_ran)
         self._say_claim(verdict)
         if verdict.status == WITHIN_BOUND:
             return verdict

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
-from qdq_optuna.measure.repair import RepairMethod, estimated_speed, repair
+from qdq_optuna.measure.repair import RepairMethod, estimated_speed, read_ran, repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
 from qdq_optuna.placement.starts import Start
@@ -182,11 +182,7 @@ class StartRepairs:
         """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
         when the backend cannot tell."""
         if plan.key not in self._ran:  # the repair order and the repair read the same plan
-            try:
-                self._ran[plan.key] = self.backend.what_ran(self.exporter.to_bytes(plan))
-            except Exception as exc:  # a report only sharpens the costs: never the failure
-                log.info("what the runtime ran could not be read (%s)", exc)
-                self._ran[plan.key] = None
+            self._ran[plan.key] = read_ran(self.backend, self.exporter, plan)
         return self._ran[plan.key]
 
 
