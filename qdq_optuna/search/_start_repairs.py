@@ -138,11 +138,12 @@ class StartRepairs:
 
     def _repaired(self, start: Start, plan: QuantPlan, *, past_deadline: bool = False
                   ) -> tuple[Start | None, dict | None, str]:
-        """``start`` within the bound, the repair's sensitivity table, and what the repair came
-        to: quantizer groups returned to float by error per latency cost; where that keeps
-        nothing within the evaluations (an error spread over hundreds of groups ranks
-        coarsely: a real PP-OCR detector and text-line classifier), bisection over tensors, as
-        before (a repaired start is measured even where the repair's own estimate says it
+        """``start`` within the bound by the run's one repair
+        (:func:`~qdq_optuna.measure.repair.repair`), the ranked repair's sensitivity table, and
+        what the repair came to: quantizer groups returned to float by error per latency cost;
+        where that keeps nothing within the evaluations (an error spread over hundreds of
+        groups ranks coarsely: a real PP-OCR detector and text-line classifier), bisection over
+        tensors (a repaired start is measured even where the repair's own estimate says it
         runs no faster than float: the runtime decides, and the report says why).
         ``past_deadline``: the ranked repair runs to its evaluation budget whatever the
         deadline."""
