@@ -61,7 +61,7 @@ import numpy as np
 import photos
 import real_models
 
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 
 
 #: what a tool's file runs on (its speed is measured there, against the FP32 model)

@@ -9,8 +9,8 @@ placement's digest. Run it before and after a change and compare the two JSON fi
 on first use), tuned with their ``--input-shapes`` and no data of their own, as the zoo is.
 ``--reports DIR`` keeps each run's report.json and report.md there (as ``MODEL-SAMPLER.*``);
 ``--compare-reports EARLIER_DIR`` then says, per model, whether the two reports are the same
-once what differs from run to run is left out (wall-clock times, the temporary folder, the
-finish time).
+once what differs from run to run is left out (wall-clock times, report.md's "Where the time
+went", the temporary folder, the finish time).
 
 Deterministic (the cost model does not time anything), so any difference is a behaviour change.
 """
@@ -57,9 +57,12 @@ def run(name: str, size: str, sampler: str, folder: Path, reports: Path | None =
 
 
 #: report.json keys that differ from run to run (wall-clock times, paths)
-VOLATILE = {"finished", "elapsed_s", "output", "storage", "seconds"}
+VOLATILE = {"finished", "elapsed_s", "output", "storage", "seconds", "wall_time", "load_s",
+            "timing_s"}
 _TEMP = re.compile(r"[^\s`'\"]*qdq-behaviour-[^/\s`'\"]+/")
 _PHASES = re.compile(r"Phases ended at [^.]*\.")
+#: report.md's wall-time section (seconds only; its counts are report.json's too)
+_TIME_SECTION = re.compile(r"## Where the time went\n.*?(?=\n## |\Z)", re.S)
 
 
 def _stable(x):
@@ -80,7 +83,8 @@ def same_reports(before: Path, after: Path) -> list[str]:
             continue
         js = list(_stable(json.loads(old.read_text())).items()) == list(
             _stable(json.loads(path.read_text())).items())
-        md = [_PHASES.sub("", _TEMP.sub("TMP/", p.with_suffix(".md").read_text()))
+        md = [_TIME_SECTION.sub("", _PHASES.sub("", _TEMP.sub("TMP/", p.with_suffix(".md")
+                                                               .read_text())))
               for p in (old, path)]
         lines.append(f"{path.stem}: report.json {'same' if js else 'DIFFERS'}, report.md "
                      f"{'same' if md[0] == md[1] else 'DIFFERS'}")

@@ -1,5 +1,5 @@
 """What a relative L2 output error costs in boxes and classes: evidence for the guard's default
-bound (``qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR``).
+bound (``qdq_optuna.measure.bound.DEFAULT_MAX_OUTPUT_ERROR``).
 
 Real models of ``real_models.py`` that take pictures, calibrated on crops of real photographs
 and scored on held-out photos (``photos.py``). For each, placements that span the range of

@@ -36,7 +36,8 @@ import numpy as np
 import real_models  # noqa: E402
 
 from qdq_optuna.measure.accuracy import AccuracyEvaluator  # noqa: E402
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR, bisect_plan, plan_error_function  # noqa: E402
+from qdq_optuna.measure.bisect import bisect_plan, plan_error_function  # noqa: E402
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
 from qdq_optuna.model import calibration  # noqa: E402
 from qdq_optuna.runtimes import profile_for  # noqa: E402
 from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402

@@ -19,7 +19,7 @@ Runtime, its opset imports name only domains its nodes use, and its worst output
 relative L2 error against the FP32 model on 8 *held-out* inputs (ONNX Runtime rules: run with
 ORT's optimizations, the deployed kernels; TensorRT rules: plain ONNX semantics; OpenVINO
 rules: in OpenVINO, compiled as the report's ``accuracy.scored_with`` says) is within the
-guard's bound (``qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
+guard's bound (``qdq_optuna.measure.bound.DEFAULT_MAX_OUTPUT_ERROR``, worst-output relative L2).
 
     python benchmarks/real_model_check.py                           # cost model runs (~50 min)
     python benchmarks/real_model_check.py --runs onnxruntime        # quiet machine
@@ -46,7 +46,7 @@ import photos  # noqa: E402
 import real_models  # noqa: E402
 
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize  # noqa: E402
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR  # noqa: E402
 from qdq_optuna.model.graph import used_domains  # noqa: E402
 from qdq_optuna.runtimes import profile_for  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 
 from qdq_optuna import Autotuner
 from qdq_optuna.examples import zoo
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import random_calibration_data
 from qdq_optuna.placement.export import quantized_tensors
 

@@ -26,10 +26,11 @@ from qdq_optuna.model.calibration import (
     load_calibration_data,
     load_statistics,
     random_calibration_data,
-    save_statistics,
     share_concat_scales,
     share_input_scales,
+    statistics_json,
 )
+from qdq_optuna.run_folder import RunFolder
 
 INTERMEDIATE = ["c1", "r1", "y"]
 
@@ -297,9 +298,10 @@ def test_activation_scales_for_collected_tensors(model, data):
 
 def test_cache_round_trip_and_fingerprint(model, data, tmp_path):
     stats = collect_statistics(model, INTERMEDIATE, data)
-    path = tmp_path / "out" / "statistics.json"
-    save_statistics(path, stats, fingerprint="abc")
-    assert [p.name for p in path.parent.iterdir()] == ["statistics.json"]  # no temp left
+    folder = RunFolder(tmp_path / "out")  # the run folder writes the cache, atomically
+    folder.write_calibration_stats(statistics_json(stats, fingerprint="abc"))
+    path = folder.calibration_stats
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp left
     loaded = load_statistics(path, fingerprint="abc")
     assert loaded is not None
     assert {n: s.to_dict() for n, s in loaded.items()} == {n: s.to_dict() for n, s in stats.items()}

@@ -27,7 +27,7 @@ from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure.accuracy import output_errors, run_model, summarize
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR, AccuracyBound, AskedBound
 from qdq_optuna.placement.export import quantized_tensors
 from qdq_optuna.search._guard import FALLBACK, WITHIN_BOUND
 
@@ -203,24 +203,36 @@ def _guard(model: onnx.ModelProto, bound: float):
     everything = set()
     for pp in pm.tunable:
         everything |= pp.uses(pp.ids)
-    return Guard(plans, exporter, bound, "relative_l2", "--calibration-data test"), \
-        exporter.plan(everything), scorer
+    return Guard(plans, exporter, _bound(bound)), exporter.plan(everything), scorer
 
 
-def test_the_final_check_alone_bisects_and_keeps_the_rest():
+def _bound(value: float) -> AccuracyBound:
+    return AccuracyBound.resolve(AskedBound(value, "relative_l2"), "--calibration-data test")
+
+
+def test_the_final_check_alone_repairs_and_keeps_the_rest():
     """:meth:`Guard.final` on a plan, whatever placed it (a search whose commits check the
-    bound too never gets here with a broken plan; this is the net under it)."""
+    bound too never gets here with a broken plan; this is the net under it): the starts' one
+    repair, whose ranked groups take out what reads the tailed tensors and keep the rest."""
+    from qdq_optuna.measure.repair import RepairMethod
+
     guard, plan, scorer = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
     verdict = guard.final(plan)
-    assert verdict.status == FALLBACK
+    assert verdict.status == FALLBACK and verdict.repair is RepairMethod.RANKED
     assert verdict.tuned_errors["error"] > DEFAULT_MAX_OUTPUT_ERROR >= verdict.errors["error"]
-    assert verdict.responsible and set(verdict.responsible) <= TAILED
-    assert set(verdict.plan.tensors) == set(plan.tensors) - set(verdict.responsible)
+    assert verdict.responsible and set(verdict.responsible) & TAILED
+    assert verdict.plan.tensors and set(verdict.plan.tensors) < set(plan.tensors)
+    # what the runtime ran (the repair's costs) is read only when the guard steps in
+    read = []
+    guard.final(verdict.plan, what_ran=lambda p: read.append(p.key))
+    assert read == []
+    guard.final(plan, what_ran=lambda p: read.append(p.key))
+    assert read == [plan.key]
     # errors are scored once per plan: asking again costs nothing
     before = scorer.evaluations
     assert guard.final(plan).plan.key == verdict.plan.key and scorer.evaluations == before
     # a bound not even the model without Q/DQ keeps: it ships, and says so
-    guard.bound = -1.0
+    guard.bound = _bound(-1.0)
     worst = guard.final(plan)
     assert worst.status == "float model past bound" and worst.plan.tensors == []
     assert worst.shipped == "model without Q/DQ"

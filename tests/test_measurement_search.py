@@ -38,7 +38,7 @@ from qdq_optuna.measure.timing import CUT_SHORT_ROUNDS, SCREEN_DISCARD_RATIO
 from qdq_optuna.placement.scheme import ChoiceSpace
 from qdq_optuna.record import RunRecord
 from qdq_optuna.record.storage import open_storage
-from qdq_optuna.search._options import backend_for
+from qdq_optuna.search._settings import backend_for
 
 TESTS = Path(__file__).resolve().parent
 BUDGET = 6

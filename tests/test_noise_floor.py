@@ -141,10 +141,11 @@ def test_a_start_whose_repair_kept_nothing_says_so_with_its_sensitivity_table(tm
     repaired start, but the start that broke the bound says why on its row and in report.md,
     with the sensitivity table of what the ranked repair measured; a start nearly the same
     placement is not repaired again."""
+    from qdq_optuna.measure import repair
     from qdq_optuna.search import _starts
 
-    monkeypatch.setattr(_starts, "REPAIR_EVALUATIONS", 1)
-    monkeypatch.setattr(_starts, "BISECT_EVALUATIONS", 0)
+    monkeypatch.setattr(repair, "REPAIR_EVALUATIONS", 1)
+    monkeypatch.setattr(repair, "BISECT_EVALUATIONS", 0)
     result = _tune_heavy(tmp_path)
     starts = {s["name"]: s for s in result.report["starts"]}
     assert not any(n.endswith(_starts.REPAIRED) for n in starts)

@@ -284,7 +284,8 @@ def test_the_float_part_runs_at_the_faster_supported_hint(monkeypatch, tmp_path)
     and the faster one is the run's (the baseline and every candidate compile with it)."""
     from qdq_optuna.backends import openvino as ovb
     from qdq_optuna.machine import simulated_cpu
-    from qdq_optuna.search._options import TuneOptions, backend_for
+    from qdq_optuna.search._options import TuneOptions
+    from qdq_optuna.search._settings import backend_for
 
     model = zoo.build("tiny_chain").SerializeToString()
     assert ovb.choose_precision(model, "bf16") == ("bf16", "--high-precision bf16")

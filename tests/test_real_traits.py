@@ -22,11 +22,11 @@ from qdq_optuna.errors import ModelError
 from qdq_optuna.examples import zoo
 from qdq_optuna.measure.accuracy import AccuracyEvaluator
 from qdq_optuna.measure.bisect import (
-    DEFAULT_MAX_OUTPUT_ERROR,
     bisect_plan,
     plan_error_function,
     sub_plan,
 )
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model import calibration
 from qdq_optuna.model.graph import InputShapes, load_model, node_label, opset_of, used_domains
 from qdq_optuna.runtimes.prepared import PreparedModel

@@ -164,7 +164,7 @@ def test_nncf_file_kept_as_written(residual, tmp_path):
     and data (and so its Q/DQ tensors)."""
     pm = starts_pm(residual)
     path = tmp_path / "recipe_openvino.onnx"
-    ov_runtime.nncf_recipe_start(pm, str(residual), keep=path)
+    ov_runtime.nncf_recipe_start(pm, str(residual), keep=path.write_bytes)
     written = ov_runtime.nncf_recipe_model(str(residual)).SerializeToString()
     assert path.read_bytes() == written
     assert qdq_params(path.read_bytes()) == qdq_params(written)

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_guard_run import _guard
 
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
+from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.measure.repair import Repair, plan_groups, rank_repair
 from qdq_optuna.placement.export import plan_uses
 
@@ -325,9 +325,9 @@ def test_where_the_ranked_repair_keeps_nothing_bisection_repairs_the_start(tmp_p
     from test_guard_run import TAILED, _backend, _calibration
 
     from qdq_optuna import Config, tune
-    from qdq_optuna.search import _starts
+    from qdq_optuna.measure import repair
 
-    monkeypatch.setattr(_starts, "REPAIR_EVALUATIONS", 1)
+    monkeypatch.setattr(repair, "REPAIR_EVALUATIONS", 1)
     result = tune(corpus.heavy_tail(3.3, 100.0), tmp_path / "run", backend=_backend(),
                   runtime="onnxruntime", calibration_data=_calibration(),
                   calibration_method="minmax", config=Config(schemes_per_region=3),
@@ -433,3 +433,30 @@ def test_a_placement_whose_chains_are_cut_holds_less_estimated_speed():
     cut = exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
     assert estimated_speed(exporter, plan) > 0 > estimated_speed(exporter, cut)
     assert estimated_speed(exporter, exporter.plan(set())) == 0
+
+
+def test_one_repair_ranks_then_bisects_then_gives_float():
+    """:func:`~qdq_optuna.measure.repair.repair`, the starts' and the shipped model's: the
+    ranked repair first; bisection over tensors where ranking kept nothing (one evaluation
+    ranks nothing); the model without Q/DQ where nothing quantized keeps the bound; bisection
+    skipped once the run's time is up. What it returns never breaks the bound unless it is
+    the model without Q/DQ."""
+    from qdq_optuna.measure.repair import RepairMethod, repair
+
+    guard, plan, _ = _guard(corpus.heavy_tail(3.3, 100.0), DEFAULT_MAX_OUTPUT_ERROR)
+    err = lambda p: guard.error(p)["error"]  # noqa: E731
+    bound = DEFAULT_MAX_OUTPUT_ERROR
+    assert err(plan) > bound
+    ranked = repair(guard.exporter, plan, err, bound)
+    assert ranked.method is RepairMethod.RANKED and ranked.bisection is None
+    assert ranked.plan.activations and err(ranked.plan) <= bound
+    assert ranked.responsible == sorted({t for g in ranked.ranked.returned for t in g.tensors})
+    cut = repair(guard.exporter, plan, err, bound, max_evaluations=1)
+    assert cut.method is RepairMethod.BISECTION and cut.plan.activations
+    assert err(cut.plan) <= bound and set(cut.responsible) <= {"heavy", "c2"}
+    assert cut.evaluations == cut.ranked.evaluations + cut.bisection.evaluations
+    late = repair(guard.exporter, plan, err, bound, max_evaluations=1, time_left=lambda: False,
+                  rank_time_left=lambda: True)
+    assert late.method is RepairMethod.NO_TIME and not late.plan.activations
+    nothing = repair(guard.exporter, plan, err, -1.0)
+    assert nothing.method is RepairMethod.FLOAT and not nothing.plan.activations

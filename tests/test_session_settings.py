@@ -15,14 +15,19 @@ from onnx import TensorProto, helper, numpy_helper
 from qdq_optuna import tune
 from qdq_optuna.backends import BackendError, Configured, SessionSettings, make_backend
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
-from qdq_optuna.measure.accuracy import ErrorScorer
+from qdq_optuna.measure.accuracy import ErrorMeasure, ErrorScorer
+from qdq_optuna.measure.bound import AccuracyBound, AskedBound
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.runtimes.onnxruntime import PROFILE, SESSION_SETTINGS
 from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._settings import SettingsDecision, choose_settings
+from qdq_optuna.search._runtime_settings import SettingsDecision, choose_settings
 
 NO_PROPAGATION = SESSION_SETTINGS[0]
 CHANNELS, SIDE = 32, 96
+
+
+def _bound(value: float) -> AccuracyBound:
+    return AccuracyBound.resolve(AskedBound(value, ErrorMeasure("relative_l2")), "test data")
 
 
 def _pooled(qdq: bool, pool_quantized: bool = False, *, channels: int = CHANNELS,
@@ -125,7 +130,7 @@ def test_the_faster_setting_ships_with_its_error_and_ab():
     and the setting ships; a bound below that error keeps the defaults."""
     model = _pooled(True).SerializeToString()
     plans = _plans(model)
-    choice = choose_settings(PROFILE, plans.measurer.backend, plans, 0.2, model)
+    choice = choose_settings(PROFILE, plans.measurer.backend, plans, _bound(0.2), model)
     (trial,) = choice.trials
     assert trial.decision is SettingsDecision.SHIPS, trial
     assert choice.shipped == NO_PROPAGATION
@@ -139,7 +144,8 @@ def test_the_faster_setting_ships_with_its_error_and_ab():
     choice.baseline_ships()  # the tuned model lost to the user's: no settings ship with it
     assert choice.report()["shipped"] is None
     assert choice.report()["candidates"][0]["decision"] == SettingsDecision.BASELINE_SHIPS.value
-    past = choose_settings(PROFILE, plans.measurer.backend, plans, trial.error / 2, model)
+    past = choose_settings(PROFILE, plans.measurer.backend, plans, _bound(trial.error / 2),
+                           model)
     assert past.shipped is None
     assert past.trials[0].decision is SettingsDecision.PAST_BOUND
 
@@ -148,7 +154,7 @@ def test_a_placement_the_setting_cannot_change_is_not_timed():
     model = _pooled(True, pool_quantized=True).SerializeToString()
     plans = _plans(model)
     loads = plans.measurer.loads
-    choice = choose_settings(PROFILE, plans.measurer.backend, plans, 0.2, model)
+    choice = choose_settings(PROFILE, plans.measurer.backend, plans, _bound(0.2), model)
     assert choice.shipped is None
     assert [t.decision for t in choice.trials] == [SettingsDecision.SAME_KERNELS]
     assert plans.measurer.loads == loads  # no session was timed
@@ -190,6 +196,6 @@ def test_past_the_deadline_no_setting_is_timed():
     model = _pooled(True).SerializeToString()
     plans = _plans(model)
     plans.set_deadline(time.monotonic() - 1.0)
-    choice = choose_settings(PROFILE, plans.measurer.backend, plans, 0.2, model)
+    choice = choose_settings(PROFILE, plans.measurer.backend, plans, _bound(0.2), model)
     assert choice.shipped is None and plans.measurer.loads == 0
     assert [t.decision for t in choice.trials] == [SettingsDecision.OUT_OF_TIME]

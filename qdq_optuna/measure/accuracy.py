@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,18 @@ from qdq_optuna.model.calibration import iter_batches, make_session, one_line
 
 log = logging.getLogger("qdq_optuna")
 
-#: Scalar error measures for the objective / constraint (see :func:`error_value`).
-ERROR_MEASURES = ("relative_l2", "1-cosine", "max_abs")
+
+class ErrorMeasure(str, Enum):
+    """The scalar output error of a model vs FP32, worst output (``--error-measure``; see
+    :func:`error_value`)."""
+
+    RELATIVE_L2 = "relative_l2"
+    ONE_MINUS_COSINE = "1-cosine"
+    MAX_ABS = "max_abs"
+
+
+#: Scalar error measures for the objective / constraint, as ``--error-measure`` spells them.
+ERROR_MEASURES = tuple(m.value for m in ErrorMeasure)
 
 Metric = Callable[[dict, dict], float]
 

@@ -19,14 +19,6 @@ from dataclasses import dataclass, field
 
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 
-#: the accuracy guard's default bound on the worst output's relative L2 error vs FP32: a cosine
-#: of about 0.98 when the error is uncorrelated with the output. On real held-out photos
-#: (``benchmarks/bound_evidence.py``) a text-line classifier kept 92-96 % of its FP32 classes
-#: at 0.1, 83-92 % at 0.2-0.25; 0.5 shipped a PP-OCR detector at cosine 0.87. Healthy
-#: full-INT8 models sit at 0.02-0.17 (``benchmarks/calibration_methods.py``); past the bound the
-#: starts' repair returns the groups that cost the least speed per error to float
-DEFAULT_MAX_OUTPUT_ERROR = 0.2
-
 PlanError = Callable[[QuantPlan], float]
 
 

@@ -16,18 +16,28 @@ fused, :class:`~qdq_optuna.backends.what_ran.WhatRan`), weighed by a per-node co
 when one is given (measured integer-vs-float kernel times) or by the node's multiply-adds.
 Groups go back to float one at a time, whole, the best drop per cost first, re-ranking the
 few best after each, until the plan is within the bound.
+
+:func:`repair` is *the* repair, of the starts and of the shipped model alike: the ranked repair
+first; where it keeps nothing within the bound, bisection over tensors; float where that keeps
+nothing either.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
+from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
+from qdq_optuna.measure.bisect import Bisection, bisect_plan
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
+
+log = logging.getLogger("qdq_optuna")
 
 PlanError = Callable[[QuantPlan], float]
 
@@ -115,6 +125,96 @@ class Repair:
                 "exclude_nodes": self.exclude_nodes(),
                 "sensitivity": [g.to_dict() for g in self.groups]}
 
+
+
+class RepairMethod(str, Enum):
+    """Which step of :func:`repair` gave its plan (report.json ``accuracy.repair``)."""
+
+    #: quantizer groups returned to float by error per latency cost (:func:`rank_repair`)
+    RANKED = "ranked groups"
+    #: the Q/DQ of the tensors bisection named removed (:func:`~qdq_optuna.measure.bisect.bisect_plan`)
+    BISECTION = "bisection"
+    #: nothing quantized kept the bound: the model without Q/DQ
+    FLOAT = "float"
+    #: the ranked repair kept nothing and the run's time was up before bisection
+    NO_TIME = "no time"
+
+
+@dataclass
+class Repaired:
+    """What :func:`repair` made of a plan past the bound: the plan (within the bound, or the
+    model without Q/DQ), the step that gave it, and each step's own result."""
+
+    plan: QuantPlan
+    method: RepairMethod
+    #: the ranked repair's table (always run first)
+    ranked: Repair
+    #: the bisection, when the ranked repair kept nothing within the bound
+    bisection: Bisection | None = None
+
+    @property
+    def kept_quantized(self) -> bool:
+        """Whether a quantized plan within the bound was kept."""
+        return self.method in (RepairMethod.RANKED, RepairMethod.BISECTION)
+
+    @property
+    def evaluations(self) -> int:
+        return self.ranked.evaluations + (self.bisection.evaluations if self.bisection else 0)
+
+    @property
+    def responsible(self) -> list[str]:
+        """The activation tensors whose Q/DQ the repair took out (all or some of their uses):
+        the returned groups', bisection's, or every tensor (nothing kept)."""
+        if self.method is RepairMethod.RANKED:
+            return sorted({t for g in self.ranked.returned for t in g.tensors})
+        if self.bisection is not None:
+            return list(self.bisection.responsible)
+        return sorted({t for g in self.ranked.groups for t in g.tensors})
+
+
+def read_ran(backend: Backend, exporter: QDQExporter, plan: QuantPlan) -> WhatRan | None:
+    """What the runtime ran integer for ``plan`` (a repair's latency costs), or None when the
+    backend cannot tell."""
+    try:
+        return backend.what_ran(exporter.to_bytes(plan))
+    except Exception as exc:  # a report only sharpens the costs: never the failure
+        log.info("what the runtime ran could not be read (%s)", exc)
+        return None
+
+
+#: error evaluations :func:`repair` may spend ranking quantizer groups and finding how many to
+#: return to float (:func:`rank_repair`)
+REPAIR_EVALUATIONS = 64
+#: error evaluations the bisection over tensors may spend where the ranked repair kept nothing
+BISECT_EVALUATIONS = 48
+
+
+def repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bound: float, *,
+           what: WhatRan | None = None, max_evaluations: int | None = None,
+           bisect_evaluations: int | None = None,
+           time_left: Callable[[], bool] = lambda: True,
+           rank_time_left: Callable[[], bool] | None = None) -> Repaired:
+    """``plan`` (past ``bound``) brought within it: :func:`rank_repair` (quantizer groups back to
+    float by error per latency cost; ``max_evaluations``, default :data:`REPAIR_EVALUATIONS`;
+    ``rank_time_left``, else ``time_left``); where that keeps nothing quantized within the
+    bound (an error spread over hundreds of groups ranks coarsely),
+    :func:`~qdq_optuna.measure.bisect.bisect_plan` over tensors (``bisect_evaluations``,
+    default :data:`BISECT_EVALUATIONS`; skipped once ``time_left()`` is false); the model without
+    Q/DQ where neither keeps anything. The plan returned never breaks the bound unless it is
+    the model without Q/DQ."""
+    found = rank_repair(exporter, plan, error_fn, bound, what=what,
+                        max_evaluations=REPAIR_EVALUATIONS if max_evaluations is None
+                        else max_evaluations,
+                        time_left=rank_time_left or time_left)
+    if found.within and found.kept.activations:
+        return Repaired(found.kept, RepairMethod.RANKED, found)
+    if not time_left():
+        return Repaired(exporter.plan(set()), RepairMethod.NO_TIME, found)
+    cut = bisect_plan(exporter, plan, error_fn, bound, max_evaluations=BISECT_EVALUATIONS
+                      if bisect_evaluations is None else bisect_evaluations)
+    if cut.within and cut.kept.activations:
+        return Repaired(cut.kept, RepairMethod.BISECTION, found, cut)
+    return Repaired(exporter.plan(set()), RepairMethod.FLOAT, found, cut)
 
 
 class _ScoredOnce:

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qdq_optuna._files import atomic_write_bytes, map_external_sources
+from qdq_optuna._files import map_external_sources
 from qdq_optuna.errors import ModelError, OptionError, UserError
 from qdq_optuna.machine import current_cpu
 
@@ -626,15 +626,6 @@ def statistics_json(stats: Mapping[str, TensorStatistics], *, fingerprint: str) 
         "tensors": {name: s.to_dict() for name, s in stats.items()},
     }
     return json.dumps(payload).encode()
-
-
-def save_statistics(
-    path: str | os.PathLike, stats: Mapping[str, TensorStatistics], *, fingerprint: str
-) -> None:
-    """Write the cache atomically so an interrupted run never leaves a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(target, statistics_json(stats, fingerprint=fingerprint))
 
 
 def load_statistics(

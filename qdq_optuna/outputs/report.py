@@ -5,6 +5,7 @@ measured), never from the tuner itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -30,7 +31,28 @@ from qdq_optuna.record import (
 from qdq_optuna.run_folder import RunFolder
 
 if TYPE_CHECKING:  # an annotation: what the search concluded, which the report formats
-    from qdq_optuna.search import SearchOutcome, StoppedOutcome
+    from qdq_optuna.search import RunHeader, SearchOutcome, ShippedAccuracy, StoppedOutcome
+
+
+def header_keys(header: RunHeader) -> dict:
+    """report.json's first fields, from the run's header (in its fields' order)."""
+    return dataclasses.asdict(header)
+
+
+def accuracy_keys(accuracy: ShippedAccuracy) -> dict:
+    """report.json's accuracy keys: ``accuracy`` (the guard's figures), ``final_output_error(s)``,
+    the recipe files measured (``recipe_file``: the classic recipe's), ``kept_your_model`` and
+    the accuracy modes' ``objectives``, ``error_measure``, ``max_output_error``."""
+    keys = {"accuracy": accuracy.guard, "final_output_error": accuracy.final_output_error,
+            "final_output_errors": accuracy.final_output_errors}
+    if accuracy.recipe_files:
+        keys["recipe_file"] = accuracy.recipe_files[0]
+        keys["recipe_files"] = accuracy.recipe_files
+    if accuracy.kept_your_model is not None:
+        keys["kept_your_model"] = accuracy.kept_your_model
+    if accuracy.modes is not None:
+        keys.update(dataclasses.asdict(accuracy.modes))
+    return keys
 
 
 def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
@@ -89,7 +111,7 @@ def stopped_report(o: StoppedOutcome) -> dict:
     estimate = (chosen["speedup"] * (lane["gain"] if lane else 1.0)
                 if chosen and chosen.get("speedup") else None)
     return {
-        **o.header,
+        **header_keys(o.header),
         "complete": False,
         "stopped": {"signal": signal.Signals(o.signum).name,
                     "at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
@@ -440,8 +462,9 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     elif acc["status"] != WITHIN_BOUND:
         culprits = ", ".join(f"`{t}`" for t in acc.get("responsible_tensors", [])) or "none"
         lines += [f"**The tuned placement broke the bound** (error {acc['tuned_error']:.4g}). "
-                  f"Q/DQ responsible (found by bisection, {acc['bisection_evaluations']} error "
-                  f"evaluations): {culprits}. `optimized.onnx` is the {acc['shipped']}; every "
+                  f"Q/DQ taken out by the repair ({acc.get('repair', 'bisection')}, "
+                  f"{acc['bisection_evaluations']} error evaluations): {culprits}. "
+                  f"`optimized.onnx` is the {acc['shipped']}; every "
                   "figure in this report is that model's.", ""]
     lines += ["| output | cosine | relative L2 | max abs |", "|---|---|---|---|"]
     for name, e in acc.get("output_errors", {}).items():

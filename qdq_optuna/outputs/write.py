@@ -5,7 +5,9 @@ pipeline (:mod:`qdq_optuna._tune`) hands the outcome over."""
 from __future__ import annotations
 
 from qdq_optuna.outputs.report import (
+    accuracy_keys,
     build_report,
+    header_keys,
     mode_keys,
     runtime_keys,
     stopped_report,
@@ -18,10 +20,10 @@ def write_outputs(outcome) -> dict:
     :class:`~qdq_optuna.search.SearchOutcome`); returns it. Two objectives: the
     latency/error front is measured here (with the run's plan measurer) and written first."""
     o = outcome
-    report = build_report(o.header, o.record, o.plans, o.prepared, o.plan, o.comparison,
+    report = build_report(header_keys(o.header), o.record, o.plans, o.prepared, o.plan, o.comparison,
                           rows=o.rows, baseline_ms=o.baseline_ms, partial=o.partial,
                           lane=o.lane)
-    report.update(o.accuracy)
+    report.update(accuracy_keys(o.accuracy))
     if o.multi_objective:
         from qdq_optuna.outputs.pareto import model_front
 

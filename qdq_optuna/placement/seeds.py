@@ -12,7 +12,6 @@ from pathlib import Path
 
 import yaml
 
-from qdq_optuna._files import atomic_write_bytes
 from qdq_optuna.errors import UserError
 from qdq_optuna.model.graph import load_model
 from qdq_optuna.placement.points import PatternPoints
@@ -103,9 +102,6 @@ class PatternCache:
         """The cache as its file holds it (``--pattern-cache`` reads it back)."""
         return yaml.safe_dump({"version": CACHE_VERSION, "patterns": self.entries},
                               sort_keys=True)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return atomic_write_bytes(path, self.to_yaml().encode())
 
 
 def baseline_tensors(path: str | os.PathLike) -> set[str]:

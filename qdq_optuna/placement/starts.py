@@ -16,7 +16,8 @@ The recipes are run, not re-implemented, each by its runtime's profile
 (``qdq_optuna/runtimes/<name>.py``: ONNX Runtime's ``quantize_static``, NNCF's
 ``nncf.quantize``, NVIDIA Model Optimizer where it is installed); this module reads a recipe's
 placement back from the Q/DQ model it wrote (:func:`read_placement`), quiets the tool while it
-runs (:func:`quiet_tool`) and keeps its own file (:func:`keep_recipe_file`).
+runs (:func:`quiet_tool`) and hands its own file over as written (:func:`recipe_file_data`;
+the run folder writes it).
 """
 
 from __future__ import annotations
@@ -373,23 +374,29 @@ def activation_types(qdq_model: onnx.ModelProto) -> dict[str, str]:
 _ONE_FILE = (1 << 31) - (1 << 20)
 
 
-def keep_recipe_file(written: os.PathLike | onnx.ModelProto, path: Path) -> bool:
-    """The recipe's own model (its Q/DQ, scales, zero points and types exactly as the tool
-    wrote them) saved atomically at ``path``, so that a run can measure and ship it as written
-    and a resumed run finds it; False (nothing written) when it does not fit one file."""
-    from qdq_optuna._files import atomic_write_bytes
+#: where a recipe's own file goes (the run folder's writer: ``RunFolder.keep`` at its path)
+KeepFile = Callable[[bytes], None]
 
+
+def recipe_file_data(written: os.PathLike | onnx.ModelProto) -> bytes | None:
+    """The recipe's own model as bytes (its Q/DQ, scales, zero points and types exactly as the
+    tool wrote them), for the run to keep, measure and ship as written; None when it does not
+    fit one file."""
     if isinstance(written, onnx.ModelProto):
-        if written.ByteSize() > _ONE_FILE:
-            return False
-        data = written.SerializeToString()
-    else:
-        folder = Path(written).parent  # weights written beside it: too big for one file
-        if any(f != Path(written) for f in folder.iterdir() if f.suffix not in (".onnx",)):
-            return False
-        data = Path(written).read_bytes()
-    atomic_write_bytes(path, data)
-    return True
+        return None if written.ByteSize() > _ONE_FILE else written.SerializeToString()
+    folder = Path(written).parent  # weights written beside it: too big for one file
+    if any(f != Path(written) for f in folder.iterdir() if f.suffix not in (".onnx",)):
+        return None
+    return Path(written).read_bytes()
+
+
+def keep_recipe_file(written: os.PathLike | onnx.ModelProto, keep: KeepFile) -> bool:
+    """The recipe's own model handed to ``keep`` (the run folder writes it); False (nothing
+    handed over) when it does not fit one file."""
+    data = recipe_file_data(written)
+    if data is not None:
+        keep(data)
+    return data is not None
 
 
 def recipe_file_bytes(make: Callable[[Path], os.PathLike | onnx.ModelProto]) -> bytes | None:
@@ -397,8 +404,7 @@ def recipe_file_bytes(make: Callable[[Path], os.PathLike | onnx.ModelProto]) -> 
     model, data and settings give the same file, the tools calibrate deterministically), as
     bytes; None for a model too big for one file."""
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
-        path = Path(tmp) / "recipe.onnx"
-        return path.read_bytes() if keep_recipe_file(make(Path(tmp)), path) else None
+        return recipe_file_data(make(Path(tmp)))
 
 
 def read_scales(qdq_model: str | os.PathLike | onnx.ModelProto) -> dict[str, tuple[float, int]]:

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -108,9 +107,10 @@ class Runtime:
         return {}
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
-                     keep: Path | None = None):
-        """The runtime's classic quantization recipe as a whole-model start; ``keep``: where
-        the recipe tool's own file is written as the tool wrote it (runtimes that have one)."""
+                     keep: Callable[[bytes], None] | None = None):
+        """The runtime's classic quantization recipe as a whole-model start; ``keep``: what the
+        recipe tool's own file is handed to as the tool wrote it (the run folder's writer;
+        runtimes that have one)."""
         raise NotImplementedError
 
     #: whether the recipe is a tool run here whose own file is a start (:meth:`recipe_file`)
@@ -140,7 +140,7 @@ class Runtime:
 
     #: session settings that can change what this runtime runs for a placement (its own
     #: optimizer undoing or worsening one): each that changes the shipped model's kernels is
-    #: A/B-timed on it, and the faster beyond noise ships with it (``search/_settings.py``)
+    #: A/B-timed on it, and the faster beyond noise ships with it (``search/_runtime_settings.py``)
     session_settings: tuple[SessionSettings, ...] = ()
 
     def settings_matter(self, model: bytes, settings: SessionSettings) -> bool:

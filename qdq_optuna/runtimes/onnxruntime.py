@@ -28,12 +28,14 @@ from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
     CONVOLUTIONS,
+    KeepFile,
     Start,
     keep_recipe_file,
     quiet_tool,
     read_placement,
     read_scales,
     recipe_file_bytes,
+    recipe_file_data,
     start_from_uses,
 )
 from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
@@ -196,10 +198,10 @@ def ort_recipe_options() -> dict:
 def ort_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                      data: Mapping[str, np.ndarray] | None = None,
                      input_shapes: InputShapes | str | None = None,
-                     keep: Path | None = None) -> Start:
+                     keep: KeepFile | None = None) -> Start:
     """ONNX Runtime's recipe (:func:`ort_recipe_model`) on the user's ``model``, read back onto
-    ``pm``'s graph; with ``keep``, the recipe's own file is also written there as the tool
-    wrote it (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
+    ``pm``'s graph; with ``keep``, the recipe's own file as the tool wrote it is also handed to
+    it (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-recipe-") as tmp:
         path = ort_recipe_model(model, Path(tmp), data=data, input_shapes=input_shapes)
         uses, notes, counts = read_placement(pm, path)
@@ -307,8 +309,7 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
         written = ort_dynamic_recipe_model(proto, Path(tmp), input_shapes=shapes)
         if written is None:
             return None
-        path = Path(tmp) / "recipe.onnx"
-        return path.read_bytes() if keep_recipe_file(written, path) else None
+        return recipe_file_data(written)
 
 
 # -- ONNX Runtime's weight-only recipe (MatMulNBitsQuantizer) -------------------------------------
@@ -453,7 +454,7 @@ class OnnxRuntime(Runtime):
         return weight_only_modes_lacking()
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
-                     keep: Path | None = None):
+                     keep: KeepFile | None = None):
         return ort_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
 
     def recipe_file(self, model: Any, *, input_shapes: Any = None,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import check_precision
 from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, swish_operand
 from qdq_optuna.placement.starts import (
+    KeepFile,
     Start,
     keep_recipe_file,
     quiet_tool,
@@ -132,9 +132,9 @@ def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
 def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
                       data: Mapping[str, np.ndarray] | None = None,
                       input_shapes: InputShapes | str | None = None,
-                      keep: Path | None = None) -> Start:
+                      keep: KeepFile | None = None) -> Start:
     """NNCF's placement (:func:`nncf_recipe_model`) read back onto ``pm``'s graph; with
-    ``keep``, NNCF's own file is also written there
+    ``keep``, NNCF's own file is also handed to it
     (:func:`~qdq_optuna.placement.starts.keep_recipe_file`)."""
     written = nncf_recipe_model(model, data=data, input_shapes=input_shapes)
     uses, notes, counts = read_placement(pm, written)
@@ -171,7 +171,7 @@ class OpenVino(Runtime):
     recipe_tool = "nncf.quantize"
 
     def recipe_start(self, pm, model: Any, *, input_shapes: Any = None, data: Any = None,
-                     keep: Path | None = None):
+                     keep: KeepFile | None = None):
         return nncf_recipe_start(pm, model, input_shapes=input_shapes, data=data, keep=keep)
 
     def recipe_file(self, model: Any, *, input_shapes: Any = None,

@@ -1,16 +1,17 @@
 """The search: one Optuna study per pattern, a run phase by phase (see the module map in
 docs/architecture.md). Its public names; the modules with a leading underscore are private."""
 
-from qdq_optuna.search._options import (
-           OPTION_GROUPS,
-           SearchOutcome,
-           StoppedOutcome,
-           TuneOptions,
-           TuneResult,
-           option,
+from qdq_optuna.search._options import OPTION_GROUPS, TuneOptions, option
+from qdq_optuna.search._outcome import (
+    RunHeader,
+    SearchOutcome,
+    ShippedAccuracy,
+    StoppedOutcome,
+    TuneResult,
 )
 from qdq_optuna.search._prepare import OpenedRun, PreparedRun, open_run
 from qdq_optuna.search._run import Tuner
 
-__all__ = ["OPTION_GROUPS", "OpenedRun", "PreparedRun", "SearchOutcome", "StoppedOutcome",
-           "TuneOptions", "TuneResult", "Tuner", "open_run", "option"]
+__all__ = ["OPTION_GROUPS", "OpenedRun", "PreparedRun", "RunHeader", "SearchOutcome",
+           "ShippedAccuracy", "StoppedOutcome", "TuneOptions", "TuneResult", "Tuner", "open_run",
+           "option"]

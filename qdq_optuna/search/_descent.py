@@ -30,7 +30,7 @@ from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
 from qdq_optuna.search._limit import GapPlan, estimate, heavy_nodes, node_patterns, plan_visits
 from qdq_optuna.search._moves import MoveSpace, MoveStats
-from qdq_optuna.search._options import DescentFindings
+from qdq_optuna.search._outcome import DescentFindings
 from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import (
     FINAL_LINE,

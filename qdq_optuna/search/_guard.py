@@ -4,14 +4,14 @@ or shipped, whether or not the run asked for accuracy.
 Errors are those of the model that would ship: exported with calibrated scales (whatever scales
 the trials use), run in ONNX Runtime on the validation data (else the calibration data, else
 random inputs) and compared with the FP32 model; the measure is the run's ``--error-measure``
-(worst output) or its ``--metric``. The bound is ``--max-output-error`` when given, the FP32
-model's own metric plus ``--max-metric-drop`` (absolute or relative) when that is, else
-:data:`~qdq_optuna.measure.bisect.DEFAULT_MAX_OUTPUT_ERROR`.
+(worst output) or its ``--metric``. The bound is the run's
+:class:`~qdq_optuna.measure.bound.AccuracyBound`, built once while preparing and owned here.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qdq_optuna.accuracy_words import (
@@ -21,12 +21,14 @@ from qdq_optuna.accuracy_words import (
     default_session_lines,
     share_words,
 )
+from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.accuracy import samples_needed
 from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
 from qdq_optuna.measure.bias import CorrectedExports
-from qdq_optuna.measure.bisect import bisect_plan
-from qdq_optuna.measure.repair import sensitivity
+from qdq_optuna.measure.bound import AccuracyBound
+from qdq_optuna.measure.repair import RepairMethod, repair, sensitivity
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
+from qdq_optuna.search._outcome import ShippedAccuracy
 from qdq_optuna.search._plans import PlanMeasurer
 
 log = logging.getLogger("qdq_optuna")
@@ -37,23 +39,14 @@ class Guard:
     plans: PlanMeasurer
     #: exports with calibrated scales: the errors of the model that would ship
     exporter: QDQExporter
-    bound: float
-    #: what the errors are: ``relative_l2`` (worst output) or ``metric module:function``
-    measure: str
-    #: which data they were measured on (``--validation-data FILE:sha``, ``random:8:1``, ...)
-    data: str
-    #: ``--max-metric-drop``: the FP32 model's metric and the drop the bound allows
-    #: (:func:`~qdq_optuna.measure.accuracy.metric_drop_bound`), None otherwise
-    drop: dict | None = None
+    #: the bound, what it is measured in and on (the one every feasibility check reads)
+    bound: AccuracyBound
     #: ``--bias-correction``: the exporter's models with their biases corrected, scored and
     #: shipped instead of the plain exports (None: off, or not possible for this run)
     corrected: CorrectedExports | None = None
     #: :meth:`~qdq_optuna.measure.accuracy.ErrorScorer.noise_floor` on the guard's data, with
     #: its share of the room the bound leaves (None: not measured)
     floor: dict | None = None
-    #: ``--accuracy-confidence``: the errors compared with the bound are the upper bounds of
-    #: the mean per-sample error at this confidence (None: the error over all samples)
-    confidence: float | None = None
 
     def measure_floor(self) -> dict | None:
         """The FP32 model's own error under half an 8-bit step of input noise, and its share
@@ -69,8 +62,8 @@ class Guard:
             return None
         if floor is None:
             return None
-        own = self.drop["fp32_metric"] if self.drop else 0.0
-        room = self.bound - own
+        own = self.bound.drop.fp32_metric if self.bound.drop else 0.0
+        room = self.bound.value - own
         floor["share_of_bound"] = (floor["error"] - own) / room if room > 0 else None
         self.floor = floor
         if room > 0 and floor["share_of_bound"] >= FLOOR_WARN:
@@ -79,13 +72,13 @@ class Guard:
                 "when its inputs move by half an 8-bit step, %s what the bound %g allows: "
                 "8-bit placements will hardly stay within it; give a task-level --metric with "
                 "--max-metric-drop, or a --max-output-error you can accept", floor["error"],
-                self.measure, data_phrase(self.data), share_words(floor["share_of_bound"]),
-                self.bound)
+                self.bound.label, data_phrase(self.bound.data),
+                share_words(floor["share_of_bound"]), self.bound.value)
         return floor
 
     def error(self, plan: QuantPlan) -> dict:
         """Output errors of ``plan`` vs FP32 (``error``: the worst output's, in
-        :attr:`measure`), scored once per run; of its bias-corrected export when the run
+        the bound's measure), scored once per run; of its bias-corrected export when the run
         corrects biases (what would ship)."""
         if self.corrected is not None:
             return self.plans.error(self.corrected, plan, tag=BIAS_TAG)
@@ -118,51 +111,49 @@ class Guard:
             return None
 
     def allows(self, plan: QuantPlan) -> bool:
-        return self.error(plan)["error"] <= self.bound
+        return self.bound.allows(self.error(plan)["error"])
 
-    def describe(self) -> dict:
-        return {"bound": self.bound, "measure": self.measure, "data": self.data}
-
-    def final(self, plan: QuantPlan, *, max_evaluations: int = 64) -> Verdict:
+    def final(self, plan: QuantPlan, *,
+              what_ran: Callable[[QuantPlan], WhatRan | None] | None = None) -> Verdict:
         """What may ship of the tuned ``plan``: the plan itself when it is within the bound;
-        else, with the Q/DQ pairs responsible named by bisection
-        (:func:`~qdq_optuna.measure.bisect.bisect_plan`), the plan without them (every other commit
-        kept), or the model without Q/DQ when that is all that is within the bound."""
+        else the run's one repair (:func:`~qdq_optuna.measure.repair.repair`, as the starts'):
+        quantizer groups returned to float by error per latency cost (``what_ran``: what the
+        runtime ran for a plan, the costs; read only when the guard steps in), else the plan
+        without the Q/DQ bisection names (every other commit kept), or the model without Q/DQ
+        when that is all that is within the bound."""
         tuned = self.error(plan)
-        if tuned["error"] <= self.bound:
+        if self.bound.allows(tuned["error"]):
             return Verdict(plan, WITHIN_BOUND, SHIPPED_TUNED, tuned, tuned, [], 0, plan.tensors)
-        found = bisect_plan(self.exporter, plan, lambda p: self.error(p)["error"], self.bound,
-                            max_evaluations=max_evaluations)
-        kept, shipped = found.kept, SHIPPED_WITHOUT
-        if not found.within or not found.kept.activations:
-            kept, shipped = self.exporter.plan(set()), SHIPPED_FLOAT
-        errors = self.error(kept)
-        status = FALLBACK if errors["error"] <= self.bound else FLOAT_PAST_BOUND
-        return Verdict(kept, status, shipped, errors, tuned, list(found.responsible),
-                       found.evaluations, plan.tensors)
+        fixed = repair(self.exporter, plan, lambda p: self.error(p)["error"], self.bound.value,
+                       what=what_ran(plan) if what_ran is not None else None)
+        errors = self.error(fixed.plan)
+        status = FALLBACK if self.bound.allows(errors["error"]) else FLOAT_PAST_BOUND
+        return Verdict(fixed.plan, status, SHIPPED_BY[fixed.method], errors, tuned,
+                       fixed.responsible, fixed.evaluations, plan.tensors, fixed.method)
 
-    def ship(self, plan: QuantPlan, precision: str) -> Verdict:
+    def ship(self, plan: QuantPlan, precision: str, *,
+             what_ran: Callable[[QuantPlan], WhatRan | None] | None = None) -> Verdict:
         """:meth:`final`, said in one warning line when the guard had to step in
         (``precision``: the run's high precision, named when even its float model drifts)."""
-        verdict = self.final(plan)
+        verdict = self.final(plan, what_ran=what_ran)
         self._say_claim(verdict)
         if verdict.status == WITHIN_BOUND:
             return verdict
-        where = data_phrase(self.data)
+        where, bound = data_phrase(self.bound.data), self.bound
         if verdict.status == FALLBACK:
             culprits = listed(verdict.responsible)
             log.warning(
                 "accuracy guard: the tuned model's output error %.4g (%s, worst output, on %s) "
                 "is past the bound %g; Q/DQ on %s caused it: optimized.onnx is the %s instead "
-                "(error %.4g)", verdict.tuned_errors["error"], self.measure, where,
-                self.bound, culprits or "no single tensor", verdict.shipped,
+                "(error %.4g)", verdict.tuned_errors["error"], bound.label, where,
+                bound.value, culprits or "no single tensor", verdict.shipped,
                 verdict.errors["error"])
         else:
             log.warning(
                 "accuracy guard: even the %s model without Q/DQ has output error %.4g (%s, "
                 "worst output, on %s), past the bound %g: optimized.onnx is that model; raise "
                 "--max-output-error or choose another --high-precision", precision,
-                verdict.errors["error"], self.measure, where, self.bound)
+                verdict.errors["error"], bound.label, where, bound.value)
         return verdict
 
     def claim(self, errors: dict) -> dict | None:
@@ -173,9 +164,10 @@ class Guard:
         spread = errors.get("spread")
         if spread is None:
             return None
-        return {**spread, "held_on": "upper" if self.confidence is not None else "all samples",
-                "upper_within_bound": spread["upper"] <= self.bound,
-                "samples_needed": samples_needed(spread, self.bound)}
+        bound = self.bound
+        return {**spread, "held_on": "upper" if bound.confidence is not None else "all samples",
+                "upper_within_bound": bound.allows(spread["upper"]),
+                "samples_needed": samples_needed(spread, bound.value)}
 
     def _say_claim(self, verdict: Verdict) -> None:
         """One warning line when the guard's data is too small to support what ships: its
@@ -184,12 +176,12 @@ class Guard:
             return
         claim = self.claim(verdict.errors)
         if claim is None:
-            if self.confidence is not None:
+            if self.bound.confidence is not None:
                 log.warning("--accuracy-confidence: the guard's errors on %s cannot be told "
                             "apart per sample (fewer than two, an output without the samples "
                             "on its first axis, or a --metric that scores whole data sets "
                             "only): the bound holds on the error over all samples",
-                            data_phrase(self.data))
+                            data_phrase(self.bound.data))
             return
         if claim["upper_within_bound"]:
             return
@@ -197,25 +189,22 @@ class Guard:
         log.warning(
             "accuracy claim: the shipped model's error is within the bound %g on %d samples "
             "(%s), but they spread (per sample %.3g to %.3g, mean %.3g): the upper %g%% bound "
-            "of the mean is %.3g, past the bound; %s", self.bound, claim["samples"],
-            data_phrase(self.data), claim["min"], claim["worst"], claim["mean"],
+            "of the mean is %.3g, past the bound; %s", self.bound.value, claim["samples"],
+            data_phrase(self.bound.data), claim["min"], claim["worst"], claim["mean"],
             100 * claim["confidence"], claim["upper"],
             f"about {needed} samples with this spread would support it (--validation-data)"
             if needed else "no number of samples with this mean would support it")
 
-    def report_keys(self, verdict: Verdict, *, bound_given: bool, scored_as: str) -> dict:
-        """report.json's ``accuracy`` (bound, measure, data, errors of what ships and of the
-        tuned placement, status, responsible tensors) and ``final_output_error(s)``;
-        ``scored_as``: how the guard ran candidates, in the profile's words
-        (``Runtime.scored_as``)."""
+    def shipped_accuracy(self, verdict: Verdict, *, scored_as: str) -> ShippedAccuracy:
+        """What the guard measured of what ships: report.json's ``accuracy`` (bound, measure,
+        data, errors of what ships and of the tuned placement, status, responsible tensors)
+        and ``final_output_error(s)``; ``scored_as``: how the guard ran candidates, in the
+        profile's words (``Runtime.scored_as``)."""
         errors = verdict.errors
-        return {
-            "accuracy": {
-                **self.describe(),
-                "bound_from": ("--max-metric-drop" if self.drop else
-                               "--max-output-error" if bound_given else "default"),
-                **({"metric_drop": self.drop} if self.drop else {}),
-                "data_kind": data_kind(self.data),
+        return ShippedAccuracy(
+            {
+                **self.bound.report_keys(),
+                "data_kind": data_kind(self.bound.data),
                 "scored_as": scored_as,
                 **scored_with(self.plans.scorer.evaluator.runner),
                 "status": verdict.status,
@@ -227,13 +216,12 @@ class Guard:
                 "tuned_tensors": verdict.tuned_tensors,
                 "responsible_tensors": verdict.responsible,
                 "bisection_evaluations": verdict.evaluations,
-                "confidence": self.confidence,
+                **({"repair": verdict.repair.value} if verdict.repair else {}),
+                "confidence": self.bound.confidence,
                 "claim": self.claim(errors),
                 **({"input_noise_floor": self.floor} if self.floor else {}),
             },
-            "final_output_error": errors["error"],
-            "final_output_errors": errors["output_errors"],
-        }
+            errors["error"], errors["output_errors"])
 
 
 #: the noise floor's share of the bound's room at which the guard warns that 8-bit placements
@@ -248,7 +236,11 @@ FLOAT_PAST_BOUND = "float model past bound"
 #: :attr:`Verdict.shipped`
 SHIPPED_TUNED = "tuned model"
 SHIPPED_WITHOUT = "tuned model without the responsible tensors' Q/DQ"
+SHIPPED_RANKED = "tuned model with its costliest quantizer groups returned to float"
 SHIPPED_FLOAT = "model without Q/DQ"
+#: what ships after each way :func:`~qdq_optuna.measure.repair.repair` ends
+SHIPPED_BY = {RepairMethod.RANKED: SHIPPED_RANKED, RepairMethod.BISECTION: SHIPPED_WITHOUT,
+              RepairMethod.FLOAT: SHIPPED_FLOAT, RepairMethod.NO_TIME: SHIPPED_FLOAT}
 
 
 @dataclass
@@ -263,12 +255,14 @@ class Verdict:
     #: :func:`qdq_optuna.measure.accuracy.error_record`)
     errors: dict
     tuned_errors: dict
-    #: activation tensors whose Q/DQ broke the bound (empty when within it)
+    #: activation tensors whose Q/DQ the repair took out (empty when within the bound)
     responsible: list[str]
-    #: error evaluations the bisection made
+    #: error evaluations the repair made
     evaluations: int
     #: activation tensors the tuned plan quantizes
     tuned_tensors: list[str]
+    #: how the repair ended (None: the tuned plan was within the bound)
+    repair: RepairMethod | None = None
 
 
 def listed(names: list[str], limit: int = 6) -> str:

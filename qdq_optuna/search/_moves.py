@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import optuna
+
 from qdq_optuna.placement.points import PatternPoints, chain_groups
+from qdq_optuna.record import TrialAttr
 from qdq_optuna.samplers.qdq_mutation import Move, MoveStats, Visit, VisitSpec
 
 #: (pattern id, point id)
@@ -143,3 +146,27 @@ class VisitMoves:
             if changed:
                 partner[p] = changed
         return dict(schemes[self.pid]), partner
+
+
+def trial_move(trial: optuna.Trial, sampler, visit: VisitMoves,
+               others_running: Callable[[], bool]) -> dict | None:
+    """The trial's partner points: of the move our ``sampler`` proposes for it now (its kind,
+    place and signature become the trial's user attrs), else of its queued attrs. No move
+    left: ``others_running()`` waits for the other workers' trials (another's may still change
+    the best); when none runs the study stops; the trial is given up either way."""
+    _ = trial.relative_params  # our sampler proposes the trial's scheme now
+    move = sampler.proposed_move(trial.number)
+    if move is None:  # a queued scheme: the start, or a redo
+        return trial.user_attrs.get(TrialAttr.PARTNER)
+    if move["kind"] is None:
+        trial.set_user_attr(TrialAttr.SKIPPED, "the visit's moves are done")
+        if not others_running():
+            trial.study.stop()
+        raise optuna.TrialPruned("the visit's moves are done")
+    partner = visit.partner(move["foreign"]) or None
+    trial.set_user_attr(TrialAttr.MOVE, move["kind"])
+    trial.set_user_attr(TrialAttr.MOVE_INDEX, move["index"])
+    trial.set_user_attr(TrialAttr.MOVE_SIGNATURE, move["signature"])
+    if partner:
+        trial.set_user_attr(TrialAttr.PARTNER, partner)
+    return partner

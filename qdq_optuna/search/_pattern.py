@@ -31,7 +31,13 @@ from qdq_optuna.config import Config
 from qdq_optuna.measure.accuracy import AccuracyError
 from qdq_optuna.placement.export import QDQExporter, QuantPlan
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.scheme import Around, Neighbourhood, distinct_schemes, quantized_uses
+from qdq_optuna.placement.scheme import (
+    Around,
+    ChoiceSpace,
+    Neighbourhood,
+    distinct_schemes,
+    quantized_uses,
+)
 from qdq_optuna.record import (
     Decision,
     PatternAttr,
@@ -46,11 +52,19 @@ from qdq_optuna.record import (
 from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
-from qdq_optuna.search._moves import VisitMoves
-from qdq_optuna.search._options import Settings
+from qdq_optuna.search._moves import VisitMoves, trial_move
 from qdq_optuna.search._plans import PlanMeasurer, Reference
+from qdq_optuna.search._settings import Settings
+from qdq_optuna.search._trials import (
+    best_trial,
+    commit_pool,
+    improves,
+    stopping_callbacks,
+    trial_rank,
+    visit_over,
+)
 from qdq_optuna.search._workers import Workers
-from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate, feasible
+from qdq_optuna.search.objectives import METRIC_NAMES, choose_candidate
 from qdq_optuna.search.samplers import SamplerArg, is_ours, make_sampler
 from qdq_optuna.wall_time import WallTime
 
@@ -106,6 +120,12 @@ class Search:
     def __post_init__(self) -> None:
         if self.neighbourhood is None:
             self.neighbourhood = Neighbourhood(self.prepared)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether trials carry the accuracy bound as their Optuna constraint (the guard's
+        bound says: a ``--max-output-error`` the user gave)."""
+        return self.guard is not None and self.guard.bound.constrains_trials
 
 
 class PatternStudy:
@@ -193,20 +213,12 @@ class PatternStudy:
         return True
 
     def _attrs(self) -> dict:
-        attrs = {**pattern_attrs(self.pp, self.s.prepared, self.s.settings.space),
-                 PatternAttr.RUN_ID: self.s.record.run_id,
-                 PatternAttr.ORDER: self.order,
-                 PatternAttr.ROUND: self.rnd,
-                 PatternAttr.LANE: self.lane,
-                 PatternAttr.CONTEXT_KEY: self.context_key or
-                 self.s.neighbourhood.key(self.pp, self.around),
-                 PatternAttr.BASELINE_MS: self.s.baseline_ms}
-        if self.start is not None:
-            attrs[PatternAttr.FROM] = self.s.settings.space.on(self.start)
-        if self.visit is not None:
-            attrs[PatternAttr.MOVES] = len(self.visit.moves)
-            attrs[PatternAttr.VISIT] = self.visit.attr
-        return attrs
+        s = self.s
+        return visit_attrs(
+            pattern_attrs(self.pp, s.prepared, s.settings.space), s.settings.space,
+            run_id=s.record.run_id, order=self.order, rnd=self.rnd, lane=self.lane,
+            context_key=self.context_key or s.neighbourhood.key(self.pp, self.around),
+            baseline_ms=s.baseline_ms, start=self.start, visit=self.visit)
 
     def measure_reference(self) -> Reference:
         """The reference every trial is timed against, measured once for all workers (its own
@@ -223,11 +235,8 @@ class PatternStudy:
         s.plans.known(self.reference)
         if s.settings.accuracy:
             s.record.reference_error(self.study, lambda: s.plans.error(s.exporter, plan))
-        distinct = distinct_schemes(s.settings.space, self.pp, self.around,
-                                    lambda uses: s.exporter.plan(uses).key)
-        if distinct is not None and self.visit is not None:  # chain moves build more models
-            distinct += sum(m.kind == "chain" for m in self.visit.moves)
-        self.budget = self.cap if distinct is None else min(self.cap, distinct)
+        self.budget = visit_budget(self.cap, s.settings.space, self.pp, self.around,
+                                   s.exporter, self.visit)
         return self.reference
 
     # -- a trial -------------------------------------------------------------------------
@@ -259,43 +268,17 @@ class PatternStudy:
         excess = None
         if s.settings.accuracy:
             err = s.plans.error(s.exporter, plan)
-            excess = (err["error"] - float(s.settings.max_output_error)
-                      if s.settings.constrained else None)
+            excess = s.guard.bound.excess(err["error"]) if s.guard is not None else None
             note_error(trial, err, excess)
         if not s.settings.multi_objective:
-            trial.set_user_attr(TrialAttr.IMPROVED, self._improves(trial.number, latency,
-                                                                   len(plan), excess))
+            trial.set_user_attr(TrialAttr.IMPROVED, improves(
+                trial.number, latency, len(plan), excess, self.best_trial(), self.reference.ms))
         if not s.settings.accuracy:
             return latency
         return (latency, err["error"]) if s.settings.multi_objective else latency
 
-    def _rank(self, t) -> tuple:
-        """How finished trials compare: latency, then fewer Q/DQ (a removal that is not
-        slower wins), then the earlier trial."""
-        return (t.values[0], t.user_attrs.get(TrialAttr.QDQ_COUNT, 0), t.number)
-
-    def _pool(self) -> list:
-        """Finished single-objective trials that may be committed (feasible ones under a
-        budget)."""
-        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.values]
-        if self.s.settings.constrained:
-            done = [t for t in done if feasible(t)]
-        return done
-
     def best_trial(self):
-        pool = self._pool()
-        return min(pool, key=self._rank) if pool else None
-
-    def _improves(self, number: int, latency: float, qdq: int, excess: float | None) -> bool:
-        if excess is not None and excess > 0:
-            return False
-        best = self.best_trial()
-        if best is None:
-            return latency < self.reference.ms * (1 - 1e-9)
-        return (latency, qdq, number) < self._rank(best) and (
-            latency < best.values[0] * (1 - 1e-9) or qdq < best.user_attrs.get(
-                TrialAttr.QDQ_COUNT, 0))
+        return best_trial(self.study, constrained=self.s.constrained)
 
     # -- the moves -----------------------------------------------------------------------
     def _move(self, trial: optuna.Trial) -> dict | None:
@@ -305,22 +288,8 @@ class PatternStudy:
         give the trial up; the visit ends when none runs."""
         if self.visit is None or not self.ours:
             return trial.user_attrs.get(TrialAttr.PARTNER)
-        _ = trial.relative_params  # our sampler proposes the trial's scheme now
-        move = self.sampler.proposed_move(trial.number)
-        if move is None:  # a queued scheme: the start, or a redo
-            return trial.user_attrs.get(TrialAttr.PARTNER)
-        if move["kind"] is None:
-            trial.set_user_attr(TrialAttr.SKIPPED, "the visit's moves are done")
-            if not self.s.workers.wait_for_others(self.study, trial):
-                self.study.stop()
-            raise optuna.TrialPruned("the visit's moves are done")
-        partner = self.visit.partner(move["foreign"]) or None
-        trial.set_user_attr(TrialAttr.MOVE, move["kind"])
-        trial.set_user_attr(TrialAttr.MOVE_INDEX, move["index"])
-        trial.set_user_attr(TrialAttr.MOVE_SIGNATURE, move["signature"])
-        if partner:
-            trial.set_user_attr(TrialAttr.PARTNER, partner)
-        return partner
+        return trial_move(trial, self.sampler, self.visit,
+                          lambda: self.s.workers.wait_for_others(self.study, trial))
 
     # -- the run of the study ------------------------------------------------------------
     def run(self) -> dict:
@@ -331,7 +300,8 @@ class PatternStudy:
         regions, points = len(self.pp.pattern.regions), len(self.pp.ids)
         detail = (f"{regions} region{'s' if regions != 1 else ''}, "
                   f"{points} point{'s' if points != 1 else ''}")
-        with self.s.progress.pattern(self.label(), self.budget, detail=detail,
+        # progress lines name the pattern (the stage names the round)
+        with self.s.progress.pattern(self.pp.pattern.id, self.budget, detail=detail,
                                      done=self._complete()) as bar:
             self.optimize(bar)
             attrs = self.commit()
@@ -345,10 +315,6 @@ class PatternStudy:
     def _done(self) -> bool:
         return (self._complete() >= self.budget
                 or PatternAttr.CONVERGED_AFTER in self.study.user_attrs)
-
-    def label(self) -> str:
-        """The pattern, as progress lines name it (the stage names the round)."""
-        return self.pp.pattern.id
 
     def optimize(self, bar=None) -> None:
         """Run trials until the budget is spent (across workers), our sampler ends the visit
@@ -373,44 +339,22 @@ class PatternStudy:
             raise OutOfTime()
 
     def _visit_over(self) -> bool:
-        """Whether our sampler has no move left for the visit (it then stopped the study);
-        noted once (``converged_after``, the moves passed over as hopeless)."""
-        if self.visit is None or not self.ours:
-            return False
-        if any(t.state in (TrialState.WAITING, TrialState.RUNNING)
-               for t in self.study.get_trials(deepcopy=False)):
-            return False
-        found = self.sampler.next_move(self.study)
-        if found is None or found.move is not None:
-            return False
-        if PatternAttr.CONVERGED_AFTER not in self.study.user_attrs:
-            self.study.set_user_attr(PatternAttr.MOVES_SKIPPED, found.skipped)
-            self.study.set_user_attr(PatternAttr.CONVERGED_AFTER, len(self.study.trials))
-        return True
+        """Whether our sampler has no move left for the visit (:func:`visit_over`)."""
+        return self.visit is not None and self.ours and visit_over(self.study, self.sampler)
 
     def _callbacks(self, bar) -> list:
-        budget = self.budget
         patience = self.s.config.converged_patience
+
+        def on_complete() -> None:
+            best = self.best_trial() if not self.s.settings.multi_objective else None
+            bar.trial(best=f"{best.values[0]:.4f} ms" if best is not None else "")
+
         # workers keep exact budgets: one worker cannot know the others' trials are done
-        converges = (patience and not self.s.workers.worker and self.visit is None
-                     and hasattr(self.sampler, "converged"))
-
-        def after_trial(study: optuna.Study, trial) -> None:
-            fails = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,
-                                                                            TrialState.PRUNED))
-                        if t.state == TrialState.FAIL or TrialAttr.KNOWN_FAILURE in t.user_attrs)
-            if fails >= max(5, budget):
-                study.stop()
-            if trial.state == TrialState.COMPLETE and bar is not None:
-                best = self.best_trial() if not self.s.settings.multi_objective else None
-                bar.trial(best=f"{best.values[0]:.4f} ms" if best is not None else "")
-            if trial.state == TrialState.COMPLETE and converges and \
-                    self.sampler.converged(study, patience):
-                study.set_user_attr(PatternAttr.CONVERGED_AFTER, trial.number + 1)
-                study.stop()
-
-        return [optuna.study.MaxTrialsCallback(budget, states=(TrialState.COMPLETE,)),
-                after_trial]
+        return stopping_callbacks(
+            self.budget, sampler=self.sampler, patience=patience,
+            converges=bool(patience and not self.s.workers.worker and self.visit is None
+                           and hasattr(self.sampler, "converged")),
+            on_complete=on_complete if bar is not None else None)
 
     # -- the decision --------------------------------------------------------------------
     def commit(self, confirm: Callable[[QuantPlan], object] | None = None) -> dict:
@@ -419,38 +363,72 @@ class PatternStudy:
         the study's attrs. ``confirm``: re-measures a candidate against the reference (default:
         the plan measurer's interleaved A/B; ask/tell passes None and its own figures count)."""
         s = self.s
-        if confirm is None and s.plans is not None:
-            confirm = self._confirm
+        if confirm is None and s.plans is not None:  # an interleaved A/B vs the reference
+            confirm = lambda plan: s.plans.compare(  # noqa: E731
+                s.exporter.source(plan), self.reference.source, "confirmation")
         ref_ms = self.study.user_attrs.get(PatternAttr.REFERENCE_MS)
         if s.record.store_decision(self.study, lambda: self.decide(ref_ms, confirm)):
             for callback in s.on_commit:
                 callback(self.study, self.pp)
         return dict(self.study.user_attrs)
 
-    def _confirm(self, plan: QuantPlan):
-        """An interleaved A/B of a candidate against the reference."""
-        return self.s.plans.compare(self.s.exporter.source(plan), self.reference.source,
-                                    "confirmation")
+    def decide(self, reference_ms: float | None, confirm=None) -> Decision:
+        """The decision for this pattern (:meth:`Judge.decide`)."""
+        return Judge(self).decide(reference_ms, confirm)
+
+def visit_attrs(pattern: dict, space: ChoiceSpace, *, run_id: str, order: int, rnd: int,
+                lane: str, context_key: str, baseline_ms: float | None,
+                start: dict[str, int] | None, visit: VisitMoves | None) -> dict:
+    """A visit's study attrs: the ``pattern``'s own (the same in every round of it), where the
+    visit runs (run, order, round, lane, the other patterns' schemes as ``context_key``), the
+    baseline, the scheme it starts from and our sampler's moves."""
+    attrs = {**pattern, PatternAttr.RUN_ID: run_id, PatternAttr.ORDER: order,
+             PatternAttr.ROUND: rnd, PatternAttr.LANE: lane,
+             PatternAttr.CONTEXT_KEY: context_key, PatternAttr.BASELINE_MS: baseline_ms}
+    if start is not None:
+        attrs[PatternAttr.FROM] = space.on(start)
+    if visit is not None:
+        attrs[PatternAttr.MOVES] = len(visit.moves)
+        attrs[PatternAttr.VISIT] = visit.attr
+    return attrs
+
+
+def visit_budget(cap: int, space: ChoiceSpace, pp: PatternPoints, around: Around,
+                 exporter: QDQExporter, visit: VisitMoves | None) -> int:
+    """Finished trials a visit may spend: ``cap``, never more than the distinct models the
+    pattern's schemes build (chain moves build more)."""
+    distinct = distinct_schemes(space, pp, around, lambda uses: exporter.plan(uses).key)
+    if distinct is not None and visit is not None:
+        distinct += sum(m.kind == "chain" for m in visit.moves)
+    return cap if distinct is None else min(cap, distinct)
+
+
+class Judge:
+    """A visit's decision: its best trials judged against the standing model (the commit rule,
+    the accuracy guard), with reasons that say what was compared with what."""
+
+    def __init__(self, study: PatternStudy) -> None:
+        self.ps = study
 
     def decide(self, reference_ms: float | None, confirm=None) -> Decision:
         """The decision for this pattern: its best trial if the commit rule confirms it beats
         the reference and the guard allows it, else the starting scheme (agreed by all
         workers, see :meth:`~qdq_optuna.record.run.RunRecord.store_decision`)."""
-        s = self.s
+        ps = self.ps
+        s, pp = ps.s, ps.pp
         space = s.settings.space
-        keep = space.indices(self.start, self.pp.ids) if self.start else dict.fromkeys(self.pp.ids, 0)
+        keep = space.indices(ps.start, pp.ids) if ps.start else dict.fromkeys(pp.ids, 0)
         if s.settings.multi_objective:
-            complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            complete = ps.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best, why = choose_candidate(complete, multi_objective=True,
-                                         constrained=s.settings.constrained,
-                                         threshold=max(self.rule.threshold, EQUALLY_FAST))
+                                         constrained=s.constrained,
+                                         threshold=max(ps.rule.threshold, EQUALLY_FAST))
             decision = Decision(keep, reason=why if complete else "no trial finished")
             if best is not None:
-                decision = replace(Judge(self).judge(best, keep, reference_ms, confirm),
-                                   candidate=why)
+                decision = replace(self.judge(best, keep, reference_ms, confirm), candidate=why)
         else:
-            decision = Judge(self).single(keep, reference_ms, confirm)
-        plan = self.plan(decision.committed, Judge(self).partner_points(decision))
+            decision = self.single(keep, reference_ms, confirm)
+        plan = ps.plan(decision.committed, self.partner_points(decision))
         err = None
         if s.guard is not None:  # the whole-model error now (calibrated scales)
             err = s.guard.error(plan)
@@ -462,13 +440,6 @@ class PatternStudy:
         if space.mixed:
             decision = replace(decision, committed_types=space.describe(decision.committed))
         return decision
-
-class Judge:
-    """A visit's decision: its best trials judged against the standing model (the commit rule,
-    the accuracy guard), with reasons that say what was compared with what."""
-
-    def __init__(self, study: PatternStudy) -> None:
-        self.ps = study
 
     def partner_points(self, decision: Decision) -> dict | None:
         """A decision's partner schemes as the points that differ from standing."""
@@ -482,10 +453,10 @@ class Judge:
         """The fastest trials in turn (at most three the guard refuses), judged against the
         reference."""
         s = self.ps.s
-        pool = sorted(self.ps._pool(), key=self.ps._rank)
+        pool = sorted(commit_pool(self.ps.study, constrained=self.ps.s.constrained), key=trial_rank)
         if not pool:
             return Decision(keep, reason="no trial met the error budget"
-                            if s.settings.constrained else "no trial finished")
+                            if s.constrained else "no trial finished")
         refused = []
         for best in pool[:3]:
             plan = self.ps.plan_of(best)
@@ -494,7 +465,7 @@ class Judge:
             if s.guard is not None and not s.guard.allows(plan):
                 refused.append(f"trial #{best.number}: output error "
                                f"{s.guard.error(plan)['error']:.3g} over the guard's bound "
-                               f"{s.guard.bound:g}")
+                               f"{s.guard.bound.value:g}")
                 continue
             decision = self.judge(best, keep, reference_ms, confirm)
             if refused:

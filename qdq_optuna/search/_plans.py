@@ -41,6 +41,13 @@ class Reference:
     screen_ms: float | None
 
 
+def region_measurer(measurer: Measurer) -> Measurer:
+    """The subgraph screen's measurer: the kernel table's protocol on the run's backend."""
+    from qdq_optuna.measure.kernels import KERNEL_PROTOCOL
+
+    return Measurer(measurer.backend, KERNEL_PROTOCOL)
+
+
 class PlanMeasurer:
     """Latencies and errors of plans (see the module docstring)."""
 
@@ -70,9 +77,7 @@ class PlanMeasurer:
         #: model all the same (the screen's drops checked, nothing screened out)
         self.audit = audit
         if regions is not None and not measurer.deterministic:
-            from qdq_optuna.measure.kernels import KERNEL_PROTOCOL
-
-            self.regions = (regions, Measurer(measurer.backend, KERNEL_PROTOCOL))
+            self.regions = (regions, region_measurer(measurer))
 
     @property
     def deterministic(self) -> bool:
@@ -88,41 +93,20 @@ class PlanMeasurer:
     @contextmanager
     def whole(self) -> Iterator[None]:
         """Measurements that run to their verdict past the run's deadline: a decision that
-        must not be cut short (the recipe files' A/Bs against what would ship: cut at three
-        rounds under ``--timeout`` on a loaded machine, a ViT's ``quantize_dynamic`` file read
-        1.65x faster than the float model that shipped, with an interval of 0.14-20)."""
-        kept = self.measurer.deadline, (self.regions[1].deadline if self.regions else None)
+        must not be cut short (a recipe file's A/B against what would ship: cut at three
+        rounds, a ViT's 1.65x faster ``quantize_dynamic`` file lost to the float model)."""
+        kept = self.measurer.deadline  # the screen's measurer always has the same
         self.set_deadline(None)
         try:
             yield
         finally:
-            self.measurer.deadline = kept[0]
-            if self.regions is not None:
-                self.regions[1].deadline = kept[1]
+            self.set_deadline(kept)
 
     def _count(self, phase: str, n: int = 1) -> None:
         self.measurements += n
         self.by_phase[phase] += n
 
     # -- the float model and references --------------------------------------------------
-    def baseline(self, source, key: str, backend_name: str, model: str) -> tuple:
-        """The baseline's measurement ``(ms, record)`` (``source``: the user's model, bytes or
-        a path; ``key``: its memo key). A backend that cannot run it ends the run with one
-        clear line; a crashed or hung worker is given one more try first."""
-        for attempt in (1, 2):
-            try:
-                self.measurer.warm_up([source])
-                return self.measure(source, key, "baseline")
-            except BackendUnavailable:
-                raise
-            except BackendError as exc:
-                if attempt == 1 and getattr(exc, "transient", False):
-                    log.warning("measuring the baseline failed (%s); trying once more", exc)
-                    continue
-                raise UserError(f"backend {backend_name} cannot run the float model "
-                                f"{model}: {exc}") from exc
-        raise AssertionError("unreachable")
-
     def measure(self, source, key: str, phase: str, qdq: int = 0) -> tuple[float, Measurement]:
         """One model's own latency (not against a reference), once per run: the baseline and
         the starts. ``key``: the plan key (or another name) the memo keeps it under."""
@@ -301,3 +285,23 @@ class PlanMeasurer:
         if self.errors is not None:
             self.errors.put(key, record)
         return record
+
+
+def measure_baseline(plans: PlanMeasurer, source, key: str, backend_name: str,
+                     model: str) -> tuple:
+    """The baseline's measurement ``(ms, record)`` (``source``: the user's model, bytes or a
+    path; ``key``: its memo key). A backend that cannot run it ends the run with one clear
+    line; a crashed or hung worker is given one more try first."""
+    for attempt in (1, 2):
+        try:
+            plans.measurer.warm_up([source])
+            return plans.measure(source, key, "baseline")
+        except BackendUnavailable:
+            raise
+        except BackendError as exc:
+            if attempt == 1 and getattr(exc, "transient", False):
+                log.warning("measuring the baseline failed (%s); trying once more", exc)
+                continue
+            raise UserError(f"backend {backend_name} cannot run the float model "
+                            f"{model}: {exc}") from exc
+    raise AssertionError("unreachable")

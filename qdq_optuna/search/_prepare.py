@@ -19,15 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qdq_optuna._files import remove_stale_temps
+from qdq_optuna._progress import Progress
 from qdq_optuna.backends.base import Backend, measuring
 from qdq_optuna.errors import UserError
 from qdq_optuna.machine import measuring_machine
 from qdq_optuna.measure.accuracy import ErrorScorer, hold_out, metric_drop_bound, validation_data
 from qdq_optuna.measure.bias import CorrectedExports, corrected_exports
+from qdq_optuna.measure.bound import AccuracyBound, AskedBound, MetricDrop
 from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.model.data import data_id, fed_names, input_data
 from qdq_optuna.model.graph import InputShapes
@@ -38,19 +41,21 @@ from qdq_optuna.record.storage import default_storage_url, open_storage, quiet_o
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
 from qdq_optuna.runtimes.prepared import PreparedModel
+from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard
-from qdq_optuna.search._options import (
+from qdq_optuna.search._options import TuneOptions
+from qdq_optuna.search._pattern import Search
+from qdq_optuna.search._plans import PlanMeasurer
+from qdq_optuna.search._settings import (
     Settings,
-    TuneOptions,
     backend_for,
     backend_name,
     check_runtime_named,
     digest,
     fingerprint,
-    measure_label,
+    metric_label,
 )
-from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._workers import retry_stale_trial
+from qdq_optuna.search._workers import Workers, retry_stale_trial
 from qdq_optuna.wall_time import WallTime
 
 log = logging.getLogger("qdq_optuna")
@@ -75,6 +80,8 @@ class PreparedRun:
     validation: tuple[dict, str] | None
     measurer: Measurer
     settings: Settings
+    #: the accuracy bound as asked (the fingerprint's; :func:`accuracy_bound` resolves it)
+    asked_bound: AskedBound
     run_id: str
     storage_url: str
     #: where the run's wall time went, preparing first (:mod:`qdq_optuna.wall_time`)
@@ -112,7 +119,7 @@ class PreparedRun:
         wall.counters = measurer.counters
         settings = Settings.resolve(options, backend, prepared)
         return cls(options, out, RunFolder(out), backend, profile, prepared, calibration,
-                   validation, measurer, settings, options.run_id_or_default,
+                   validation, measurer, settings, asked_bound(options), options.run_id_or_default,
                    options.storage or default_storage_url(out), wall)
 
 
@@ -163,15 +170,31 @@ def open_run(run: PreparedRun) -> OpenedRun:
                          audit=cfg.subgraph_screen_audit)
     calibrated = (exporter if run.settings.scales is Scales.CALIBRATED
                   else prepared.exporter(scales_for("final"), cfg))
-    bound, drop = guard_bound(o, run.settings, scorer)
+    bound = accuracy_bound(run.asked_bound, scorer, data_name)
     with step(PREPARING, "bias correction"):
         corrected = _bias_corrected(o, prepared, calibrated, run.calibration, scorer)
-    guard = Guard(plans, calibrated, bound, measure_label(o), data_name, drop,
-                  corrected=corrected, confidence=o.accuracy_confidence)
+    guard = Guard(plans, calibrated, bound, corrected=corrected)
     with step(PREPARING, "noise floor"):
         guard.measure_floor()
     return OpenedRun(record, fingerprint_digest, cache, baseline_q, scales[0][0], exporter, plans,
                      guard, scales[0][1])
+
+
+def search_context(run: PreparedRun, opened: OpenedRun, *, progress: Progress,
+                   remaining: Callable[[], float | None],
+                   on_commit: list[Callable]) -> Search:
+    """What every pattern study of ``run`` shares, from what was prepared and opened: the
+    commit rule, the workers' slots, the profile's kernel timing on this backend."""
+    o, cfg = run.options, run.options.config
+    return Search(
+        prepared=run.prepared, exporter=opened.exporter, settings=run.settings, config=cfg,
+        record=opened.record, rule=CommitRule(cfg.performance_threshold), sampler=o.sampler,
+        seed=o.seed, plans=opened.plans,
+        workers=Workers(opened.record, worker=o.worker, remaining=remaining),
+        progress=progress, remaining=remaining, guard=opened.guard, on_commit=on_commit,
+        kernel_timing=run.profile.kernel_timing(run.backend,
+                                                run.prepared.rules.weight_only_modes),
+        kernel_cache=o.kernel_cache)
 
 
 def _bias_corrected(o: TuneOptions, prepared: PreparedModel, exporter: QDQExporter,
@@ -197,7 +220,7 @@ def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
     remove_stale_temps(run.out)  # half-written outputs of a killed process
     storage = open_storage(run.storage_url, heartbeat=o.worker, grace=o.heartbeat_grace,
                            on_stale=retry_stale_trial)
-    fp = fingerprint(o, run.settings, run.prepared, run.backend,
+    fp = fingerprint(o, run.settings, run.prepared, run.backend, run.asked_bound,
                      validation_id=run.validation[1] if run.validation else None)
     fingerprint_digest = digest(fp)
     if o.fresh and not o.worker:
@@ -225,15 +248,22 @@ def warm_starts(run: PreparedRun) -> tuple[PatternCache | None, set[str] | None]
     return cache, baseline_q
 
 
-def guard_bound(options: TuneOptions, settings: Settings, scorer: ErrorScorer
-                ) -> tuple[float, dict | None]:
-    """The guard's bound, and the metric drop it stands for: with ``--max-metric-drop`` the
-    FP32 model's own metric plus the drop, else ``settings.error_bound``."""
-    if options.max_metric_drop is None:
-        return settings.error_bound, None
-    drop = metric_drop_bound(scorer.evaluator, options.max_metric_drop,
-                             options.metric_drop_type)
-    return drop["bound"], drop
+def asked_bound(options: TuneOptions) -> AskedBound:
+    """The accuracy bound as ``options`` ask for it (checked by :class:`TuneOptions`)."""
+    return AskedBound(options.max_output_error, options.error_measure,
+                      metric_label(options.metric), options.max_metric_drop,
+                      options.metric_drop_type, options.accuracy_confidence)
+
+
+def accuracy_bound(asked: AskedBound, scorer: ErrorScorer, data: str) -> AccuracyBound:
+    """The run's accuracy bound, built once (the guard owns it): with ``--max-metric-drop`` the
+    FP32 model's own metric (measured here) plus the drop, else ``--max-output-error``, else
+    the default; ``data``: what the guard's errors are measured on."""
+    drop = None
+    if asked.max_metric_drop is not None:
+        drop = MetricDrop(**metric_drop_bound(scorer.evaluator, asked.max_metric_drop,
+                                              asked.drop_type))
+    return AccuracyBound.resolve(asked, data, drop)
 
 
 def error_scorer(prepared: PreparedModel, options: TuneOptions, profile: Runtime,

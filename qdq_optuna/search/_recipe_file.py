@@ -38,6 +38,7 @@ from qdq_optuna.measure.recipe_parity import qdq_differences
 from qdq_optuna.placement import starts
 from qdq_optuna.record import Agreed
 from qdq_optuna.run_folder import RunFolder
+from qdq_optuna.search._outcome import ShippedAccuracy
 
 log = logging.getLogger("qdq_optuna")
 
@@ -137,7 +138,7 @@ class RecipeFile:
         guard = self.s.guard
         try:
             errors = plans.scorer.score_bytes(data)
-            within = guard is None or errors["error"] <= guard.bound
+            within = guard is None or guard.bound.allows(errors["error"])
             vs_file = None
             if reexport is not None and not (same and within):
                 vs_file = plans.compare(reexport, data, "lanes")
@@ -190,18 +191,16 @@ def shipped_recipe_file(reports: list[dict]) -> dict | None:
     return next((r for r in reversed(reports) if r.get("shipped")), None)
 
 
-def shipped_accuracy(accuracy: dict, reports: list[dict]) -> dict:
-    """report.json's accuracy keys, with the shipped recipe file's errors when one ships;
-    ``recipe_file`` is the runtime's classic recipe's entry (the first), ``recipe_files``
-    every measured file's."""
+def shipped_accuracy(accuracy: ShippedAccuracy, reports: list[dict]) -> ShippedAccuracy:
+    """The guard's accuracy of what ships, with the recipe files measured (the classic
+    recipe's first) and the shipped recipe file's errors when one ships."""
     if not reports:
         return accuracy
-    accuracy["recipe_file"] = reports[0]
-    accuracy["recipe_files"] = reports
+    accuracy.recipe_files = reports
     recipe_file = shipped_recipe_file(reports)
     if recipe_file is not None:
-        accuracy["accuracy"].update(shipped=SHIPPED_RECIPE_FILE, error=recipe_file["error"],
-                                    output_errors=recipe_file["output_errors"])
-        accuracy["final_output_error"] = recipe_file["error"]
-        accuracy["final_output_errors"] = recipe_file["output_errors"]
+        accuracy.guard.update(shipped=SHIPPED_RECIPE_FILE, error=recipe_file["error"],
+                              output_errors=recipe_file["output_errors"])
+        accuracy.final_output_error = recipe_file["error"]
+        accuracy.final_output_errors = recipe_file["output_errors"]
     return accuracy

@@ -13,7 +13,7 @@
   against the whole standing model, from the chosen start and, when it is close, from the
   runtime's recipe too (each such *lane* is a descent of its own);
 * **conclude**: the best lane's standing model guarded and saved, and its independent A/B
-  against the baseline: a :class:`~qdq_optuna.search._options.SearchOutcome`, which
+  against the baseline: a :class:`~qdq_optuna.search._outcome.SearchOutcome`, which
   :func:`qdq_optuna.outputs.write.write_outputs` turns into the report (the search imports no
   output module; :mod:`qdq_optuna._tune` runs prepare -> search -> write outputs);
 * **close**: the pattern cache, ``state.yaml`` and the finished mark, once the report is written.
@@ -21,28 +21,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
-import onnx
-
-from qdq_optuna._progress import Progress
-from qdq_optuna.errors import ToolError, UserError, interrupted_by, interrupting_signal
-from qdq_optuna.measure.timing import Until
+from qdq_optuna.errors import interrupting_signal
 from qdq_optuna.model.data import describe_model
-from qdq_optuna.model.graph import InputShapes
-from qdq_optuna.placement.export import QDQExporter, Scales, plan_uses
 from qdq_optuna.placement.points import PatternPoints
-from qdq_optuna.placement.scheme import compute_inputs_scheme
-from qdq_optuna.placement.seeds import PatternCache, baseline_seed
+from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import (
     Agreed,
     AgreedStarts,
@@ -51,30 +40,32 @@ from qdq_optuna.record import (
     write_pattern_cache,
     write_state,
 )
-from qdq_optuna.runtimes import Runtime
-from qdq_optuna.runtimes.prepared import PreparedModel
-from qdq_optuna.search._commit import CommitRule
+from qdq_optuna.search._conclusion import (
+    baseline_of,
+    conclude,
+    finished_report,
+    read_what_ran,
+    run_header,
+    state_counters,
+    stopped_outcome,
+)
 from qdq_optuna.search._descent import Descent
-from qdq_optuna.search._guard import check_default_session
 from qdq_optuna.search._lanes import final_lane
-from qdq_optuna.search._options import (
+from qdq_optuna.search._outcome import (
+    RunHeader,
     SearchOutcome,
     StoppedOutcome,
-    TuneOptions,
 )
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
-from qdq_optuna.search._prepare import OpenedRun, PreparedRun
+from qdq_optuna.search._plans import measure_baseline
+from qdq_optuna.search._prepare import OpenedRun, PreparedRun, search_context
 from qdq_optuna.search._recipe_file import (
     RecipeFile,
-    conclude_recipe_files,
-    shipped_accuracy,
-    shipped_recipe_file,
 )
-from qdq_optuna.search._settings import SettingsChoice, choose_settings
+from qdq_optuna.search._seeds import recipe_start, seed_starts, study_seeds
+from qdq_optuna.search._session import run_session
 from qdq_optuna.search._starts import StartsPhase
-from qdq_optuna.search._workers import Workers
-from qdq_optuna.search.samplers import is_ours, sampler_name
-from qdq_optuna.wall_time import WallTime
+from qdq_optuna.search.samplers import is_ours
 
 log = logging.getLogger("qdq_optuna")
 
@@ -112,9 +103,13 @@ class Tuner:
         self.search_state: Search | None = None
         self.cache: PatternCache | None = None
         self.baseline_q: set[str] | None = None
+        #: calibrated activation scales, as the run was opened with (what ships is exported
+        #: with them, whatever scales the trials use)
         self._calibrated: dict | None = None
         self._reader_clipped = 0
-        self._baseline: tuple | None = None
+        #: what every speedup is against, ``(source, memo key, description)``
+        #: (:func:`~qdq_optuna.search._conclusion.baseline_of`), once the search starts
+        self.baseline: tuple[object, str, str] | None = None
         #: the report, state.yaml and the finished mark are written (a signal after this
         #: leaves them as they are)
         self.closed = False
@@ -140,13 +135,12 @@ class Tuner:
         """``--timeout``: measurements take their minimum rounds past the search's deadline
         (the conclusion's: the timeout itself), and the conclusion's share is sized to what
         a round of this model cost (:func:`conclusion_reserve`)."""
-        if self.o.timeout is None:
-            return
-        if not concluding:
-            self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s,
-                                              len(self.profile.recipe_files()))
-        self.search_state.plans.set_deadline(
-            self.started + self.o.timeout - (0.0 if concluding else self.reserve))
+        if self.o.timeout is not None:
+            if not concluding:
+                self.reserve = conclusion_reserve(self.o.timeout, self.measurer.session_s,
+                                                  len(self.profile.recipe_files()))
+            self.search_state.plans.set_deadline(
+                self.started + self.o.timeout - (0.0 if concluding else self.reserve))
 
     # -- the run ---------------------------------------------------------------------------
     @contextmanager
@@ -154,29 +148,19 @@ class Tuner:
         """Progress output for the run; on Ctrl-C no trial of ours stays RUNNING; the
         backend's worker process (ours) stops at the end. A run that fails before its first
         measurement leaves no files behind (a resumed run's earlier files stay)."""
-        before = self.folder.listing()
-        failed_unmeasured = False
-        try:
-            with Progress(self.o.progress) as progress:
-                self.progress = progress
-                yield self
-        except KeyboardInterrupt as exc:
-            self._interrupted(exc)
-            raise
-        except Exception as exc:
-            if not interrupted_by(exc):
-                failed_unmeasured = (self.search_state is None
-                                     or self.search_state.baseline_ms is None)
-                raise
-            self._interrupted(exc)
-            raise KeyboardInterrupt from exc
-        finally:
-            if isinstance(self.o.backend, str):  # ours: stop its worker process now
-                self.backend.close()
-            if self.record is not None:  # a SQLite log folded into its file
-                release(self.record.storage)
-            if failed_unmeasured:  # after its storage let go of its files
-                self.folder.remove_new(before)
+        def measured() -> bool:
+            return self.search_state is not None and self.search_state.baseline_ms is not None
+
+        with run_session(show_progress=self.o.progress, folder=self.folder, measured=measured,
+                         interrupted=self._interrupted, release=self._release) as progress:
+            self.progress = progress
+            yield self
+
+    def _release(self) -> None:
+        if isinstance(self.o.backend, str):  # ours: stop its worker process now
+            self.backend.close()
+        if self.record is not None:  # a SQLite log folded into its file
+            release(self.record.storage)
 
     def open(self, opened: OpenedRun) -> dict | None:
         """Take the opened run (:func:`~qdq_optuna.search._prepare.open_run`); a run that
@@ -190,8 +174,14 @@ class Tuner:
         search = self.search_state
         search.wall = self.wall
         self.wall.lap("preparing")
-        self._say_resuming()
-        search.baseline_ms = self._measure_baseline(search)
+        line = self.record.resume_line(self.settings.rounds, remeasure=self.o.remeasure)
+        if line:  # a resumed run says so: what is done and what is left
+            self.progress.write(line)
+        self.baseline = source, key, what = baseline_of(
+            self.prepared, search.exporter, self.o.model, self.o.input_shapes)
+        search.baseline_ms = self.record.baseline(lambda: measure_baseline(
+            search.plans, source, key, self.settings.backend, describe_model(self.o.model)),
+            what)
         self._mark("baseline")
         self._write_state("running")
         try:
@@ -219,93 +209,27 @@ class Tuner:
         self.cache, self.baseline_q = opened.cache, opened.baseline_q
         self._calibrated = opened.scales
         self._reader_clipped = opened.reader_clipped_ranges
-        self.search_state = Search(
-            prepared=self.prepared, exporter=opened.exporter, settings=self.settings,
-            config=self.cfg, record=self.record, rule=CommitRule(self.cfg.performance_threshold),
-            sampler=self.o.sampler, seed=self.o.seed, plans=opened.plans,
-            workers=Workers(self.record, worker=self.o.worker, remaining=self.remaining),
-            progress=self.progress, remaining=self.remaining, guard=opened.guard,
-            on_commit=self.on_commit, kernel_timing=self.profile.kernel_timing(
-                self.backend, self.prepared.rules.weight_only_modes),
-            kernel_cache=self.o.kernel_cache)
+        self.search_state = search_context(self.run, opened, progress=self.progress,
+                                           remaining=self.remaining, on_commit=self.on_commit)
         return self.search_state
-
-    def _say_resuming(self) -> None:
-        """A resumed run says so: what is done and what is left."""
-        line = self.record.resume_line(self.settings.rounds, remeasure=self.o.remeasure)
-        if line:
-            self.progress.write(line)
-
-    # -- the baseline ----------------------------------------------------------------------
-    def baseline_source(self) -> tuple[object, str, str]:
-        """What every speedup is measured against: ``(source, memo key, description)``: the
-        user's model as given, or converted to the run's high precision (no Q/DQ)."""
-        if self._baseline is None:
-            exporter = self.search_state.exporter
-            hp = self.prepared.high_precision
-            if hp is not None:
-                data = hp.model.SerializeToString()
-                self._baseline = (data, "baseline:" + _sha(data),
-                                  f"the user's model converted to {hp.precision} (no Q/DQ)")
-            elif self.prepared.preprocess == "none":  # the graph searched on is the model
-                plan = exporter.plan(set())
-                self._baseline = (exporter.source(plan), plan.key, "the user's model as given")
-            else:  # ONNX Runtime's preprocessing changed the graph: the user's file
-                data = user_model(self.o.model, self.o.input_shapes).SerializeToString()
-                self._baseline = (data, "baseline:" + _sha(data), "the user's model as given")
-        return self._baseline
-
-    def _measure_baseline(self, search: Search) -> float:
-        """The baseline's latency, measured once for all workers."""
-        source, key, what = self.baseline_source()
-        return self.record.baseline(lambda: search.plans.baseline(
-            source, key, self.settings.backend, describe_model(self.o.model)), what)
 
     # -- starts ----------------------------------------------------------------------------
     def _starts(self, search: Search) -> AgreedStarts:
-        keep = self.folder.recipe_file(self.profile.name) if self.profile.has_recipe_file \
-            else None
+        keep = (partial(self.folder.keep, self.folder.recipe_file(self.profile.name))
+                if self.profile.has_recipe_file else None)
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
                          wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
                            seeds=self._seed_starts, worker=self.o.worker,
-                           baseline=self.baseline_source()[0]).run()
+                           baseline=self.baseline[0]).run()
 
     def _seed_starts(self) -> list:
-        """The per-node modes' starts (every point of a mode on) and the user's seeds:
-        ``--qdq-baseline``, ``--pattern-cache``."""
-        from qdq_optuna.placement import starts
-
-        pm = self.prepared  # each per-node mode searched: its start (dynamic: the recipe)
-        found = [s for s in (starts.dynamic_start(pm), *(starts.mode_start(pm, m) for m in
-                                                         pm.rules.weight_only_modes)) if s is not None]
-        if self.o.qdq_baseline:
-            found.append(starts.baseline_start(self.prepared, self.o.qdq_baseline))
-        if self.cache is not None:
-            cached = starts.cache_start(self.prepared, self.cache)
-            if cached is not None:
-                found.append(cached)
-        return found
+        return seed_starts(self.prepared, self.o.qdq_baseline, self.cache)
 
     def _seeds(self, pp: PatternPoints) -> list[Seed]:
-        """Two objectives: one pass from float whose studies try these first: the empty scheme
-        (samplers other than ours, which proposes it itself), the user's seeds, then the
-        classic recipe (ours)."""
-        space = self.settings.space
-        seeds = []
-        if not is_ours(self.o.sampler):
-            seeds.append(Seed(space.seed(dict.fromkeys(pp.ids, 0))))
-        if self.cache is not None:
-            seeds += [Seed(space.seed(s)) for s in self.cache.seeds_for(pp)]
-        if self.baseline_q:
-            s = baseline_seed(pp, self.baseline_q)
-            if s is not None:
-                seeds.append(Seed(space.seed(s)))
-        if is_ours(self.o.sampler) and self.cfg.seed_compute_inputs:  # after user seeds
-            compute = compute_inputs_scheme(pp)
-            if compute is not None:
-                seeds.append(Seed(space.seed(compute)))
-        return seeds
+        return study_seeds(pp, self.settings.space, ours=is_ours(self.o.sampler),
+                           cache=self.cache, baseline_q=self.baseline_q,
+                           compute_inputs=self.cfg.seed_compute_inputs)
 
     def _mark(self, phase: str) -> None:
         self.elapsed[phase] = round(time.monotonic() - self.started, 1)
@@ -315,64 +239,28 @@ class Tuner:
     def _conclude(self, partial: bool) -> SearchOutcome:
         """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
         A/B against the baseline (the multi-objective front is measured by the outputs)."""
-        plans = self.search_state.plans
         self._deadlines(concluding=True)
         lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
         self._mark("lanes")  # the conclusion's steps too: where the time after a deadline goes
-        uses, rows = self.record.committed(lane)
-        final_exporter = self.prepared.exporter(self._scales("final"), self.cfg)
-        guard = self.search_state.guard
-        verdict = guard.ship(guard.exporter.plan(plan_uses(final_exporter.plan(uses))),
-                             self.prepared.high_precision.precision
-                             if self.prepared.high_precision else "fp32")
-        plan = final_exporter.plan(plan_uses(verdict.plan))  # what ships
-        final_bytes = self._save_final(guard.shipped_exporter(final_exporter), plan)
-        corrected = guard.correction_keys(plan)
-        self._mark("guard")
-        plan, final_bytes, recipe_files = conclude_recipe_files(
-            run_recipe_files(self), plan, final_bytes, final_exporter)
-        self._mark("recipe_file")
-        base_bytes, base_key, _ = self.baseline_source()
-        settings = run_settings(self, plan, base_key, final_bytes)
-        self._mark("session_settings")
-        cmp = (plans.same_model(final_bytes, "final") if plan.key == base_key  # no Q/DQ added
-               else plans.compare(settings.source(final_bytes), base_bytes, "final",
-                                  until=Until.PRECISION))
-        self._mark("final")
-        kept = None
-        if cmp.verdict == "slower" and isinstance(base_bytes, bytes) \
-                and not self.settings.multi_objective:
-            kept, plan, final_bytes, cmp, verdict = self._keep_users_model(cmp, final_exporter)
-            settings.baseline_ships()
-        evaluator = plans.scorer.evaluator
-        accuracy = shipped_accuracy(guard.report_keys(
-            verdict, bound_given=self.o.max_output_error is not None,
-            scored_as=self.profile.scored_as(plans.scorer.bf16, evaluator.optimize,
-                                             evaluator.runner)), recipe_files)
-        if kept is not None:
-            accuracy["kept_your_model"] = kept
-        elif shipped_recipe_file(recipe_files) is None:  # the guard's plan ships
-            accuracy["accuracy"]["sensitivity"] = guard.sensitivity(verdict.plan, self._in_time)
-        if guard.corrected is not None:  # what ships: the recipe file, or no Q/DQ, has none
-            accuracy["accuracy"]["bias_correction"] = (
-                corrected if kept is None and shipped_recipe_file(recipe_files) is None
-                else {"applied": False})
-        check_default_session(accuracy["accuracy"], plans.scorer, final_bytes)
-        if self.settings.accuracy:  # the accuracy modes' keys, as before
-            accuracy.update({"objectives": list(self.settings.objectives),
-                             "error_measure": guard.measure,
-                             "max_output_error": self.o.max_output_error})
-        self._mark("finish")
+        search, descent = self.search_state, self.descent
+        shipped = conclude(
+            lane, record=self.record, plans=search.plans, guard=search.guard,
+            final_exporter=self.prepared.exporter(self._calibrated, self.cfg),
+            precision=self._precision(), recipe_files=run_recipe_files(self),
+            baseline=self.baseline, folder=self.folder, profile=self.profile,
+            settings=self.settings, in_time=self._in_time, mark=self._mark)
+        findings = (descent.findings(shipped.final_bytes if isinstance(shipped.final_bytes, bytes)
+                                     else None) if descent is not None else None)
         return SearchOutcome(
-            out=self.out, header=self._header(), record=self.record, plans=plans,
-            prepared=self.prepared, backend=self.backend, lane=lane,
-            descent=self.descent.findings(final_bytes if isinstance(final_bytes, bytes) else None)
-            if self.descent is not None else None,
-            rows=rows, plan=plan, exporter=final_exporter, final_bytes=final_bytes,
-            baseline_bytes=base_bytes, comparison=cmp, baseline_ms=self.search_state.baseline_ms,
-            accuracy=accuracy, partial=partial, multi_objective=self.settings.multi_objective,
-            elapsed=dict(self.elapsed), wall_time=self.wall, session_settings=settings.report(),
-            **read_what_ran(self.profile, self.backend, final_bytes, settings))
+            out=self.out, header=self._header(), record=self.record, plans=search.plans,
+            prepared=self.prepared, backend=self.backend, lane=lane, descent=findings,
+            rows=shipped.rows, plan=shipped.plan, exporter=shipped.exporter,
+            final_bytes=shipped.final_bytes, baseline_bytes=self.baseline[0],
+            comparison=shipped.comparison, baseline_ms=search.baseline_ms,
+            accuracy=shipped.accuracy, partial=partial,
+            multi_objective=self.settings.multi_objective, elapsed=dict(self.elapsed),
+            wall_time=self.wall, session_settings=shipped.session.report(),
+            **read_what_ran(self.profile, self.backend, shipped.final_bytes, shipped.session))
 
     def _in_time(self) -> bool:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""
@@ -381,35 +269,17 @@ class Tuner:
     def stopped(self, signum: int) -> StoppedOutcome | None:
         """What the run knows when a signal stops it (read from the storage, nothing
         measured); None before the run was opened (its earlier files stand)."""
-        search = self.search_state
-        if self.record is None or search is None:
+        if self.record is None or self.search_state is None:
             return None
-        starts = self.starts or self.record.starts()
-        lane = starts.order[0] if starts is not None else ""
-        rows = self.record.committed(lane)[1] if starts is not None else []
-        return StoppedOutcome(out=self.out, header=self._header(), record=self.record,
-                              signum=signum, lane=lane, rows=rows,
-                              baseline_ms=search.baseline_ms,
-                              measurements=search.plans.measurements,
-                              by_phase=dict(search.plans.by_phase), elapsed=dict(self.elapsed))
+        return stopped_outcome(self.out, self._header(), self.record, self.search_state.plans,
+                               self.starts or self.record.starts(), signum=signum,
+                               baseline_ms=self.search_state.baseline_ms,
+                               elapsed=self.elapsed)
 
-    def _keep_users_model(self, cmp, final_exporter):
-        """The search's model measured slower than the baseline (the user's model, or its
-        high-precision conversion; a graph the preprocessing or the opset upgrade made slower
-        can do that): the baseline ships instead, re-measured the same way, and the report
-        says what the tuned model measured."""
-        source, _, what = self.baseline_source()
-        log.warning("the tuned model measured %.3fx the latency of %s (95%% interval %.3f-%.3f): "
-                    "optimized.onnx is that model instead", cmp.ratio, what, cmp.ci_low,
-                    cmp.ci_high)
-        self.folder.write_optimized(source)
-        kept = {"baseline_model": what, "tuned_comparison": cmp.to_dict()}
-        plans, guard = self.search_state.plans, self.search_state.guard
-        plan = final_exporter.plan(set())
-        cmp = plans.same_model(source, "final")
-        verdict = guard.ship(guard.exporter.plan(set()), self.prepared.high_precision.precision
-                             if self.prepared.high_precision else "fp32")
-        return kept, plan, source, cmp, verdict
+    def _precision(self) -> str:
+        """The run's high precision (named when even its float model drifts)."""
+        hp = self.prepared.high_precision
+        return hp.precision if hp else "fp32"
 
     def close(self, outcome: SearchOutcome, report: dict) -> None:
         """After the report is written: the pattern cache, ``state.yaml`` and (a complete run)
@@ -424,60 +294,29 @@ class Tuner:
         self.closed = True
 
     def _finished_report(self) -> dict | None:
-        """The report of this run when it finished with these settings and this output
-        folder holds that report and its model (a worker's own folder may not: it finishes)."""
-        done = self.record.finished()
-        if done is None or done.fingerprint != self.fingerprint_digest:
-            return None
-        text = self.folder.finished_report(done.report_sha256)
-        if text is None:
-            return None
-        log.info("run %r finished on %s (speedup %.3fx): its report stands; --remeasure "
-                 "measures the final model again, --fresh starts over", self.run_id,
-                 done.at, done.speedup or float("nan"))
-        return json.loads(text)
+        return finished_report(self.record, self.folder, self.fingerprint_digest, self.run_id)
 
     def _write_standing(self, lane: str) -> None:
         """The anytime result (:meth:`RunFolder.save_standing`), for the first lane (the fastest start)."""
         if self.starts is not None and lane == self.starts.order[0] \
                 and not self.settings.multi_objective:
-            exporter = self.prepared.exporter(self._scales("final"), self.cfg)
+            exporter = self.prepared.exporter(self._calibrated, self.cfg)
             guard = self.search_state.guard if self.search_state is not None else None
             self.folder.save_standing(guard.shipped_exporter(exporter) if guard else exporter,
                                       self.record.standing_uses(lane))
 
-    def _save_final(self, exporter: QDQExporter, plan) -> bytes:
-        """Write ``optimized.onnx``; returns what the final comparison times."""
-        return self.folder.save_optimized(exporter, plan)
-
-    def _header(self) -> dict:
+    def _header(self) -> RunHeader:
         """The report's first fields: what was tuned, where, how."""
-        return {"model": self.prepared.source, "output": str(self.out), "run_id": self.run_id,
-                "storage": self.storage_url, "backend": self.backend.describe(),
-                "runtime": self.settings.runtime, "quant_type": self.prepared.quant_type,
-                "sampler": sampler_name(self.o.sampler), "timing": self.o.timing,
-                "scales": self.settings.scales.value, "reader_clipped_ranges": self._reader_clipped,
-                "high_precision": high_precision_summary(self.prepared)}
-
-    # -- scales and errors -----------------------------------------------------------------
-    def _scales(self, purpose: str) -> dict | None:
-        """Calibrated activation scales, as the run was opened with (None: the default scale
-        inside trials)."""
-        if purpose == "trials" and self.settings.scales is Scales.DEFAULT:
-            return None
-        return self._calibrated
+        return run_header(self.prepared, self.backend, self.settings, self.o, out=self.out,
+                          run_id=self.run_id, storage=self.storage_url,
+                          reader_clipped=self._reader_clipped)
 
     # -- state -----------------------------------------------------------------------------
     def _write_state(self, status: str) -> None:
-        plans = self.search_state.plans if self.search_state is not None else None
-        order = self.starts.order if self.starts is not None else None
-        write_state(self.record, self.out, status, {
-            "storage": self.storage_url,
-            "fingerprint": self.fingerprint_digest,
-            "baseline_latency_ms": self.search_state.baseline_ms if self.search_state is not None else None,
-            "measurements": plans.measurements if plans is not None else 0,
-            "cache_hits": plans.cache_hits if plans is not None else 0,
-        }, lane=order[0] if order else None)
+        search, order = self.search_state, self.starts.order if self.starts else None
+        write_state(self.record, self.out, status, state_counters(
+            self.storage_url, self.fingerprint_digest, search.baseline_ms if search else None,
+            search.plans if search else None), lane=order[0] if order else None)
 
     def _interrupted(self, exc: BaseException) -> None:
         """Ctrl-C (SIGTERM, SIGHUP): no trial of ours stays RUNNING, and state.yaml says how
@@ -503,16 +342,6 @@ def conclusion_reserve(timeout: float, session_s: float | None, files: int = 1) 
     return share if session_s is None else min(share, rounds * 2 * session_s)
 
 
-def run_settings(tuner: Tuner, plan, base_key: str, final_bytes) -> SettingsChoice:
-    """The session settings the model that ships runs with (none when it has no Q/DQ, or
-    for two objectives: a front has no one model)."""
-    if plan.key == base_key or not len(plan) or tuner.settings.multi_objective:
-        return SettingsChoice(listed=bool(tuner.profile.session_settings))
-    search = tuner.search_state
-    return choose_settings(tuner.profile, tuner.backend, search.plans, search.guard.bound,
-                           final_bytes)
-
-
 def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
     """The run's recipe files, as the profile lists them (none for two objectives: a front
     has no one model to match)."""
@@ -525,73 +354,3 @@ def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
                        name=spec.name, tool=spec.tool, placement=spec.placement,
                        agreed=Agreed.RECIPE_FILE if i == 0 else Agreed.recipe_file(spec.name))
             for i, spec in enumerate(tuner.profile.recipe_files())]
-
-
-def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,
-                 keep: Path | None = None, wall: WallTime | None = None):
-    """The runtime's classic recipe as a start (None when it cannot be made); ``keep``: where
-    its own file is written as the tool wrote it; ``wall``: its time is the starts' "recipe"
-    step."""
-    try:
-        with (wall or WallTime()).step("starts", "recipe"):
-            return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
-                                        data=calibration[0] if calibration else None,
-                                        keep=keep)
-    except ToolError as exc:  # the quantizer refused this model: no recipe start
-        log.warning("%s; starting without the recipe", exc)
-        return None
-    except UserError:
-        raise
-    except Exception as exc:  # the quantizer failed on this model: no recipe start
-        log.warning("the %s recipe could not be made for this model (%s: %s); starting "
-                    "without it", profile.name, type(exc).__name__, exc)
-        return None
-
-
-def read_what_ran(profile: Runtime, backend, model,
-                  settings: SettingsChoice | None = None) -> dict:
-    """What the runtime ran for the shipped model (under the session ``settings`` it ships
-    with), read by its profile (``what_ran``), or why it could not be (``what_ran_error``:
-    the report still ships without it)."""
-    try:
-        source = model if settings is None else settings.source(model)
-        return {"what_ran": profile.what_ran(backend, source) if isinstance(model, bytes)
-                else None}
-    except Exception as exc:  # the report still ships without it
-        return {"what_ran_error": str(exc)}
-
-
-def high_precision_summary(prepared: PreparedModel) -> dict:
-    """report.json's ``high_precision``: the float part's precision, whether the graph's
-    inputs and outputs kept their types, the opsets and the nodes kept FP32 (with why)."""
-    hp = prepared.high_precision
-    if hp is None:
-        return {"precision": "fp32", "keep_io_types": True, "kept_fp32": {}}
-    return hp.describe()
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:24]
-
-
-def user_model(model: str | os.PathLike | onnx.ModelProto, input_shapes: str | None
-               ) -> onnx.ModelProto:
-    """The user's model as given (its weights in memory), with ``--input-shapes`` applied:
-    the baseline when ONNX Runtime's preprocessing changed the graph the search works on."""
-    from qdq_optuna.model.graph import add_shapes_by_running, apply_input_shapes
-
-    if isinstance(model, onnx.ModelProto):
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model)
-    else:
-        proto = onnx.load(str(model))
-    for vi in proto.graph.input:  # a stored dim <= 0 is symbolic (paddle2onnx writes -1)
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_value") and d.dim_value <= 0:
-                d.ClearField("dim_value")
-    apply_input_shapes(proto, InputShapes.parse(input_shapes), "<model>")
-    del proto.graph.value_info[:]  # inferred again by the runtime, from the fixed inputs
-    # ... except where static inference cannot (a Reshape to a computed shape, as paddle2onnx
-    # writes): the cost model reads shapes from the file alone
-    add_shapes_by_running(proto)
-    return proto

@@ -1,144 +1,188 @@
-"""The session settings the shipped model runs with: a runtime's own graph optimizer can undo
-or worsen a placement at session creation, and no placement can prevent it; a session setting
-can. The runtime's profile lists the candidate settings (``Runtime.session_settings``); each
-one that changes what the runtime runs for the model that ships is A/B-timed against the
-model's default sessions, and the fastest one that is faster beyond noise and keeps the
-accuracy bound ships with the model: the final A/B measures the model under it, and the
-report gives the line a deployment adds where it creates its session.
-
-Why: ONNX Runtime's ``QDQPropagationTransformer`` moves a QuantizeLinear in front of a
-MaxPool that follows a float op, and the uint8 MaxPool then runs in a slow NCHW kernel;
-Inception v1's tuned model ran 1.07x faster with that one optimizer disabled, and nothing in
-its placement could say so.
-"""
+"""What a run's options resolve to once its backend and model are known (:class:`Settings`), the
+backend they make, and the fingerprint a resumed run must match."""
 
 from __future__ import annotations
 
-import logging
+import hashlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
-from qdq_optuna.backends.base import BackendError, Configured, SessionSettings
-from qdq_optuna.measure.accuracy import AccuracyError
-
-log = logging.getLogger("qdq_optuna")
-
-
-class SettingsDecision(str, Enum):
-    """What became of one candidate setting (report.json ``session_settings.candidates``)."""
-
-    SHIPS = "ships"
-    NOT_FASTER = "not faster beyond noise"
-    SLOWER_THAN_ANOTHER = "another setting measured faster"
-    SAME_KERNELS = "the runtime runs the same kernels with and without it"
-    PAST_BOUND = "the output error under it is past the bound"
-    NOT_SCORED = "the accuracy guard cannot run the model under it"
-    FAILED = "the runtime refused it"
-    BASELINE_SHIPS = "the baseline ships (the tuned model measured slower than it)"
-    OUT_OF_TIME = "not timed: the run's time was up"
-
-
-@dataclass
-class SettingsTrial:
-    """One candidate setting tried on the shipped model."""
-
-    settings: SessionSettings
-    decision: SettingsDecision
-    #: the A/B: latency with the setting / without it (None: not timed)
-    ratio: float | None = None
-    ci: tuple[float, float] | None = None
-    #: the guard's error of the model run with the setting (None: not scored)
-    error: float | None = None
-    detail: str = ""
-
-    def to_dict(self) -> dict:
-        out = {**self.settings.to_dict(), "decision": self.decision.value}
-        if self.ratio is not None:
-            out["ratio"] = self.ratio
-            out["ci"] = list(self.ci) if self.ci else None
-        if self.error is not None:
-            out["error"] = self.error
-        if self.detail:
-            out["detail"] = self.detail
-        return out
+from qdq_optuna.backends import BACKENDS, make_backend
+from qdq_optuna.backends.base import Backend
+from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.errors import OptionError
+from qdq_optuna.measure.bias import DEFAULT_MODE as BIAS_MODE
+from qdq_optuna.measure.bound import AskedBound
+from qdq_optuna.model.graph import InputShapes
+from qdq_optuna.placement.export import Scales
+from qdq_optuna.placement.points import DYNAMIC, WEIGHT_ONLY
+from qdq_optuna.placement.scheme import ChoiceSpace
+from qdq_optuna.placement.weight_only import ACCURACY_LEVEL
+from qdq_optuna.placement.weight_only import BLOCK_SIZE as WEIGHT_ONLY_BLOCK
+from qdq_optuna.record import FLOW, WHOLE_MODEL
+from qdq_optuna.runtimes import Runtime, profile_for, profile_for_backend
+from qdq_optuna.runtimes.prepared import PreparedModel
+from qdq_optuna.search._options import TuneOptions
+from qdq_optuna.search.objectives import check_sampler, parse_objectives
+from qdq_optuna.search.samplers import sampler_name, takes_categorical
 
 
-@dataclass
-class SettingsChoice:
-    """The settings that ship (None: the runtime's defaults) and every candidate's fate."""
-
-    shipped: SessionSettings | None = None
-    trials: list[SettingsTrial] = field(default_factory=list)
-    #: whether the runtime's profile lists any (report.json has no key where it lists none)
-    listed: bool = True
-
-    def baseline_ships(self) -> None:
-        """The user's model ships instead of the tuned one: as a user runs it, no settings."""
-        for t in self.trials:
-            if t.settings == self.shipped:
-                t.decision = SettingsDecision.BASELINE_SHIPS
-        self.shipped = None
-
-    def source(self, model):
-        """What the final A/B times: ``model`` under the shipped settings."""
-        return model if self.shipped is None else Configured(model, self.shipped)
-
-    def to_dict(self) -> dict:
-        return {"shipped": None if self.shipped is None else self.shipped.to_dict(),
-                "candidates": [t.to_dict() for t in self.trials]}
-
-    def report(self) -> dict | None:
-        """report.json's ``session_settings`` (None: the runtime lists no settings)."""
-        return self.to_dict() if self.listed else None
+def backend_for(options: TuneOptions) -> Backend:
+    """The backend that measures this run (see :data:`~qdq_optuna.backends.BACKENDS`)."""
+    b = options.backend
+    if isinstance(b, Backend):
+        return b
+    if callable(b):
+        return CallableBackend(b)
+    spec = BACKENDS.get(b)
+    given = {"threads": options.threads,
+             "input_shapes": InputShapes.parse(options.input_shapes).shapes or None}
+    kwargs = {k: given[k] for k in spec.takes} if spec is not None else {}
+    if spec is not None:  # the runtime's own options (OpenVINO: its precision hint)
+        kwargs.update(profile_for(spec.runtime).backend_options(
+            options.model, options.high_precision, options.threads, given["input_shapes"]))
+    if ":" not in b:
+        kwargs["isolate"] = bool(options.isolate)
+    return make_backend(b, **kwargs)
 
 
-def choose_settings(profile, backend, plans, bound: float, model) -> SettingsChoice:
-    """Each of ``profile.session_settings`` tried on ``model`` (the bytes that ship): skipped
-    where the runtime runs the same kernels under it (nothing to time), else A/B-timed against
-    the default sessions (``plans``, phase ``final``) and scored by its error scorer against the accuracy ``bound``;
-    the fastest one faster beyond noise within the bound ships."""
-    candidates = tuple(getattr(profile, "session_settings", ()))
-    choice = SettingsChoice(listed=bool(candidates))
-    if not candidates or not isinstance(model, bytes) \
-            or not getattr(backend, "session_settings", False) or plans.deterministic:
-        return choice
-    for settings in candidates:
-        choice.trials.append(_try(profile, plans, bound, model, settings))
-    faster = [t for t in choice.trials if t.decision is SettingsDecision.SHIPS]
-    if faster:
-        best = min(faster, key=lambda t: t.ratio)
-        for t in faster:
-            if t is not best:
-                t.decision = SettingsDecision.SLOWER_THAN_ANOTHER
-        choice.shipped = best.settings
-        log.info("session settings %s: the shipped model measured %.3fx its latency with "
-                 "them (interval %.3f-%.3f); it ships with them", best.settings.name,
-                 best.ratio, *best.ci)
-    return choice
+def backend_name(options: TuneOptions, backend: Backend) -> str:
+    return options.backend if isinstance(options.backend, str) else backend.name
 
 
-def _try(profile, plans, bound: float, model: bytes, settings: SessionSettings) -> SettingsTrial:
-    if plans.measurer.out_of_time():  # --timeout: the final A/B gets what is left
-        return SettingsTrial(settings, SettingsDecision.OUT_OF_TIME)
-    try:
-        if not profile.settings_matter(model, settings):
-            return SettingsTrial(settings, SettingsDecision.SAME_KERNELS)
-        cmp = plans.compare(Configured(model, settings), model, "final")
-    except BackendError as exc:
-        return SettingsTrial(settings, SettingsDecision.FAILED, detail=str(exc))
-    trial = SettingsTrial(settings, SettingsDecision.NOT_FASTER, ratio=cmp.ratio,
-                          ci=(cmp.ci_low, cmp.ci_high))
-    if cmp.ci_high >= 1.0:  # not faster beyond noise
-        return trial
-    try:
-        trial.error = plans.scorer.error_under(model, settings.entries)
-    except AccuracyError as exc:
-        trial.decision, trial.detail = SettingsDecision.FAILED, str(exc)
-        return trial
-    if trial.error is None:
-        trial.decision = SettingsDecision.NOT_SCORED
-    elif trial.error > bound:
-        trial.decision = SettingsDecision.PAST_BOUND
-    else:
-        trial.decision = SettingsDecision.SHIPS
-    return trial
+def check_runtime_named(options: TuneOptions, backend: Backend) -> None:
+    """A backend whose runtime we cannot know (``--backend package.module:function``, a
+    callable, a Backend of a name outside the table) must name it: ONNX Runtime's rules and
+    preprocessing on a TensorRT-like callable would place Q/DQ for the wrong runtime."""
+    if options.runtime is not None:
+        return
+    name = backend_name(options, backend)
+    if name in BACKENDS:
+        return
+    what = (f"--backend {name}" if isinstance(options.backend, str)
+            else f"backend {getattr(backend, 'describe', lambda: {})().get('callable') or name}")
+    raise OptionError(f"{what}: name the runtime it measures with --runtime onnxruntime or "
+                      "--runtime tensorrt (whose rules place the Q/DQ)")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run's options resolve to once its backend and model are known."""
+
+    backend: str
+    runtime: str
+    #: scales inside trials: calibrated or placeholders (never ``AUTO``: resolved)
+    scales: Scales
+    objectives: tuple[str, ...]
+    #: output errors are measured (any accuracy option; the bound itself is the guard's
+    #: :class:`~qdq_optuna.measure.bound.AccuracyBound`)
+    accuracy: bool
+    space: ChoiceSpace
+    #: descent rounds at most (1 + ``Config.refine_rounds``; 1 with two objectives)
+    rounds: int
+    #: where the descent starts (``Config.start``; ``float`` with two objectives)
+    start: str = "best"
+    #: two objectives (latency, error)
+    multi_objective: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "multi_objective", len(self.objectives) > 1)
+
+    @staticmethod
+    def profile_of(options: TuneOptions, backend: Backend) -> Runtime:
+        """The run's runtime profile, chosen once: ``--runtime``, else the backend's."""
+        if options.runtime is not None:
+            return profile_for(options.runtime)
+        return profile_for_backend(backend_name(options, backend))
+
+    @classmethod
+    def resolve(cls, options: TuneOptions, backend: Backend, prepared: PreparedModel) -> Settings:
+        profile = cls.profile_of(options, backend)
+        runtime = profile.name
+        asked = Scales.parse(options.scales)
+        scales = Scales.parse(profile.default_scales) if asked is Scales.AUTO else asked
+        objectives = parse_objectives(options.objectives)
+        multi = len(objectives) > 1
+        constrained = options.max_output_error is not None  # trials carry the bound
+        accuracy = (multi or constrained or options.validation_data is not None
+                    or options.metric is not None)
+        if accuracy:  # errors with placeholder scales say nothing about the real model
+            if asked is Scales.DEFAULT:
+                raise OptionError("--scales default cannot be combined with accuracy options "
+                                  "(--max-output-error, --objectives latency,error, "
+                                  "--validation-data, --metric): errors need calibrated scales")
+            scales = Scales.CALIBRATED
+        space = ChoiceSpace(prepared.mixed_types or (prepared.quant_type,),
+                            categorical=takes_categorical(options.sampler))
+        check_sampler(options.sampler, multi_objective=multi, mixed=space.mixed,
+                      constrained=constrained)
+        # two objectives: one pass from float (the report's Pareto chain is built from one
+        # decision per pattern, added to the float model)
+        rounds = 1 if multi else 1 + options.config.refine_rounds
+        return cls(backend_name(options, backend), runtime, scales, objectives, accuracy,
+                   space, rounds, "float" if multi else options.config.start)
+
+
+def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedModel,
+                backend: Backend, bound: AskedBound, validation_id: str | None = None) -> dict:
+    """The settings that change a run's result (the accuracy bound's as asked): a resumed run
+    must have the same."""
+    o = options
+    fp = {
+        FLOW: WHOLE_MODEL,
+        "model_sha256": prepared.source_sha256,
+        "backend": backend.describe(),
+        "runtime": settings.runtime,
+        "quant_type": prepared.quant_type,
+        "input_shapes": str(InputShapes.parse(o.input_shapes)),
+        "config": o.config.search_relevant(),
+        "sampler": sampler_name(o.sampler),
+        "seed": o.seed,
+        "timing": o.timing,
+        "scales": settings.scales.value,
+        "calibration_method": o.calibration_method,
+        # scales are made from the cached statistics each time: a run stored before activation
+        # ranges were cut at their readers' saturation measured other scales, and must not
+        # resume with these
+        "activation_ranges": "cut at readers",
+        "preprocess": prepared.preprocess,
+    }
+    # the accuracy / mixed-precision modes are absent when off, so runs made before these
+    # options existed still resume
+    if settings.space.mixed:
+        fp["mixed_types"] = list(settings.space.types)
+    if o.bias_correction:
+        fp["bias_correction"] = BIAS_MODE
+    if bound.confidence is not None:  # absent when off: older runs still resume
+        fp["accuracy_confidence"] = bound.confidence
+    if prepared.high_precision is not None:
+        fp["high_precision"] = prepared.high_precision.describe()
+    if prepared.node_filter:
+        fp["node_filter"] = prepared.node_filter.to_dict()
+    if any(point.kind == DYNAMIC for pp in prepared.tunable for point in pp.points):
+        # absent without a dynamic point (static only, or a model with no MatMul/Gemm of
+        # constant weights): earlier runs still resume
+        fp["dynamic_ops"] = sorted(prepared.rules.dynamic_ops)
+    if any(point.kind == WEIGHT_ONLY for pp in prepared.tunable for point in pp.points):
+        # likewise absent without a weight-only point; the kernel's settings with the modes
+        fp["weight_only"] = {"modes": [m.value for m in prepared.rules.weight_only_modes],
+                             "block_size": WEIGHT_ONLY_BLOCK, "accuracy_level": ACCURACY_LEVEL}
+    if settings.accuracy:
+        # max_metric_drop is absent when unset: older runs still resume
+        fp["accuracy"] = {"objectives": list(settings.objectives), **bound.fingerprint_keys(),
+                          "validation_data": validation_id}
+    return fp
+
+
+def metric_label(metric: str | Callable | None) -> str | None:
+    """``--metric``'s text, or a callable's ``module:name`` (its repr holds an address, which
+    would change the fingerprint of every process and the report's wording)."""
+    if metric is None or isinstance(metric, str):
+        return metric
+    return (f"{getattr(metric, '__module__', None) or '?'}:"
+            f"{getattr(metric, '__qualname__', type(metric).__name__)}")
+
+
+def digest(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]

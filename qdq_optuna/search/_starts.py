@@ -30,33 +30,15 @@ from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO
-from qdq_optuna.measure.bisect import bisect_plan
-from qdq_optuna.measure.repair import estimated_speed, rank_repair
 from qdq_optuna.placement import starts as whole
-from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
-from qdq_optuna.search._guard import listed
+from qdq_optuna.search._start_repairs import KEPT_NOTHING, NO_TIME, REPAIRED, StartRepairs
+
+__all__ = ["KEPT_NOTHING", "NO_TIME", "REPAIRED", "StartsPhase"]
 
 log = logging.getLogger("qdq_optuna")
 
-#: a repaired start's name is its start's with this suffix (``recipe:openvino-in-bound``): the
-#: start without the Q/DQ that broke the accuracy bound (:meth:`StartsPhase._repairs`)
-REPAIRED = "-in-bound"
-#: error evaluations a repair may spend ranking quantizer groups and finding how many to return
-#: to float (:func:`~qdq_optuna.measure.repair.rank_repair`)
-REPAIR_EVALUATIONS = 64
-#: error evaluations the bisection over tensors may spend where the ranked repair kept nothing
-BISECT_EVALUATIONS = 48
-#: a start's ``repair_outcome`` when its repair yielded no start to measure
-NO_TIME = "not repaired: no time left under --timeout"
-KEPT_NOTHING = ("not repaired: no quantized part of it kept the accuracy bound (ranked groups, "
-                "then bisection over tensors)")
-SAME_MODEL = "not measured: the repaired start is the same model as another start"
-#: a start whose quantized uses overlap this much (Jaccard) with a start repaired already (or
-#: found beyond repair) is not repaired again (PP-OCRv5's detector: every point and ONNX
-#: Runtime's recipe differ in 1 of 264 points, and each repair costs 64 error evaluations)
-TWIN = 0.9
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -78,8 +60,6 @@ class StartsPhase:
         self.recipe = recipe
         self.seeds = seeds
         self.worker = worker
-        #: plan key -> what the runtime ran for it (the backend's report, None: not readable)
-        self._ran: dict[str, object] = {}
 
     @property
     def record(self) -> RunRecord:
@@ -149,134 +129,24 @@ class StartsPhase:
         return row
 
     def _repairs(self, cands: list[Start], rows: list[StartOutcome]) -> list[StartOutcome]:
-        """Each quantized start that measured faster than float but broke the accuracy bound,
-        with just enough of its quantizer groups returned to float: NNCF's placement of magika (a byte-level classifier)
-        runs 2.1x faster than float on OpenVINO and puts out nothing like FP32 (cosine 1e-5);
-        a few tensors cause that, and the rest of the placement is worth starting from. Whole
-        groups (one node's quantized inputs) go back in order of error per latency cost
-        (:func:`~qdq_optuna.measure.repair.rank_repair`), so the integer chains left still
-        fuse; a repaired start is measured and checked like any other (its row, with the
-        sensitivity table, is returned). Each start that needed a repair says on its row what
-        it came to (``repair_outcome``), with the table when no repaired start was measured,
-        so the report shows where the error was even when float ships."""
+        """The quantized starts faster than float but past the accuracy bound, repaired
+        (:class:`~qdq_optuna.search._start_repairs.StartRepairs`); none when no guard checks
+        the starts or the run starts from float."""
         s = self.s
-        flt = next((r for r in rows if r.name == "float"), None)
-        if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
+        if s.guard is None or self.mode == "float":
             return []
-        out, seen = [], {r.plan_key for r in rows}
-        # a repair only takes Q/DQ out, so a start slower than a model already within the
-        # bound is not worth its bisection (dnsmos-p835: 40 evaluations, 8 minutes)
-        best = min((r.latency_ms for r in rows if r.usable), default=math.inf)
-        tried: dict[str, set] = {}  # starts repaired (or found beyond repair): their uses
-        todo = [(start, row) for start, row in zip(cands, rows)
-                if not row.feasible and row.latency_ms is not None
-                and row.latency_ms < min(flt.latency_ms, best)]
-        # the start whose integer chains hold the most speed by the repair's cost model first
-        # (what survives returning groups to float; measured speed breaks ties): the first
-        # repair is the one that runs past the deadline
-        held = {row.name: self._holds(row) for _, row in todo} if len(todo) > 1 else {}
-        for start, row in sorted(todo, key=lambda sr: (-held.get(sr[1].name, 0.0),
-                                                       sr[1].latency_ms)):
-            if row.latency_ms >= min(flt.latency_ms, best):
-                continue
-            i = rows.index(row)
-            # the first start repaired runs whole even past the search's deadline, as the
-            # starts' A/Bs do: on a large model the starts' timing outlasts a short --timeout
-            # (PP-OCRv4's detector: 330 s of 300), and a repair cut there ships float where the
-            # repair's placement runs 1.3x (its cost is bounded by REPAIR_EVALUATIONS); later
-            # ones only while time is left
-            remaining = s.remaining()
-            if tried and remaining is not None and remaining <= 0:
-                rows[i] = replace(row, repair_outcome=NO_TIME)
-                continue
-            plan = self._row_plan(row)
-            uses = set(plan_uses(plan))
-            twin = next((name for name, other in tried.items() if _overlap(uses, other) >= TWIN),
-                        None)
-            if twin is not None:
-                rows[i] = replace(row, repair_outcome=f"not repaired: nearly the placement of "
-                                  f"{twin}, repaired already")
-                continue
-            repaired, table, outcome = self._repaired(start, plan, past_deadline=not tried)
-            if outcome != NO_TIME:
-                tried[start.name] = uses
-            if repaired is None:
-                log.info("start %s: %s", start.name, outcome)
-                rows[i] = replace(row, repair_outcome=outcome, repair=table)
-                continue
-            key = self._plan(self._schemes(repaired), repaired.pinned).key
-            if key in seen:  # float's key is among them: nothing left on
-                rows[i] = replace(row, repair_outcome=SAME_MODEL, repair=table)
-                continue
-            rows[i] = replace(row, repair_outcome=f"repaired: {repaired.name}")
-            seen.add(key)
-            done = len(rows) + len(out)
-            s.progress.stage("starts", done + 1, done=done)
-            # timed with the baseline as the other starts were: timed alone after the repair,
-            # PP-OCRv4's repaired start read 0.97x float, as placed it runs 1.24x float
-            self._together([repaired])
-            repaired_row = replace(self._measured(repaired), repair=table)
-            out.append(repaired_row)
-            if repaired_row.usable:
-                best = min(best, repaired_row.latency_ms)
-        return out
 
-    def _repaired(self, start: Start, plan, *, past_deadline: bool = False
-                  ) -> tuple[Start | None, dict | None, str]:
-        """``start`` within the bound, the repair's sensitivity table, and what the repair came
-        to: quantizer groups returned to float by error per latency cost; where that keeps
-        nothing within the evaluations (an error spread over hundreds of groups ranks
-        coarsely: a real PP-OCR detector and text-line classifier), bisection over tensors, as
-        before (a repaired start is measured even where the repair's own estimate says it
-        runs no faster than float: the runtime decides, and the report says why).
-        ``past_deadline``: the ranked repair runs to its evaluation budget whatever the
-        deadline."""
-        s = self.s
-        error = lambda p: s.guard.error(p)["error"]  # noqa: E731
-        time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
-        found = rank_repair(s.exporter, plan, error, s.guard.bound, what=self._what_ran(plan),
-                            max_evaluations=REPAIR_EVALUATIONS,
-                            time_left=(lambda: True) if past_deadline else time_left)
-        name = f"{start.name}{REPAIRED}"
-        table = found.to_dict()
-        if found.within and found.kept.activations:
-            nodes = [g.name for g in found.returned]
-            return whole.start_from_uses(
-                s.prepared, name, list(plan_uses(found.kept)),
-                notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
-                       f"group(s) returned to float, ranked by output error per latency "
-                       f"cost ({found.evaluations} error evaluations) until within the "
-                       f"accuracy bound: {listed(nodes)}"]), table, ""
-        if not time_left():
-            return None, table, NO_TIME
-        cut = bisect_plan(s.exporter, plan, error, s.guard.bound,
-                          max_evaluations=BISECT_EVALUATIONS)
-        if not cut.within or not cut.kept.activations:
-            return None, table, KEPT_NOTHING
-        gone = set(cut.responsible)
-        return whole.start_from_uses(
-            s.prepared, name, [u for u in plan_uses(plan) if u[0] not in gone],
-            notes=[f"{start.name} without the Q/DQ on {len(gone)} tensor(s) that broke the "
-                   f"accuracy bound (bisection in {cut.evaluations} error evaluations, after "
-                   f"the ranked repair kept nothing in {found.evaluations}): "
-                   f"{listed(cut.responsible)}"]), None, ""
+        def measure(start: Start) -> StartOutcome:
+            self._together([start])
+            return self._measured(start)
 
-    def _holds(self, row: StartOutcome) -> float:
-        """The integer speed a start's placement holds by the repair's cost model."""
-        plan = self._row_plan(row)
-        return estimated_speed(self.s.exporter, plan, self._what_ran(plan))
-
-    def _what_ran(self, plan):
-        """What the runtime ran integer for ``plan`` (the repair's latency costs), or None
-        when the backend cannot tell."""
-        if plan.key not in self._ran:  # the repair order and the repair read the same plan
-            try:
-                self._ran[plan.key] = self.s.plans.measurer.backend.what_ran(
-                    self.s.exporter.to_bytes(plan))
-            except Exception as exc:  # a report only sharpens the costs: never the failure
-                log.info("what the runtime ran could not be read (%s)", exc)
-                self._ran[plan.key] = None
-        return self._ran[plan.key]
+        return StartRepairs(
+            guard=s.guard, exporter=s.exporter, prepared=s.prepared,
+            backend=s.plans.measurer.backend, remaining=s.remaining,
+            plan_of=lambda start: self._plan(self._schemes(start), start.pinned),
+            row_plan=self._row_plan, measure=measure,
+            stage=lambda total, done: s.progress.stage("starts", total, done=done),
+        ).run(cands, rows)
 
     def _summary(self, row: StartOutcome) -> str:
         if row.failure:
@@ -318,7 +188,7 @@ class StartsPhase:
             return replace(row, latency_ms=ms, feasible=True)
         with step("starts", "accuracy"):
             error = s.guard.error(plan)["error"]
-        return replace(row, latency_ms=ms, error=error, feasible=error <= s.guard.bound)
+        return replace(row, latency_ms=ms, error=error, feasible=s.guard.bound.allows(error))
 
     def _choose(self, rows: list[StartOutcome]) -> str:
         """The fastest feasible start, when it beats float as a commit must (the run's
@@ -348,10 +218,8 @@ class StartsPhase:
         cmp = self.s.plans.compare(self._source(best), self._source(flt), "starts")
         rows[rows.index(best)] = replace(best, ab_vs_float=_ab(cmp))
         if not rule.confirmed(cmp, rule.threshold, False):
-            # the fastest start could not show it beats float: the recipe still stands
-            # unless float beats it (a ViT on a loaded machine: every point on measured
-            # fastest once, its A/B against float undecided, and float stood, with the
-            # recipe and the dynamic start never compared)
+            # not shown to beat float: the recipe still stands unless float beats it (a ViT
+            # on a loaded machine: float stood, the recipe and dynamic start never compared)
             return "float" if recipe is None or recipe.plan_key == flt.plan_key \
                 else self._recipe_unless_float_beats_it(rows, recipe, flt)
         return self._recipe_unless_beaten(rows, best)
@@ -426,11 +294,6 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
-
-
-def _overlap(a: set, b: set) -> float:
-    """Jaccard overlap of two sets of quantized uses."""
-    return len(a & b) / max(len(a | b), 1)
 
 
 def _recipe(rows: list[StartOutcome]) -> StartOutcome | None:

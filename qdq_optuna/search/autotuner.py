@@ -23,7 +23,6 @@ from optuna.trial import TrialState
 
 from qdq_optuna.config import Config
 from qdq_optuna.measure.accuracy import hold_out
-from qdq_optuna.measure.bisect import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.model.calibration import DEFAULT_METHOD
 from qdq_optuna.model.graph import Use
 from qdq_optuna.placement.export import QDQExporter, Scales
@@ -35,10 +34,17 @@ from qdq_optuna.runtimes import DEFAULT_RUNTIME, profile_for
 from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._commit import CommitRule
 from qdq_optuna.search._guard import Guard, Verdict
-from qdq_optuna.search._options import Settings, TuneOptions, measure_label
+from qdq_optuna.search._options import TuneOptions
 from qdq_optuna.search._pattern import PatternStudy, Search, Seed
 from qdq_optuna.search._plans import PlanMeasurer
-from qdq_optuna.search._prepare import calibrated_scales, error_scorer, guard_bound, read_data
+from qdq_optuna.search._prepare import (
+    accuracy_bound,
+    asked_bound,
+    calibrated_scales,
+    error_scorer,
+    read_data,
+)
+from qdq_optuna.search._settings import Settings
 from qdq_optuna.search.samplers import SamplerArg
 
 
@@ -166,9 +172,7 @@ class Autotuner:
         self.storage = storage if storage is not None else optuna.storages.InMemoryStorage()
         space = ChoiceSpace((self.prepared.quant_type,))
         settings = Settings(backend="ask/tell", runtime=runtime, scales=scales,
-                            objectives=("latency",), constrained=False, accuracy=False,
-                            space=space, rounds=1,
-                            error_bound=max_output_error or DEFAULT_MAX_OUTPUT_ERROR)
+                            objectives=("latency",), accuracy=False, space=space, rounds=1)
         self.record = RunRecord(self.storage, run_id, self.prepared.tunable, space)
         self.search = Search(prepared=self.prepared, exporter=self.exporter, settings=settings,
                              config=self.config, record=self.record,
@@ -263,6 +267,6 @@ class Autotuner:
         calibration, validation = self._data
         scorer, data_name = error_scorer(self.prepared, self.options, self.profile, exporter,
                                          validation, calibration)
-        bound, drop = guard_bound(self.options, self.search.settings, scorer)
         plans = PlanMeasurer(None, self.record.measured, scorer, self.record.errors)
-        return Guard(plans, exporter, bound, measure_label(self.options), data_name, drop)
+        return Guard(plans, exporter,
+                     accuracy_bound(asked_bound(self.options), scorer, data_name))

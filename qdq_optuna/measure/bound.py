@@ -1,0 +1,151 @@
+"""The accuracy bound: one value, built once while a run is prepared and owned by the accuracy
+guard. Every feasibility check (a trial's constraint, a start, a commit, what ships), the report
+and the resume fingerprint read this object, so none of them can disagree about the bound.
+
+The bound is ``--max-output-error`` when given, the FP32 model's own metric plus
+``--max-metric-drop`` (absolute or relative) when that is, else
+:data:`DEFAULT_MAX_OUTPUT_ERROR`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from qdq_optuna.measure.accuracy import ErrorMeasure
+
+#: the accuracy guard's default bound on the worst output's relative L2 error vs FP32: a cosine
+#: of about 0.98 when the error is uncorrelated with the output. On real held-out photos
+#: (``benchmarks/bound_evidence.py``) a text-line classifier kept 92-96 % of its FP32 classes
+#: at 0.1, 83-92 % at 0.2-0.25; 0.5 shipped a PP-OCR detector at cosine 0.87. Healthy
+#: full-INT8 models sit at 0.02-0.17 (``benchmarks/calibration_methods.py``); past the bound the
+#: starts' repair returns the groups that cost the least speed per error to float
+DEFAULT_MAX_OUTPUT_ERROR = 0.2
+
+
+class BoundSource(str, Enum):
+    """Where the bound's value comes from (report.json ``accuracy.bound_from``)."""
+
+    MAX_OUTPUT_ERROR = "--max-output-error"
+    MAX_METRIC_DROP = "--max-metric-drop"
+    DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class MetricDrop:
+    """``--max-metric-drop``: the FP32 model's own metric and the drop the bound allows over it
+    (:func:`~qdq_optuna.measure.accuracy.metric_drop_bound`)."""
+
+    fp32_metric: float
+    max_metric_drop: float
+    drop_type: str
+    bound: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AskedBound:
+    """The accuracy bound as a run's options ask for it: all of it that is known before
+    anything is measured, and what the resume fingerprint reads (a metric drop's FP32 value is
+    measured once the stored run agreed to the settings)."""
+
+    #: ``--max-output-error`` (None: not given)
+    max_output_error: float | None
+    #: the error compared with the bound (a ``metric`` replaces it when given)
+    measure: ErrorMeasure
+    #: ``--metric`` as ``module:name`` (None: the output error :attr:`measure` is the error)
+    metric: str | None = None
+    #: ``--max-metric-drop`` and ``--metric-drop-type`` (None: the bound is no metric drop)
+    max_metric_drop: float | None = None
+    drop_type: str = "absolute"
+    #: ``--accuracy-confidence``: errors compared with the bound are the upper bounds of the
+    #: mean per-sample error at this level (None: the error over all samples)
+    confidence: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measure", ErrorMeasure(self.measure))
+        if self.max_output_error is not None:
+            object.__setattr__(self, "max_output_error", float(self.max_output_error))
+
+    @property
+    def constrains_trials(self) -> bool:
+        """Whether trials carry the bound as an Optuna constraint (an error budget the sampler
+        sees): only a ``--max-output-error`` the user gave; the default and a metric drop bound
+        the starts, commits and what ships only."""
+        return self.max_output_error is not None
+
+    def fingerprint_keys(self) -> dict:
+        """The bound's part of the resume fingerprint (``max_metric_drop`` absent when unset,
+        so runs stored before it existed still resume)."""
+        keys = {"max_output_error": self.max_output_error, "error_measure": self.measure.value,
+                "metric": self.metric}
+        if self.max_metric_drop is not None:
+            keys["max_metric_drop"] = [self.max_metric_drop, self.drop_type]
+        return keys
+
+
+@dataclass(frozen=True)
+class AccuracyBound:
+    """The bound every model a run starts from, commits or ships must keep, and what it is
+    claimed on: built once, from what was asked, the data the guard measures on and (a metric
+    drop) the FP32 model's own metric."""
+
+    asked: AskedBound
+    value: float
+    source: BoundSource
+    #: the data the errors are measured on (``--validation-data FILE:sha``, ``random:8:1``, ...)
+    data: str
+    #: the FP32 model's metric and the allowed drop (None: the bound is not a metric drop)
+    drop: MetricDrop | None = None
+
+    @classmethod
+    def resolve(cls, asked: AskedBound, data: str, drop: MetricDrop | None = None
+                ) -> AccuracyBound:
+        """The bound of what was asked: the metric drop's, else the given output error, else
+        the default."""
+        if drop is not None:
+            return cls(asked, drop.bound, BoundSource.MAX_METRIC_DROP, data, drop)
+        if asked.max_output_error is not None:
+            return cls(asked, asked.max_output_error, BoundSource.MAX_OUTPUT_ERROR, data)
+        return cls(asked, DEFAULT_MAX_OUTPUT_ERROR, BoundSource.DEFAULT, data)
+
+    @property
+    def measure(self) -> ErrorMeasure:
+        return self.asked.measure
+
+    @property
+    def confidence(self) -> float | None:
+        return self.asked.confidence
+
+    @property
+    def constrains_trials(self) -> bool:
+        return self.asked.constrains_trials
+
+    @property
+    def trial_budget(self) -> float | None:
+        """The trials' error budget (report.json ``max_output_error``), None when trials are
+        not constrained."""
+        return self.value if self.constrains_trials else None
+
+    @property
+    def label(self) -> str:
+        """What the error is, in the report: ``metric MODULE:NAME`` or the measure."""
+        return f"metric {self.asked.metric}" if self.asked.metric else self.measure.value
+
+    def allows(self, error: float) -> bool:
+        return error <= self.value
+
+    def excess(self, error: float) -> float | None:
+        """A trial's constraint value (Optuna: feasible when <= 0), None when trials are not
+        constrained."""
+        return error - self.value if self.constrains_trials else None
+
+    def describe(self) -> dict:
+        return {"bound": self.value, "measure": self.label, "data": self.data}
+
+    def report_keys(self) -> dict:
+        """report.json ``accuracy``'s keys that state the bound."""
+        return {**self.describe(), "bound_from": self.source.value,
+                **({"metric_drop": self.drop.to_dict()} if self.drop else {})}

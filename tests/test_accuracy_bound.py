@@ -1,0 +1,64 @@
+"""The accuracy bound as one value object (``measure/bound.py``): where its value comes from,
+whether trials carry it as a constraint, and what the report and the fingerprint read of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qdq_optuna.measure.accuracy import ErrorMeasure
+from qdq_optuna.measure.bound import (
+    DEFAULT_MAX_OUTPUT_ERROR,
+    AccuracyBound,
+    AskedBound,
+    BoundSource,
+    MetricDrop,
+)
+
+
+def test_the_default_bounds_starts_and_what_ships_but_no_trial():
+    bound = AccuracyBound.resolve(AskedBound(None, "relative_l2"), "random:8:1")
+    assert (bound.value, bound.source) == (DEFAULT_MAX_OUTPUT_ERROR, BoundSource.DEFAULT)
+    assert not bound.constrains_trials and bound.trial_budget is None
+    assert bound.excess(10.0) is None
+    assert bound.allows(DEFAULT_MAX_OUTPUT_ERROR)
+    assert not bound.allows(DEFAULT_MAX_OUTPUT_ERROR * 1.01)
+    assert bound.measure is ErrorMeasure.RELATIVE_L2 and bound.label == "relative_l2"
+    assert bound.asked.fingerprint_keys() == {"max_output_error": None,
+                                              "error_measure": "relative_l2", "metric": None}
+
+
+def test_a_given_output_error_bounds_every_trial_too():
+    bound = AccuracyBound.resolve(AskedBound(0.05, "max_abs"), "random:8:1")
+    assert bound.source is BoundSource.MAX_OUTPUT_ERROR and bound.constrains_trials
+    assert bound.trial_budget == 0.05
+    assert bound.excess(0.08) == pytest.approx(0.03) and bound.excess(0.01) < 0
+    assert bound.report_keys() == {"bound": 0.05, "measure": "max_abs", "data": "random:8:1",
+                                   "bound_from": "--max-output-error"}
+
+
+def test_a_metric_drop_is_the_fp32_metric_plus_the_drop():
+    asked = AskedBound(None, "relative_l2", "m:top1_error", 0.1, "relative", confidence=0.9)
+    drop = MetricDrop(fp32_metric=0.3, max_metric_drop=0.1, drop_type="relative", bound=0.33)
+    bound = AccuracyBound.resolve(asked, "--validation-data v.npz:abc", drop)
+    assert bound.value == 0.33 and bound.source is BoundSource.MAX_METRIC_DROP
+    assert not bound.constrains_trials and bound.label == "metric m:top1_error"
+    assert bound.confidence == 0.9
+    assert bound.report_keys()["metric_drop"] == {"fp32_metric": 0.3, "max_metric_drop": 0.1,
+                                                  "drop_type": "relative", "bound": 0.33}
+    # what the fingerprint reads is known before the FP32 metric is measured
+    assert asked.fingerprint_keys() == {"max_output_error": None, "error_measure": "relative_l2",
+                                        "metric": "m:top1_error",
+                                        "max_metric_drop": [0.1, "relative"]}
+
+
+def test_the_bound_cannot_change_once_built():
+    bound = AccuracyBound.resolve(AskedBound(0.1, "relative_l2"), "random:8:1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bound.value = 1.0  # type: ignore[misc]
+
+
+def test_an_unknown_measure_is_refused():
+    with pytest.raises(ValueError):
+        AskedBound(None, "cosine")
