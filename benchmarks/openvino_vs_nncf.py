@@ -9,7 +9,11 @@ calibration inputs) unless ``--no-tune``. All variants are timed interleaved in 
 every round compiles each variant afresh (rotating the order), 5 warm-up + ``--runs`` timed
 inferences, keeps the round's minimum; the first ``--drop`` rounds warm the process up and are
 dropped; the figure is the median over rounds and ratios get a 95% interval over the per-round
-ratios. Output cosine vs FP32 (worst output, OpenVINO f32) on held-out inputs.
+ratios. Output cosine vs FP32 (worst output, OpenVINO f32) on held-out inputs. Models with
+attention (``attention_blocks``) also get NNCF with ``model_type=ModelType.TRANSFORMER``
+(``nncf_transformer``), the preset OpenVINO documents for transformers. ``--photos``: the
+calibration and held-out inputs are crops of real photographs (``photos.py``: text-line
+strips for a recognizer) instead of generated ones.
 
     flock /tmp/qdq-bench.lock python benchmarks/openvino_vs_nncf.py \\
         --models nudenet-320n squeezenet-caffe2-light yolo@small --out benchmarks/results/openvino_vs_nncf.json
@@ -43,22 +47,36 @@ from qdq_optuna.runtimes import openvino as ov_runtime
 from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 
-def files(name: str, work: Path, samples: int) -> tuple[Path, str | None, Path, dict, dict]:
+def files(name: str, work: Path, samples: int, use_photos: bool = False
+          ) -> tuple[Path, str | None, Path, dict, dict]:
     """(FP32 path, --input-shapes, calibration .npz, calibration inputs, held-out inputs)."""
     label, _, size = name.partition("@")
     path, shapes, cal, held, _ = real_models.benchmark_files(label, size or "medium", samples,
                                                              work)
+    if use_photos:
+        import photos
+
+        cal, held = (photos.photo_feeds(label, split, samples, seed)
+                     for split, seed in (("calibration", 0), ("heldout", 1)))
+        np.savez(work / "calibration.npz", **cal)
+        np.savez(work / "heldout.npz", **held)
     return path, shapes, work / "calibration.npz", cal, held
 
 
 def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     """The files to time: fp32, nncf, ort_recipe, nncf_reexported, tuned."""
-    model, shapes, cal_path, cal, held = files(name, work, args.samples)
+    model, shapes, cal_path, cal, held = files(name, work, args.samples, args.photos)
     out: dict[str, Path] = {"fp32": Path(model)}
-    info: dict = {"input_shapes": shapes}
+    info: dict = {"input_shapes": shapes, "inputs": "photos" if args.photos else "generated"}
     nncf_model = ov_runtime.nncf_recipe_model(str(model), data=cal, input_shapes=shapes)
     onnx.save(nncf_model, str(work / "nncf.onnx"))
     out["nncf"] = work / "nncf.onnx"
+    info["attention_blocks"] = ov_runtime.attention_blocks(onnx.load(str(model)))
+    if info["attention_blocks"]:
+        onnx.save(ov_runtime.nncf_recipe_model(str(model), data=cal, input_shapes=shapes,
+                                               transformer=True),
+                  str(work / "nncf_transformer.onnx"))
+        out["nncf_transformer"] = work / "nncf_transformer.onnx"
     rw = work / "ort"
     rw.mkdir(exist_ok=True)
     try:
@@ -101,6 +119,13 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
                         "elapsed_s": report.get("elapsed_s"),
                         "chosen_start": next((x["name"] for x in report.get("starts") or []
                                               if x.get("chosen")), None),
+                        "starts": {x["name"]: x.get("latency_ms")
+                                   for x in report.get("starts") or []},
+                        "shipped": report.get("accuracy", {}).get("shipped"),
+                        "recipe_files": [
+                            {k: f.get(k) for k in ("name", "shipped", "error", "against")}
+                            | {"tuned_vs_file": (f.get("tuned_vs_file") or {}).get("ratio")}
+                            for f in report.get("recipe_files") or []],
                         "backend": report.get("backend")}
         out["tuned"] = tdir / "optimized.onnx"
     info["held"] = held
@@ -221,6 +246,8 @@ def one(name: str, args) -> dict:
         for variant in ("tuned", "nncf_reexported"):
             if variant in mins:
                 row[f"{variant}_vs_nncf"] = ratio(mins[variant], mins["nncf"])
+    if "nncf_transformer" in mins and "tuned" in mins:
+        row["tuned_vs_nncf_transformer"] = ratio(mins["tuned"], mins["nncf_transformer"])
     return row
 
 
@@ -277,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--photos", action="store_true",
+                    help="calibrate and check on crops of real photographs (photos.py)")
     ap.add_argument("--table", nargs="+", metavar="RESULT.json",
                     help="print the markdown table of earlier results and exit")
     args = ap.parse_args(argv)

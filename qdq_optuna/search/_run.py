@@ -262,8 +262,29 @@ class Tuner:
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
                          wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
-                           seeds=self._seed_starts, worker=self.o.worker,
-                           baseline=self.baseline_source()[0]).run()
+                           seeds=lambda: [*self._recipe_file_starts(), *self._seed_starts()],
+                           worker=self.o.worker, baseline=self.baseline_source()[0]).run()
+
+    def _recipe_file_starts(self) -> list:
+        """The placements of the runtime's further recipe files that are starts too (NNCF's
+        transformer preset on OpenVINO: ``RecipeFileSpec.start``), each file kept in the run
+        folder as it is made (the conclusion measures that file as written)."""
+        found = []
+        data = self.calibration[0] if self.calibration else None
+        for spec in self.profile.recipe_files()[1:]:
+            if spec.start is None:
+                continue
+            try:
+                with self.wall.step("starts", "recipe"):
+                    start = spec.start(self.prepared, self.o.model,
+                                       input_shapes=self.o.input_shapes, data=data,
+                                       keep=self.folder.recipe_file(spec.name))
+            except ToolError as exc:  # the tool refused this model: no such start
+                log.warning("%s; starting without it", exc)
+                continue
+            if start is not None:
+                found.append(start)
+        return found
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
