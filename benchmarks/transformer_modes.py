@@ -162,7 +162,8 @@ def one(name: str, args) -> dict:
     paths = {"fp32": path, "static_recipe": static, "dynamic_recipe": dyn,
              "tuned": out / "optimized.onnx"}
     _common.wait_quiet(args.max_load)
-    row = {"model": name, "inputs": kind, "tune_s": None if wall is None else round(wall, 1),
+    row = {"model": name, "machine": _common.machine(), "inputs": kind,
+           "tune_s": None if wall is None else round(wall, 1),
            "tune_args": args.tune_args, "complete": report["complete"],
            "tuned_claimed_speedup": round(report["speedup"], 4),
            "modes": report.get("modes"), "mode_counts": report.get("mode_counts"),
