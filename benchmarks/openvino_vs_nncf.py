@@ -104,7 +104,10 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     out["nncf_placement_u8"] = work / "nncf_placement_u8.onnx"
     info["nncf_start"] = {"counts": start.counts, "exact": start.exact,
                           "activation_type": qtype}
-    if not args.no_tune:
+    if not args.no_tune and args.keep_tuned and (work / "tune_info.json").is_file():
+        info["tune"] = json.loads((work / "tune_info.json").read_text())
+        out["tuned"] = work / "tuned" / "optimized.onnx"
+    elif not args.no_tune:
         tdir = work / "tuned"
         cmd = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tdir),
                "--backend", "openvino", "--mode", args.mode, "--calibration-data",
@@ -127,6 +130,7 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
                             | {"tuned_vs_file": (f.get("tuned_vs_file") or {}).get("ratio")}
                             for f in report.get("recipe_files") or []],
                         "backend": report.get("backend")}
+        (work / "tune_info.json").write_text(json.dumps(info["tune"], indent=1) + "\n")
         out["tuned"] = tdir / "optimized.onnx"
     info["held"] = held
     return out, info
@@ -230,9 +234,11 @@ def one(name: str, args) -> dict:
     info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
     paths = compilable(paths, info)
-    timed = {k: (v, "f32") for k, v in paths.items()}
-    if "bf16" in supported_hints():
-        timed["fp32_bf16"] = (paths["fp32"], "bf16")
+    timed = {k: (v, args.hint) for k, v in paths.items()}
+    other = "bf16" if args.hint == "f32" else "f32"
+    if other in supported_hints():
+        timed[f"fp32_{other}"] = (paths["fp32"], other)
+    info["hint"] = args.hint
     mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
     info["load_avg_1_5_15"]["after_timing"] = load_avg()
     fp32 = mins["fp32"]
@@ -292,6 +298,31 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def transformer_table(results: list[dict]) -> str:
+    """Markdown for models with attention: NNCF's default and transformer presets and the
+    tuned model against FP32 (f32 hint; cosine vs FP32 on held-out inputs), the tuned model
+    against each preset, the start it chose, what shipped and the tune's wall time."""
+    rows = []
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row or "nncf_transformer" not in row.get("speedup_vs_fp32_f32", {}):
+                continue
+            sp, cos, tune = row["speedup_vs_fp32_f32"], row["cosine_vs_fp32"], row.get("tune", {})
+
+            def vs(k: str, sp=sp, cos=cos) -> str:
+                return f"{_ci(sp.get(k))}, cos {cos[k]:.4f}" if k in sp else "-"
+
+            rows.append([row["model"], row.get("hint", "f32"), vs("nncf"),
+                         vs("nncf_transformer"), vs("tuned"), _ci(row.get("tuned_vs_nncf")),
+                         _ci(row.get("tuned_vs_nncf_transformer")),
+                         str(tune.get("chosen_start", "-")), str(tune.get("shipped", "-")),
+                         str(tune.get("wall_s", "-"))])
+    return _common.markdown_table(
+        ["model", "hint", "NNCF default vs FP32", "NNCF TRANSFORMER vs FP32",
+         "tuned vs FP32", "tuned vs NNCF default", "tuned vs NNCF TRANSFORMER",
+         "chosen start", "shipped", "tune wall s"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["nudenet-320n", "yolo@small"])
@@ -304,13 +335,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--hint", choices=("f32", "bf16"), default="f32",
+                    help="the inference precision hint every variant is timed at (bf16: "
+                         "OpenVINO's own default on CPUs that have it; the speedup keys keep "
+                         "their names, the row's 'hint' says which)")
+    ap.add_argument("--keep-tuned", action="store_true",
+                    help="time the model tuned before under --work as it is (tune_info.json)")
     ap.add_argument("--photos", action="store_true",
                     help="calibrate and check on crops of real photographs (photos.py)")
     ap.add_argument("--table", nargs="+", metavar="RESULT.json",
                     help="print the markdown table of earlier results and exit")
+    ap.add_argument("--transformers", action="store_true",
+                    help="with --table: the table of the models with attention (NNCF's "
+                         "default and transformer presets against the tuned model)")
     args = ap.parse_args(argv)
     if args.table:
-        print(table([json.loads(Path(p).read_text()) for p in args.table]), end="")
+        results = [json.loads(Path(p).read_text()) for p in args.table]
+        print(transformer_table(results) if args.transformers else table(results), end="")
         return 0
     import nncf
     import openvino
