@@ -209,11 +209,13 @@ def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -
     return out
 
 
-def compilable(paths: dict[str, Path], info: dict) -> dict[str, Path]:
+def compilable(paths: dict[str, Path], info: dict, hint: str = "f32") -> dict[str, Path]:
     """The variants OpenVINO compiles; each other one is left out with its error in
     ``info["not_compiled"]`` (oww-embedding: ONNX Runtime's recipe puts a per-channel
-    DequantizeLinear OpenVINO's shape check rejects)."""
-    backend = OpenVinoBackend(input_shapes=InputShapes.parse(info.get("input_shapes")).shapes)
+    DequantizeLinear OpenVINO's shape check rejects; NNCF's transformer file on PP-OCRv4's
+    recognizer at the bf16 hint: "No suitable implementations")."""
+    backend = OpenVinoBackend(precision=hint,
+                              input_shapes=InputShapes.parse(info.get("input_shapes")).shapes)
     kept = {}
     for name, path in paths.items():
         try:
@@ -233,7 +235,7 @@ def one(name: str, args) -> dict:
     paths, info = variants(name, work, args)
     info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
-    paths = compilable(paths, info)
+    paths = compilable(paths, info, args.hint)
     timed = {k: (v, args.hint) for k, v in paths.items()}
     other = "bf16" if args.hint == "f32" else "f32"
     if other in supported_hints():
@@ -305,11 +307,13 @@ def transformer_table(results: list[dict]) -> str:
     rows = []
     for res in results:
         for row in res["rows"]:
-            if "error" in row or "nncf_transformer" not in row.get("speedup_vs_fp32_f32", {}):
+            if "error" in row or not row.get("attention_blocks"):
                 continue
             sp, cos, tune = row["speedup_vs_fp32_f32"], row["cosine_vs_fp32"], row.get("tune", {})
 
-            def vs(k: str, sp=sp, cos=cos) -> str:
+            def vs(k: str, sp=sp, cos=cos, row=row) -> str:
+                if k in (row.get("not_compiled") or {}):
+                    return "does not compile"
                 return f"{_ci(sp.get(k))}, cos {cos[k]:.4f}" if k in sp else "-"
 
             rows.append([row["model"], row.get("hint", "f32"), vs("nncf"),

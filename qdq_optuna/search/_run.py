@@ -262,29 +262,8 @@ class Tuner:
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
                          wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
-                           seeds=lambda: [*self._recipe_file_starts(), *self._seed_starts()],
+                           seeds=lambda: [*recipe_file_starts(self), *self._seed_starts()],
                            worker=self.o.worker, baseline=self.baseline_source()[0]).run()
-
-    def _recipe_file_starts(self) -> list:
-        """The placements of the runtime's further recipe files that are starts too (NNCF's
-        transformer preset on OpenVINO: ``RecipeFileSpec.start``), each file kept in the run
-        folder as it is made (the conclusion measures that file as written)."""
-        found = []
-        data = self.calibration[0] if self.calibration else None
-        for spec in self.profile.recipe_files()[1:]:
-            if spec.start is None:
-                continue
-            try:
-                with self.wall.step("starts", "recipe"):
-                    start = spec.start(self.prepared, self.o.model,
-                                       input_shapes=self.o.input_shapes, data=data,
-                                       keep=self.folder.recipe_file(spec.name))
-            except ToolError as exc:  # the tool refused this model: no such start
-                log.warning("%s; starting without it", exc)
-                continue
-            if start is not None:
-                found.append(start)
-        return found
 
     def _seed_starts(self) -> list:
         """The user's seeds as starts: ``--qdq-baseline``, ``--pattern-cache``."""
@@ -524,6 +503,28 @@ def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
                        name=spec.name, tool=spec.tool, placement=spec.placement,
                        agreed=Agreed.RECIPE_FILE if i == 0 else Agreed.recipe_file(spec.name))
             for i, spec in enumerate(tuner.profile.recipe_files())]
+
+
+def recipe_file_starts(tuner: Tuner) -> list:
+    """The placements of the runtime's further recipe files that are starts too (NNCF's
+    transformer preset on OpenVINO: ``RecipeFileSpec.start``), each file kept in the run
+    folder as it is made (the conclusion measures that file as written)."""
+    found = []
+    data = tuner.calibration[0] if tuner.calibration else None
+    for spec in tuner.profile.recipe_files()[1:]:
+        if spec.start is None:
+            continue
+        try:
+            with tuner.wall.step("starts", "recipe"):
+                start = spec.start(tuner.prepared, tuner.o.model,
+                                   input_shapes=tuner.o.input_shapes, data=data,
+                                   keep=tuner.folder.recipe_file(spec.name))
+        except ToolError as exc:  # the tool refused this model: no such start
+            log.warning("%s; starting without it", exc)
+            continue
+        if start is not None:
+            found.append(start)
+    return found
 
 
 def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, calibration,
