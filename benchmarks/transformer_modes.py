@@ -11,7 +11,9 @@ model it shipped (its own, or one of the recipe files it measured).
 Models: a ViT-Ti/16-like classifier (``zoo.vit_like``, 224x224, generated scenes as inputs),
 the zoo's transformer encoder (``qdq-optuna example transformer``, token ids) and PP-OCRv4's
 text recognizer (``real_models`` ``ppocr-rec``: an SVTR neck with attention blocks, rendered
-text lines as inputs).
+text lines as inputs) and PP-OCRv5's (``ppocrv5-rec``). ``--photos``: a real model is
+calibrated and checked on text-line strips cut from real photographs of print (``photos.py``)
+instead of rendered lines.
 
     nice -n 5 python benchmarks/transformer_modes.py --out /tmp/tm
     python benchmarks/transformer_modes.py --only vit --rounds 5
@@ -37,11 +39,12 @@ from qdq_optuna.examples import zoo
 from qdq_optuna.runtimes import onnxruntime as ort_runtime
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("vit", "transformer", "ppocr-rec")
+MODELS = ("vit", "transformer", "ppocr-rec", "ppocrv5-rec")
 VARIANTS = ("fp32", "static_recipe", "dynamic_recipe", "tuned")
 
 
-def model_files(name: str, work: Path, samples: int, cache: str | None):
+def model_files(name: str, work: Path, samples: int, cache: str | None,
+                use_photos: bool = False):
     """(model path, --input-shapes or None, calibration inputs, held-out inputs, which)."""
     work.mkdir(parents=True, exist_ok=True)
     if name == "vit":
@@ -52,7 +55,17 @@ def model_files(name: str, work: Path, samples: int, cache: str | None):
         np.savez(work / "calibration.npz", **cal)
         np.savez(work / "heldout.npz", **held)
         return path, None, cal, held, "generated scenes"
-    return real_models.benchmark_files(name, "full", samples, work, cache)
+    path, shapes, cal, held, kind = real_models.benchmark_files(name, "full", samples, work,
+                                                                cache)
+    if use_photos:
+        import photos
+
+        cal, held = (photos.photo_feeds(name, split, samples, seed)
+                     for split, seed in (("calibration", 0), ("heldout", 1)))
+        np.savez(work / "calibration.npz", **cal)
+        np.savez(work / "heldout.npz", **held)
+        kind = "text-line strips of real photographs (photos.py)"
+    return path, shapes, cal, held, kind
 
 
 def tune(path: Path, shapes: str | None, work: Path, extra: list[str]) -> tuple[Path, float]:
@@ -132,7 +145,8 @@ def accuracy(paths: dict[str, Path], held: dict) -> dict:
 
 def one(name: str, args) -> dict:
     work = Path(args.out) / name
-    path, shapes, cal, held, kind = model_files(name, work, args.samples, args.cache)
+    path, shapes, cal, held, kind = model_files(name, work, args.samples, args.cache,
+                                                args.photos)
     static = ort_runtime.ort_recipe_model(path, work, data=cal, input_shapes=shapes)
     dyn = ort_runtime.ort_dynamic_recipe_model(path, work, input_shapes=shapes)
     if dyn is None:
@@ -148,7 +162,8 @@ def one(name: str, args) -> dict:
     paths = {"fp32": path, "static_recipe": static, "dynamic_recipe": dyn,
              "tuned": out / "optimized.onnx"}
     _common.wait_quiet(args.max_load)
-    row = {"model": name, "inputs": kind, "tune_s": None if wall is None else round(wall, 1),
+    row = {"model": name, "machine": _common.machine(), "inputs": kind,
+           "tune_s": None if wall is None else round(wall, 1),
            "tune_args": args.tune_args, "complete": report["complete"],
            "tuned_claimed_speedup": round(report["speedup"], 4),
            "modes": report.get("modes"), "mode_counts": report.get("mode_counts"),
@@ -188,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated: " + ",".join(MODELS))
     ap.add_argument("--cache", help="real models' cache folder (real_models.py)")
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--photos", action="store_true",
+                    help="real models: inputs cut from real photographs (photos.py)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--max-load", type=float, default=100.0,

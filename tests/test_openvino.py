@@ -447,3 +447,118 @@ def test_a_bias_reshaped_from_a_constant_is_no_site_and_every_point_on_compiles(
     exporter = pm.exporter()
     every = exporter.source(exporter.plan({u for pp in pm.points for u in pp.uses(pp.ids)}))
     OpenVinoBackend().compile(every)  # raised BackendError before
+
+
+# -- NNCF's transformer preset ------------------------------------------------------------------
+def _graph(nodes: list, inputs: list, outputs: list, inits: list = ()) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    def vi(name: str, shape: list) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    graph = helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                              list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_attention_blocks_are_softmaxes_whose_probabilities_weigh_values() -> None:
+    """The profile's rule for NNCF's transformer preset: a Softmax a MatMul of two
+    activations reads (directly or through layout ops) is one attention block; a
+    classifier's Softmax, a MatMul of two activations without one, and a Softmax read by a
+    linear layer's MatMul (constant weight) are not."""
+    from onnx import helper, numpy_helper
+
+    assert ov_runtime.attention_blocks(zoo.tiny_attention()) == 1
+    vit = zoo.vit_like(image=32, patch=16, hidden=32, heads=2, layers=3, ffn=64, num_classes=10)
+    assert ov_runtime.attention_blocks(vit) == 3
+    assert ov_runtime.attention_blocks(zoo.build("tiny_residual")) == 0
+    assert ov_runtime.attention_blocks(zoo.build("resnet", "small")) == 0
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    classifier = _graph([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                         helper.make_node("Softmax", ["h"], ["y"])],
+                        [("x", [1, 4])], [("y", [1, 4])], [w])
+    assert ov_runtime.attention_blocks(classifier) == 0
+    linear_after = _graph([helper.make_node("Softmax", ["x"], ["p"]),
+                           helper.make_node("MatMul", ["p", "w"], ["y"])],
+                          [("x", [1, 4])], [("y", [1, 4])], [w])
+    assert ov_runtime.attention_blocks(linear_after) == 0
+    gram = _graph([helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+                   helper.make_node("MatMul", ["x", "xt"], ["y"])],
+                  [("x", [4, 4])], [("y", [4, 4])])
+    assert ov_runtime.attention_blocks(gram) == 0
+    through_layout = _graph([helper.make_node("Softmax", ["s"], ["p"]),
+                             helper.make_node("Reshape", ["p", "shape"], ["r"]),
+                             helper.make_node("MatMul", ["r", "v"], ["y"])],
+                            [("s", [4, 4]), ("v", [4, 4])], [("y", [4, 4])],
+                            [numpy_helper.from_array(np.array([4, 4], np.int64), "shape")])
+    assert ov_runtime.attention_blocks(through_layout) == 1
+
+
+def test_nncf_transformer_preset_is_a_start_and_a_file_only_for_models_with_attention(
+        tmp_path: Path) -> None:
+    """With attention: NNCF's ModelType.TRANSFORMER placement read back whole onto our graph,
+    a placement of its own (not the default preset's), its file kept as made and made again
+    byte for byte; without attention: no start and no file (NNCF is not even run)."""
+    pytest.importorskip("nncf")
+    model = zoo.tiny_attention()
+    pm = PreparedModel.prepare(model, runtime="openvino")
+    kept = tmp_path / "recipe_openvino_transformer.onnx"
+    start = ov_runtime.nncf_transformer_start(pm, model, keep=kept.write_bytes)
+    assert start is not None and start.name == ov_runtime.TRANSFORMER_START
+    assert start.counts["unmapped"] == 0 and start.counts["mapped"] > 0 and start.uses
+    assert start.uses != ov_runtime.nncf_recipe_start(pm, model).uses
+    assert kept.read_bytes() == ov_runtime.nncf_transformer_bytes(model)
+    cnn = zoo.build("tiny_residual")
+    cnn_pm = PreparedModel.prepare(cnn, runtime="openvino")
+    no_file = tmp_path / "no.onnx"
+    assert ov_runtime.nncf_transformer_start(cnn_pm, cnn, keep=no_file.write_bytes) is None
+    assert ov_runtime.nncf_transformer_bytes(cnn) is None and not no_file.exists()
+    names = [spec.name for spec in profile_for("openvino").recipe_files()]
+    assert names == ["openvino", "openvino_transformer"]
+
+
+def _quantize_names(model: onnx.ModelProto) -> frozenset[str]:
+    return frozenset(n.name for n in model.graph.node if n.op_type == "QuantizeLinear")
+
+
+@pytest.mark.parametrize("name", ["tiny_attention", "tiny_residual"])
+def test_a_tune_on_openvino_starts_from_nncf_transformer_preset_and_ships_its_file_if_faster(
+        tmp_path: Path, name: str) -> None:
+    """On a model with attention the run measures NNCF's transformer placement among its
+    starts and its own file at the end; here that file is the fastest model (a latency
+    function that knows its Q nodes), so optimized.onnx is that file as NNCF wrote it. On a
+    CNN neither the start nor the file exists."""
+    pytest.importorskip("nncf")
+    from qdq_optuna import Config, tune
+    from qdq_optuna.backends.callable import CallableBackend
+
+    model = zoo.build(name)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    cal = {model.graph.input[0].name: np.random.default_rng(0).standard_normal(
+        [4, *[d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim][1:]]
+    ).astype(np.float32)}
+    np.savez(tmp_path / "cal.npz", **cal)
+    made = ov_runtime.nncf_transformer_bytes(str(path), data=cal)
+    fastest = None if made is None else _quantize_names(onnx.load_from_string(made))
+
+    def latency(m: onnx.ModelProto) -> float:
+        return 1.0 if _quantize_names(m) == fastest else 2.0
+
+    report = tune(str(path), tmp_path / "out", benchmark=CallableBackend(latency,
+                                                                          deterministic=True),
+                  runtime="openvino", calibration_data=str(tmp_path / "cal.npz"),
+                  config=Config(schemes_per_region=2, refine_rounds=0), progress=False).report
+    start_names = [s["name"] for s in report["starts"]]
+    files = {f["name"]: f for f in report.get("recipe_files") or []}
+    kept = tmp_path / "out" / "recipe_openvino_transformer.onnx"
+    if made is None:
+        assert ov_runtime.TRANSFORMER_START not in start_names
+        assert "openvino_transformer" not in files and not kept.exists()
+        return
+    assert ov_runtime.TRANSFORMER_START in start_names and "recipe:openvino" in start_names
+    assert kept.read_bytes() == made
+    entry = files["openvino_transformer"]
+    assert entry["tool"] == "nncf.quantize(model_type=ModelType.TRANSFORMER)"
+    assert entry["within_bound"] and entry["shipped"]
+    assert (tmp_path / "out" / "optimized.onnx").read_bytes() == made

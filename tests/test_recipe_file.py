@@ -174,3 +174,24 @@ def starts_pm(model: Path):
     from qdq_optuna.runtimes.prepared import PreparedModel
 
     return PreparedModel.prepare(str(model), runtime="openvino")
+
+
+def test_a_recipe_file_the_runtime_cannot_run_is_reported_and_never_ships(residual, tmp_path):
+    """A recipe file the runtime fails on (NNCF's transformer file on PP-OCRv4's recognizer
+    under OpenVINO's bf16 hint does not compile) is one entry with its failure; the run
+    concludes and ships its own model."""
+    from onnx import TensorProto, helper
+
+    out = tmp_path / "r"
+    out.mkdir()
+    broken = helper.make_model(helper.make_graph(
+        [helper.make_node("NoSuchKernel", ["input"], ["output"], domain="no.such.domain")], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 3, 8, 8])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("no.such.domain", 1)])
+    (out / "recipe_onnxruntime_dynamic.onnx").write_bytes(broken.SerializeToString())
+    report = _tune(residual, out, file_slowest)
+    entry = {f["name"]: f for f in report["recipe_files"]}["onnxruntime_dynamic"]
+    assert entry["failure"] and not entry["shipped"]
+    assert report["accuracy"]["shipped"] != "the recipe's own file"
+    assert onnx.load(str(out / "optimized.onnx")).graph.node[0].op_type != "NoSuchKernel"

@@ -242,9 +242,9 @@ def test_the_kernel_table_times_a_matmuls_weight_only_kernels_beside_the_others(
 
 
 def test_a_cnn_with_a_matmul_head_gets_no_transformer_recipe_files():
-    """The dynamic and weight-only files (and the mode starts) are for models whose MatMuls
-    are the work: a CNN whose one MatMul is its head would get a file that is the float model
-    but for that layer, and a whole-model A/B for nothing."""
+    """The dynamic and weight-only files are for models whose MatMuls are more than a head: a
+    CNN whose one MatMul comes after its last convolution would get a file that is the float
+    model but for that layer, and a whole-model A/B for nothing."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32), "w2"),

@@ -33,12 +33,16 @@ class RecipeFileSpec:
     wrote it; ``make(model, input_shapes=, data=)`` writes it again (bytes, or None where the
     tool has nothing to do for this model or it does not fit one file); ``placement``: whether
     its static Q/DQ placement is read back and re-exported with our scales (a file of another
-    mode has none to read)."""
+    mode has none to read); ``start(pm, model, input_shapes=, data=, keep=)``: where set, the
+    file's placement as a start of its own (a ``Start``, or None where the tool is not meant
+    for the model), the file kept at ``keep`` as it is made (the classic recipe's start is
+    :meth:`Runtime.recipe_start`)."""
 
     name: str
     tool: str
     make: Callable[..., bytes | None]
     placement: bool = True
+    start: Callable[..., Any] | None = None
 
 
 class Runtime:

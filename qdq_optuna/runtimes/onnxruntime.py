@@ -249,11 +249,17 @@ def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
             and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT]
 
 
-def convolutions_outnumber(model: onnx.ModelProto, candidates: list[str]) -> bool:
-    """Whether the model's convolutions outnumber the MatMuls a transformer recipe would
-    change (a CNN with a MatMul head): its file would be the float model but for a layer or
-    two, not worth a whole-model A/B; the mode starts use the same rule."""
-    return len(candidates) < sum(1 for n in model.graph.node if n.op_type in CONVOLUTIONS)
+def only_a_head(model: onnx.ModelProto, candidates: list[str]) -> bool:
+    """Whether the MatMuls a transformer recipe would change all come after the model's last
+    convolution (a CNN with a MatMul head): its file would be the float model but for its
+    head, not worth a whole-model A/B. A model with MatMuls between convolutions (an OCR
+    recognizer's attention blocks between its backbone and neck) keeps its files."""
+    nodes = list(model.graph.node)
+    convs = [i for i, n in enumerate(nodes) if n.op_type in CONVOLUTIONS]
+    if not convs or not candidates:
+        return False
+    names = set(candidates)
+    return min(i for i, n in enumerate(nodes) if n.name in names) > max(convs)
 
 
 def ort_dynamic_options() -> dict:
@@ -298,12 +304,12 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
                              input_shapes: InputShapes | str | None = None,
                              data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
     """The dynamic recipe's own file as bytes (the same model gives the same bytes: nothing
-    is calibrated); None when the model has no MatMul to quantize, its convolutions
-    outnumber them (:func:`convolutions_outnumber`), or it does not fit one file.
+    is calibrated); None when the model has no MatMul to quantize, its MatMuls
+    are only its head (:func:`only_a_head`), or it does not fit one file.
     ``data`` is accepted for the recipe-file interface and not used."""
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
     proto = load_model(model, shapes).full_model()
-    if convolutions_outnumber(proto, dynamic_candidates(proto)):
+    if only_a_head(proto, dynamic_candidates(proto)):
         return None
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-dynamic-") as tmp:
         written = ort_dynamic_recipe_model(proto, Path(tmp), input_shapes=shapes)
@@ -342,7 +348,7 @@ def ort_weight_only_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
     proto = load_model(model, shapes).full_model()
     large, small = weight_only_candidates(proto)
-    if (not large or convolutions_outnumber(proto, large)
+    if (not large or only_a_head(proto, large)
             or not weight_only.kernel_available(WEIGHT_ONLY_RECIPE_BITS)):
         return None
     try:

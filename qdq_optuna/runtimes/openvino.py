@@ -1,5 +1,6 @@
-"""OpenVINO (CPU plugin): its rules, NNCF's recipe (run, and read back as a start), the float
-part's precision as the plugin's inference precision hint (never a conversion), the guard's
+"""OpenVINO (CPU plugin): its rules, NNCF's recipes (run, and read back as starts: the default
+preset for every model, the transformer preset for models with attention), the float part's
+precision as the plugin's inference precision hint (never a conversion), the guard's
 candidates run in OpenVINO itself."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from qdq_optuna.placement.starts import (
     recipe_file_bytes,
     start_from_uses,
 )
-from qdq_optuna.runtimes.base import Runtime
+from qdq_optuna.runtimes.base import RecipeFileSpec, Runtime
 
 log = logging.getLogger("qdq_optuna")
 
@@ -92,14 +93,46 @@ OPENVINO_CPU = RuntimeRules(
 )
 
 
+#: ops between an attention's Softmax and the MatMul that weighs the values with it, which
+#: change the layout but not what is read (exports put Cast, Reshape or Dropout there)
+_LAYOUT_OPS = frozenset({"Cast", "Identity", "Reshape", "Transpose", "Dropout", "Squeeze",
+                         "Unsqueeze"})
+
+
+def attention_blocks(model: onnx.ModelProto) -> int:
+    """How many attention blocks ``model`` has: Softmax outputs that a MatMul of two
+    activations reads (attention's probabilities times its values; a classifier's final
+    Softmax feeds no MatMul, a linear layer's MatMul has a constant weight). NNCF's
+    ``ModelType.TRANSFORMER`` preset is written for these graphs: it leaves the attention's
+    Softmax, LayerNorm and GELU parts float and smooths the MatMul inputs' outliers."""
+    g = model.graph
+    constants = {t.name for t in g.initializer} | {
+        o for n in g.node if n.op_type == "Constant" for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+
+    def weighs_values(tensor: str, depth: int = 0) -> bool:
+        for n in readers.get(tensor, []):
+            if n.op_type == "MatMul" and not any(t in constants for t in n.input):
+                return True
+            if n.op_type in _LAYOUT_OPS and depth < 4 and weighs_values(n.output[0], depth + 1):
+                return True
+        return False
+
+    return sum(1 for n in g.node if n.op_type == "Softmax" and weighs_values(n.output[0]))
+
+
 def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
                       data: Mapping[str, np.ndarray] | None = None,
-                      input_shapes: InputShapes | str | None = None, samples: int = 4
-                      ) -> onnx.ModelProto:
+                      input_shapes: InputShapes | str | None = None, samples: int = 4,
+                      transformer: bool = False) -> onnx.ModelProto:
     """What an OpenVINO user gets from NNCF's documented one-liner, ``nncf.quantize`` with its
     defaults (``nncf.Dataset`` of feed dicts), on ``model``; calibrated on ``data`` (graph
-    input -> samples on axis 0) or on ``samples`` random feeds. Raises :class:`ToolError` when
-    nncf is missing or refuses the model."""
+    input -> samples on axis 0) or on ``samples`` random feeds; ``transformer``: with
+    ``model_type=nncf.ModelType.TRANSFORMER``, NNCF's preset for transformers. Raises
+    :class:`ToolError` when nncf is missing or refuses the model."""
     try:
         import nncf
     except ImportError:
@@ -114,9 +147,12 @@ def nncf_recipe_model(model: str | os.PathLike | onnx.ModelProto, *,
                                                    samples=samples, seed=0)
     count = len(next(iter(data.values())))
     feeds = [{k: v[i:i + 1] for k, v in data.items()} for i in range(count)]
-    with quiet_tool("NNCF's recipe (nncf.quantize)", TOOL_LOGGERS):
+    preset = {"model_type": nncf.ModelType.TRANSFORMER} if transformer else {}
+    what = "NNCF's transformer recipe (nncf.quantize, ModelType.TRANSFORMER)" if transformer \
+        else "NNCF's recipe (nncf.quantize)"
+    with quiet_tool(what, TOOL_LOGGERS):
         nncf.set_log_level(logging.ERROR)
-        return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count)
+        return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=count, **preset)
 
 
 def nncf_activation_type(qdq_model: onnx.ModelProto) -> str:
@@ -141,6 +177,39 @@ def nncf_recipe_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
     if keep is not None:
         keep_recipe_file(written, keep)
     return start_from_uses(pm, "recipe:openvino", uses, notes, counts)
+
+
+#: the start of NNCF's transformer preset (not ``recipe:...``: the default preset is the
+#: recipe every OpenVINO model is held to; this one is a start like any other)
+TRANSFORMER_START = "nncf-transformer"
+
+
+def nncf_transformer_start(pm, model: str | os.PathLike | onnx.ModelProto, *,
+                           data: Mapping[str, np.ndarray] | None = None,
+                           input_shapes: InputShapes | str | None = None,
+                           keep: KeepFile | None = None) -> Start | None:
+    """NNCF's transformer preset's placement read back onto ``pm``'s graph (its file kept at
+    ``keep``), or None for a model without attention (:func:`attention_blocks`), for which
+    the preset is not meant."""
+    if not attention_blocks(pm.graph.full_model()):
+        return None
+    written = nncf_recipe_model(model, data=data, input_shapes=input_shapes, transformer=True)
+    uses, notes, counts = read_placement(pm, written)
+    if keep is not None:
+        keep_recipe_file(written, keep)
+    return start_from_uses(pm, TRANSFORMER_START, uses, notes, counts)
+
+
+def nncf_transformer_bytes(model: str | os.PathLike | onnx.ModelProto, *,
+                           input_shapes: InputShapes | str | None = None,
+                           data: Mapping[str, np.ndarray] | None = None) -> bytes | None:
+    """NNCF's transformer preset's own file made again (same model and data: same bytes), or
+    None for a model without attention or too big for one file."""
+    shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
+    if not attention_blocks(load_model(model, shapes, fed=data or ()).full_model()):
+        return None
+    return recipe_file_bytes(lambda work: nncf_recipe_model(
+        model, data=data, input_shapes=input_shapes, transformer=True))
 
 
 class OpenVino(Runtime):
@@ -178,6 +247,15 @@ class OpenVino(Runtime):
                     data: Any = None) -> bytes | None:
         return recipe_file_bytes(lambda work: nncf_recipe_model(
             model, data=data, input_shapes=input_shapes))
+
+    def recipe_files(self) -> tuple[RecipeFileSpec, ...]:
+        """NNCF's default preset's file, then its transformer preset's
+        (``ModelType.TRANSFORMER``, for models with attention: :func:`attention_blocks`),
+        whose placement is also a start."""
+        return (*super().recipe_files(),
+                RecipeFileSpec(f"{self.name}_transformer",
+                               "nncf.quantize(model_type=ModelType.TRANSFORMER)",
+                               nncf_transformer_bytes, start=nncf_transformer_start))
 
     def error_runner(self, input_shapes: dict | None,
                      backend: Backend | None) -> Callable | None:

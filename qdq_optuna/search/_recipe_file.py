@@ -34,6 +34,7 @@ import onnx
 
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.errors import ToolError
+from qdq_optuna.measure.accuracy import AccuracyError
 from qdq_optuna.measure.recipe_parity import qdq_differences
 from qdq_optuna.placement import starts
 from qdq_optuna.record import Agreed
@@ -150,7 +151,7 @@ class RecipeFile:
             else:
                 file_vs = None
                 vs_tuned = vs_file if same else plans.compare(final_bytes, data, "lanes")
-        except BackendError as exc:
+        except (BackendError, AccuracyError) as exc:  # a file the runtime cannot run never ships
             log.warning("the recipe's own file %s could not be measured (%s)",
                         self.path.name, exc)
             return {**report, "failure": str(exc)[:500]}

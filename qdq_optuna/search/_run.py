@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
-from qdq_optuna.errors import interrupting_signal
+from qdq_optuna.errors import ToolError, interrupting_signal
 from qdq_optuna.model.data import describe_model
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
@@ -220,8 +220,8 @@ class Tuner:
         recipe = partial(recipe_start, self.prepared, self.o, self.profile, self.calibration, keep,
                          wall=self.wall)
         return StartsPhase(search, mode=self.settings.start, recipe=recipe,
-                           seeds=self._seed_starts, worker=self.o.worker,
-                           baseline=self.baseline[0]).run()
+                           seeds=lambda: [*recipe_file_starts(self), *self._seed_starts()],
+                           worker=self.o.worker, baseline=self.baseline[0]).run()
 
     def _seed_starts(self) -> list:
         return seed_starts(self.prepared, self.o.qdq_baseline, self.cache)
@@ -354,3 +354,26 @@ def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:
                        name=spec.name, tool=spec.tool, placement=spec.placement,
                        agreed=Agreed.RECIPE_FILE if i == 0 else Agreed.recipe_file(spec.name))
             for i, spec in enumerate(tuner.profile.recipe_files())]
+
+
+def recipe_file_starts(tuner: Tuner) -> list:
+    """The placements of the runtime's further recipe files that are starts too (NNCF's
+    transformer preset on OpenVINO: ``RecipeFileSpec.start``), each file kept in the run
+    folder as it is made (the conclusion measures that file as written)."""
+    found = []
+    data = tuner.calibration[0] if tuner.calibration else None
+    for spec in tuner.profile.recipe_files()[1:]:
+        if spec.start is None:
+            continue
+        try:
+            with tuner.wall.step("starts", "recipe"):
+                start = spec.start(tuner.prepared, tuner.o.model,
+                                   input_shapes=tuner.o.input_shapes, data=data,
+                                   keep=partial(tuner.folder.keep,
+                                                tuner.folder.recipe_file(spec.name)))
+        except ToolError as exc:  # the tool refused this model: no such start
+            log.warning("%s; starting without it", exc)
+            continue
+        if start is not None:
+            found.append(start)
+    return found
