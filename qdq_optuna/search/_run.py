@@ -196,10 +196,15 @@ class Tuner:
             self._deadlines(concluding=False)
             self._write_state("running")
             self._write_standing(self.starts.order[0])
-            self.descent = Descent(search, rounds=self.settings.rounds,
-                                   lanes=self.starts.order, cache=self.cache,
-                                   seeds=self._seeds, on_change=self._write_standing)
-            self.descent.run()
+            if self.starts.forward is not None:
+                # the forward search found the most speed within the bound (or none): a
+                # descent from it would A/B near-float models until the timeout
+                self.progress.write(f"forward search: {self.starts.forward['why']}")
+            else:
+                self.descent = Descent(search, rounds=self.settings.rounds,
+                                       lanes=self.starts.order, cache=self.cache,
+                                       seeds=self._seeds, on_change=self._write_standing)
+                self.descent.run()
             self._mark("descent")
         except OutOfTime:
             self._mark("descent")

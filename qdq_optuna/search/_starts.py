@@ -23,18 +23,25 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO
+from qdq_optuna.measure.kernels import kernel_cache
 from qdq_optuna.measure.repair import RepairMethod, estimated_speed, repair
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.export import plan_uses
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
+from qdq_optuna.search._forward import (
+    FORWARD_TIMED_ALONE,
+    ForwardInputs,
+    ForwardResult,
+    forward_search,
+)
 from qdq_optuna.search._guard import listed
 
 log = logging.getLogger("qdq_optuna")
@@ -51,6 +58,11 @@ SAME_MODEL = "not measured: the repaired start is the same model as another star
 #: found beyond repair) is not repaired again (PP-OCRv5's detector: every point and ONNX
 #: Runtime's recipe differ in 1 of 264 points, and each repair costs 64 error evaluations)
 TWIN = 0.9
+#: the forward search's start (:mod:`~qdq_optuna.search._forward`)
+FORWARD = "forward"
+#: a quantized start within the bound must measure this much faster than float (one timing
+#: each) for the forward search not to run: a ratio's typical p95 error on this protocol
+FORWARD_NOISE_SHARE = 0.03
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -105,6 +117,9 @@ class StartsPhase:
         rows = [self._measured(start) for start in cands]
         with step("starts", "repair"):
             rows += self._repairs(cands, rows)
+        with step("starts", "forward search"):
+            forward = self._forward(rows)
+            rows += [forward.row] if forward is not None and forward.row is not None else []
         with step("starts", "choice A/Bs"):
             chosen_start = self._choose(rows)
         lanes = self._lanes(rows, chosen_start)
@@ -116,7 +131,8 @@ class StartsPhase:
         return AgreedStarts(chosen, lanes, list(lanes), self.s.plans.by_phase["starts"] - spent,
                             {lane: by_name[name].schemes for lane, name in lanes.items()},
                             tuple(rows), {lane: sorted(by_name[name].pinned)
-                                          for lane, name in lanes.items()})
+                                          for lane, name in lanes.items()},
+                            forward.report(rows, chosen) if forward is not None else None)
 
     def _together(self, cands: list[Start]) -> None:
         """The starts timed in the same rounds as the baseline (a measured backend), each
@@ -154,7 +170,7 @@ class StartsPhase:
         it came to (``repair_outcome``), with the table when no repaired start was measured,
         so the report shows where the error was even when float ships."""
         s = self.s
-        flt = next((r for r in rows if r.name == "float"), None)
+        flt = _float_row(rows)
         if s.guard is None or flt is None or flt.latency_ms is None or self.mode == "float":
             return []
         out, seen = [], {r.plan_key for r in rows}
@@ -214,6 +230,38 @@ class StartsPhase:
             if repaired_row.usable:
                 best = min(best, repaired_row.latency_ms)
         return out
+
+    def _forward(self, rows: list[StartOutcome]) -> ForwardStart | None:
+        """The forward search (:mod:`~qdq_optuna.search._forward`) where a quantized start
+        broke the accuracy bound and no quantized start within it measured faster than float
+        beyond noise: its groups drawn from the fastest start past the bound, its result
+        measured and checked as the start ``forward``; None where it does not run."""
+        s = self.s
+        flt = _float_row(rows)
+        if s.guard is None or flt is None or flt.latency_ms is None \
+                or self.mode in ("float", "recipe"):
+            return None
+        noise = 0.0 if s.plans.deterministic else FORWARD_NOISE_SHARE
+        broke = [r for r in rows if r.qdq and not r.feasible and r.latency_ms is not None]
+        if not broke or any(r.usable and r.qdq and r.latency_ms < flt.latency_ms * (1 - noise)
+                            for r in rows):
+            return None
+        source = min(broke, key=lambda r: (r.latency_ms, r.name))
+        plan = self._row_plan(source)
+        found = forward_search(_forward_inputs(s, plan, self._what_ran(plan),
+                                               flt.latency_ms, noise))
+        log.info("forward search from float (groups of %s): %d of %d group(s) added, %s",
+                 source.name, len(found.added), len(found.groups), found.end.value)
+        if found.plan is None:
+            return ForwardStart(source.name, found, None, flt)
+        start = whole.start_from_uses(
+            s.prepared, FORWARD, list(plan_uses(found.plan)),
+            notes=[f"built up from float: {len(found.added)} of {len(found.groups)} quantizer "
+                   f"group(s) of {source.name}, by measured gain per unit of output error, "
+                   f"while the whole plan kept the accuracy bound ({found.evaluations} error "
+                   f"evaluations); then {found.end.value}"])
+        self._together([start])
+        return ForwardStart(source.name, found, self._measured(start), flt)
 
     def _repaired(self, start: Start, plan, *, past_deadline: bool = False
                   ) -> tuple[Start | None, dict | None, str]:
@@ -322,7 +370,7 @@ class StartsPhase:
         the fastest or float measured fastest, float has to beat the recipe instead
         (:meth:`_recipe_unless_float_beats_it`)."""
         ok = sorted((r for r in rows if r.usable), key=lambda r: (r.latency_ms, r.name))
-        flt = next((r for r in rows if r.name == "float"), None)
+        flt = _float_row(rows)
         if not ok or flt is None or flt.latency_ms is None:
             return "float"
         best, rule = ok[0], self.s.rule
@@ -412,6 +460,79 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
+
+
+@dataclass(frozen=True)
+class ForwardStart:
+    """What the forward search did in the starts phase: the start its groups came from, its
+    result, its measured start (None: it ended at float) and the float start."""
+
+    source: str
+    found: ForwardResult
+    row: StartOutcome | None
+    flt: StartOutcome
+
+    def report(self, rows: list[StartOutcome], chosen: str) -> dict:
+        """report.json's ``forward``: the search's result, what ships and the line that says
+        why (the run then ends without a descent)."""
+        row = next((r for r in rows if self.row is not None and r.name == self.row.name), None)
+        speed = (self.flt.latency_ms / row.latency_ms if row is not None and row.latency_ms
+                 else None)
+        added, total = len(self.found.added), len(self.found.groups)
+        if row is not None and chosen == row.name:
+            why = (f"no quantized start within the accuracy bound is faster than float beyond "
+                   f"noise; the most speed within it is {added} of {total} quantizer groups, "
+                   f"{speed:.2f}x float: shipped")
+        elif row is not None:
+            why = (f"nothing within the accuracy bound is faster than float beyond noise (the "
+                   f"forward search's {added} of {total} groups ran {speed:.2f}x float, not "
+                   f"confirmed faster): {chosen} ships")
+        else:
+            why = (f"nothing within the accuracy bound is faster than float beyond noise "
+                   f"({self.found.end.value}): {chosen} ships")
+        return {**self.found.to_dict(), "from_start": self.source,
+                "start": row.name if row is not None else None, "measured_speedup": speed,
+                "shipped": chosen, "why": why + "; no descent"}
+
+
+def _forward_inputs(s, plan, what, float_ms: float, noise: float) -> ForwardInputs:
+    """The forward search's inputs in search ``s``: the guard's scorer and bound, the kernel
+    table of ``plan`` (what the runtime ran ``what``), whole-model timing in the starts' phase,
+    and ``noise`` as a share of the float start's ``float_ms``."""
+    time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
+    return ForwardInputs(
+        s.exporter, plan, lambda p: s.guard.error(p)["error"], s.guard.bound.value, float_ms,
+        noise * float_ms, _kernel_table(s, plan, what),
+        lambda p: s.plans.measure(s.exporter.source(p), p.key, "starts", qdq=len(p))[0],
+        len(plan) if s.plans.deterministic else FORWARD_TIMED_ALONE,
+        what.float_nodes if what is not None else frozenset(), time_left=time_left)
+
+
+def _kernel_table(s, plan, what):
+    """The kernel table of ``plan``'s integer kernels in search ``s`` (cached per machine),
+    or None where the run times no kernels or the timing fails."""
+    import onnx
+
+    if s.plans.deterministic or s.kernel_timing is None \
+            or not getattr(s.config, "kernel_evidence", False):
+        return None
+    exporter = s.exporter
+    try:
+        with s.wall.step("starts", "kernel timing"):
+            return s.kernel_timing(
+                onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
+                onnx.load_from_string(exporter.to_bytes(plan)),
+                cache=kernel_cache(s.kernel_cache),
+                skip=what.float_nodes if what is not None else (),
+                deadline=s.plans.measurer.deadline)
+    except Exception as exc:  # evidence is an optimisation: never the run's failure
+        log.info("kernels could not be timed (%s): groups are timed whole", exc)
+        return None
+
+
+def _float_row(rows: list[StartOutcome]) -> StartOutcome | None:
+    """The float start's row (None: not among ``rows``)."""
+    return next((r for r in rows if r.name == "float"), None)
 
 
 def _overlap(a: set, b: set) -> float:
