@@ -149,3 +149,29 @@ def test_a_run_where_no_group_pays_ships_float_and_says_why(tmp_path):
                          f"({ForwardEnd.NO_GAIN.value}): float ships; no descent")
     assert result.report["descent"]["lanes"]["main"]["visits"] == 0
     assert result.report["quantized_tensors"] == []
+
+
+def test_kernel_table_gains_count_resolved_kernels_less_their_conversions(chain):
+    """Where the kernel table has a node, its gain alone is its float kernel less its integer
+    kernel (only where the interval told them apart) less the stand-alone Q and DQ it needs
+    alone; a node the table lacks is timed in the whole model (a Conv: the table times it)."""
+    from qdq_optuna.measure.kernels import KernelTable, KernelTiming
+    from qdq_optuna.measure.repair import BOUNDARY_MACS
+
+    def timing(int_ms, float_ms, lo, hi):
+        return KernelTiming("sig", "Conv", int_ms, float_ms, float_ms / int_ms, lo, hi, 4)
+
+    table = KernelTable({"name": "test"}, [], {
+        "conv0": timing(0.1, 0.3, 2.5, 3.5), "conv1": timing(0.1, 0.3, 2.5, 3.5),
+        "conv2": timing(0.2, 0.21, 0.9, 1.2)})  # conv2: a tie
+    found = forward_search(_inputs(chain, bound=1.0, kernels=table))
+    by = {g.name: g for g in found.groups}
+    assert by["conv2"].gain_ms == 0 and by["conv2"].gain_from is GainSource.KERNEL_TABLE
+    # conv0 and conv1: 0.2 ms saved over 8x(4 or 8)x9x256 multiply-adds; the median saving
+    # per multiply-add prices an element of a stand-alone Q/DQ
+    macs = {"conv0": 8 * 4 * 9 * 256, "conv1": 8 * 8 * 9 * 256}
+    per_element = BOUNDARY_MACS * sorted(0.2 / m for m in macs.values())[1]
+    assert by["conv0"].gain_ms == pytest.approx(0.2 - per_element * (4 * 256 + 8 * 256))
+    assert by["conv1"].gain_ms == pytest.approx(0.2 - per_element * (8 * 256 + 8 * 256))
+    assert {g.name for g in found.groups if g.gain_from is GainSource.WHOLE_MODEL} == {
+        "conv3", "conv4", "conv5"}

@@ -8,7 +8,8 @@ integer chains, and the repaired model runs slower than float. Here each *group*
 quantized inputs and, for an op the runtime fuses only with a Q after it, the Q on its output:
 what makes that node run integer) is measured alone: its speed gain from the run's kernel
 table where the table has the node (its float kernel less its integer kernel, counted only
-where the two were told apart), else by timing the float model with that group alone
+where the two were told apart, less the stand-alone Q and DQ it needs alone, priced as the
+repair prices them: :data:`~qdq_optuna.measure.repair.BOUNDARY_MACS`), else by timing the float model with that group alone
 quantized; its output error with it alone quantized, by the guard's scorer. The groups that
 gain go in order of gain per unit of error, and the longest prefix of that order whose *whole*
 plan stays within the bound is kept (errors of quantizers do not add up, so each prefix is
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from qdq_optuna.measure.kernels import KERNEL_OPS, TAIL_OPS, KernelDecision, KernelTable
-from qdq_optuna.measure.repair import node_weights
+from qdq_optuna.measure.repair import BOUNDARY_MACS, node_weights
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
 
@@ -251,6 +252,8 @@ def _gains(inputs: ForwardInputs, groups: list[ForwardGroup],
     less the model with only that group quantized; gains within ``noise_ms`` count as none
     there (one whole-model timing cannot resolve them). Returns the timings spent."""
     table: Mapping = inputs.kernels.timings if inputs.kernels is not None else {}
+    per_element = _conversion_ms(groups, table)
+    graph = inputs.exporter.graph
     untimed = []
     for g in groups:
         if g.name in inputs.float_nodes:
@@ -259,7 +262,9 @@ def _gains(inputs: ForwardInputs, groups: list[ForwardGroup],
         if t is not None:
             g.gain_from = GainSource.KERNEL_TABLE
             resolved = t.decision is KernelDecision.INTEGER
-            g.gain_ms = t.float_ms - t.int_ms if resolved else 0.0
+            # alone, its input's Q and its output's DQ run stand-alone
+            converted = sum(_numel(graph, x) for x in {u[0] for u in g.uses})
+            g.gain_ms = t.float_ms - t.int_ms - per_element * converted if resolved else 0.0
         elif inputs.kernels is None or g.kernel:
             untimed.append(g)
     timings = 0
@@ -273,6 +278,21 @@ def _gains(inputs: ForwardInputs, groups: list[ForwardGroup],
         g.gain_from = GainSource.WHOLE_MODEL
         g.gain_ms = gain if gain > inputs.noise_ms else 0.0
     return timings
+
+
+def _conversion_ms(groups: list[ForwardGroup], table: Mapping) -> float:
+    """What one element of a stand-alone Q or DQ costs in ms: :data:`BOUNDARY_MACS`
+    multiply-adds at the median ms an integer kernel of the table saves per multiply-add."""
+    saved = sorted((t.float_ms - t.int_ms) / g.weight for g in groups
+                   if (t := table.get(g.name)) is not None and g.weight > 0
+                   and t.decision is KernelDecision.INTEGER)
+    return BOUNDARY_MACS * saved[len(saved) // 2] if saved else 0.0
+
+
+def _numel(graph: Graph, tensor: str) -> float:
+    shape = graph.shapes.get(tensor)
+    ok = shape and all(isinstance(d, int) and d > 0 for d in shape)
+    return float(math.prod(shape)) if ok else 0.0
 
 
 def _above_noise(order: list[ForwardGroup], noise_ms: float) -> list[ForwardGroup]:
