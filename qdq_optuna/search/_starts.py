@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -63,6 +64,9 @@ FORWARD = "forward"
 #: a quantized start within the bound must measure this much faster than float (one timing
 #: each) for the forward search not to run: a ratio's typical p95 error on this protocol
 FORWARD_NOISE_SHARE = 0.03
+#: the share of the search's time left that the forward search's kernel timing may take
+#: (uncached signatures past it are not timed; their groups are timed whole or left out)
+KERNEL_SHARE = 0.25
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -517,6 +521,10 @@ def _kernel_table(s, plan, what):
             or not getattr(s.config, "kernel_evidence", False):
         return None
     exporter = s.exporter
+    left = s.remaining()
+    deadline = s.plans.measurer.deadline
+    if left is not None:  # the kernels take at most a share of what is left: errors follow
+        deadline = time.monotonic() + KERNEL_SHARE * max(left, 0.0)
     try:
         with s.wall.step("starts", "kernel timing"):
             return s.kernel_timing(
@@ -524,7 +532,7 @@ def _kernel_table(s, plan, what):
                 onnx.load_from_string(exporter.to_bytes(plan)),
                 cache=kernel_cache(s.kernel_cache),
                 skip=what.float_nodes if what is not None else (),
-                deadline=s.plans.measurer.deadline)
+                deadline=deadline)
     except Exception as exc:  # evidence is an optimisation: never the run's failure
         log.info("kernels could not be timed (%s): groups are timed whole", exc)
         return None
