@@ -67,6 +67,10 @@ FORWARD_NOISE_SHARE = 0.03
 #: the share of the search's time left that the forward search's kernel timing may take
 #: (uncached signatures past it are not timed; their groups are timed whole or left out)
 KERNEL_SHARE = 0.25
+#: seconds the forward search's kernel timing may take however little time is left (its
+#: error evaluations are bounded by their count, as the first repair's are: on a large model
+#: the starts outlast a short --timeout, and a forward search cut there ships float)
+KERNEL_FLOOR_S = 60.0
 #: the lane of the chosen start: its visits are ``RUN/P003/round1``
 MAIN_LANE = ""
 #: the lane of the runtime's recipe when it is not the chosen start (``RUN/P003/recipe/...``)
@@ -502,14 +506,14 @@ class ForwardStart:
 def _forward_inputs(s, plan, what, float_ms: float, noise: float) -> ForwardInputs:
     """The forward search's inputs in search ``s``: the guard's scorer and bound, the kernel
     table of ``plan`` (what the runtime ran ``what``), whole-model timing in the starts' phase,
-    and ``noise`` as a share of the float start's ``float_ms``."""
-    time_left = lambda: (r := s.remaining()) is None or r > 0  # noqa: E731
+    and ``noise`` as a share of the float start's ``float_ms``. It runs to its evaluation
+    budget whatever the deadline, as the first repair does (:data:`KERNEL_FLOOR_S`)."""
     return ForwardInputs(
         s.exporter, plan, lambda p: s.guard.error(p)["error"], s.guard.bound.value, float_ms,
         noise * float_ms, _kernel_table(s, plan, what),
         lambda p: s.plans.measure(s.exporter.source(p), p.key, "starts", qdq=len(p))[0],
         len(plan) if s.plans.deterministic else FORWARD_TIMED_ALONE,
-        what.float_nodes if what is not None else frozenset(), time_left=time_left)
+        what.float_nodes if what is not None else frozenset())
 
 
 def _kernel_table(s, plan, what):
@@ -523,8 +527,8 @@ def _kernel_table(s, plan, what):
     exporter = s.exporter
     left = s.remaining()
     deadline = s.plans.measurer.deadline
-    if left is not None:  # the kernels take at most a share of what is left: errors follow
-        deadline = time.monotonic() + KERNEL_SHARE * max(left, 0.0)
+    if left is not None:  # the kernels take a share of what is left: errors follow
+        deadline = time.monotonic() + max(KERNEL_SHARE * left, KERNEL_FLOOR_S)
     try:
         with s.wall.step("starts", "kernel timing"):
             return s.kernel_timing(
