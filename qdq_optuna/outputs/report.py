@@ -525,8 +525,8 @@ def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
              f"Quantized starts broke the accuracy bound, so the run built up from float: each "
              f"quantizer group of `{fw['from_start']}` measured alone (speed gain, output "
              f"error), {fw['groups_with_gain']} of {fw['groups_total']} gain speed; "
-             f"{fw['added']} added in order of gain per unit of error, the whole plan scored "
-             f"after each step (error {fw['error']:.4g}, bound {fw['bound']:g}, "
+             f"{fw['added']} added in order of gain per unit of error, the longest such prefix "
+             f"whose whole plan keeps the bound (error {fw['error']:.4g}, bound {fw['bound']:g}, "
              f"{fw['evaluations']} error evaluations, {fw['timings']} whole-model timings); "
              f"stopped: {fw['end']}. Estimated {fw['estimated_speedup']:.3f}x float from the "
              "groups' own gains.", "",
