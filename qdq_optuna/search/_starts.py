@@ -12,7 +12,10 @@ back with the quantizer groups that cost the most error per unit of speed return
 one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when
 it beats float as a commit must (the run's commit rule; on a measured backend an interleaved A/B
 against float confirms it; there the runtime's recipe stands unless an A/B shows the fastest
-start beats it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+start beats it). Where float is chosen and a quantized start broke the bound, the forward
+search (:mod:`~qdq_optuna.search._forward`) builds up from float instead: its model is the
+start ``forward``, chosen when it beats float, and the run ends without a descent. Which
+starts the descent runs from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
@@ -61,8 +64,8 @@ SAME_MODEL = "not measured: the repaired start is the same model as another star
 TWIN = 0.9
 #: the forward search's start (:mod:`~qdq_optuna.search._forward`)
 FORWARD = "forward"
-#: a quantized start within the bound must measure this much faster than float (one timing
-#: each) for the forward search not to run: a ratio's typical p95 error on this protocol
+#: the forward search's noise: groups whose gains together are below this share of float's
+#: latency are not added (a ratio's typical p95 error on the timing protocol)
 FORWARD_NOISE_SHARE = 0.03
 #: the share of the search's time left that the forward search's kernel timing may take
 #: (uncached signatures past it are not timed; their groups are timed whole or left out)
@@ -125,11 +128,16 @@ class StartsPhase:
         rows = [self._measured(start) for start in cands]
         with step("starts", "repair"):
             rows += self._repairs(cands, rows)
-        with step("starts", "forward search"):
-            forward = self._forward(rows)
-            rows += [forward.row] if forward is not None and forward.row is not None else []
         with step("starts", "choice A/Bs"):
             chosen_start = self._choose(rows)
+        flt, forward = _float_row(rows), None
+        if flt is not None and chosen_start == flt.name:  # no quantized start beat float
+            with step("starts", "forward search"):
+                forward = self._forward(rows)
+            if forward is not None and forward.row is not None:
+                rows.append(forward.row)
+                with step("starts", "choice A/Bs"):
+                    chosen_start = _beats_float(self, rows, forward.row, flt)
         lanes = self._lanes(rows, chosen_start)
         chosen = lanes[MAIN_LANE]  # the start of the standing model
         rows = [replace(r, chosen=r.name == chosen,
@@ -240,10 +248,10 @@ class StartsPhase:
         return out
 
     def _forward(self, rows: list[StartOutcome]) -> ForwardStart | None:
-        """The forward search (:mod:`~qdq_optuna.search._forward`) where a quantized start
-        broke the accuracy bound and no quantized start within it measured faster than float
-        beyond noise: its groups drawn from the fastest start past the bound, its result
-        measured and checked as the start ``forward``; None where it does not run."""
+        """The forward search (:mod:`~qdq_optuna.search._forward`), once float was chosen
+        (no quantized start within the accuracy bound beat it) where a quantized start broke
+        the bound: its groups drawn from the fastest start past the bound, its result measured
+        and checked as the start ``forward``; None where it does not run."""
         s = self.s
         flt = _float_row(rows)
         if s.guard is None or flt is None or flt.latency_ms is None \
@@ -251,8 +259,7 @@ class StartsPhase:
             return None
         noise = 0.0 if s.plans.deterministic else FORWARD_NOISE_SHARE
         broke = [r for r in rows if r.qdq and not r.feasible and r.latency_ms is not None]
-        if not broke or any(r.usable and r.qdq and r.latency_ms < flt.latency_ms * (1 - noise)
-                            for r in rows):
+        if not broke:
             return None
         source = min(broke, key=lambda r: (r.latency_ms, r.name))
         plan = self._row_plan(source)
@@ -540,6 +547,21 @@ def _kernel_table(s, plan, what):
     except Exception as exc:  # evidence is an optimisation: never the run's failure
         log.info("kernels could not be timed (%s): groups are timed whole", exc)
         return None
+
+
+def _beats_float(phase: StartsPhase, rows: list[StartOutcome], row: StartOutcome,
+                 flt: StartOutcome) -> str:
+    """``row``'s name when it beats float as a commit must (on a measured backend an
+    interleaved A/B, kept on its row as ``ab_vs_float``), else float's."""
+    rule, plans = phase.s.rule, phase.s.plans
+    if not row.usable:
+        return flt.name
+    if plans.deterministic:
+        return row.name if rule.promising(row.latency_ms, flt.latency_ms,
+                                          rule.threshold) else flt.name
+    cmp = plans.compare(phase._source(row), phase._source(flt), "starts")
+    rows[rows.index(row)] = replace(row, ab_vs_float=_ab(cmp))
+    return row.name if rule.confirmed(cmp, rule.threshold, False) else flt.name
 
 
 def _float_row(rows: list[StartOutcome]) -> StartOutcome | None:
