@@ -161,3 +161,15 @@ def only_everything_quantized_is_fast(model) -> float:
 #: activation Q/DQ pairs from which :func:`only_everything_quantized_is_fast` runs fast (the
 #: heavy-tail model of ``corpus.heavy_tail`` has 10 with every point on)
 WHOLE = 10
+
+
+def few_groups_pay(model) -> float:
+    """Float 10 ms; each full DQ -> Conv -> Q group saves 0.5 ms while the model has at most
+    :data:`FEW` of them; with more, its integer part spills (5 ms more): every quantized start
+    of :func:`corpus.conv_chain` runs slower than float, its groups added one by one pay."""
+    groups, _ = full_groups(model)
+    return 10.0 - 0.5 * groups + (5.0 if groups > FEW else 0.0)
+
+
+#: full groups up to which :func:`few_groups_pay` rewards each
+FEW = 3

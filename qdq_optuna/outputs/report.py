@@ -89,6 +89,7 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "search_statistics": stats,
         "measurer": plans.measurer.counters(),
         "starts": start_entries(record, baseline_ms),
+        "forward": forward_entry(record),
         "lane": lane,
         "descent": descent_summary(record, lane),
         "patterns": patterns,
@@ -208,6 +209,13 @@ def start_entries(record, baseline_ms: float | None) -> list[dict]:
             entry["repair_outcome"] = row.repair_outcome
         out.append(entry)
     return out
+
+
+def forward_entry(record) -> dict | None:
+    """What the forward search did (None: it did not run: a quantized start within the bound
+    was faster than float, or none broke the bound)."""
+    starts = record.starts()
+    return starts.forward if starts is not None else None
 
 
 def descent_summary(record, lane: str) -> dict:
@@ -528,6 +536,31 @@ def _starts_lines(r: dict) -> list[str]:
         lines += ["", f"The descent from `{shipped.get('start') or 'its start'}` gained {_f(shipped['gain'])}x over "
                   f"it ({shipped['changed']} of {shipped['visits']} visits changed the standing "
                   "model; each visit's gain is a whole-model A/B)."]
+    return lines + [""]
+
+
+def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
+    """The forward search: why the run ended where it did, and its groups in the order they
+    were added (gain alone per unit of error alone)."""
+    if not fw:
+        return []
+    lines = ["## Forward search", "", f"**{fw['why'][:1].upper()}{fw['why'][1:]}.**", "",
+             f"Quantized starts broke the accuracy bound, so the run built up from float: each "
+             f"quantizer group of `{fw['from_start']}` measured alone (speed gain, output "
+             f"error), {fw['groups_with_gain']} of {fw['groups_total']} gain speed; "
+             f"{fw['added']} added in order of gain per unit of error, the longest such prefix "
+             f"whose whole plan keeps the bound (error {fw['error']:.4g}, bound {fw['bound']:g}, "
+             f"{fw['evaluations']} error evaluations, {fw['timings']} whole-model timings); "
+             f"stopped: {fw['end']}. Estimated {fw['estimated_speedup']:.3f}x float from the "
+             "groups' own gains.", "",
+             "| group | gain alone (ms) | from | error alone | added |", "|---|---|---|---|---|"]
+    rows = fw.get("groups") or []
+    for g in rows[:limit]:
+        lines.append(f"| {g['group']} | {g['gain_ms']:.4g} | {g['gain_from']} | "
+                     f"{_f(g.get('error_alone'), '{:.3g}')} | "
+                     f"{'**yes**' if g['added'] else 'no'} |")
+    if len(rows) > limit:
+        lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | |")
     return lines + [""]
 
 
@@ -925,6 +958,7 @@ def render_markdown(r: dict) -> str:
           for line in _recipe_file_lines(rf)],
         *_defaults_lines(r.get("defaults_taken")),
         *_starts_lines(r),
+        *_forward_lines(r.get("forward")),
         *_repair_lines(r),
     ]
     if r.get("accuracy"):

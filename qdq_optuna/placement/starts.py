@@ -90,6 +90,8 @@ class Start:
 
 # -- schemes <-> uses -------------------------------------------------------------------------
 #: the ops a CNN is made of (against which :func:`dynamic_start` weighs the dynamic nodes)
+#: the float start's name (no Q/DQ: the user's model as the search sees it)
+FLOAT = "float"
 CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 
 def scheme_uses(pm, schemes: Mapping[str, Mapping[str, int]]) -> set[Use]:
@@ -155,7 +157,7 @@ def _describe(g: Graph, uses: Iterable[Use], limit: int = 6) -> str:
 
 # -- the simple starts ------------------------------------------------------------------------
 def float_start(pm) -> Start:
-    return start_from_schemes(pm, "float", {})
+    return start_from_schemes(pm, FLOAT, {})
 
 
 def all_on_start(pm) -> Start:

@@ -281,16 +281,21 @@ class AgreedStarts:
     lanes: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     rows: tuple[StartOutcome, ...] = ()
     pinned: dict[str, list] = field(default_factory=dict)
+    #: what the forward search did (:meth:`qdq_optuna.search._starts.ForwardStart.report`;
+    #: None: it did not run): the run then ends without a descent
+    forward: dict | None = None
 
     def to_attrs(self) -> dict[str, Any]:
-        """The stored value (its keys in the order they were always stored; ``pinned`` only
-        when a lane has any, so earlier runs' values read the same)."""
+        """The stored value (its keys in the order they were always stored; ``pinned`` and
+        ``forward`` only when set, so earlier runs' values read the same)."""
         out = {"chosen": self.chosen, "lane_starts": self.lane_starts, "order": self.order,
                "measurements": self.measurements, "lanes": self.lanes,
                "starts": [r.to_attrs() for r in self.rows]}
         if any(self.pinned.values()):
             out["pinned"] = {lane: [list(u) for u in uses]
                              for lane, uses in self.pinned.items() if uses}
+        if self.forward is not None:
+            out["forward"] = self.forward
         return out
 
     @classmethod
@@ -298,7 +303,8 @@ class AgreedStarts:
         rows = tuple(StartOutcome.from_attrs(r) for r in attrs.get("starts") or [])
         return cls(attrs["chosen"], dict(attrs.get("lane_starts") or {}),
                    list(attrs.get("order") or []), attrs.get("measurements"),
-                   dict(attrs.get("lanes") or {}), rows, dict(attrs.get("pinned") or {}))
+                   dict(attrs.get("lanes") or {}), rows, dict(attrs.get("pinned") or {}),
+                   attrs.get("forward"))
 
 
 @dataclass(frozen=True)

@@ -192,10 +192,7 @@ class Tuner:
             self._deadlines(concluding=False)
             self._write_state("running")
             self._write_standing(self.starts.order[0])
-            self.descent = Descent(search, rounds=self.settings.rounds,
-                                   lanes=self.starts.order, cache=self.cache,
-                                   seeds=self._seeds, on_change=self._write_standing)
-            self.descent.run()
+            descend(self, search)
             self._mark("descent")
         except OutOfTime:
             self._mark("descent")
@@ -340,6 +337,19 @@ def conclusion_reserve(timeout: float, session_s: float | None, files: int = 1) 
     share = CONCLUSION_SHARE * timeout
     rounds = CONCLUSION_ROUNDS + FILE_ROUNDS * files
     return share if session_s is None else min(share, rounds * 2 * session_s)
+
+
+def descend(tuner: Tuner, search: Search) -> None:
+    """The descent over the patterns from the agreed starts (``tuner.descent``), or none where
+    the forward search ran: it found the most speed within the bound (or none), and a descent
+    from it would A/B near-float models until the timeout."""
+    if tuner.starts.forward is not None:
+        tuner.progress.write(f"forward search: {tuner.starts.forward['why']}")
+        return
+    tuner.descent = Descent(search, rounds=tuner.settings.rounds, lanes=tuner.starts.order,
+                            cache=tuner.cache, seeds=tuner._seeds,
+                            on_change=tuner._write_standing)
+    tuner.descent.run()  # set first: a timeout inside still concludes from what it read
 
 
 def run_recipe_files(tuner: Tuner) -> list[RecipeFile]:

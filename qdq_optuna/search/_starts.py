@@ -12,7 +12,10 @@ back with the quantizer groups that cost the most error per unit of speed return
 one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when
 it beats float as a commit must (the run's commit rule; on a measured backend an interleaved A/B
 against float confirms it; there the runtime's recipe stands unless an A/B shows the fastest
-start beats it). Which starts the descent runs from (its *lanes*) follows ``Config.start``.
+start beats it). Where float is chosen and a quantized start broke the bound, the forward
+search (:mod:`~qdq_optuna.search._forward`) builds up from float instead: its model is the
+start ``forward``, chosen when it beats float, and the run ends without a descent. Which
+starts the descent runs from (its *lanes*) follows ``Config.start``.
 
 Workers and resumed runs agree on the outcome (the run record's ``starts``, first writer
 wins); the study ``RUN/_starts`` shows one trial per start in optuna-dashboard.
@@ -33,6 +36,7 @@ from qdq_optuna.config import RECIPE_LANE_RATIO
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
+from qdq_optuna.search._forward_start import float_row, forward_choice
 from qdq_optuna.search._start_repairs import KEPT_NOTHING, NO_TIME, REPAIRED, StartRepairs
 
 __all__ = ["KEPT_NOTHING", "NO_TIME", "REPAIRED", "StartsPhase"]
@@ -46,10 +50,9 @@ RECIPE_LANE = "recipe"
 
 
 class StartsPhase:
-    """Build, measure, check and choose the starts (see the module docstring).
-
-    ``recipe``: builds the runtime's recipe start (it runs ONNX Runtime's quantizer: only when
-    the starts are not decided yet); ``seeds``: the user's seed starts."""
+    """Build, measure, check and choose the starts (see the module docstring). ``recipe``:
+    builds the runtime's recipe start (only when the starts are not decided yet); ``seeds``:
+    the user's seed starts."""
 
     def __init__(self, search, *, mode: str, recipe: Callable[[], Start | None],
                  seeds: Callable[[], list[Start]], worker: bool, baseline=None) -> None:
@@ -93,6 +96,7 @@ class StartsPhase:
             rows += self._repairs(cands, rows)
         with step("starts", "choice A/Bs"):
             chosen_start = self._choose(rows)
+        chosen_start, forward = forward_choice(self, rows, chosen_start, ab=_ab)
         lanes = self._lanes(rows, chosen_start)
         chosen = lanes[MAIN_LANE]  # the start of the standing model
         rows = [replace(r, chosen=r.name == chosen,
@@ -102,7 +106,8 @@ class StartsPhase:
         return AgreedStarts(chosen, lanes, list(lanes), self.s.plans.by_phase["starts"] - spent,
                             {lane: by_name[name].schemes for lane, name in lanes.items()},
                             tuple(rows), {lane: sorted(by_name[name].pinned)
-                                          for lane, name in lanes.items()})
+                                          for lane, name in lanes.items()},
+                            forward.report(rows, chosen) if forward is not None else None)
 
     def _together(self, cands: list[Start]) -> None:
         """The starts timed in the same rounds as the baseline (a measured backend), each
@@ -201,7 +206,7 @@ class StartsPhase:
         beats float, float has to beat the recipe instead
         (:meth:`_recipe_unless_float_beats_it`)."""
         ok = sorted((r for r in rows if r.usable), key=lambda r: (r.latency_ms, r.name))
-        flt = next((r for r in rows if r.name == "float"), None)
+        flt = float_row(rows)
         if not ok or flt is None or flt.latency_ms is None:
             return "float"
         best, rule = ok[0], self.s.rule
