@@ -870,6 +870,48 @@ def test_the_measuring_import_check_finds_each_form(tmp_path):
         "m.py:5: qdq_optuna.backends", "m.py:6: qdq_optuna.measure"]
 
 
+#: the plan measurer's methods that measure nothing (every other public one measures)
+PLAN_MEASURER_BOOKKEEPING = {"deterministic", "set_deadline", "whole", "known"}
+
+
+def _plan_measuring_methods() -> set[str]:
+    """``PlanMeasurer``'s public methods that measure (read from its class, so a new one counts)."""
+    from qdq_optuna.search._plans import PlanMeasurer
+
+    return {n for n in vars(PlanMeasurer) if not n.startswith("_")
+            and callable(getattr(PlanMeasurer, n))} - PLAN_MEASURER_BOOKKEEPING
+
+
+def _measuring_calls(folder: Path, methods: set[str]) -> list[str]:
+    """Calls ``x.m(...)`` of a measuring method ``m`` by the modules under ``folder``."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in methods:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}()")
+    return sorted(found)
+
+
+def test_the_outputs_call_no_measuring_method():
+    """The search measures (a two-objective front too, :mod:`qdq_optuna.search._pareto`); the
+    outputs word and write what it measured and call no measuring method of the plan measurer."""
+    methods = _plan_measuring_methods()
+    assert {"compare", "measure", "error", "latency", "same_model"} <= methods
+    assert _measuring_calls(REPO / "qdq_optuna" / "outputs", methods) == []
+
+
+def test_the_measuring_call_check_finds_each_method(tmp_path):
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "m.py").write_text(
+        "def f(o, plans):\n    cmp = plans.compare(a, b, 'pareto')\n"
+        "    e = o.plans.error(exporter, plan)\n    n = plans.measurements\n"
+        "    plans.set_deadline(None)\n    return e.get('error')\n")
+    assert _measuring_calls(out, _plan_measuring_methods()) == [
+        "m.py:2: plans.compare()", "m.py:3: o.plans.error()"]
+
+
 #: the calls that prepare a run: options resolved, the backend made, the model prepared, the
 #: user's data read, the storage and the run record opened, the measuring objects built
 PREPARING = {"backend_for", "check_runtime_named", "Settings.profile_of", "Settings.resolve",
