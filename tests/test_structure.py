@@ -540,9 +540,9 @@ def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
 #: verdict's words, ...; a node's ``op_type`` against an ONNX op type is ONNX's open vocabulary
 #: and not counted): our closed choices are ``(str, Enum)`` members (``Scales``,
 #: ``SevenBitWeights``, ``BiasMode``, ``Until``, ``QuantType``, ``KernelDecision``,
-#: ``QuantMode``), compared by identity. This count may only go down: lower it when a change
+#: ``QuantMode``, ``Timing``, ``Preprocess``, ``DropType``), compared by identity. This count may only go down: lower it when a change
 #: turns more of them into members
-STRING_COMPARISONS_AT_MOST = 208
+STRING_COMPARISONS_AT_MOST = 201
 
 
 def _string_comparisons(root: Path) -> list[str]:
@@ -597,6 +597,38 @@ def test_closed_choices_take_the_command_lines_words():
     with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose auto, "
                                           r"default, calibrated\)$"):
         TuneOptions(model="m.onnx", output_dir="out", scales="calibrate")
+
+
+def test_tune_options_parse_their_closed_choices():
+    """``--timing``, ``--preprocess`` and ``--metric-drop-type`` take today's words (the
+    command line's choices read from their enums), become members, and refuse others in
+    one line naming the option."""
+    import dataclasses
+
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.accuracy import DropType
+    from qdq_optuna.measure.timing import Timing
+    from qdq_optuna.placement.rules import Preprocess
+    from qdq_optuna.search import TuneOptions
+
+    default = TuneOptions(model="m.onnx", output_dir="out")
+    assert (default.timing, default.preprocess, default.metric_drop_type) == (
+        Timing.ROBUST, Preprocess.AUTO, DropType.ABSOLUTE)
+    given = TuneOptions(model="m.onnx", output_dir="out", timing="fast", preprocess="ort-basic",
+                        metric_drop_type="relative")
+    assert given.timing is Timing.FAST and given.preprocess is Preprocess.ORT_BASIC
+    assert given.metric_drop_type is DropType.RELATIVE
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TuneOptions)}
+    assert choices["timing"] == ("fast", "robust")
+    assert choices["preprocess"] == ("auto", "none", "ort-basic")
+    assert choices["metric_drop_type"] == ("absolute", "relative")
+    for name, word, needle in (("timing", "quick", "--timing: unknown 'quick'"),
+                               ("preprocess", "ort", "--preprocess: unknown 'ort'"),
+                               ("metric_drop_type", "percent",
+                                "--metric-drop-type: unknown 'percent'")):
+        with pytest.raises(OptionError) as caught:
+            TuneOptions(model="m.onnx", output_dir="out", **{name: word})
+        assert str(caught.value).startswith(needle) and "\n" not in str(caught.value)
 
 
 # -- the run folder: one owner of a run's file names and writes -----------------------------------
