@@ -540,9 +540,9 @@ def test_the_quant_type_check_finds_a_string_comparison(tmp_path):
 #: verdict's words, ...; a node's ``op_type`` against an ONNX op type is ONNX's open vocabulary
 #: and not counted): our closed choices are ``(str, Enum)`` members (``Scales``,
 #: ``SevenBitWeights``, ``BiasMode``, ``Until``, ``QuantType``, ``KernelDecision``,
-#: ``QuantMode``), compared by identity. This count may only go down: lower it when a change
+#: ``QuantMode``, ``Timing``, ``Preprocess``, ``DropType``), compared by identity. This count may only go down: lower it when a change
 #: turns more of them into members
-STRING_COMPARISONS_AT_MOST = 208
+STRING_COMPARISONS_AT_MOST = 201
 
 
 def _string_comparisons(root: Path) -> list[str]:
@@ -597,6 +597,38 @@ def test_closed_choices_take_the_command_lines_words():
     with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose auto, "
                                           r"default, calibrated\)$"):
         TuneOptions(model="m.onnx", output_dir="out", scales="calibrate")
+
+
+def test_tune_options_parse_their_closed_choices():
+    """``--timing``, ``--preprocess`` and ``--metric-drop-type`` take today's words (the
+    command line's choices read from their enums), become members, and refuse others in
+    one line naming the option."""
+    import dataclasses
+
+    from qdq_optuna.errors import OptionError
+    from qdq_optuna.measure.accuracy import DropType
+    from qdq_optuna.measure.timing import Timing
+    from qdq_optuna.placement.rules import Preprocess
+    from qdq_optuna.search import TuneOptions
+
+    default = TuneOptions(model="m.onnx", output_dir="out")
+    assert (default.timing, default.preprocess, default.metric_drop_type) == (
+        Timing.ROBUST, Preprocess.AUTO, DropType.ABSOLUTE)
+    given = TuneOptions(model="m.onnx", output_dir="out", timing="fast", preprocess="ort-basic",
+                        metric_drop_type="relative")
+    assert given.timing is Timing.FAST and given.preprocess is Preprocess.ORT_BASIC
+    assert given.metric_drop_type is DropType.RELATIVE
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(TuneOptions)}
+    assert choices["timing"] == ("fast", "robust")
+    assert choices["preprocess"] == ("auto", "none", "ort-basic")
+    assert choices["metric_drop_type"] == ("absolute", "relative")
+    for name, word, needle in (("timing", "quick", "--timing: unknown 'quick'"),
+                               ("preprocess", "ort", "--preprocess: unknown 'ort'"),
+                               ("metric_drop_type", "percent",
+                                "--metric-drop-type: unknown 'percent'")):
+        with pytest.raises(OptionError) as caught:
+            TuneOptions(model="m.onnx", output_dir="out", **{name: word})
+        assert str(caught.value).startswith(needle) and "\n" not in str(caught.value)
 
 
 # -- the run folder: one owner of a run's file names and writes -----------------------------------
@@ -868,6 +900,48 @@ def test_the_measuring_import_check_finds_each_form(tmp_path):
     assert _measuring_imports(out) == [
         "m.py:1: qdq_optuna.measure.timing", "m.py:3: qdq_optuna.backends.what_ran",
         "m.py:5: qdq_optuna.backends", "m.py:6: qdq_optuna.measure"]
+
+
+#: the plan measurer's methods that measure nothing (every other public one measures)
+PLAN_MEASURER_BOOKKEEPING = {"deterministic", "set_deadline", "whole", "known"}
+
+
+def _plan_measuring_methods() -> set[str]:
+    """``PlanMeasurer``'s public methods that measure (read from its class, so a new one counts)."""
+    from qdq_optuna.search._plans import PlanMeasurer
+
+    return {n for n in vars(PlanMeasurer) if not n.startswith("_")
+            and callable(getattr(PlanMeasurer, n))} - PLAN_MEASURER_BOOKKEEPING
+
+
+def _measuring_calls(folder: Path, methods: set[str]) -> list[str]:
+    """Calls ``x.m(...)`` of a measuring method ``m`` by the modules under ``folder``."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in methods:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}()")
+    return sorted(found)
+
+
+def test_the_outputs_call_no_measuring_method():
+    """The search measures (a two-objective front too, :mod:`qdq_optuna.search._pareto`); the
+    outputs word and write what it measured and call no measuring method of the plan measurer."""
+    methods = _plan_measuring_methods()
+    assert {"compare", "measure", "error", "latency", "same_model"} <= methods
+    assert _measuring_calls(REPO / "qdq_optuna" / "outputs", methods) == []
+
+
+def test_the_measuring_call_check_finds_each_method(tmp_path):
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "m.py").write_text(
+        "def f(o, plans):\n    cmp = plans.compare(a, b, 'pareto')\n"
+        "    e = o.plans.error(exporter, plan)\n    n = plans.measurements\n"
+        "    plans.set_deadline(None)\n    return e.get('error')\n")
+    assert _measuring_calls(out, _plan_measuring_methods()) == [
+        "m.py:2: plans.compare()", "m.py:3: o.plans.error()"]
 
 
 #: the calls that prepare a run: options resolved, the backend made, the model prepared, the

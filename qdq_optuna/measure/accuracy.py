@@ -396,32 +396,48 @@ class AccuracyEvaluator:
         return math.inf if math.isnan(value) else value
 
 
-#: how ``--max-metric-drop`` counts: in the metric's units, or as a share of the FP32 model's
-#: own value (NNCF's ``DropType``)
-DROP_TYPES = ("absolute", "relative")
+class DropType(str, Enum):
+    """How ``--max-metric-drop`` counts (``--metric-drop-type``; NNCF's ``DropType``)."""
+
+    #: in the metric's units
+    ABSOLUTE = "absolute"
+    #: as a share of the FP32 model's own value
+    RELATIVE = "relative"
+
+    @classmethod
+    def parse(cls, name: str | DropType) -> DropType:
+        """``name`` as a member; one line naming ``--metric-drop-type`` for anything else."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise OptionError(f"--metric-drop-type: unknown {name!r} "
+                              f"(choose {', '.join(DROP_TYPES)})") from None
 
 
-def metric_drop_bound(evaluator: AccuracyEvaluator, max_drop: float, drop_type: str) -> dict:
+#: ``--metric-drop-type``'s words
+DROP_TYPES = tuple(m.value for m in DropType)
+
+
+def metric_drop_bound(evaluator: AccuracyEvaluator, max_drop: float,
+                      drop_type: str | DropType) -> dict:
     """The bound on a user metric (lower is better) that allows it to worsen by at most
     ``max_drop`` from the FP32 model's own value ``metric(reference, reference)`` (a metric
     that closes over labels scores FP32's task error there; return ``-accuracy`` for an
     accuracy): ``fp32 + max_drop`` (absolute) or ``fp32 + max_drop * |fp32|`` (relative)."""
     if evaluator.metric is None:
         raise OptionError("--max-metric-drop needs --metric (the function whose drop it bounds)")
-    if drop_type not in DROP_TYPES:
-        raise OptionError(f"--metric-drop-type: unknown {drop_type!r} "
-                          f"(choose {', '.join(DROP_TYPES)})")
+    drop_type = DropType.parse(drop_type)
     fp32 = evaluator._user_metric(dict(evaluator.reference))
     if not math.isfinite(fp32):
         raise OptionError(f"--metric {evaluator.metric_name!r} is {fp32} for the FP32 model "
                           "itself: no drop from it can be bounded")
-    relative = drop_type == "relative"
+    relative = drop_type is DropType.RELATIVE
     if relative and fp32 == 0:
         raise OptionError(f"--metric {evaluator.metric_name!r} is 0 for the FP32 model, so a "
                           "relative --max-metric-drop allows nothing: use --metric-drop-type "
                           "absolute")
     allowed = max_drop * (abs(fp32) if relative else 1.0)
-    return {"fp32_metric": fp32, "max_metric_drop": max_drop, "drop_type": drop_type,
+    return {"fp32_metric": fp32, "max_metric_drop": max_drop, "drop_type": drop_type.value,
             "bound": fp32 + allowed}
 
 

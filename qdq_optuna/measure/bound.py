@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from qdq_optuna.measure.accuracy import ErrorMeasure
+from qdq_optuna.measure.accuracy import DropType, ErrorMeasure
 
 #: the accuracy guard's default bound on the worst output's relative L2 error vs FP32: a cosine
 #: of about 0.98 when the error is uncorrelated with the output. On real held-out photos
@@ -59,13 +59,14 @@ class AskedBound:
     metric: str | None = None
     #: ``--max-metric-drop`` and ``--metric-drop-type`` (None: the bound is no metric drop)
     max_metric_drop: float | None = None
-    drop_type: str = "absolute"
+    drop_type: DropType = DropType.ABSOLUTE
     #: ``--accuracy-confidence``: errors compared with the bound are the upper bounds of the
     #: mean per-sample error at this level (None: the error over all samples)
     confidence: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "measure", ErrorMeasure(self.measure))
+        object.__setattr__(self, "drop_type", DropType.parse(self.drop_type))
         if self.max_output_error is not None:
             object.__setattr__(self, "max_output_error", float(self.max_output_error))
 
@@ -82,7 +83,7 @@ class AskedBound:
         keys = {"max_output_error": self.max_output_error, "error_measure": self.measure.value,
                 "metric": self.metric}
         if self.max_metric_drop is not None:
-            keys["max_metric_drop"] = [self.max_metric_drop, self.drop_type]
+            keys["max_metric_drop"] = [self.max_metric_drop, self.drop_type.value]
         return keys
 
 

@@ -175,11 +175,29 @@ class Comparison:
         }
 
 
+class Timing(str, Enum):
+    """How much a run measures (``--timing``): the preset :class:`TimingProtocol` it uses."""
+
+    #: one short timing per candidate and no A/B, for a quiet, dedicated machine
+    FAST = "fast"
+    #: every candidate A/B-compared with its reference in interleaved fresh sessions
+    ROBUST = "robust"
+
+    @classmethod
+    def parse(cls, name: str | Timing) -> Timing:
+        """``name`` as a member; one line naming ``--timing`` for anything else."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise OptionError(f"--timing: unknown {name!r} (choose "
+                              f"{', '.join(m.value for m in cls)})") from None
+
+
 @dataclass(frozen=True)
 class TimingProtocol:
     """How much to measure. Use :meth:`fast` or :meth:`robust` unless you have figures."""
 
-    name: str = "robust"
+    name: str = Timing.ROBUST.value
     #: fresh sessions per model in :meth:`Measurer.measure`
     sessions: int = 5
     warmup: int = 5
@@ -232,7 +250,7 @@ class TimingProtocol:
     def fast(cls) -> TimingProtocol:
         """Screen-like: one short session per model; resolves only ~15-25 % differences."""
         return cls(
-            name="fast",
+            name=Timing.FAST.value,
             sessions=1,
             warmup=3,
             runs=15,
@@ -248,14 +266,11 @@ class TimingProtocol:
     @classmethod
     def robust(cls) -> TimingProtocol:
         """Interleaved fresh sessions; p95 ratio error ~2 % on a quiet 2-core machine."""
-        return cls(name="robust")
+        return cls(name=Timing.ROBUST.value)
 
     @classmethod
-    def from_name(cls, name: str) -> TimingProtocol:
-        presets = {"fast": cls.fast, "robust": cls.robust}
-        if name not in presets:
-            raise OptionError(f"--timing must be one of {', '.join(presets)}, got {name!r}")
-        return presets[name]()
+    def from_name(cls, name: str | Timing) -> TimingProtocol:
+        return {Timing.FAST: cls.fast, Timing.ROBUST: cls.robust}[Timing.parse(name)]()
 
     def with_(self, **changes: Any) -> TimingProtocol:
         return replace(self, **changes)

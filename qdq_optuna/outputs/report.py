@@ -55,17 +55,17 @@ def accuracy_keys(accuracy: ShippedAccuracy) -> dict:
     return keys
 
 
-def build_report(header: dict, record, plans, prepared, plan, comparison, *, rows: list[dict],
+def build_report(header: dict, record, counts, prepared, plan, comparison, *, rows: list[dict],
                  baseline_ms: float | None, partial: bool, lane: str = "") -> dict:
     """``report.json``'s content. ``header``: what was tuned, where, how (its keys come first);
-    ``record``: the run record (:class:`~qdq_optuna.record.RunRecord`); ``plans``: the
-    plan measurer (its counters); ``plan``/``comparison``: the saved model and its A/B against
+    ``record``: the run record (:class:`~qdq_optuna.record.RunRecord`); ``counts``: the
+    plan measurer's counters (:class:`~qdq_optuna.search._outcome.MeasurementCounts`); ``plan``/``comparison``: the saved model and its A/B against
     the baseline (the user's model); ``rows``: the patterns (:meth:`RunRecord.committed` of
     ``lane``, the lane whose standing model was saved)."""
     cmp = comparison
     speedup = 1.0 / cmp.ratio if cmp.ratio > 0 else float("nan")
     patterns, all_trials = pattern_entries(record, rows)
-    stats = trial_statistics(all_trials, plans.screen_discard_ratio)
+    stats = trial_statistics(all_trials, counts.screen_discard_ratio)
     run_attrs = record.run_study.user_attrs
     return {
         **header,
@@ -83,11 +83,11 @@ def build_report(header: dict, record, plans, prepared, plan, comparison, *, row
         "quantized_weights": sorted({prepared.graph.nodes[n].input[s] for n, s, _ in plan.weights}),
         "defaults_taken": list(prepared.graph.defaults_taken),
         "qdq_pairs": plan.qdq_pairs,
-        "measurements": plans.measurements,
-        "measurements_by_phase": {phase: plans.by_phase.get(phase, 0) for phase in PHASES},
+        "measurements": counts.measurements,
+        "measurements_by_phase": {phase: counts.by_phase.get(phase, 0) for phase in PHASES},
         "builds_saved_by_cache": stats["cache_hits"],
         "search_statistics": stats,
-        "measurer": plans.measurer.counters(),
+        "measurer": counts.measurer,
         "starts": start_entries(record, baseline_ms),
         "forward": forward_entry(record),
         "lane": lane,

@@ -17,19 +17,18 @@ from qdq_optuna.outputs.report import (
 
 def write_outputs(outcome) -> dict:
     """Build and write the report of ``outcome`` (a
-    :class:`~qdq_optuna.search.SearchOutcome`); returns it. Two objectives: the
-    latency/error front is measured here (with the run's plan measurer) and written first."""
+    :class:`~qdq_optuna.search.SearchOutcome`); returns it. Two objectives: the models on
+    the latency/error front the search measured are written first."""
     o = outcome
-    report = build_report(header_keys(o.header), o.record, o.plans, o.prepared, o.plan, o.comparison,
-                          rows=o.rows, baseline_ms=o.baseline_ms, partial=o.partial,
-                          lane=o.lane)
+    report = build_report(header_keys(o.header), o.record, o.counts, o.prepared, o.plan,
+                          o.comparison, rows=o.rows, baseline_ms=o.baseline_ms,
+                          partial=o.partial, lane=o.lane)
     report.update(accuracy_keys(o.accuracy))
-    if o.multi_objective:
-        from qdq_optuna.outputs.pareto import model_front
+    if o.front is not None:
+        from qdq_optuna.outputs.pareto import write_front
 
-        report["pareto"] = model_front(o.record, o.plans, o.exporter, o.rows, o.baseline_bytes,
-                                       o.comparison, o.plan, o.out)
-        report["measurements"] = o.plans.measurements
+        report["pareto"] = write_front(o.front, o.exporter, o.out)
+        report["measurements"] = o.plans.measurements  # the front's A/Bs too
     report.update(runtime_keys(o))
     report.update(mode_keys(o.final_bytes, o.prepared.rules))
     if o.session_settings is not None:

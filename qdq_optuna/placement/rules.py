@@ -18,6 +18,28 @@ from qdq_optuna.placement.dynamic import QuantMode
 ALL_SLOTS = -1
 
 
+class Preprocess(str, Enum):
+    """The float model's preprocessing before the rules see it (``--preprocess``)."""
+
+    #: the runtime's choice (its rules' :attr:`RuntimeRules.preprocess`)
+    AUTO = "auto"
+    #: the model as given
+    NONE = "none"
+    #: ONNX Runtime's basic fusions (constants folded, Conv+BatchNorm and MatMul+Add fused)
+    ORT_BASIC = "ort-basic"
+
+    @classmethod
+    def parse(cls, name: str | Preprocess) -> Preprocess:
+        """``name`` as a member; one line naming ``--preprocess`` for anything else."""
+        try:
+            return cls(name)
+        except ValueError:
+            from qdq_optuna.errors import OptionError
+
+            raise OptionError(f"--preprocess: unknown {name!r} (choose from "
+                              f"{', '.join(m.value for m in cls)})") from None
+
+
 class SevenBitWeights(str, Enum):
     """The int8 weights that take 7 bits on a CPU whose u8 x s8 kernels sum pairs in 16 bits
     and saturate (x86-64 without VNNI, see ``calibration.cpu_saturates_u8s8``)."""
@@ -393,7 +415,7 @@ class RuntimeRules:
     concat_share_ratio: float | None = None
     #: what ``--preprocess auto`` applies before the rules see the graph (``ort-basic``: ONNX
     #: Runtime's basic fusions, which its own runtime applies before its Q/DQ fusions)
-    preprocess: str = "none"
+    preprocess: Preprocess = Preprocess.NONE
     #: ops that may run dynamically (activations quantized per call, int8 weights), each a
     #: ``dynamic`` insertion point of its own: the runtime profile sets them for the modes
     #: a run searches (``Runtime.rules_for_modes``); none in the plain rules

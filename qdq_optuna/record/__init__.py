@@ -56,6 +56,7 @@ from qdq_optuna.record.run import (
 )
 from qdq_optuna.record.schema import (
     FLOW,
+    FRONT_PHASE,
     KEY_CLASSES,
     PHASES,
     WHOLE_MODEL,
@@ -83,7 +84,7 @@ from qdq_optuna.record.storage import (
 )
 
 __all__ = [
-    "FLOW", "KEY_CLASSES", "KINDS", "PHASES", "WHOLE_MODEL", "Agreed", "AgreedStarts", "Decision",
+    "FLOW", "FRONT_PHASE", "KEY_CLASSES", "KINDS", "PHASES", "WHOLE_MODEL", "Agreed", "AgreedStarts", "Decision",
     "FinishedRun", "Measurement", "OverviewAttr", "PatternAttr", "PlanMemo", "RunAttr", "RunRecord",
     "PatternStanding", "StartAttr", "StartOutcome", "SystemAttr", "TrialAttr", "Visit",
     "VisitEntry", "agree", "agreed", "claim",

@@ -38,12 +38,14 @@ STARTS_STUDY = "_starts"
 #: the old layout's refinement studies (``RUN/P003/refine1``)
 REFINE = "refine"
 ROUND = "round"
+#: the phase a two-objective run's latency/error front is measured in
+FRONT_PHASE = "pareto"
 #: the phases measurements are counted in (``PlanMeasurer.by_phase``, report.json's
 #: ``measurements_by_phase``): the baseline, the whole-model starts (each measured once, then
 #: an A/B of the fastest two on a measured backend), the descent (each visit's reference and
 #: its trials), commit confirmations, the choice between lanes, the final A/B and the Pareto
 #: front
-PHASES = ("baseline", "starts", "descent", "confirmation", "lanes", "final", "pareto")
+PHASES = ("baseline", "starts", "descent", "confirmation", "lanes", "final", FRONT_PHASE)
 #: the settings key that marks a run of the whole-model search
 FLOW = "flow"
 WHOLE_MODEL = "whole-model"

@@ -25,7 +25,7 @@ from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
 from qdq_optuna.placement import weight_only
 from qdq_optuna.placement.dynamic import QuantMode
-from qdq_optuna.placement.rules import RuntimeRules, SevenBitWeights, fused_activation
+from qdq_optuna.placement.rules import Preprocess, RuntimeRules, SevenBitWeights, fused_activation
 from qdq_optuna.placement.starts import (
     CONVOLUTIONS,
     KeepFile,
@@ -58,7 +58,7 @@ ORT_QUANTIZED_OPS = frozenset(
 
 ONNXRUNTIME_CPU = RuntimeRules(
     name="onnxruntime",
-    preprocess="ort-basic",
+    preprocess=Preprocess.ORT_BASIC,
     default_quant_type="uint8",
     quant_types=("uint8", "int8"),
     quantizable_ops=ORT_QUANTIZED_OPS,

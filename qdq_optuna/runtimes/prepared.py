@@ -31,10 +31,9 @@ from qdq_optuna.placement.filters import NodeFilter
 from qdq_optuna.placement.patterns import PatternIndex
 from qdq_optuna.placement.points import PatternPoints, enumerate_points
 from qdq_optuna.placement.regions import RegionConfig, RegionTree, discover_regions
-from qdq_optuna.placement.rules import RuntimeRules
+from qdq_optuna.placement.rules import Preprocess, RuntimeRules
 from qdq_optuna.runtimes import DEFAULT_RUNTIME, Runtime, profile_for
 
-PREPROCESS = ("auto", "none", "ort-basic")
 log = logging.getLogger("qdq_optuna")
 
 
@@ -67,7 +66,7 @@ class PreparedModel:
     quant_type: str
     source: str
     source_sha256: str
-    preprocess: str
+    preprocess: Preprocess
     #: quant types an insertion point may choose from (``--quant-type mixed``); empty otherwise
     mixed_types: tuple[str, ...] = ()
     #: where exporters of a model whose weights stay on disk (external mode) keep their work
@@ -88,7 +87,7 @@ class PreparedModel:
         quant_type: str | None = None,
         input_shapes: InputShapes | str | None = None,
         config: Config | None = None,
-        preprocess: str = "auto",
+        preprocess: str | Preprocess = Preprocess.AUTO,
         high_precision: str = "fp32",
         keep_io_types: bool = True,
         exclude_nodes: str | Iterable[str] | None = None,
@@ -126,10 +125,7 @@ class PreparedModel:
                 f"(choose from {', '.join(rules.quant_types)})"
             )
         shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-        if preprocess not in PREPROCESS:
-            from qdq_optuna.errors import OptionError
-
-            raise OptionError(f"--preprocess: unknown {preprocess!r} (choose from {', '.join(PREPROCESS)})")
+        preprocess = Preprocess.parse(preprocess)
         graph = load_model(model, shapes, fed=fed_inputs)
         if isinstance(model, onnx.ModelProto):
             source, digest = "<model>", hashlib.sha256(model.SerializeToString()).hexdigest()
@@ -237,7 +233,7 @@ class PreparedModel:
             "sha256": self.source_sha256,
             "runtime": self.rules.name,
             "quant_type": self.quant_type,
-            "preprocess": self.preprocess,
+            "preprocess": self.preprocess.value,
             "high_precision": self.high_precision.precision if self.high_precision else "fp32",
             "opset": g.opset,
             "nodes": len(g.nodes),
@@ -279,7 +275,7 @@ class PreparedModel:
     def described_graph(self) -> dict:
         """Which graph the regions and points describe, next to the user's file."""
         g = self.graph
-        if self.preprocess == "ort-basic":
+        if self.preprocess is Preprocess.ORT_BASIC:
             text = ("ONNX Runtime's basic-optimized graph (constants folded, Conv+BatchNorm and "
                     "MatMul+Add fused): the graph ONNX Runtime runs, so Q/DQ go where its "
                     "kernels are")
@@ -333,23 +329,24 @@ class PreparedModel:
                 "by_point": by_point}
 
 
-def _preprocessed(graph: Graph, rules: RuntimeRules, preprocess: str) -> tuple[Graph, str]:
+def _preprocessed(graph: Graph, rules: RuntimeRules, preprocess: Preprocess
+                  ) -> tuple[Graph, Preprocess]:
     """The graph the rules see (ONNX Runtime's basic fusions for its own rules, by default)
     and the preprocessing actually applied."""
-    mode = rules.preprocess if preprocess == "auto" else preprocess
-    if mode == "ort-basic" and graph.external_dir is not None:
+    mode = rules.preprocess if preprocess is Preprocess.AUTO else preprocess
+    if mode is Preprocess.ORT_BASIC and graph.external_dir is not None:
         log.warning("the model's weights stay on disk (external data over %d bytes): "
                     "tuning it without ONNX Runtime preprocessing (--preprocess none)",
                     inline_external_limit())
-        mode = "none"
-    if mode == "ort-basic":
+        mode = Preprocess.NONE
+    if mode is Preprocess.ORT_BASIC:
         pre = transform_graph(graph, ort_basic_optimize, name_all=True)
         if _loads_in_ort(pre.model):
             graph = pre
         else:  # never trade a working model for a preprocessed one ORT cannot load
             log.warning("ONNX Runtime cannot reload its own preprocessed model; "
                         "tuning the model as given (--preprocess none)")
-            mode = "none"
+            mode = Preprocess.NONE
     return graph, mode
 
 

@@ -3,6 +3,7 @@ docs/architecture.md). Its public names; the modules with a leading underscore a
 
 from qdq_optuna.search._options import OPTION_GROUPS, TuneOptions, option
 from qdq_optuna.search._outcome import (
+    FrontPoint,
     RunHeader,
     SearchOutcome,
     ShippedAccuracy,
@@ -12,6 +13,6 @@ from qdq_optuna.search._outcome import (
 from qdq_optuna.search._prepare import OpenedRun, PreparedRun, open_run
 from qdq_optuna.search._run import Tuner
 
-__all__ = ["OPTION_GROUPS", "OpenedRun", "PreparedRun", "RunHeader", "SearchOutcome",
+__all__ = ["OPTION_GROUPS", "FrontPoint", "OpenedRun", "PreparedRun", "RunHeader", "SearchOutcome",
            "ShippedAccuracy", "StoppedOutcome", "TuneOptions", "TuneResult", "Tuner", "open_run",
            "option"]

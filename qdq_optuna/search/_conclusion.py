@@ -20,6 +20,7 @@ from qdq_optuna.measure.repair import read_ran
 from qdq_optuna.measure.timing import Comparison, Until
 from qdq_optuna.model.graph import InputShapes
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
+from qdq_optuna.placement.rules import Preprocess
 from qdq_optuna.record import AgreedStarts, PatternStanding, RunRecord
 from qdq_optuna.run_folder import RunFolder
 from qdq_optuna.runtimes import Runtime
@@ -50,7 +51,7 @@ def baseline_of(prepared: PreparedModel, exporter: QDQExporter, model, input_sha
         data = hp.model.SerializeToString()
         return (data, "baseline:" + _sha(data),
                 f"the user's model converted to {hp.precision} (no Q/DQ)")
-    if prepared.preprocess == "none":  # the graph searched on is the model
+    if prepared.preprocess is Preprocess.NONE:  # the graph searched on is the model
         plan = exporter.plan(set())
         return exporter.source(plan), plan.key, "the user's model as given"
     # ONNX Runtime's preprocessing changed the graph: the user's file
@@ -197,7 +198,7 @@ def run_header(prepared: PreparedModel, backend: Backend, settings: Settings,
     """The report's first fields: what was tuned, where, how."""
     return RunHeader(prepared.source, str(out), run_id, storage, backend.describe(),
                      settings.runtime, prepared.quant_type, sampler_name(options.sampler),
-                     options.timing, settings.scales.value, reader_clipped,
+                     options.timing.value, settings.scales.value, reader_clipped,
                      high_precision_summary(prepared))
 
 

@@ -15,11 +15,13 @@ from qdq_optuna.backends import BACKEND_HELP, DEFAULT_BACKEND
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
-from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
+from qdq_optuna.measure.accuracy import ERROR_MEASURES, DropType
 from qdq_optuna.measure.bound import DEFAULT_MAX_OUTPUT_ERROR
 from qdq_optuna.measure.kernels import KERNEL_CACHE_HELP
+from qdq_optuna.measure.timing import Timing
 from qdq_optuna.model.calibration import DEFAULT_METHOD, METHODS, QUANT_TYPES
 from qdq_optuna.placement.export import Scales
+from qdq_optuna.placement.rules import Preprocess
 from qdq_optuna.runtimes import RUNTIME_NAMES
 from qdq_optuna.search.objectives import check_error_options, check_metric_drop, parse_objectives
 from qdq_optuna.search.samplers import SAMPLERS, SamplerArg
@@ -93,8 +95,8 @@ class TuneOptions:
     seed: int | None = option(
         0, group="search", type="int",
         help="sampler seed: the same seed and settings propose the same schemes (default 0)")
-    timing: str = option(
-        "robust", group="measurement", choices=("fast", "robust"),
+    timing: Timing | str = option(
+        Timing.ROBUST.value, group="measurement", choices=tuple(m.value for m in Timing),
         help="robust: every candidate A/B-compared with its pattern's reference in interleaved "
              "fresh sessions (default); fast: one short timing per candidate and no A/B, for a "
              "quiet, dedicated machine")
@@ -133,8 +135,8 @@ class TuneOptions:
         help="measure as a group of its own within --run-id (its own studies and standing "
              "model in the storage, named RUN@NAME): for workers on a machine unlike the "
              "run's, whose timings must never be compared with the run's")
-    preprocess: str = option(
-        "auto", group="model", choices=("auto", "none", "ort-basic"),
+    preprocess: Preprocess | str = option(
+        Preprocess.AUTO.value, group="model", choices=tuple(m.value for m in Preprocess),
         help="float-model preprocessing; auto = ONNX Runtime basic fusions for the ONNX "
              "Runtime rules, none for TensorRT")
     threads: int = option(
@@ -171,8 +173,8 @@ class TuneOptions:
         help="with --metric: how much the metric may worsen from the FP32 model's own value "
              "(metric(reference, reference)); no start, commit or shipped model goes past it "
              "(replaces --max-output-error's bound; NNCF's max_drop)")
-    metric_drop_type: str = option(
-        "absolute", group="accuracy", choices=DROP_TYPES,
+    metric_drop_type: DropType | str = option(
+        DropType.ABSOLUTE.value, group="accuracy", choices=tuple(m.value for m in DropType),
         help="--max-metric-drop in the metric's units (absolute, default) or as a share of "
              "the FP32 model's value (relative: 0.01 = one percent)")
     accuracy_confidence: float | None = option(
@@ -235,12 +237,14 @@ class TuneOptions:
         check_error_options(self.error_measure, self.max_output_error)
         parse_objectives(self.objectives)
         self.scales = Scales.parse(self.scales)
+        self.timing = Timing.parse(self.timing)
+        self.preprocess = Preprocess.parse(self.preprocess)
+        self.metric_drop_type = DropType.parse(self.metric_drop_type)
         if self.timeout is not None and not self.timeout > 0:
             raise OptionError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.threads < 1:
             raise OptionError(f"--threads must be >= 1, got {self.threads}")
-        check_metric_drop(self.max_metric_drop, self.metric_drop_type, self.metric,
-                          self.max_output_error)
+        check_metric_drop(self.max_metric_drop, self.metric, self.max_output_error)
         if self.measuring_group is not None and not re.fullmatch(r"[\w.-]+",
                                                                   self.measuring_group):
             raise OptionError("--measuring-group takes a name of letters, digits, '.', '_' "

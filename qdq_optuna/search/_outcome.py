@@ -1,9 +1,10 @@
 """What a run gives back: :class:`TuneResult` (``tune()``'s answer) and what the search
-concluded for the outputs (:class:`SearchOutcome`, :class:`StoppedOutcome`)."""
+concluded for the outputs (:class:`SearchOutcome` with its :class:`FrontPoint` s,
+:class:`StoppedOutcome`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,55 @@ class DescentFindings:
 
 
 @dataclass
+class FrontPoint:
+    """One measured model of a two-objective run's latency/error front
+    (:func:`~qdq_optuna.search._pareto.measure_front`): a prefix of the chain of committed
+    schemes (FP32 first), re-measured as a whole model."""
+
+    index: int
+    #: the patterns whose committed schemes it adds, in the chain's order
+    patterns: list[str]
+    latency_ms: float
+    #: FP32's latency over its own (None: a zero ratio), with its 95% interval
+    speedup: float | None
+    speedup_ci: list[float | None]
+    #: its output error on the validation data, and the worst output's figures
+    error: float
+    worst_cosine: float | None
+    worst_relative_l2: float | None
+    #: its Q/DQ (the outputs save the models on the front)
+    plan: QuantPlan
+    #: not dominated in (latency, error) by another point of the chain
+    on_front: bool = False
+
+    def to_dict(self, file: str | None) -> dict:
+        """report.json's entry (``file``: where the outputs saved its model, None: off the front)."""
+        return {"index": self.index, "patterns": list(self.patterns),
+                "latency_ms": self.latency_ms, "speedup": self.speedup,
+                "speedup_ci": list(self.speedup_ci), "error": self.error,
+                "worst_cosine": self.worst_cosine, "worst_relative_l2": self.worst_relative_l2,
+                "quantized_tensors": len(self.plan.tensors), "plan_key": self.plan.key,
+                "on_front": self.on_front, "file": file}
+
+
+@dataclass(frozen=True)
+class MeasurementCounts:
+    """The plan measurer's counters as the shipped model's A/B left them (report.json's
+    ``measurements_by_phase`` and ``measurer``; a front's own A/Bs count in ``measurements``)."""
+
+    measurements: int
+    by_phase: dict[str, int]
+    measurer: dict[str, int | float]
+    #: the screen's threshold the search measured with
+    screen_discard_ratio: float
+
+    @classmethod
+    def of(cls, plans: PlanMeasurer) -> MeasurementCounts:
+        return cls(plans.measurements, dict(plans.by_phase), plans.measurer.counters(),
+                   plans.screen_discard_ratio)
+
+
+@dataclass
 class SearchOutcome:
     """What a search concluded, for the outputs (:func:`qdq_optuna.outputs.write.write_outputs`):
     the model that ships (saved as ``out/optimized.onnx``), its A/B against the baseline, its
@@ -153,6 +203,13 @@ class SearchOutcome:
     #: report.json's ``session_settings``: the runtime settings the model ships with and
     #: every candidate's A/B (None: the runtime's profile lists none)
     session_settings: dict | None = None
+    #: two objectives: the whole-model latency/error front, measured last (None: one objective)
+    front: list[FrontPoint] | None = None
+    #: the plan measurer's counters when the outcome was concluded, before any front
+    counts: MeasurementCounts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts = MeasurementCounts.of(self.plans)
 
 
 @dataclass

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import UserError
 from qdq_optuna.measure.accuracy import ErrorScorer
-from qdq_optuna.measure.timing import SCREEN_DISCARD_RATIO, Comparison, Measurer, Until, far_off
+from qdq_optuna.measure.timing import (
+    SCREEN_DISCARD_RATIO,
+    Comparison,
+    Measurer,
+    Timing,
+    Until,
+    far_off,
+)
 from qdq_optuna.placement.export import QuantPlan
 from qdq_optuna.record import PHASES, Measurement, PlanMemo  # noqa: F401 (PHASES: re-exported)
 
@@ -220,7 +227,7 @@ class PlanMeasurer:
             return Measurement(kind="deterministic", latency_ms=m.score_ms, ratio=ratio,
                                ci=[ratio, ratio], rounds=1, decided=True, sessions=1,
                                reference_ms=ref.ms, deterministic=True)
-        if self.measurer.protocol.name == "fast" or ref.screen_ms is None:
+        if self.measurer.protocol.name == Timing.FAST or ref.screen_ms is None:
             m = self.measurer.screen(data)
             self._count("descent")
             return Measurement(kind="screen", latency_ms=m.score_ms, ratio=m.score_ms / ref.ms,

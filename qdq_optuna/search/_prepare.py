@@ -321,7 +321,7 @@ def calibrated_scales(prepared: PreparedModel, options: TuneOptions, folder: Run
         arrays = calibration.random_calibration_data(source.model, shapes or None, samples=4,
                                                      seed=0)
         data_name = "random:4:0"
-    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess, data_name,
+    fp = hashlib.sha256(json.dumps([prepared.source_sha256, prepared.preprocess.value, data_name,
                                     tensors], default=str).encode()).hexdigest()[:16]
     stats_path = folder.calibration_stats if folder is not None else None
     stats = calibration.load_statistics(stats_path, fingerprint=fp) if stats_path else None

@@ -13,7 +13,8 @@
   against the whole standing model, from the chosen start and, when it is close, from the
   runtime's recipe too (each such *lane* is a descent of its own);
 * **conclude**: the best lane's standing model guarded and saved, and its independent A/B
-  against the baseline: a :class:`~qdq_optuna.search._outcome.SearchOutcome`, which
+  against the baseline (two objectives: then the latency/error front,
+  :mod:`~qdq_optuna.search._pareto`): a :class:`~qdq_optuna.search._outcome.SearchOutcome`, which
   :func:`qdq_optuna.outputs.write.write_outputs` turns into the report (the search imports no
   output module; :mod:`qdq_optuna._tune` runs prepare -> search -> write outputs);
 * **close**: the pattern cache, ``state.yaml`` and the finished mark, once the report is written.
@@ -56,6 +57,7 @@ from qdq_optuna.search._outcome import (
     SearchOutcome,
     StoppedOutcome,
 )
+from qdq_optuna.search._pareto import with_measured_front
 from qdq_optuna.search._pattern import OutOfTime, Search, Seed
 from qdq_optuna.search._plans import measure_baseline
 from qdq_optuna.search._prepare import OpenedRun, PreparedRun, search_context
@@ -234,8 +236,7 @@ class Tuner:
 
     # -- finish ----------------------------------------------------------------------------
     def _conclude(self, partial: bool) -> SearchOutcome:
-        """The lane that ships, guarded and saved as ``optimized.onnx``, and its independent
-        A/B against the baseline (the multi-objective front is measured by the outputs)."""
+        """The lane that ships, guarded, saved and A/B-tested; two objectives: the front, last."""
         self._deadlines(concluding=True)
         lane = final_lane(self.search_state, self.starts or self.record.starts(), partial)
         self._mark("lanes")  # the conclusion's steps too: where the time after a deadline goes
@@ -248,7 +249,7 @@ class Tuner:
             settings=self.settings, in_time=self._in_time, mark=self._mark)
         findings = (descent.findings(shipped.final_bytes if isinstance(shipped.final_bytes, bytes)
                                      else None) if descent is not None else None)
-        return SearchOutcome(
+        return with_measured_front(SearchOutcome(
             out=self.out, header=self._header(), record=self.record, plans=search.plans,
             prepared=self.prepared, backend=self.backend, lane=lane, descent=findings,
             rows=shipped.rows, plan=shipped.plan, exporter=shipped.exporter,
@@ -257,7 +258,7 @@ class Tuner:
             accuracy=shipped.accuracy, partial=partial,
             multi_objective=self.settings.multi_objective, elapsed=dict(self.elapsed),
             wall_time=self.wall, session_settings=shipped.session.report(),
-            **read_what_ran(self.profile, self.backend, shipped.final_bytes, shipped.session))
+            **read_what_ran(self.profile, self.backend, shipped.final_bytes, shipped.session)))
 
     def _in_time(self) -> bool:
         """Whether the run's ``--timeout`` (the conclusion's deadline) has not passed."""

@@ -139,14 +139,14 @@ def fingerprint(options: TuneOptions, settings: Settings, prepared: PreparedMode
         "config": o.config.search_relevant(),
         "sampler": sampler_name(o.sampler),
         "seed": o.seed,
-        "timing": o.timing,
+        "timing": o.timing.value,
         "scales": settings.scales.value,
         "calibration_method": o.calibration_method,
         # scales are made from the cached statistics each time: a run stored before activation
         # ranges were cut at their readers' saturation measured other scales, and must not
         # resume with these
         "activation_ranges": "cut at readers",
-        "preprocess": prepared.preprocess,
+        "preprocess": prepared.preprocess.value,
     }
     # the accuracy / mixed-precision modes are absent when off, so runs made before these
     # options existed still resume

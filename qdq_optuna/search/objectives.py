@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import optuna
 
 from qdq_optuna.errors import OptionError
-from qdq_optuna.measure.accuracy import DROP_TYPES, ERROR_MEASURES
+from qdq_optuna.measure.accuracy import ERROR_MEASURES
 from qdq_optuna.search.samplers import (
     CATEGORICAL_SAMPLERS,
     SamplerArg,
@@ -77,9 +77,10 @@ def check_error_options(error_measure: str, max_output_error: float | None) -> N
             )
 
 
-def check_metric_drop(max_drop, drop_type: str, metric, max_output_error) -> None:
-    """``--max-metric-drop`` bounds the drop of ``--metric``: it needs one, a positive number,
-    a known ``--metric-drop-type``, and no second bound beside it."""
+def check_metric_drop(max_drop, metric, max_output_error) -> None:
+    """``--max-metric-drop`` bounds the drop of ``--metric``: it needs one, a positive number
+    and no second bound beside it (``--metric-drop-type`` is a
+    :class:`~qdq_optuna.measure.accuracy.DropType`)."""
     if max_drop is None:
         return
     try:
@@ -88,9 +89,6 @@ def check_metric_drop(max_drop, drop_type: str, metric, max_output_error) -> Non
         ok = False
     if not ok:
         raise OptionError(f"--max-metric-drop must be a positive number, got {max_drop!r}")
-    if drop_type not in DROP_TYPES:
-        raise OptionError(f"--metric-drop-type: unknown {drop_type!r} "
-                          f"(choose {', '.join(DROP_TYPES)})")
     if metric is None:
         raise OptionError("--max-metric-drop needs --metric (the function whose drop it bounds)")
     if max_output_error is not None:
