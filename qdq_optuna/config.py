@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -10,8 +11,19 @@ import yaml
 
 from qdq_optuna.errors import OptionError
 
+
+class StartFrom(str, enum.Enum):
+    """``Config.start``: which starts the descent runs from (``best``: the fastest start
+    within the bound, with the recipe as a second lane when close; ``all``: every start)."""
+
+    BEST = "best"
+    FLOAT = "float"
+    RECIPE = "recipe"
+    ALL = "all"
+
+
 #: ``--start``: where the whole-model descent starts (see :attr:`Config.start`)
-START_CHOICES = ("best", "float", "recipe", "all")
+START_CHOICES = tuple(m.value for m in StartFrom)
 #: ``--start best``: the runtime's recipe gets a descent of its own (a second lane) when its
 #: latency is within this factor of the fastest start's
 RECIPE_LANE_RATIO = 1.25

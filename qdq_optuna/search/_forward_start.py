@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from qdq_optuna.config import StartFrom
 from qdq_optuna.measure.kernels import kernel_cache
 from qdq_optuna.measure.repair import read_ran
 from qdq_optuna.placement import starts as whole
@@ -46,7 +47,7 @@ def forward_start(phase, rows: list[StartOutcome]) -> ForwardStart | None:
     s = phase.s
     flt = float_row(rows)
     if s.guard is None or flt is None or flt.latency_ms is None \
-            or phase.mode in ("float", "recipe"):
+            or phase.mode in (StartFrom.FLOAT, StartFrom.RECIPE):
         return None
     noise = 0.0 if s.plans.deterministic else FORWARD_NOISE_SHARE
     broke = [r for r in rows if r.qdq and not r.feasible and r.latency_ms is not None]

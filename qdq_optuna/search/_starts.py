@@ -32,7 +32,7 @@ import optuna
 from optuna.trial import TrialState
 
 from qdq_optuna.backends.base import BackendError
-from qdq_optuna.config import RECIPE_LANE_RATIO
+from qdq_optuna.config import RECIPE_LANE_RATIO, StartFrom
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.starts import Start
 from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
@@ -138,7 +138,7 @@ class StartsPhase:
         (:class:`~qdq_optuna.search._start_repairs.StartRepairs`); none when no guard checks
         the starts or the run starts from float."""
         s = self.s
-        if s.guard is None or self.mode == "float":
+        if s.guard is None or self.mode == StartFrom.FLOAT:
             return []
 
         def measure(start: Start) -> StartOutcome:
@@ -266,15 +266,15 @@ class StartsPhase:
         ok = {r.name: r for r in rows if r.usable}
         recipe_row = _recipe(rows)
         recipe = recipe_row.name if recipe_row is not None else None
-        if self.mode == "float":
+        if self.mode == StartFrom.FLOAT:
             return {MAIN_LANE: "float"}
-        if self.mode == "recipe":
+        if self.mode == StartFrom.RECIPE:
             return {MAIN_LANE: recipe or "float"}
         lanes = {MAIN_LANE: chosen}
         # a start that is the same model as one already descended from adds no lane (on
         # models where quantize_static quantizes every offered point, the recipe is "all")
         models = {ok[chosen].plan_key} if chosen in ok else set()
-        if self.mode == "all":
+        if self.mode == StartFrom.ALL:
             for name in sorted(ok, key=lambda n: ok[n].latency_ms):
                 if ok[name].plan_key not in models:
                     lanes[_lane_name(name)] = name
