@@ -6,6 +6,8 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
+from typing import TypeVar
 
 
 class UserError(Exception):
@@ -24,6 +26,19 @@ class ModelError(UserError):
 
 class OptionError(UserError):
     """A command-line option or Config value is invalid."""
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_choice(choices: type[E], name, option: str) -> E:
+    """``name`` as a member of the closed choice ``choices`` (a string enum), or one line
+    naming ``option`` and the words it takes."""
+    try:
+        return choices(name)
+    except ValueError:
+        raise OptionError(f"{option}: unknown {name!r} (choose from "
+                          f"{', '.join(m.value for m in choices)})") from None
 
 
 class ToolError(UserError):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qdq_optuna.errors import ModelError, OptionError, UserError
+from qdq_optuna.errors import ModelError, OptionError, UserError, parse_choice
 from qdq_optuna.model.calibration import iter_batches, make_session, one_line
 
 log = logging.getLogger("qdq_optuna")
@@ -407,11 +407,7 @@ class DropType(str, Enum):
     @classmethod
     def parse(cls, name: str | DropType) -> DropType:
         """``name`` as a member; one line naming ``--metric-drop-type`` for anything else."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise OptionError(f"--metric-drop-type: unknown {name!r} "
-                              f"(choose {', '.join(DROP_TYPES)})") from None
+        return parse_choice(cls, name, "--metric-drop-type")
 
 
 #: ``--metric-drop-type``'s words

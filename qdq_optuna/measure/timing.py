@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Any
 
 from qdq_optuna.backends.base import Backend, BackendError, Configured, ModelSource, Runner
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, parse_choice
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +186,7 @@ class Timing(str, Enum):
     @classmethod
     def parse(cls, name: str | Timing) -> Timing:
         """``name`` as a member; one line naming ``--timing`` for anything else."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise OptionError(f"--timing: unknown {name!r} (choose "
-                              f"{', '.join(m.value for m in cls)})") from None
+        return parse_choice(cls, name, "--timing")
 
 
 @dataclass(frozen=True)

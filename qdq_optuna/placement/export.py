@@ -37,7 +37,7 @@ from qdq_optuna._files import (
     WORK_WEIGHTS,
     atomic_write_bytes,
 )
-from qdq_optuna.errors import OptionError
+from qdq_optuna.errors import OptionError, parse_choice
 from qdq_optuna.model.calibration import (
     MIN_SCALE,
     QMAX,
@@ -86,11 +86,7 @@ class Scales(str, Enum):
     @classmethod
     def parse(cls, name: str | Scales) -> Scales:
         """``name`` as a member; one line naming ``--scales`` for anything else."""
-        try:
-            return cls(name)
-        except ValueError:
-            raise OptionError(f"--scales: unknown {name!r} (choose "
-                              f"{', '.join(m.value for m in cls)})") from None
+        return parse_choice(cls, name, "--scales")
 
 
 def check_quant_type(name: str) -> str:

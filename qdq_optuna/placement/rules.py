@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from qdq_optuna.errors import parse_choice
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
 from qdq_optuna.placement.dynamic import QuantMode
 
@@ -31,13 +32,7 @@ class Preprocess(str, Enum):
     @classmethod
     def parse(cls, name: str | Preprocess) -> Preprocess:
         """``name`` as a member; one line naming ``--preprocess`` for anything else."""
-        try:
-            return cls(name)
-        except ValueError:
-            from qdq_optuna.errors import OptionError
-
-            raise OptionError(f"--preprocess: unknown {name!r} (choose from "
-                              f"{', '.join(m.value for m in cls)})") from None
+        return parse_choice(cls, name, "--preprocess")
 
 
 class SevenBitWeights(str, Enum):
