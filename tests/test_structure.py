@@ -594,7 +594,7 @@ def test_closed_choices_take_the_command_lines_words():
     assert SevenBitWeights("") is SevenBitWeights.NONE
     options = TuneOptions(model="m.onnx", output_dir="out", scales="calibrated")
     assert options.scales is Scales.CALIBRATED
-    with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose auto, "
+    with pytest.raises(OptionError, match=r"^--scales: unknown 'calibrate' \(choose from auto, "
                                           r"default, calibrated\)$"):
         TuneOptions(model="m.onnx", output_dir="out", scales="calibrate")
 
