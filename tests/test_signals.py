@@ -24,7 +24,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::optuna.exceptions.Experimental
 
 
 def _argv(model: Path, out: Path) -> list[str]:
-    return cli_cmd("tune", "--model", model, "--output", out, "--backend", "costmodel", "-q")
+    """The cost model behind a short sleep per measurement: the bare cost model finishes this
+    run in a few seconds, and on a loaded 2-core CI machine it once finished between two polls
+    of the database, before its signal was sent."""
+    return cli_cmd("tune", "--model", model, "--output", out, "--backend",
+                   "tests._latency_fns:sleepy_costmodel", "--runtime", "tensorrt", "-q")
 
 
 def _trials(db: Path) -> dict[tuple[str, int], tuple]:
