@@ -80,8 +80,10 @@ def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does_and_the_rerun_resumes(resi
     argv = _argv(residual, out)
     previous: dict = {}
     stopped = 0
-    # moments while searching: after the first stored trials, in the starts, in the descent
-    for complete, sig in ((1, signal.SIGTERM), (4, signal.SIGHUP), (12, signal.SIGTERM)):
+    # each signal once the run (or its resumption) has stored one more trial: a resumed run
+    # replays what is stored and may have few trials left, so a later moment could find it
+    # finished (it did, on a loaded CI machine, against the installed wheel)
+    for complete, sig in ((1, signal.SIGTERM), (1, signal.SIGHUP), (1, signal.SIGTERM)):
         already = sum(s == "COMPLETE" for *_, s in _db_trials(out / "studies.db"))
         returncode, err = _signal_after(argv, out / "studies.db", already + complete, sig)
         if returncode == 0:  # the run finished before that many trials: nothing to stop
