@@ -5,6 +5,7 @@ its insertion points, the export ONNX Runtime runs on integer kernels, ``--modes
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -255,7 +256,11 @@ def test_a_faster_dynamic_file_ships_when_the_timeout_came_before_the_search_end
     """Real ONNX Runtime sessions: a transformer whose ``quantize_dynamic`` file runs about
     2x its float model, searched from float by placement only with a one-second timeout, so
     what would ship is (about) float. The file's A/B against it runs to its verdict past the
-    deadline (not cut at three rounds) and the file ships."""
+    deadline (not cut at three rounds) and the file ships. Its figures are real timings: on a
+    loaded CI machine the two models once read level (1.009x), so it runs with
+    ``QDQ_OPTUNA_SLOW=1``; the seeded-noise test below checks the same rule every run."""
+    if os.environ.get("QDQ_OPTUNA_SLOW") != "1":
+        pytest.skip("real timings: set QDQ_OPTUNA_SLOW=1 to run it on a quiet machine")
     path = tmp_path / "encoder.onnx"
     onnx.save(zoo.transformer_like(seq=32, hidden=256, heads=4, layers=2, ffn=1024), str(path))
     result = tune(str(path), tmp_path / "r", modes="static", start="float", timeout=1.0,
