@@ -7,7 +7,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import TypeVar
 
 
 class UserError(Exception):
@@ -28,17 +27,18 @@ class OptionError(UserError):
     """A command-line option or Config value is invalid."""
 
 
-E = TypeVar("E", bound=Enum)
+class OptionChoice(str, Enum):
+    """A closed choice of an option: its members are the words the option takes, and
+    :meth:`parse` turns a word into a member or one line naming the option (a subclass says
+    which: ``__option__ = "--timing"``)."""
 
-
-def parse_choice(choices: type[E], name, option: str) -> E:
-    """``name`` as a member of the closed choice ``choices`` (a string enum), or one line
-    naming ``option`` and the words it takes."""
-    try:
-        return choices(name)
-    except ValueError:
-        raise OptionError(f"{option}: unknown {name!r} (choose from "
-                          f"{', '.join(m.value for m in choices)})") from None
+    @classmethod
+    def parse(cls, name):
+        try:
+            return cls(name)
+        except ValueError:
+            raise OptionError(f"{cls.__option__}: unknown {name!r} (choose from "
+                              f"{', '.join(m.value for m in cls)})") from None
 
 
 class ToolError(UserError):

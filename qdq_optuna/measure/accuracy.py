@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qdq_optuna.errors import ModelError, OptionError, UserError, parse_choice
+from qdq_optuna.errors import ModelError, OptionChoice, OptionError, UserError
 from qdq_optuna.model.calibration import iter_batches, make_session, one_line
 
 log = logging.getLogger("qdq_optuna")
@@ -396,18 +396,15 @@ class AccuracyEvaluator:
         return math.inf if math.isnan(value) else value
 
 
-class DropType(str, Enum):
+class DropType(OptionChoice):
     """How ``--max-metric-drop`` counts (``--metric-drop-type``; NNCF's ``DropType``)."""
+
+    __option__ = "--metric-drop-type"
 
     #: in the metric's units
     ABSOLUTE = "absolute"
     #: as a share of the FP32 model's own value
     RELATIVE = "relative"
-
-    @classmethod
-    def parse(cls, name: str | DropType) -> DropType:
-        """``name`` as a member; one line naming ``--metric-drop-type`` for anything else."""
-        return parse_choice(cls, name, "--metric-drop-type")
 
 
 #: ``--metric-drop-type``'s words

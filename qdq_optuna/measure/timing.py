@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Any
 
 from qdq_optuna.backends.base import Backend, BackendError, Configured, ModelSource, Runner
-from qdq_optuna.errors import OptionError, parse_choice
+from qdq_optuna.errors import OptionChoice, OptionError
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +175,15 @@ class Comparison:
         }
 
 
-class Timing(str, Enum):
+class Timing(OptionChoice):
     """How much a run measures (``--timing``): the preset :class:`TimingProtocol` it uses."""
+
+    __option__ = "--timing"
 
     #: one short timing per candidate and no A/B, for a quiet, dedicated machine
     FAST = "fast"
     #: every candidate A/B-compared with its reference in interleaved fresh sessions
     ROBUST = "robust"
-
-    @classmethod
-    def parse(cls, name: str | Timing) -> Timing:
-        """``name`` as a member; one line naming ``--timing`` for anything else."""
-        return parse_choice(cls, name, "--timing")
 
 
 @dataclass(frozen=True)

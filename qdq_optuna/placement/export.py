@@ -25,7 +25,6 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from qdq_optuna._files import (
     WORK_WEIGHTS,
     atomic_write_bytes,
 )
-from qdq_optuna.errors import OptionError, parse_choice
+from qdq_optuna.errors import OptionChoice, OptionError
 from qdq_optuna.model.calibration import (
     MIN_SCALE,
     QMAX,
@@ -66,14 +65,14 @@ from qdq_optuna.placement.weight_only import MS_DOMAIN, weight_only_node
 #: dropped (a few hundred bytes each: bounds their memory to a fraction of the model's)
 _MEMO_PER_NODE = 2
 _NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "HardSigmoid"})
-
-
-
 #: what a use maps to when it is not quantized (a scheme's 0, the choice "none", nothing)
 _OFF = (None, "none", 0)
 
-class Scales(str, Enum):
+
+class Scales(OptionChoice):
     """The scales trials export with (``--scales``)."""
+
+    __option__ = "--scales"
 
     #: the runtime's choice (its profile's ``default_scales``)
     AUTO = "auto"
@@ -82,11 +81,6 @@ class Scales(str, Enum):
     DEFAULT = "default"
     #: the calibrated scales
     CALIBRATED = "calibrated"
-
-    @classmethod
-    def parse(cls, name: str | Scales) -> Scales:
-        """``name`` as a member; one line naming ``--scales`` for anything else."""
-        return parse_choice(cls, name, "--scales")
 
 
 def check_quant_type(name: str) -> str:

@@ -12,15 +12,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from qdq_optuna.errors import parse_choice
+from qdq_optuna.errors import OptionChoice
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
 from qdq_optuna.placement.dynamic import QuantMode
 
 ALL_SLOTS = -1
 
 
-class Preprocess(str, Enum):
+class Preprocess(OptionChoice):
     """The float model's preprocessing before the rules see it (``--preprocess``)."""
+
+    __option__ = "--preprocess"
 
     #: the runtime's choice (its rules' :attr:`RuntimeRules.preprocess`)
     AUTO = "auto"
@@ -28,11 +30,6 @@ class Preprocess(str, Enum):
     NONE = "none"
     #: ONNX Runtime's basic fusions (constants folded, Conv+BatchNorm and MatMul+Add fused)
     ORT_BASIC = "ort-basic"
-
-    @classmethod
-    def parse(cls, name: str | Preprocess) -> Preprocess:
-        """``name`` as a member; one line naming ``--preprocess`` for anything else."""
-        return parse_choice(cls, name, "--preprocess")
 
 
 class SevenBitWeights(str, Enum):

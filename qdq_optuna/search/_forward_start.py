@@ -22,6 +22,7 @@ from qdq_optuna.search._forward import (
     ForwardResult,
     forward_search,
 )
+from qdq_optuna.search._unfused import kernels_timed, time_kernels
 
 log = logging.getLogger("qdq_optuna")
 
@@ -120,24 +121,17 @@ def _forward_inputs(s, plan, what, float_ms: float, noise: float) -> ForwardInpu
 def _kernel_table(s, plan, what):
     """The kernel table of ``plan``'s integer kernels in search ``s`` (cached per machine),
     or None where the run times no kernels or the timing fails."""
-    import onnx
-
-    if s.plans.deterministic or s.kernel_timing is None \
-            or not getattr(s.config, "kernel_evidence", False):
+    if s.plans.deterministic or not kernels_timed(s):
         return None
-    exporter = s.exporter
     left = s.remaining()
     deadline = s.plans.measurer.deadline
     if left is not None:  # the kernels take a share of what is left: errors follow
         deadline = time.monotonic() + max(KERNEL_SHARE * left, KERNEL_FLOOR_S)
     try:
         with s.wall.step("starts", "kernel timing"):
-            return s.kernel_timing(
-                onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
-                onnx.load_from_string(exporter.to_bytes(plan)),
-                cache=kernel_cache(s.kernel_cache),
-                skip=what.float_nodes if what is not None else (),
-                deadline=deadline)
+            return time_kernels(s, s.exporter.to_bytes(plan), kernel_cache(s.kernel_cache),
+                                skip=what.float_nodes if what is not None else (),
+                                deadline=deadline)
     except Exception as exc:  # evidence is an optimisation: never the run's failure
         log.info("kernels could not be timed (%s): groups are timed whole", exc)
         return None

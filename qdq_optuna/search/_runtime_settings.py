@@ -7,9 +7,10 @@ accuracy bound ships with the model: the final A/B measures the model under it, 
 report gives the line a deployment adds where it creates its session.
 
 Why: ONNX Runtime's ``QDQPropagationTransformer`` moves a QuantizeLinear in front of a
-MaxPool that follows a float op, and the uint8 MaxPool then runs in a slow NCHW kernel;
-Inception v1's tuned model ran 1.07x faster with that one optimizer disabled, and nothing in
-its placement could say so.
+MaxPool that follows a float op, and the uint8 MaxPool then runs in a slow NCHW kernel; ONNX
+Runtime's own ``quantize_static`` file of Inception v1 ran at 0.950x its latency (interval
+0.940-0.961) with that one optimizer disabled (``benchmarks/session_settings.py``, a 2-core
+Xeon with AVX512-VNNI and AMX), and nothing in a placement can say so.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def choose_settings(profile, backend, plans, bound: AccuracyBound, model) -> Set
     where the runtime runs the same kernels under it (nothing to time), else A/B-timed against
     the default sessions (``plans``, phase ``final``) and scored by its error scorer against the accuracy ``bound``;
     the fastest one faster beyond noise within the bound ships."""
-    candidates = tuple(getattr(profile, "session_settings", ()))
+    candidates = profile.session_settings
     choice = SettingsChoice(listed=bool(candidates))
-    if not candidates or not isinstance(model, bytes) \
-            or not getattr(backend, "session_settings", False) or plans.deterministic:
+    if not candidates or not isinstance(model, bytes) or not backend.session_settings \
+            or plans.deterministic:
         return choice
     for settings in candidates:
         choice.trials.append(_try(profile, plans, bound, model, settings))

@@ -97,9 +97,7 @@ class Unfused:
         #: the kernel evidence so far (every standing model's integer kernels, merged); None:
         #: not measured (an exact backend, or ``kernel_evidence`` off)
         self.kernels: KernelTable | None = None
-        self.evidence = self.measured and self.backend is not None and \
-            getattr(search, "kernel_timing", None) is not None and \
-            getattr(search.config, "kernel_evidence", False)
+        self.evidence = self.measured and self.backend is not None and kernels_timed(search)
 
     def of(self, schemes: dict[str, dict[str, int]], lane: str | None = None
            ) -> WhatRan | None:
@@ -161,15 +159,10 @@ class Unfused:
     def _time_kernels(self, exporter, model: bytes, what: WhatRan) -> None:
         """Time the standing model's integer kernels not timed yet (those that ran float in
         the whole model left out); merged into :attr:`kernels`."""
-        import onnx
-
+        timed = set(self.kernels.timings if self.kernels else ())
         try:
-            table = self.s.kernel_timing(
-                onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
-                onnx.load_from_string(model), cache=self._cache(),
-                skip=what.float_nodes | set(self.kernels.timings if self.kernels else ()),
-                timed=set(self.kernels.timings if self.kernels else ()),
-                deadline=self.s.plans.measurer.deadline)
+            table = time_kernels(self.s, model, self._cache(), skip=what.float_nodes | timed,
+                                 timed=timed, deadline=self.s.plans.measurer.deadline)
         except Exception as exc:  # evidence is an optimisation: never the run's failure
             log.info("kernels could not be timed (%s): fused pairs are pruned as before", exc)
             return
@@ -326,6 +319,26 @@ class Unfused:
         elements (None: an exact backend measures any gain)."""
         return {"min_share": MIN_RESOLVABLE_SHARE, "total": self.total} if self.measured \
             else None
+
+
+def kernels_timed(search) -> bool:
+    """Whether ``search`` times kernels: its runtime's profile can (``kernel_timing``) and
+    ``Config.kernel_evidence`` is on."""
+    return getattr(search, "kernel_timing", None) is not None and \
+        getattr(search.config, "kernel_evidence", False)
+
+
+def time_kernels(search, model: bytes, cache: KernelCache | None, *, skip: Iterable[str],
+                 deadline: float | None, timed: Iterable[str] = ()) -> KernelTable:
+    """The kernel table of ``model`` (a Q/DQ model of ``search``'s graph) against its float
+    export: ``skip``'s nodes (run float in the whole model, or timed already) left out,
+    ``timed``'s op units too; no new timing past ``deadline``."""
+    import onnx
+
+    exporter = search.exporter
+    return search.kernel_timing(
+        onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
+        onnx.load_from_string(model), cache=cache, skip=skip, timed=timed, deadline=deadline)
 
 
 def skip_reason(dropped: Counter) -> str:
