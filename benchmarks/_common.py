@@ -128,3 +128,24 @@ def machine() -> str:
     from qdq_optuna.machine import current_cpu
 
     return f"{current_cpu().model_name or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def speedups(per_round: Mapping[str, list[float]], reference: str = "fp32",
+             digits: int = 4) -> dict[str, dict]:
+    """Each variant's speed against ``reference`` from latencies timed in the same
+    interleaved rounds: the geometric mean of the per-round ratios with its ~95 % interval
+    (two standard errors of the log ratios), and the median ms."""
+    import math
+    import statistics
+
+    out = {}
+    for name, ms in per_round.items():
+        logs = [math.log(f / v) for f, v in zip(per_round[reference], ms)]
+        mean = statistics.fmean(logs)
+        half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+        out[name] = {"speedup": round(math.exp(mean), digits),
+                     "ci": [round(math.exp(mean - half), digits),
+                            round(math.exp(mean + half), digits)],
+                     "median_ms": round(statistics.median(ms), digits),
+                     "best_ms": round(min(ms), digits)}
+    return out

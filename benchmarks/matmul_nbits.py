@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -136,15 +135,7 @@ def interleaved(variants: dict[str, bytes], feed: dict, rounds: int, runs: int) 
             ms = _score_ms(variants[n], feed, runs)
             if r:
                 per[n].append(ms)
-    out = {}
-    for n in names:
-        logs = [math.log(f / v) for f, v in zip(per["fp32"], per[n])]
-        mean = statistics.fmean(logs)
-        half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-        out[n] = {"speedup": round(math.exp(mean), 3),
-                  "ci": [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)],
-                  "best_ms": round(min(per[n]), 4)}
-    return out
+    return _common.speedups(per, digits=3)
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

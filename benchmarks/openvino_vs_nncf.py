@@ -56,10 +56,7 @@ def files(name: str, work: Path, samples: int, use_photos: bool = False
     if use_photos:
         import photos
 
-        cal, held = (photos.photo_feeds(label, split, samples, seed)
-                     for split, seed in (("calibration", 0), ("heldout", 1)))
-        np.savez(work / "calibration.npz", **cal)
-        np.savez(work / "heldout.npz", **held)
+        cal, held = photos.saved_feeds(label, work, samples, samples)
     return path, shapes, work / "calibration.npz", cal, held
 
 

@@ -112,11 +112,21 @@ def photo_feeds(name: str, split: str, samples: int, seed: int = 0) -> dict[str,
     return {key: np.stack(batch).astype(np.float32)}
 
 
+def saved_feeds(name: str, folder: Path, calibration: int = 16, held_out: int = 8
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``name``'s calibration and held-out photo inputs, also saved as
+    ``folder/calibration.npz`` and ``folder/heldout.npz``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cal = photo_feeds(name, "calibration", calibration, 0)
+    held = photo_feeds(name, "heldout", held_out, 1)
+    np.savez(folder / "calibration.npz", **cal)
+    np.savez(folder / "heldout.npz", **held)
+    return cal, held
+
+
 def write(name: str, folder: Path, calibration: int = 16, held_out: int = 8) -> Path:
     """``folder/calibration.npz`` and ``folder/heldout.npz`` for ``name``; returns the model."""
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "calibration.npz", **photo_feeds(name, "calibration", calibration, 0))
-    np.savez(folder / "heldout.npz", **photo_feeds(name, "heldout", held_out, 1))
+    saved_feeds(name, folder, calibration, held_out)
     return real_models.fetch(name, None)
 
 

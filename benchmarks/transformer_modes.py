@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -60,10 +59,7 @@ def model_files(name: str, work: Path, samples: int, cache: str | None,
     if use_photos:
         import photos
 
-        cal, held = (photos.photo_feeds(name, split, samples, seed)
-                     for split, seed in (("calibration", 0), ("heldout", 1)))
-        np.savez(work / "calibration.npz", **cal)
-        np.savez(work / "heldout.npz", **held)
+        cal, held = photos.saved_feeds(name, work, samples, samples)
         kind = "text-line strips of real photographs (photos.py)"
     return path, shapes, cal, held, kind
 
@@ -114,15 +110,7 @@ def speed(paths: dict[str, Path], held: dict, rounds: int, runs: int) -> dict:
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             per_round[n].append(_timed_ms(paths[n], feed, runs))
-    out = {}
-    for n in names:
-        logs = [math.log(f / v) for f, v in zip(per_round["fp32"], per_round[n])]
-        mean = statistics.fmean(logs)
-        half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-        out[n] = {"speedup": round(math.exp(mean), 4),
-                  "ci": [round(math.exp(mean - half), 4), round(math.exp(mean + half), 4)],
-                  "median_ms": round(statistics.median(per_round[n]), 4)}
-    return out
+    return _common.speedups(per_round)
 
 
 def accuracy(paths: dict[str, Path], held: dict) -> dict:

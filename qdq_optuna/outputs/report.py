@@ -507,9 +507,7 @@ def sensitivity_lines(sens: dict | None, measure: str, limit: int = 20) -> list[
         lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
                      f"{_f(drop, '{:.3g}')}{shared} | {_f(share, '{:.1%}')} | "
                      f"{g['latency_cost']:.3g} |")
-    if len(rows) > limit:
-        lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | |")
-    return lines + [""]
+    return lines + _more_rows(rows, limit, 5) + [""]
 
 
 def _starts_lines(r: dict) -> list[str]:
@@ -559,9 +557,7 @@ def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
         lines.append(f"| {g['group']} | {g['gain_ms']:.4g} | {g['gain_from']} | "
                      f"{_f(g.get('error_alone'), '{:.3g}')} | "
                      f"{'**yes**' if g['added'] else 'no'} |")
-    if len(rows) > limit:
-        lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | |")
-    return lines + [""]
+    return lines + _more_rows(rows, limit, 5) + [""]
 
 
 def _ab_lines(starts: list[dict]) -> list[str]:
@@ -619,9 +615,7 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
                          f"{_short(', '.join(g['lost_integer_nodes']), 80)} | "
                          f"{g['latency_cost']:.3g} | "
                          f"{'**yes**' if g['returned_to_float'] else 'no'} |")
-        if len(rows) > limit:
-            lines.append(f"| ... {len(rows) - limit} more groups in report.json | | | | | | |")
-        lines.append("")
+        lines += _more_rows(rows, limit, 7) + [""]
     return lines
 
 
@@ -674,10 +668,7 @@ def _kernel_lines(k: dict | None, limit: int = 80) -> list[str]:
         lines.append(f"| {r['node']} | {r['op']} | {r['int_ms']:.4g} | {r['float_ms']:.4g} | "
                      f"{r['ratio']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) | "
                      f"{r['action']} | {r.get('shipped', '?')} |" + cells)
-    if len(rows) > limit:
-        lines.append(f"| … {len(rows) - limit} more in report.json | | | | | | |"
-                     + " | |" * len(modes))
-    return lines
+    return lines + _more_rows(rows, limit, 7 + 2 * len(modes), "rows")
 
 
 def _what_ran_lines(r: dict) -> list[str]:
@@ -971,3 +962,11 @@ def render_markdown(r: dict) -> str:
 
         lines += write_front_table(r["pareto"])
     return "\n".join(lines) + "\n"
+
+
+def _more_rows(rows: list, limit: int, columns: int, what: str = "groups") -> list[str]:
+    """The line of a report.md table cut at ``limit`` rows that says how many more
+    report.json has (none when nothing was cut)."""
+    if len(rows) <= limit:
+        return []
+    return [f"| ... {len(rows) - limit} more {what} in report.json |" + " |" * (columns - 1)]
