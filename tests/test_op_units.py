@@ -71,7 +71,9 @@ def test_every_pool_concat_and_add_is_timed_once_per_signature(tmp_path):
     assert table.op_units["timed"] == 3 and table.op_units["left"] == 0
     assert {"MaxPool", "Concat", "Add", "Conv"} <= table.ops
     pool = table.timings["pool"]
-    assert pool.decision is K.KernelDecision.INTEGER and pool.float_ms > 2 * pool.int_ms, pool
+    # the NHWC kernel, not the NCHW uint8 one (several times slower than float): integer
+    # wins; by how much depends on the CPU (about 5x on an AVX512-VNNI Xeon)
+    assert pool.decision is K.KernelDecision.INTEGER and pool.float_ms > pool.int_ms, pool
     again = _table(K.KernelCache(tmp_path / "kernels.json"))
     assert again.op_units["timed"] == 0 and again.op_units["cached"] == 3
     assert {n: t.to_dict() for n, t in again.timings.items()} == {

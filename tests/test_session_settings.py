@@ -162,29 +162,35 @@ def test_a_placement_the_setting_cannot_change_is_not_timed():
 
 def test_a_tuned_model_ships_with_the_settings_it_was_measured_with(tmp_path):
     """A whole run where the MaxPool must stay float (``--exclude-nodes``) behind an LRN (as
-    in Inception v1), and Convs heavy enough that their integer kernels win even behind the
-    propagated uint8 MaxPool (about 0.97 ms against 1.20 ms float, 0.80 ms with the setting,
-    on a 2-core Xeon with AVX512-VNNI): report.json's ``session_settings`` holds the setting's A/B on the shipped model
-    (the propagation changes its kernels), the final A/B measured the model with what ships,
-    what ran is read under it, and report.md gives the line a deployment adds."""
+    in Inception v1): report.json's ``session_settings`` holds the setting's A/B on the
+    shipped model (the propagation changes its kernels), the final A/B measured the model
+    with what ships, what ran is read under it, and report.md gives the line a deployment
+    adds. Whether a Q/DQ model ships at all depends on the CPU (its integer Convs against
+    float: about 0.97 ms against 1.20 ms, 0.80 ms with the setting, on a 2-core Xeon with
+    AVX512-VNNI; a CPU without VNNI may run them slower than float): where the float model
+    ships, no setting may ship with it, and the test says which case it checked."""
     src = tmp_path / "pooled.onnx"
     onnx.save(_pooled(False, channels=128, side=16, kernel=3, convs=6, head="LRN"), str(src))
     out = tmp_path / "run"
     report = tune(str(src), out, exclude_nodes=["pool"], mode="quick", progress=False).report
     saved = onnx.load(str(out / "optimized.onnx"))
-    assert "QuantizeLinear" in {n.op_type for n in saved.graph.node}, "float shipped"
     ss = report["session_settings"]
+    text = (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["session_settings"] == ss
+    if "QuantizeLinear" not in {n.op_type for n in saved.graph.node}:  # float is fastest here
+        assert ss["shipped"] is None and NO_PROPAGATION.code[0] not in text
+        pytest.skip("this CPU ran the integer Convs no faster than float: the float model "
+                    "shipped, without settings (checked); the shipping path needs one that "
+                    "runs them faster")
     (candidate,) = ss["candidates"]
     assert candidate["name"] == NO_PROPAGATION.name
     assert candidate["decision"] != SettingsDecision.SAME_KERNELS.value
     assert candidate["ratio"] is not None
-    text = (out / "report.md").read_text()
     assert ss["shipped"] is not None, candidate
     assert candidate["decision"] == "ships" and candidate["ci"][1] < 1
     assert NO_PROPAGATION.code[0] in text
     # what the runtime ran is read under the settings it ships with
     assert report["what_ran"]["how"].endswith(f"session settings {NO_PROPAGATION.name})")
-    assert json.loads((out / "report.json").read_text())["session_settings"] == ss
     assert "session settings A/B" in text  # its phase in "Where the time went"
 
 
