@@ -110,18 +110,55 @@ def one(name: str, seed: int, args) -> dict:
            "elapsed_s": report.get("elapsed_s")}
     pairs = {"tuned": (path, tuned), "recipe": (path, recipe_path),
              "tuned_vs_recipe": (recipe_path, tuned)}
+    remeasure(row, pairs, work, args)
+    row["tuned_error"] = errors(path, tuned, held)
+    row["recipe_error"] = errors(path, recipe_path, held)
+    ci = row["tuned_vs_recipe"]["ci"]
+    row["verdict"] = ("tuned faster" if ci[0] > 1 else "recipe faster" if ci[1] < 1
+                      else "tie (interval holds 1)")
+    return with_dynamic_recipe(row, path, shapes, tuned, held, work, args)
+
+
+def remeasure(row: dict, pairs: dict, work: Path, args) -> None:
+    """Each pair ``(a, b)`` re-measured in a fresh process (``row[key]``: b's speed vs a)."""
     for key, (a, b) in pairs.items():
         _common.wait_quiet(args.max_load)
         r = verify_speedup.remeasure_in_fresh_process(a, b, args, work / "heldout.npz")
         row[key] = {"speedup": round(r["speedup"], 4),
                     "ci": [round(x, 4) for x in r["speedup_ci"]],
                     "a_ms": round(r["float_ms"], 4), "b_ms": round(r["tuned_ms"], 4)}
-    row["tuned_error"] = errors(path, tuned, held)
-    row["recipe_error"] = errors(path, recipe_path, held)
-    ci = row["tuned_vs_recipe"]["ci"]
-    row["verdict"] = ("tuned faster" if ci[0] > 1 else "recipe faster" if ci[1] < 1
-                      else "tie (interval holds 1)")
+
+
+def with_dynamic_recipe(row: dict, path: Path, shapes: str | None, tuned: Path, held: dict,
+                        work: Path, args) -> dict:
+    """``row`` with ONNX Runtime's other recipe where the model has MatMuls of constant
+    weights (its documented recipe for transformers on CPU, ``quantize_dynamic``):
+    ``recipe_dynamic`` (vs FP32), ``tuned_vs_dynamic`` and ``recipe_dynamic_error``; a
+    transformer's tuned model is compared with the better of the two recipes."""
+    (work / "dynamic").mkdir(exist_ok=True)
+    dynamic = ort_runtime.ort_dynamic_recipe_model(path, work / "dynamic", input_shapes=shapes)
+    if dynamic is None:
+        return row
+    remeasure(row, {"recipe_dynamic": (path, dynamic), "tuned_vs_dynamic": (dynamic, tuned)},
+              work, args)
+    row["recipe_dynamic_error"] = errors(path, dynamic, held)
     return row
+
+
+def add_dynamic(results: Path, args) -> int:
+    """``--add-dynamic``: the dynamic recipe's figures added to the rows of an earlier run
+    (its tuned models under ``--out``), for the rows of ``--models``."""
+    rows = json.loads(results.read_text())
+    for row in rows:
+        if row["model"] not in args.models:
+            continue
+        work = Path(args.out) / row["model"].replace("@", "-")
+        path, shapes, _, held, _ = prepare(row["model"], work, args.cache, args.samples)
+        print(f"{row['model']} seed {row['seed']}: the dynamic recipe ...", flush=True)
+        with_dynamic_recipe(row, path, shapes, work / f"tuned-s{row['seed']}" / "optimized.onnx",
+                            held, work, args)
+        results.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
 
 
 def table(rows: list[dict]) -> str:
@@ -155,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="reuse a tuned model an earlier invocation made (same settings)")
     ap.add_argument("--tune-args", nargs=argparse.REMAINDER, default=[],
                     help="further tune options (last on the line)")
+    ap.add_argument("--add-dynamic", type=Path, metavar="RESULTS.json",
+                    help="add the quantize_dynamic recipe's figures to these rows (their tuned "
+                         "models under --out) instead of tuning")
     args = ap.parse_args(argv)
+    if args.add_dynamic:
+        return add_dynamic(args.add_dynamic, args)
     rows = []
     results = Path(args.out) / "vs_recipe.json"
     for name in args.models:

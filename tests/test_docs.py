@@ -21,9 +21,12 @@ if os.environ.get("QDQ_OPTUNA_TEST_INSTALLED") == "1":  # the suite copied besid
 
 def _headline_row(r: dict) -> str:
     ci = r["tuned_vs_recipe"]["ci"]
+    dyn = r.get("tuned_vs_dynamic")  # ONNX Runtime's transformer recipe, where it applies
+    dynamic = (f"{r['recipe_dynamic']['speedup']:.3f}x / {dyn['speedup']:.3f}x "
+               f"({dyn['ci'][0]:.3f}-{dyn['ci'][1]:.3f})" if dyn else "-")
     return (f"| {r['model']} | {r['seed']} | {r['tuned']['speedup']:.3f}x | "
             f"{r['recipe']['speedup']:.3f}x | {r['tuned_vs_recipe']['speedup']:.3f}x "
-            f"({ci[0]:.3f}-{ci[1]:.3f}) | {r['tuned_error']['cosine']:.4f} / "
+            f"({ci[0]:.3f}-{ci[1]:.3f}) | {dynamic} | {r['tuned_error']['cosine']:.4f} / "
             f"{r['recipe_error']['cosine']:.4f} | {r['tune_s']:.0f} s |")
 
 
