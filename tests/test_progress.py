@@ -168,14 +168,21 @@ def test_tune_piped_to_a_file_has_no_redraws(tmp_path):
     assert "P000" in text  # one line per pattern
     assert "[starts 1/" in text and "[round 1 1/" in text  # the phases, counted
 
-    # a run cut by --timeout, rerun, says it is resuming, what is done and what is left
+    # a run cut by --timeout, rerun, says it is resuming, what is done and what is left; the
+    # cost model behind a sleep per measurement, so the cut comes before the run's end on any
+    # machine (the bare cost model finished this run inside its 3 s on a fast CI machine, and
+    # the rerun then rightly said the run was finished)
     out2 = tmp_path / "cut"
     argv = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(out2),
-            "-b", "costmodel", "-n", "4"]
-    subprocess.run([*argv, "--timeout", "3"], stderr=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, env=_env(), timeout=120, cwd=tmp_path, check=True)
+            "-b", "tests._latency_fns:sleepy_costmodel", "--runtime", "tensorrt", "-n", "4"]
+    slow = {**_env(), "QDQ_TEST_SLEEP_S": "0.3"}
+    cut = subprocess.run([*argv, "--timeout", "3"], stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, env=slow, timeout=120, cwd=tmp_path,
+                         check=True, text=True)
+    assert "--timeout 3s cut the run short" in cut.stderr, cut.stderr
     with open(err, "w") as fh:
-        proc = subprocess.run(argv, stderr=fh, stdout=subprocess.PIPE, env=_env(), timeout=120,
+        proc = subprocess.run(argv, stderr=fh, stdout=subprocess.PIPE,
+                              env={**slow, "QDQ_TEST_SLEEP_S": "0.02"}, timeout=120,
                               cwd=tmp_path)
     text = err.read_text()
     assert proc.returncode == 0, text
