@@ -14,7 +14,7 @@ machine (this package's and numpy's sources and libraries) for the file-type cla
 synthesized voiced/unvoiced signal with pauses for the audio models (raw samples, or a log-mel
 spectrogram of it for the wake-word embedding).
 
-The two ``*-caffe2-light`` entries are the ONNX Model Zoo graphs (onnx-caffe2 exports) that the
+The ``*-caffe2-light`` entries are the ONNX Model Zoo graphs (onnx-caffe2 exports) that the
 ``onnx`` wheel ships for its backend tests: their topology is the real one but every weight is
 a ConstantOfShape fill, so they exercise graph handling (IR 3, initializers listed as inputs,
 LRN, opset 9), not accuracy.
@@ -165,6 +165,26 @@ MODELS: dict[str, RealModel] = {m.name: m for m in [
               "initializers also graph inputs) in the 'light' form: every Conv/Gemm weight a "
               "ConstantOfShape filled with 0.02 -- topology real, weights not",
               "data_0:1x3x224x224", "imagenet"),
+    RealModel("inception-v2-caffe2-light", "onnx==1.23.2",
+              "onnx/backend/test/data/light/light_inception_v2.onnx",
+              "224d77d55b26559a959db627c3f417a623fbf3b3000d25f0939327aa935d933f",
+              "ONNX Model Zoo Inception v2 (BN-Inception) graph (onnx-caffe2, opset 9, IR 3) in "
+              "the 'light' form: every Conv/Gemm weight a ConstantOfShape fill -- topology real, "
+              "weights not",
+              "data_0:1x3x224x224", "imagenet"),
+    RealModel("densenet121-caffe2-light", "onnx==1.23.2",
+              "onnx/backend/test/data/light/light_densenet121.onnx",
+              "49ddb5712797d6164f1d864bedaad927de4f3909ad1b4ba390a92c2f8150e9f6",
+              "ONNX Model Zoo DenseNet-121 graph (onnx-caffe2, opset 9, IR 3; 1,746 nodes, a "
+              "Concat per dense layer) in the 'light' form -- topology real, weights not",
+              "data_0:1x3x224x224", "imagenet"),
+    RealModel("shufflenet-caffe2-light", "onnx==1.23.2",
+              "onnx/backend/test/data/light/light_shufflenet.onnx",
+              "c6f406d62be36d6b4572542c0950a2abd59f56237068793290680bba89fbafe5",
+              "ONNX Model Zoo ShuffleNet v1 graph (onnx-caffe2, opset 9, IR 3; grouped Convs, "
+              "channel shuffle as Reshape/Transpose) in the 'light' form -- topology real, "
+              "weights not",
+              "gpu_0/data_0:1x3x224x224", "imagenet"),
 ]}
 
 
