@@ -8,6 +8,7 @@ back to back) shows what the protocol buys.
 
     python benchmarks/timing_protocol.py --repeats 10
     python benchmarks/timing_protocol.py --model a.onnx --candidate b.onnx --timing robust
+    python benchmarks/timing_protocol.py --rows 1024 --timing robust robust@session_budget_s=none
 
 Run it on an otherwise idle machine; never two benchmarks at once.
 """
@@ -71,16 +72,36 @@ def summarize(rows: list[dict], truth: float, expect: str) -> dict:
     }
 
 
+def protocol_of(preset: str) -> TimingProtocol:
+    """``robust`` or ``robust@key=value,key=value`` (a protocol field changed; ``none``:
+    None), e.g. ``robust@session_budget_s=none`` (every session ``runs`` runs)."""
+    name, _, changes = preset.partition("@")
+    protocol = TimingProtocol.from_name(name)
+    for item in filter(None, changes.split(",")):
+        key, _, value = item.partition("=")
+        current = getattr(protocol, key)
+        if value == "none":
+            parsed = None
+        elif isinstance(current, bool):
+            parsed = value == "true"
+        elif isinstance(current, int):
+            parsed = int(value)
+        else:
+            parsed = float(value)
+        protocol = protocol.with_(**{key: parsed})
+    return protocol
+
+
 def run_presets(args, backend, pairs: dict, truth: dict, reference: bytes):
     """Each preset's comparisons of every pair, interleaved across pairs."""
     results: dict[str, dict] = {}
     raw: dict[str, list] = {}
     for preset in ["naive", *args.timing]:
-        measurer = (
-            None if preset == "naive" else Measurer(backend, TimingProtocol.from_name(preset))
-        )
+        measurer = None if preset == "naive" else Measurer(backend, protocol_of(preset))
         if measurer is not None:
             measurer.warm_up([reference])
+            if args.pace_ms:
+                measurer.pace(args.pace_ms)
         rows: dict[str, list[dict]] = {k: [] for k in pairs}
         for _ in range(args.repeats):
             for label, (cand, ref, _expect) in pairs.items():
@@ -123,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="comparisons per pair and preset")
     ap.add_argument("--timing", nargs="+", default=["fast", "robust"], help="presets to try")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pace-ms", type=float, help="pace sessions by this latency, as a run "
+                    "paces them by its baseline (default: the reference's, measured first)")
     ap.add_argument("--truth-sessions", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("timing_protocol_results.json"))
     ap.add_argument(
@@ -155,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             f"reference ratio {truth['B vs A']:.4f} ({args.truth_sessions} sessions)"
         )
 
+    if args.pace_ms is None:  # as a run paces: by the slower (float) model's latency
+        first = Measurer(backend, TimingProtocol.robust())
+        first.warm_up([reference])
+        args.pace_ms = max(m.score_ms for m in first.interleaved(
+            [reference] + ([candidate] if candidate is not None else []), sessions=3))
+        print(f"sessions paced by {args.pace_ms:.3f} ms")
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
     try:
         results, raw = run_presets(args, backend, pairs, truth, reference)

@@ -458,3 +458,58 @@ def test_models_timed_together_with_the_baseline_cancel_the_drift_between_them(t
     assert abs(together / base_ms - 1) < 0.03, record.stats
     assert "alone" not in plans.together  # measured before: not timed again
     assert plans.by_phase["starts"] == 2 and plans.cache_hits == 0
+
+
+# -- pacing --------------------------------------------------------------------------------
+
+
+def test_sessions_are_paced_by_the_run_latency_within_their_bounds():
+    p = TimingProtocol.robust()
+    assert p.paced(20, None) == 20  # not known yet: the protocol's runs
+    assert p.paced(20, 2.0) == 20  # a short model: never more than runs
+    assert p.paced(20, 25.0) == 12  # 0.3 s / 25 ms
+    assert p.paced(20, 500.0) == p.min_runs == 8  # a long model: never under min_runs
+    assert p.with_(session_budget_s=None).paced(20, 500.0) == 20
+    assert TimingProtocol.fast().paced(15, 100.0) == 8
+    with pytest.raises(OptionError, match="session_budget_s"):
+        TimingProtocol(session_budget_s=0)
+
+
+class _CountingRunner(Runner):
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def time(self, warmup: int, iterations: int) -> list[float]:
+        self.counts.append(iterations)
+        return [25.0] * iterations
+
+    def close(self) -> None:
+        pass
+
+
+class _CountingBackend(Backend):
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def load(self, model):
+        return _CountingRunner(self.counts)
+
+
+def test_once_paced_every_session_of_an_ab_times_the_same_paced_runs():
+    backend = _CountingBackend()
+    m = Measurer(backend, TimingProtocol.robust().with_(process_warmup_rounds=0))
+    m.probe = NullProbe()
+    m.measure(FAST_MODEL)
+    assert set(backend.counts) == {20}  # the baseline: before the pace is known
+    backend.counts.clear()
+    m.pace(25.0)
+    m.screen(FAST_MODEL)
+    m.compare(SLOW_MODEL, FAST_MODEL)
+    m.interleaved([FAST_MODEL, SLOW_MODEL], sessions=2)
+    assert backend.counts and set(backend.counts) == {12}
+    m.pace(None)
+    backend.counts.clear()
+    m.screen(FAST_MODEL)
+    assert backend.counts == [20]

@@ -221,9 +221,17 @@ class TimingProtocol:
     #: CPU used by other processes, in cores, above which a round counts as not quiet
     quiet_threshold: float = 0.25
     remeasure_noisy: bool = True
+    #: once the run's model latency is known (:meth:`Measurer.pace`, the baseline's), a
+    #: session times ``ceil(session_budget_s / latency)`` runs, at least ``min_runs`` and at
+    #: most ``runs`` (``screen_runs`` likewise): a session is scored by its fastest run, and
+    #: of a 25-45 ms model 8-12 runs find it as well as 20 (``benchmarks/timing_protocol.py``
+    #: ``--timing robust robust@session_budget_s=none``); None: always ``runs``
+    session_budget_s: float | None = 0.3
+    min_runs: int = 8
 
     def __post_init__(self) -> None:
-        ints = ("sessions", "runs", "screen_runs", "final_sessions", "min_rounds", "max_rounds")
+        ints = ("sessions", "runs", "screen_runs", "final_sessions", "min_rounds", "max_rounds",
+                "min_runs")
         for key in ints:
             if int(getattr(self, key)) < 1:
                 raise OptionError(f"timing protocol: {key} must be >= 1")
@@ -238,6 +246,16 @@ class TimingProtocol:
             raise OptionError("timing protocol: target must be > 0")
         if self.give_up_at is not None and not 0 < self.give_up_at <= 1:
             raise OptionError("timing protocol: give_up_at must be in (0, 1] or None")
+        if self.session_budget_s is not None and self.session_budget_s <= 0:
+            raise OptionError("timing protocol: session_budget_s must be > 0 or None")
+
+    def paced(self, runs: int, latency_ms: float | None) -> int:
+        """Timed runs of a session, ``runs`` paced by the model latency ``latency_ms`` (see
+        :attr:`session_budget_s`; None: not known yet, ``runs``)."""
+        if self.session_budget_s is None or not latency_ms or latency_ms <= 0:
+            return runs
+        wanted = math.ceil(self.session_budget_s * 1000.0 / latency_ms)
+        return max(min(self.min_runs, runs), min(runs, wanted))
 
     @classmethod
     def fast(cls) -> TimingProtocol:
@@ -508,6 +526,18 @@ class Measurer:
         self.session_s: float | None = None
         #: the models timed in this process (:func:`_key`), oldest first
         self._seen: dict = {}
+        #: the latency sessions are paced by (:meth:`pace`; None: every session ``runs``)
+        self.paced_ms: float | None = None
+
+    def pace(self, latency_ms: float | None) -> None:
+        """Pace every later session by ``latency_ms`` (``TimingProtocol.session_budget_s``):
+        the run's baseline, so every model of a run, and every worker of it, times the same
+        number of runs (a minimum over fewer runs reads higher: two sides of an A/B must
+        time alike)."""
+        self.paced_ms = latency_ms if latency_ms and latency_ms > 0 else None
+
+    def _runs(self, runs: int) -> int:
+        return self.protocol.paced(runs, self.paced_ms)
 
     def out_of_time(self) -> bool:
         """Past :attr:`deadline`."""
@@ -641,7 +671,7 @@ class Measurer:
         p = self.protocol
         for _ in range(rounds):
             for m in models:
-                self._session(m, p.warmup, p.runs, runners)
+                self._session(m, p.warmup, self._runs(p.runs), runners)
         self._warm_at = time.monotonic()
         if rounds:
             self._warm_generation = self._generation()
@@ -677,7 +707,8 @@ class Measurer:
         self.warm_up([src])
         t0 = time.perf_counter()
         acc = _Acc()
-        (samples,), quiet, again = self._round([src], p.screen_warmup, p.screen_runs, None)
+        (samples,), quiet, again = self._round([src], p.screen_warmup,
+                                                 self._runs(p.screen_runs), None)
         acc.add(samples)
         self.remeasured += again
         return acc.measurement(quiet, time.perf_counter() - t0, again)
@@ -719,7 +750,7 @@ class Measurer:
                     break
                 order = [(r + i) % len(srcs) for i in range(len(srcs))]
                 results, ok, again = self._round(
-                    [srcs[i] for i in order], p.warmup, p.runs, runners
+                    [srcs[i] for i in order], p.warmup, self._runs(p.runs), runners
                 )
                 quiet &= ok
                 remeasured += again
@@ -770,7 +801,7 @@ class Measurer:
                 # it separates, a repeat cannot change the verdict) and while repeats can find
                 # a quiet moment (not after BUSY_STREAK repeats in a row were busy too)
                 repeat = not (hi < 1.0 or lo > 1.0) and busy < BUSY_STREAK
-                results, ok, again = self._round(order, p.warmup, p.runs, runners,
+                results, ok, again = self._round(order, p.warmup, self._runs(p.runs), runners,
                                                  repeat=repeat)
                 busy = 0 if ok else busy + again
                 quiet &= ok

@@ -184,6 +184,8 @@ class Tuner:
         search.baseline_ms = self.record.baseline(lambda: measure_baseline(
             search.plans, source, key, self.settings.backend, describe_model(self.o.model)),
             what)
+        # every later session paced by it (alike in every worker: the stored figure)
+        search.plans.measurer.pace(search.baseline_ms)
         self._mark("baseline")
         self._write_state("running")
         try:
