@@ -487,3 +487,36 @@ def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(r
     at_best = estimate(table, 20.0, set(heavy[fast]), patterns)
     done = plan_visits(ids, at_best, nothing_unfused, heavy)
     assert done.end and "within noise" in done.end and not done.order
+
+
+def test_a_float_standing_model_has_the_every_point_on_kernels_timed_once(resnet):
+    """From a float standing model (no integer kernel to time) the reader of what ran times
+    the kernels of the model with every offered point on, once per run, so the gap plan can
+    speak for the patterns' convolutions (real ONNX Runtime sessions, one unit timed)."""
+    pm = resnet[0]
+    backend = OnnxRuntimeBackend()
+    ex = pm.exporter()
+    every = starts.all_on_start(pm).scheme_uses
+    keep = K.units(onnx.load_from_string(ex.to_bytes(ex.plan(every))))[0].node
+    calls = []
+
+    def timing(flt, qdq, skip=(), **kw):
+        calls.append(len(K.units(qdq)))
+        skip = set(skip) | {u.node for u in K.units(qdq) if u.node != keep}
+        return K.kernel_table(backend, flt, qdq, skip=skip, protocol=QUICK, output_q=True, **kw)
+
+    class _S:
+        prepared, exporter, kernel_timing, kernel_cache = pm, ex, staticmethod(timing), "off"
+        config = Config()
+        plans = type("P", (), {"measurer": type("M", (), {"deadline": None, "backend": backend}),
+                               "deterministic": False})
+        record = type("R", (), {"uses": staticmethod(lambda schemes, pinned=(): every)})
+
+    unfused = Unfused(_S(), {})
+    assert unfused.evidence
+    unfused._read(ex, ex.plan(set()))  # the float model
+    assert calls[0] == 0 and len(calls) == 2  # its own (no unit), then every point on
+    assert keep in unfused.kernels.timings and pm.graph.nodes[
+        next(i for i, n in enumerate(pm.graph.nodes) if n.name == keep)].op_type == "Conv"
+    unfused._read(ex, ex.plan(set()))  # another standing model read later
+    assert len(calls) == 3  # the float model's own timing again, every point on not again

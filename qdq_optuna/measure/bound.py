@@ -38,11 +38,14 @@ class MetricDrop:
 
     fp32_metric: float
     max_metric_drop: float
-    drop_type: str
+    drop_type: DropType
     bound: float
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drop_type", DropType.parse(self.drop_type))
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "drop_type": self.drop_type.value}
 
 
 @dataclass(frozen=True)
