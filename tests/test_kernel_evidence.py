@@ -520,3 +520,53 @@ def test_a_float_standing_model_has_the_every_point_on_kernels_timed_once(resnet
         next(i for i, n in enumerate(pm.graph.nodes) if n.name == keep)].op_type == "Conv"
     unfused._read(ex, ex.plan(set()))  # another standing model read later
     assert len(calls) == 3  # the float model's own timing again, every point on not again
+
+
+def _lrn_model() -> onnx.ModelProto:
+    """x -> Conv -> Relu -> LRN -> Conv -> Relu -> y (LRN: no integer kernel in ONNX Runtime)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = [numpy_helper.from_array((rng.standard_normal((8, c, 3, 3)) * 0.1).astype(np.float32),
+                                 f"w{i}") for i, c in enumerate((3, 8))]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1] * 4),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("LRN", ["r0"], ["l"], size=5),
+             helper.make_node("Conv", ["l", "w1"], ["c1"], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "lrn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], w)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_conversions_no_placement_can_avoid_send_no_visit():
+    """The conversions at an op with no integer kernel (LRN) and at the model's input, next
+    to Convs measured faster as integer, and the LRN running float, leave nothing a visit can
+    close; where the Conv after the LRN was not measured faster, its conversion counts again
+    (removing it may pay)."""
+    from qdq_optuna.backends.what_ran import WhatRan
+
+    pm = PreparedModel.prepare(_lrn_model())
+    g = pm.graph
+    by_op = {}
+    for n in g.nodes:
+        by_op.setdefault(n.op_type, []).append(n)
+    conv0, conv1 = by_op["Conv"]
+    lrn = by_op["LRN"][0]
+    lrn_in, lrn_out, model_in = lrn.input[0], lrn.output[0], g.graph_inputs[0]
+    what = WhatRan("test", standalone=frozenset({model_in, lrn_in, lrn_out}),
+                   float_nodes=frozenset({lrn.name}))
+    _, unfused = _unfused(pm)
+    unfused.kernels = K.KernelTable({}, [], {conv0.name: _timing("integer"),
+                                             conv1.name: _timing("integer")})
+    tensors, nodes = unfused.unavoidable(what)
+    assert tensors == {model_in, lrn_in, lrn_out} and nodes == {lrn.name}
+    assert not any(unfused.pattern_sites(what).values())
+    tie = K.KernelTiming("s", "Conv", 1.0, 1.0, 1.0, 0.9, 1.1, 6)
+    unfused.kernels = K.KernelTable({}, [], {conv0.name: _timing("integer"), conv1.name: tie})
+    tensors, _ = unfused.unavoidable(what)
+    assert tensors == {model_in, lrn_in}
+    holding = [pp.pattern.id for pp in pm.tunable if lrn_out in {u[0] for u in pp.uses(pp.ids)}]
+    assert holding and all(unfused.pattern_sites(what)[p] for p in holding)
