@@ -14,7 +14,8 @@ its own baseline, measured minutes apart on a shared machine.
 
     python benchmarks/phase_times.py run --arm before --checkout /path/to/old --work DIR
     python benchmarks/phase_times.py run --arm after --checkout . --work DIR
-    python benchmarks/phase_times.py ab --work DIR --out benchmarks/results/phase_times.json
+    python benchmarks/phase_times.py ab --work DIR --arms before after \
+        --out benchmarks/results/phase_times.json
     python benchmarks/phase_times.py table benchmarks/results/phase_times.json
 
 Never run two benchmarks at once: every figure here is a wall time.
@@ -79,13 +80,14 @@ def summarize(out: Path) -> dict:
             "folder": str(out)}
 
 
-def ab(work: Path, models: list[str], rounds: int) -> list[dict]:
-    """after's optimized.onnx against before's, in a fresh process (speedup > 1: after faster)."""
+def ab(work: Path, models: list[str], rounds: int, arms: tuple[str, str]) -> list[dict]:
+    """The second arm's optimized.onnx against the first's, in a fresh process (speedup > 1:
+    the second is faster)."""
     out = []
     args = argparse.Namespace(rounds=rounds, warmup_rounds=2, runs=20)
     for name in models:
-        before = work / "before" / name / "optimized.onnx"
-        after = work / "after" / name / "optimized.onnx"
+        before = work / arms[0] / name / "optimized.onnx"
+        after = work / arms[1] / name / "optimized.onnx"
         if before.is_file() and after.is_file():
             m = verify_speedup.remeasure_in_fresh_process(before, after, args)
             out.append({"model": name, "after_vs_before": m})
@@ -95,11 +97,12 @@ def ab(work: Path, models: list[str], rounds: int) -> list[dict]:
 
 
 def table(result: dict) -> str:
+    first, second = result.get("arms", ("before", "after"))
     by = {(r["model"], r["arm"]): r for r in result["runs"]}
     abs_ = {r["model"]: r["after_vs_before"] for r in result.get("ab", [])}
     rows = []
     for name in dict.fromkeys(r["model"] for r in result["runs"]):
-        b, a = by.get((name, "before")), by.get((name, "after"))
+        b, a = by.get((name, first)), by.get((name, second))
         if not b or not a or "phases_s" not in b or "phases_s" not in a:
             continue
         cells = [name]
@@ -114,7 +117,7 @@ def table(result: dict) -> str:
         cells.append(f"{m['speedup']:.3f} ({m['speedup_ci'][0]:.3f}-{m['speedup_ci'][1]:.3f})"
                      if m else "-")
         rows.append(cells)
-    return markdown_table(
+    return f"{first} -> {second}\n\n" + markdown_table(
         ["model", "wall s", "starts s", "descent s", "recipe file s", "final A/B s",
          "visits/commits", "descent gain", "speedup (own run)", "after vs before (A/B)"], rows)
 
@@ -136,6 +139,7 @@ def main() -> None:
     a.add_argument("--work", type=Path, required=True)
     a.add_argument("--models", nargs="+", default=list(MODELS))
     a.add_argument("--rounds", type=int, default=10)
+    a.add_argument("--arms", nargs=2, default=["before", "after"])
     a.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("result", type=Path)
@@ -154,10 +158,10 @@ def main() -> None:
                 if (args.work / args.arm / m / "report.json").is_file()]
         (args.work / f"{args.arm}.json").write_text(json.dumps(rows, indent=1))
     elif args.cmd == "ab":
-        runs = [row for arm in ("before", "after")
+        runs = [row for arm in args.arms
                 for row in json.loads((args.work / f"{arm}.json").read_text())]
-        result = {"machine": machine(), "runs": runs,
-                  "ab": ab(args.work, args.models, args.rounds)}
+        result = {"machine": machine(), "arms": args.arms, "runs": runs,
+                  "ab": ab(args.work, args.models, args.rounds, tuple(args.arms))}
         args.out.write_text(json.dumps(result, indent=1))
         print(table(result))
     else:

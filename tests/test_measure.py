@@ -468,9 +468,10 @@ def test_sessions_are_paced_by_the_run_latency_within_their_bounds():
     assert p.paced(20, None) == 20  # not known yet: the protocol's runs
     assert p.paced(20, 2.0) == 20  # a short model: never more than runs
     assert p.paced(20, 25.0) == 12  # 0.3 s / 25 ms
-    assert p.paced(20, 500.0) == p.min_runs == 8  # a long model: never under min_runs
+    assert p.paced(20, 500.0) == p.min_runs == 12  # a long model: never under min_runs
     assert p.with_(session_budget_s=None).paced(20, 500.0) == 20
-    assert TimingProtocol.fast().paced(15, 100.0) == 8
+    assert TimingProtocol.fast().paced(15, 100.0) == 12
+    assert p.with_(min_runs=30).paced(20, 500.0) == 20  # never more than runs
     with pytest.raises(OptionError, match="session_budget_s"):
         TimingProtocol(session_budget_s=0)
 

@@ -224,10 +224,11 @@ class TimingProtocol:
     #: once the run's model latency is known (:meth:`Measurer.pace`, the baseline's), a
     #: session times ``ceil(session_budget_s / latency)`` runs, at least ``min_runs`` and at
     #: most ``runs`` (``screen_runs`` likewise): a session is scored by its fastest run, and
-    #: of a 25-45 ms model 8-12 runs find it as well as 20 (``benchmarks/timing_protocol.py``
-    #: ``--timing robust robust@session_budget_s=none``); None: always ``runs``
+    #: on a 25 ms pair 11 runs found it as well as 20 (``benchmarks/timing_protocol.py
+    #: --rows 2560 --timing robust robust@session_budget_s=none``); fewer runs were not
+    #: checked, hence ``min_runs`` 12. None: always ``runs``
     session_budget_s: float | None = 0.3
-    min_runs: int = 8
+    min_runs: int = 12
 
     def __post_init__(self) -> None:
         ints = ("sessions", "runs", "screen_runs", "final_sessions", "min_rounds", "max_rounds",
