@@ -100,6 +100,8 @@ class Unfused:
         #: not measured (an exact backend, or ``kernel_evidence`` off)
         self.kernels: KernelTable | None = None
         self.evidence = self.measured and self.backend is not None and kernels_timed(search)
+        #: whether the every-point-on model's kernels were timed (:meth:`_time_offered_kernels`)
+        self._offered_timed = False
 
     def of(self, schemes: dict[str, dict[str, int]], lane: str | None = None
            ) -> WhatRan | None:
@@ -215,7 +217,7 @@ class Unfused:
         ShuffleNet (onnx's test data) on ONNX Runtime: float was the best start (every
         quantized start ran 2.3x slower) and the descent visited all 13 patterns for 95 s
         without a commit."""
-        if getattr(self, "_offered_timed", False) or self.kernels is None:
+        if self._offered_timed or self.kernels is None:
             return
         g = self.s.prepared.graph
         timed = set(self.kernels.timings)
