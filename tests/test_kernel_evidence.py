@@ -19,7 +19,7 @@ from qdq_optuna.measure.timing import Measurer, TimingProtocol
 from qdq_optuna.placement import starts
 from qdq_optuna.runtimes.prepared import PreparedModel
 from qdq_optuna.search._moves import MoveSpace, MoveStats
-from qdq_optuna.search._unfused import Unfused
+from qdq_optuna.search._unfused import Unfused, unavoidable
 
 #: a short A/B: these tests check figures are produced and used, not how precise they are
 QUICK = TimingProtocol.fast().with_(process_warmup_rounds=0, min_rounds=2, max_rounds=2)
@@ -561,12 +561,12 @@ def test_conversions_no_placement_can_avoid_send_no_visit():
     _, unfused = _unfused(pm)
     unfused.kernels = K.KernelTable({}, [], {conv0.name: _timing("integer"),
                                              conv1.name: _timing("integer")})
-    tensors, nodes = unfused.unavoidable(what)
+    tensors, nodes = unavoidable(pm, unfused.kernels, what)
     assert tensors == {model_in, lrn_in, lrn_out} and nodes == {lrn.name}
     assert not any(unfused.pattern_sites(what).values())
     tie = K.KernelTiming("s", "Conv", 1.0, 1.0, 1.0, 0.9, 1.1, 6)
     unfused.kernels = K.KernelTable({}, [], {conv0.name: _timing("integer"), conv1.name: tie})
-    tensors, _ = unfused.unavoidable(what)
+    tensors, _ = unavoidable(pm, unfused.kernels, what)
     assert tensors == {model_in, lrn_in}
     holding = [pp.pattern.id for pp in pm.tunable if lrn_out in {u[0] for u in pp.uses(pp.ids)}]
     assert holding and all(unfused.pattern_sites(what)[p] for p in holding)

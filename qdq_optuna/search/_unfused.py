@@ -100,7 +100,7 @@ class Unfused:
         #: not measured (an exact backend, or ``kernel_evidence`` off)
         self.kernels: KernelTable | None = None
         self.evidence = self.measured and self.backend is not None and kernels_timed(search)
-        #: whether the every-point-on model's kernels were timed (:meth:`_time_offered_kernels`)
+        #: whether the every-point-on model's kernels were timed (:func:`every_point_model`)
         self._offered_timed = False
 
     def of(self, schemes: dict[str, dict[str, int]], lane: str | None = None
@@ -129,7 +129,12 @@ class Unfused:
         if what is not None and self.evidence and (left is None or left > 0):  # time left
             with step.step("descent", "kernel timing") if step else _nothing():
                 self._time_kernels(exporter, model, what)
-                self._time_offered_kernels(exporter)
+                if self.kernels is not None and not self._offered_timed:  # once a run
+                    self._offered_timed = True
+                    read = every_point_model(self.s, exporter, self.backend,
+                                             set(self.kernels.timings))
+                    if read is not None:
+                        self._time_kernels(exporter, *read)
         if what is not None:
             log.info("what ran (%s): %d Q/DQ fused, %d standalone, %d float next to integer, "
                      "%d reformats", what.how, len(what.fused), len(what.standalone),
@@ -150,11 +155,11 @@ class Unfused:
         """Pattern id -> whether the runtime left something unfused in it that a move can
         close: a standalone Q or DQ or a reformat at one of its tensors, or a node of it that
         ran float next to integer ones (what a conversion move can close). A conversion no
-        placement can avoid does not count (:meth:`unavoidable`)."""
+        placement can avoid does not count (:func:`unavoidable`)."""
         if what is None:
             return {}
         g, out = self.s.prepared.graph, {}
-        kept, floats = self.unavoidable(what)
+        kept, floats = unavoidable(self.s.prepared, self.kernels, what)
         left = (what.standalone | what.reformats) - kept
         for pp in self.s.prepared.tunable:
             uses = pp.uses(pp.ids)
@@ -162,34 +167,6 @@ class Unfused:
             nodes = {g.nodes[u[1]].name for u in uses if 0 <= u[1] < len(g.nodes)}
             out[pp.pattern.id] = bool(tensors & left or nodes & (what.float_nodes - floats))
         return out
-
-    def unavoidable(self, what: WhatRan) -> tuple[set[str], set[str]]:
-        """``(tensors, nodes)``: the float nodes no placement can make integer (an op the
-        runtime has no integer kernel for, ``rules.quantizable_ops``: ONNX Runtime's LRN,
-        BatchNormalization), and the conversions no placement can avoid without giving up a
-        kernel measured faster as integer: a standalone Q/DQ or reformat between such a node
-        (or the model's own input or output) and nodes whose integer kernels the kernel
-        table measured faster, every one of them. A visit for such a conversion only tries
-        to give those kernels up. Inception v1 (onnx's test data, ONNX Runtime): the stem's
-        visit tried five such moves, each 1.00-1.11x slower, for 35 s. Where a neighbour's
-        integer kernel was not measured faster (DenseNet's Mul after a BatchNormalization:
-        removing that conversion gained 2 %), the conversion still counts."""
-        g = self.s.prepared.graph
-        timings = self.kernels.timings if self.kernels is not None else {}
-        integer_ops = self.s.prepared.rules.quantizable_ops
-        float_only = {i for i, n in enumerate(g.nodes) if n.op_type not in integer_ops}
-        ends = set(g.graph_inputs) | set(g.graph_outputs)
-        tensors = set()
-        for t in what.standalone | what.reformats:
-            touching = {n for n, _ in g.consumers.get(t, [])}
-            if t in g.producer:
-                touching.add(g.producer[t][0])
-            others = [_kernel_node(g, n) for n in touching - float_only]
-            if (t in ends or touching & float_only) and others and all(
-                    name in timings and timings[name].decision is KernelDecision.INTEGER
-                    for name in others):
-                tensors.add(t)
-        return tensors, {g.nodes[i].name for i in float_only} & what.float_nodes
 
     def _time_kernels(self, exporter, model: bytes, what: WhatRan) -> None:
         """Time the standing model's integer kernels not timed yet (those that ran float in
@@ -208,33 +185,6 @@ class Unfused:
             self.kernels = table
         else:
             self.kernels.merge(table)
-
-    def _time_offered_kernels(self, exporter) -> None:
-        """Once per run, where a standing model leaves convolutions and matrix products
-        untimed (they run float in it: a float start, a repaired one), the kernels of the
-        model with every offered point on too: the gap plan can then say which patterns'
-        integer kernels would gain, instead of visiting every pattern it cannot speak for.
-        ShuffleNet (onnx's test data) on ONNX Runtime: float was the best start (every
-        quantized start ran 2.3x slower) and the descent visited all 13 patterns for 95 s
-        without a commit."""
-        if self._offered_timed or self.kernels is None:
-            return
-        g = self.s.prepared.graph
-        timed = set(self.kernels.timings)
-        heavy = {n.name for n in g.nodes if n.op_type in KERNEL_OPS}
-        if heavy <= timed:
-            return
-        self._offered_timed = True
-        every = exporter.plan(self.s.record.uses(
-            {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in self.s.prepared.tunable}))
-        try:
-            model = exporter.to_bytes(every)
-            what = self.backend.what_ran(model)
-        except Exception as exc:  # evidence is an optimisation: never the run's failure
-            log.info("what ran with every point on could not be read (%s)", exc)
-            return
-        if what is not None:
-            self._time_kernels(exporter, model, what)
 
     def _cache(self) -> KernelCache | None:
         """``--kernel-cache``'s cache, opened on first use (None: off)."""
@@ -401,6 +351,59 @@ def time_kernels(search, model: bytes, cache: KernelCache | None, *, skip: Itera
     return search.kernel_timing(
         onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
         onnx.load_from_string(model), cache=cache, skip=skip, timed=timed, deadline=deadline)
+
+
+def unavoidable(prepared, kernels: KernelTable | None, what: WhatRan
+            ) -> tuple[set[str], set[str]]:
+    """``(tensors, nodes)`` of ``prepared``'s graph, by ``what`` ran and the ``kernels``
+    table: the float nodes no placement can make integer (an op the
+    runtime has no integer kernel for, ``rules.quantizable_ops``: ONNX Runtime's LRN,
+    BatchNormalization), and the conversions no placement can avoid without giving up a
+    kernel measured faster as integer: a standalone Q/DQ or reformat between such a node
+    (or the model's own input or output) and nodes whose integer kernels the kernel
+    table measured faster, every one of them. A visit for such a conversion only tries
+    to give those kernels up. Inception v1 (onnx's test data, ONNX Runtime): the stem's
+    visit tried five such moves, each 1.00-1.11x slower, for 35 s. Where a neighbour's
+    integer kernel was not measured faster (DenseNet's Mul after a BatchNormalization:
+    removing that conversion gained 2 %), the conversion still counts."""
+    g = prepared.graph
+    timings = kernels.timings if kernels is not None else {}
+    integer_ops = prepared.rules.quantizable_ops
+    float_only = {i for i, n in enumerate(g.nodes) if n.op_type not in integer_ops}
+    ends = set(g.graph_inputs) | set(g.graph_outputs)
+    tensors = set()
+    for t in what.standalone | what.reformats:
+        touching = {n for n, _ in g.consumers.get(t, [])}
+        if t in g.producer:
+            touching.add(g.producer[t][0])
+        others = [_kernel_node(g, n) for n in touching - float_only]
+        if (t in ends or touching & float_only) and others and all(
+                name in timings and timings[name].decision is KernelDecision.INTEGER
+                for name in others):
+            tensors.add(t)
+    return tensors, {g.nodes[i].name for i in float_only} & what.float_nodes
+
+
+def every_point_model(search, exporter, backend, timed: set[str]
+                      ) -> tuple[bytes, WhatRan] | None:
+    """The model with every offered point on and what ran of it, where a node of
+    ``KERNEL_OPS`` is not in ``timed`` (it runs float in the standing model: a float start, a
+    repaired one); else None. Timing its kernels lets the gap plan say which patterns' integer
+    kernels would gain, instead of visiting every pattern it cannot speak for. ShuffleNet
+    (onnx's test data) on ONNX Runtime: float was the best start (every quantized start ran
+    2.3x slower) and the descent visited all 13 patterns for 95 s without a commit."""
+    pm = search.prepared
+    if {n.name for n in pm.graph.nodes if n.op_type in KERNEL_OPS} <= timed:
+        return None
+    every = exporter.plan(search.record.uses(
+        {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}))
+    try:
+        model = exporter.to_bytes(every)
+        what = backend.what_ran(model)
+    except Exception as exc:  # evidence is an optimisation: never the run's failure
+        log.info("what ran with every point on could not be read (%s)", exc)
+        return None
+    return None if what is None else (model, what)
 
 
 def _kernel_node(g, index: int) -> str:
