@@ -53,13 +53,13 @@ from contextlib import nullcontext as _nothing
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.kernels import (
     KERNEL_OPS,
-    TAIL_OPS,
     KernelCache,
     KernelDecision,
     KernelTable,
     kernel_cache,
     units,
     with_shapes,
+    with_tails,
 )
 from qdq_optuna.search._moves import Point
 
@@ -376,10 +376,11 @@ def unavoidable(prepared, kernels: KernelTable | None, what: WhatRan
         touching = {n for n, _ in g.consumers.get(t, [])}
         if t in g.producer:
             touching.add(g.producer[t][0])
-        others = [_kernel_node(g, n) for n in touching - float_only]
+        others = touching - float_only
+        # each neighbour with the ops it fuses with (a Relu counts as its Conv's kernel)
         if (t in ends or touching & float_only) and others and all(
-                name in timings and timings[name].decision is KernelDecision.INTEGER
-                for name in others):
+                any(_integer_faster(timings.get(g.nodes[k].name)) for k in with_tails(g, {n}))
+                for n in others):
             tensors.add(t)
     return tensors, {g.nodes[i].name for i in float_only} & what.float_nodes
 
@@ -406,13 +407,8 @@ def every_point_model(search, exporter, backend, timed: set[str]
     return None if what is None else (model, what)
 
 
-def _kernel_node(g, index: int) -> str:
-    """The name the kernel table times node ``index`` under: its own, or for a Relu/Clip
-    right after a node (``TAIL_OPS``: the runtime folds it into that kernel) the node's."""
-    node = g.nodes[index]
-    if node.op_type in TAIL_OPS and node.input and node.input[0] in g.producer:
-        return g.nodes[g.producer[node.input[0]][0]].name
-    return node.name
+def _integer_faster(timing) -> bool:
+    return timing is not None and timing.decision is KernelDecision.INTEGER
 
 
 def skip_reason(dropped: Counter) -> str:
