@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import textwrap
 import time
@@ -374,6 +375,38 @@ def test_isolated_crash_is_transient_and_recovers():
         assert backend.load(b"xy").time(0, 1) == [2.0]
         assert backend.restarts == 2
     finally:
+        backend.close()
+
+
+class _Interrupt(BaseException):
+    """Stands for Ctrl-C or SIGTERM (a real KeyboardInterrupt would end pytest's session)."""
+
+
+def test_isolated_interrupted_call_retires_its_worker():
+    """An exception raised while the worker works (Ctrl-C, SIGTERM) leaves its reply to come:
+    the worker is killed, so the next call neither reads that stale reply nor waits behind the
+    hanging one, and closing returns at once."""
+    backend = IsolatedBackend(CRASHY, load_timeout_s=60.0)
+
+    def interrupt(signum, frame):
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        backend.load(b"warm")
+        old = backend.worker_pids()
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(_Interrupt):
+            backend.load(_crashy_backend.HANG)  # the worker sleeps 30 s in it
+        assert backend.worker_pids() == []
+        t0 = time.monotonic()
+        assert backend.load(b"abc").time(0, 1) == [3.0]
+        assert backend.worker_pids() != old
+        backend.close()
+        assert time.monotonic() - t0 < 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         backend.close()
 
 

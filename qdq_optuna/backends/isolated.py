@@ -283,6 +283,11 @@ class IsolatedBackend(Backend):
         self._info = info
         return self._worker
 
+    def _retire(self, worker: _Worker) -> None:
+        if self._worker is worker:
+            self._worker = None
+        worker.kill()
+
     def _fail(self, what: str, why: str) -> TransientBackendError:
         worker, self._worker = self._worker, None
         self.restarts += 1
@@ -305,10 +310,18 @@ class IsolatedBackend(Backend):
             except subprocess.TimeoutExpired:
                 pass
             raise self._fail(what, f"crashed ({_signal_name(worker.proc.returncode)})") from None
+        except BaseException:  # a message cut half-way leaves the worker's stream unreadable
+            self._retire(worker)
+            raise
         try:
             reply = worker.replies.get(timeout=timeout)
         except queue.Empty:
             raise self._fail(what, f"timed out after {timeout:g} s (killed)") from None
+        except BaseException:
+            # Ctrl-C or SIGTERM while the worker works: its reply would answer the next call,
+            # and a held measurement would keep every later call (closing included) waiting.
+            self._retire(worker)
+            raise
         if reply is _EOF:
             try:
                 worker.proc.wait(timeout=10)
