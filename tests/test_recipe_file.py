@@ -77,6 +77,26 @@ def test_the_tuned_model_ships_when_the_recipe_file_is_not_faster(residual, tmp_
     assert report["accuracy"]["shipped"] != "the recipe's own file"
 
 
+def test_a_recipe_file_past_the_bound_is_not_timed(residual, tmp_path):
+    """A file that breaks the accuracy bound cannot ship, so no A/B is spent on it (fastest
+    as it is here, it would otherwise be timed against the tuned model); the report gives its
+    error and why it was not timed."""
+    timed = []
+
+    def counting(model: onnx.ModelProto) -> float:
+        timed.append(_ort_written(model))
+        return file_fastest(model)
+
+    report = tune(str(residual), tmp_path / "r", benchmark=CallableBackend(counting,
+                  deterministic=True), runtime="onnxruntime", max_output_error=1e-6,
+                  config=Config(schemes_per_region=3, refine_rounds=0), progress=False).report
+    rf = report["recipe_file"]
+    assert not rf["within_bound"] and rf["error"] > 1e-6
+    assert rf["not_timed"] and "tuned_vs_file" not in rf and not rf["shipped"]
+    assert not any(timed), "the file past the bound was timed"
+    assert "past the bound, so it was not timed" in (tmp_path / "r" / "report.md").read_text()
+
+
 def test_a_missing_recipe_file_is_made_again_on_resume(residual, tmp_path):
     """A run whose kept file is gone (a resumed run in a cleaned folder) makes it again the
     same way before measuring it."""

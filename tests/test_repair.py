@@ -460,3 +460,76 @@ def test_one_repair_ranks_then_bisects_then_gives_float():
     assert late.method is RepairMethod.NO_TIME and not late.plan.activations
     nothing = repair(guard.exporter, plan, err, -1.0)
     assert nothing.method is RepairMethod.FLOAT and not nothing.plan.activations
+
+
+def _range_shift_model():
+    """x -> MatMul -> Relu -> MatMul: two MatMuls of constant weights, whose inputs change their
+    range a thousandfold from one input to the next."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) / 8, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32) / 8, "w2")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+         helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")],
+        "range_shift",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32])],
+        [w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _range_shift_data() -> dict:
+    rng = np.random.default_rng(1)
+    amplitude = np.array([1.0, 1000.0] * 4, np.float32)[:, None, None, None]
+    return {"x": (rng.standard_normal((8, 1, 8, 64)) * amplitude).astype(np.float32)
+            .reshape(8, 8, 64)[:, None]}
+
+
+def _range_shift_repair(dynamic: bool):
+    from qdq_optuna.measure.accuracy import ErrorScorer
+    from qdq_optuna.model import calibration
+    from qdq_optuna.placement.dynamic import QuantMode
+    from qdq_optuna.runtimes import profile_for
+    from qdq_optuna.runtimes.prepared import PreparedModel
+
+    model = _range_shift_model()
+    data = {"x": _range_shift_data()["x"][:, 0]}
+    modes = (QuantMode.STATIC, QuantMode.DYNAMIC) if dynamic else (QuantMode.STATIC,)
+    pm = PreparedModel.prepare(model, runtime=profile_for("onnxruntime").rules_for_modes(modes))
+    stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)
+    exporter = pm.exporter(calibration.activation_scales(stats, method="minmax",
+                                                         quant_type=pm.quant_type))
+    # 1 - cosine: a mean over samples, so the small-range inputs count as much as the large
+    scorer = ErrorScorer(model.SerializeToString(), data, metric=None,
+                         error_measure="1-cosine", optimize=True)
+    static = {u for pp in pm.tunable for u in pp.uses(pp.ids) if u[2] >= 0}
+    plan = exporter.plan({u for u in static if u[1] >= 0})
+    assert not plan.dynamic
+    error = lambda p: scorer.evaluator.evaluate(exporter.to_bytes(p))[0]  # noqa: E731
+    return rank_repair(exporter, plan, error, 0.01), plan
+
+
+def test_a_node_whose_input_range_shifts_is_switched_to_dynamic_not_float():
+    """Static scales calibrated over inputs a thousandfold apart round the small ones away;
+    a MatMul of a constant weight that ONNX Runtime can run dynamically (its activation range
+    read per call) gets that mode from the repair instead of float, and the repaired plan is
+    within the bound with both MatMuls still integer. Without the dynamic mode in the run the
+    same repair can only return groups to float."""
+    fixed, plan = _range_shift_repair(dynamic=True)
+    assert fixed.full_error > 0.01 and fixed.within, (fixed.full_error, fixed.error)
+    by_name = {g.name: g for g in fixed.groups}
+    # mm2 reads the Relu's output, whose range shifts with the input: its static scale is
+    # where the error is
+    assert by_name["mm2"].switched is not None and not by_name["mm2"].returned, fixed.to_dict()
+    assert [g.name for g in fixed.switched] == ["mm2"]
+    assert len(fixed.kept.dynamic) == 1 and fixed.kept.dynamic[0][1] == 2
+    rows = {r["group"]: r for r in fixed.to_dict()["sensitivity"]}
+    assert rows["mm2"]["fixed_by"] == "dynamic"
+    assert fixed.to_dict()["switched"] == 1
+
+    static_only, _ = _range_shift_repair(dynamic=False)
+    assert static_only.within and not static_only.switched and not static_only.kept.dynamic
+    assert {g.name: g for g in static_only.groups}["mm2"].returned

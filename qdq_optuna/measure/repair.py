@@ -34,7 +34,9 @@ from enum import Enum
 from qdq_optuna.backends.base import Backend
 from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.bisect import Bisection, bisect_plan
+from qdq_optuna.model.calibration import QuantType
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
+from qdq_optuna.placement.dynamic import QuantMode, dynamic_node_ok, mode_use, use_mode
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
 
 log = logging.getLogger("qdq_optuna")
@@ -46,6 +48,11 @@ PlanError = Callable[[QuantPlan], float]
 NEGLIGIBLE_SHARE = 0.05
 #: candidates measured again against the plan as it is before each group goes back to float
 RERANK = 3
+#: a node that can run dynamically (activations quantized per call, :class:`QuantMode`) is
+#: switched to that mode instead of going back to float when the switch removes at least this
+#: share of the error going back to float would: the node keeps an integer kernel, and a
+#: per-call range recovers what a calibrated scale loses on inputs of changing range
+MODE_SHARE = 0.9
 #: ops whose cost is their multiply-adds (output elements x reduced elements); other ops cost
 #: their output elements
 _MAC_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
@@ -69,6 +76,10 @@ class Group:
     returned: bool = False
     #: how many groups share :attr:`error` (a set of neighbours not split further)
     shared: int = 1
+    #: the use that runs the group's node dynamically instead (None: no such mode here)
+    dynamic: tuple | None = field(default=None, repr=False)
+    #: the mode the repair switched the node to instead of float (None: not switched)
+    switched: QuantMode | None = None
 
     @property
     def tensors(self) -> list[str]:
@@ -84,7 +95,9 @@ class Group:
         return {"group": self.name, "nodes": list(self.nodes), "tensors": self.tensors,
                 "error": None if math.isnan(self.error) else self.error,
                 "lost_integer_nodes": list(self.lost), "latency_cost": self.cost,
-                "returned_to_float": self.returned}
+                "returned_to_float": self.returned,
+                "fixed_by": "float" if self.returned else
+                (self.switched.value if self.switched is not None else None)}
 
 
 @dataclass
@@ -112,6 +125,11 @@ class Repair:
     def returned(self) -> list[Group]:
         return [g for g in self.groups if g.returned]
 
+    @property
+    def switched(self) -> list[Group]:
+        """The groups whose node the repair switched to another mode instead of float."""
+        return [g for g in self.groups if g.switched is not None]
+
     def exclude_nodes(self) -> str:
         """A ``--exclude-nodes`` line for the groups returned to float (empty when none)."""
         nodes = [n for g in self.returned for n in g.nodes]
@@ -121,7 +139,8 @@ class Repair:
         return {"bound": self.bound, "error": self.error, "full_error": self.full_error,
                 "evaluations": self.evaluations, "costs_from": self.costs_from,
                 "estimated_speed": self.speed,
-                "returned": len(self.returned), "groups_total": len(self.groups),
+                "returned": len(self.returned), "switched": len(self.switched),
+                "groups_total": len(self.groups),
                 "exclude_nodes": self.exclude_nodes(),
                 "sensitivity": [g.to_dict() for g in self.groups]}
 
@@ -478,9 +497,14 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
         return Repair(groups, plan, full, full, bound, len(memo), costs_from, speed | {
             "kept": speed["full"]})
 
+    _offer_dynamic(graph, groups, exporter.rules.dynamic_ops)
+    switched: list[Group] = []  # nodes run dynamically instead: in every plan tried after
+
     def without(gone_groups) -> QuantPlan:
-        gone = {u for g in gone_groups for u in g.uses}
-        return exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+        gone = {u for g in [*gone_groups, *switched] for u in g.uses}
+        uses = {u: q for u, q in plan_uses(plan).items() if u not in gone}
+        uses.update((g.dynamic, QuantType.INT8) for g in switched)
+        return exporter.plan(uses)
 
     def budget() -> bool:
         return len(memo) < max_evaluations and time_left()
@@ -488,14 +512,24 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     def drop(returned: list[Group], g: Group, now: float) -> float:
         return now - err(without(returned + [g]))
 
+    def switch(returned: list[Group], g: Group) -> float:
+        """The error with ``g``'s node run dynamically (the groups ``returned`` in float)."""
+        switched.append(g)
+        try:
+            return err(without(returned))
+        finally:
+            switched.pop()
+
     measure_drops(groups, lambda gs: full - err(without(gs)), full - bound,
                   budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
     # evaluations kept for the prefix search should the greedy returns not reach the bound
     reserve = 2 * math.ceil(math.log2(len(groups) + 1))
     returned = _greedy(groups, drop, full, bound, fusion,
-                       lambda: len(memo) < max_evaluations - reserve and time_left())
+                       lambda: len(memo) < max_evaluations - reserve and time_left(),
+                       switch=switch, switched=switched)
     if err(without(returned)) > bound:  # an error spread over many groups: return more at once
-        rest = _cheapest_order([g for g in groups if g not in returned], fusion)
+        rest = _cheapest_order([g for g in groups if g not in returned and g not in switched],
+                               fusion)
         k = _shortest_prefix(len(rest), lambda k: err(without(returned + rest[:k])) <= bound,
                              budget)
         returned += rest[:k]
@@ -516,21 +550,41 @@ def _key(g: Group) -> tuple:
     return (-g.score, g.cost, g.name)
 
 
+def _offer_dynamic(graph: Graph, groups: Sequence[Group], dynamic_ops: frozenset[str]) -> None:
+    """Set :attr:`Group.dynamic` for each group of static Q/DQ whose node may run dynamically
+    in this run (the runtime's rules for the modes searched)."""
+    if not dynamic_ops:
+        return
+    for g in groups:
+        nodes = {n for _, n, _ in g.uses}
+        if len(nodes) != 1 or any(use_mode(u) is not None for u in g.uses):
+            continue
+        (n,) = nodes
+        if n != GRAPH_OUTPUT and dynamic_node_ok(graph, n, dynamic_ops):
+            g.dynamic = mode_use(graph, n, QuantMode.DYNAMIC)
+
+
 def _greedy(groups: list[Group], drop: Callable[[list[Group], Group, float], float],
             full: float, bound: float, fusion: Fusion,
-            budget: Callable[[], bool]) -> list[Group]:
+            budget: Callable[[], bool],
+            switch: Callable[[list[Group], Group], float] | None = None,
+            switched: list[Group] | None = None) -> list[Group]:
     """Groups returned to float one at a time, the best error drop per cost first: before
     each return the :data:`RERANK` best candidates are measured against the plan as it is
     then (a group that only mattered together with one already returned falls back; one
     that only matters once another is gone rises), so each step costs at most that many
     evaluations; after each, the others' costs are read again against the plan as it is
     (a neighbour of a float island costs less: its return removes Q/DQ boundaries). Stops
-    within the bound or when the budget ends."""
+    within the bound or when the budget ends. A group whose node can run dynamically
+    (``switch``: the error with it so) is switched instead of returned when that removes
+    :data:`MODE_SHARE` of the error returning it would, or reaches the bound (it joins
+    ``switched``; its node keeps an integer kernel, so nothing is recosted)."""
     returned: list[Group] = []
+    switched = [] if switched is None else switched
     now = full
     fresh: set[int] = set()  # groups whose drop was measured against the current plan
     while now > bound and budget():
-        rest = sorted((g for g in groups if g not in returned), key=_key)
+        rest = sorted((g for g in groups if g not in returned and g not in switched), key=_key)
         if not rest:
             break
         for g in rest[:RERANK]:
@@ -540,6 +594,14 @@ def _greedy(groups: list[Group], drop: Callable[[list[Group], Group, float], flo
         best = min(rest[:RERANK], key=_key)
         if id(best) not in fresh:
             break
+        if best.dynamic is not None and switch is not None and budget():
+            error = switch(returned, best)
+            if error <= bound or now - error >= MODE_SHARE * best.error:
+                best.switched = QuantMode.DYNAMIC
+                switched.append(best)
+                now = error
+                fresh = set()
+                continue
         returned.append(best)
         fusion.returned(best.uses)
         _recost(fusion, [g for g in rest if g is not best])

@@ -605,7 +605,7 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
         if not outcome:  # measured: say whether it runs faster than float
             lines += _repair_speed_lines(s, r, rep)
         lines += ["| group | tensors | error drop | share of the error | integer nodes lost | "
-                  "latency cost | returned to float |", "|---|---|---|---|---|---|---|"]
+                  "latency cost | fixed by |", "|---|---|---|---|---|---|---|"]
         rows = rep.get("sensitivity") or []
         full = rep.get("full_error") or 0.0
         for g in rows[:limit]:
@@ -614,9 +614,16 @@ def _repair_lines(r: dict, limit: int = 40) -> list[str]:
                          f"{_f(g.get('error'), '{:.3g}')} | {_f(share, '{:.1%}')} | "
                          f"{_short(', '.join(g['lost_integer_nodes']), 80)} | "
                          f"{g['latency_cost']:.3g} | "
-                         f"{'**yes**' if g['returned_to_float'] else 'no'} |")
+                         f"{_fixed_by(g)} |")
         lines += _more_rows(rows, limit, 7) + [""]
     return lines
+
+
+def _fixed_by(group: dict) -> str:
+    """The sensitivity table's last cell: the mode the repair gave the group's node (float, or
+    one that keeps it integer, such as dynamic), or ``-`` where the repair left it as placed."""
+    mode = group.get("fixed_by") or ("float" if group.get("returned_to_float") else None)
+    return f"**{mode}**" if mode else "-"
 
 
 def _repair_speed_lines(s: dict, r: dict, rep: dict) -> list[str]:
@@ -771,6 +778,10 @@ def _recipe_file_lines(rf: dict | None) -> list[str]:
     name = f"`{rf['file']}`" + (f", {rf['tool']}'s" if rf.get("tool") else "")
     if rf.get("failure"):
         return [f"The recipe's own file ({name}) could not be measured: {rf['failure']}", ""]
+    if rf.get("not_timed"):
+        return [f"The recipe's own file ({name}): its output error "
+                f"{_f(rf['error'], '{:.4g}')} is past the bound, so it was not timed (it "
+                "cannot ship).", ""]
 
     def ab(c: dict) -> str:
         return f"{_f(c['ratio'])}x (interval {_f(c['ci_low'])}–{_f(c['ci_high'])})"

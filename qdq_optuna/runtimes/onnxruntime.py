@@ -91,6 +91,7 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from qdq_optuna.model import calibration
+    from qdq_optuna.runtimes._ort_indexed import indexed_lookups
 
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
     # checked, static shapes, weights in memory; the inputs the data feeds stay inputs
@@ -119,9 +120,10 @@ def ort_recipe_model(model: str | os.PathLike | onnx.ModelProto, work: Path, *,
         # the ranges outside ``work``: a file beside the model there reads as its weights
         with tempfile.TemporaryDirectory(prefix="qdq-optuna-ranges-") as ranges:
             cache = ort_minmax_cache(pre, feeds, Path(ranges) / "ort_ranges.json")
-            quantize_static(str(pre), str(out), None if cache else _Reader(),
-                            calibration_cache_path=cache, use_external_data_format=big,
-                            **ort_recipe_options())
+            with indexed_lookups(len(proto.graph.node)):
+                quantize_static(str(pre), str(out), None if cache else _Reader(),
+                                calibration_cache_path=cache, use_external_data_format=big,
+                                **ort_recipe_options())
     return out
 
 

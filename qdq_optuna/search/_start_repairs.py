@@ -155,12 +155,15 @@ class StartRepairs:
         table = found.to_dict()
         if fixed.method is RepairMethod.RANKED:
             nodes = [g.name for g in found.returned]
+            switched = [g.name for g in found.switched]
+            modes = (f"; {len(switched)} node(s) switched to dynamic instead (their "
+                     f"activations quantized per call): {listed(switched)}" if switched else "")
             return whole.start_from_uses(
                 self.prepared, name, list(plan_uses(fixed.plan)),
                 notes=[f"{start.name} with {len(nodes)} of {len(found.groups)} quantizer "
                        f"group(s) returned to float, ranked by output error per latency "
                        f"cost ({found.evaluations} error evaluations) until within the "
-                       f"accuracy bound: {listed(nodes)}"]), table, ""
+                       f"accuracy bound: {listed(nodes)}{modes}"]), table, ""
         if fixed.method is RepairMethod.NO_TIME:
             return None, table, NO_TIME
         if fixed.method is RepairMethod.FLOAT:
