@@ -463,17 +463,18 @@ def test_one_repair_ranks_then_bisects_then_gives_float():
 
 
 def _range_shift_model():
-    """x -> MatMul -> Relu -> MatMul: two MatMuls of constant weights, whose inputs change their
-    range a thousandfold from one input to the next."""
+    """x -> MatMul -> Div by d -> MatMul: two MatMuls of constant weights; d (a second input)
+    changes the second one's input range a thousandfold from one input to the next."""
     rng = np.random.default_rng(0)
     w1 = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) / 8, "w1")
     w2 = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32) / 8, "w2")
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-         helper.make_node("Relu", ["h"], ["r"], name="relu"),
-         helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")],
+         helper.make_node("Div", ["h", "d"], ["hd"], name="div"),
+         helper.make_node("MatMul", ["hd", "w2"], ["y"], name="mm2")],
         "range_shift",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64]),
+         helper.make_tensor_value_info("d", TensorProto.FLOAT, [1, 1, 1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 32])],
         [w1, w2])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -483,12 +484,17 @@ def _range_shift_model():
 
 def _range_shift_data() -> dict:
     rng = np.random.default_rng(1)
-    amplitude = np.array([1.0, 1000.0] * 4, np.float32)[:, None, None, None]
-    return {"x": (rng.standard_normal((8, 1, 8, 64)) * amplitude).astype(np.float32)
-            .reshape(8, 8, 64)[:, None]}
+    return {"x": rng.standard_normal((8, 8, 64)).astype(np.float32),
+            "d": np.array([1.0, 0.001] * 4, np.float32).reshape(8, 1, 1)}
 
 
 def _range_shift_repair(dynamic: bool):
+    exporter, plan, error = _range_shift_parts(dynamic)
+    return rank_repair(exporter, plan, error, 0.01), plan
+
+
+def _range_shift_parts(dynamic: bool):
+    """(exporter, the every-point static plan, its 1 - cosine in real ONNX Runtime)."""
     from qdq_optuna.measure.accuracy import ErrorScorer
     from qdq_optuna.model import calibration
     from qdq_optuna.placement.dynamic import QuantMode
@@ -496,7 +502,7 @@ def _range_shift_repair(dynamic: bool):
     from qdq_optuna.runtimes.prepared import PreparedModel
 
     model = _range_shift_model()
-    data = {"x": _range_shift_data()["x"][:, 0]}
+    data = _range_shift_data()
     modes = (QuantMode.STATIC, QuantMode.DYNAMIC) if dynamic else (QuantMode.STATIC,)
     pm = PreparedModel.prepare(model, runtime=profile_for("onnxruntime").rules_for_modes(modes))
     stats = calibration.collect_statistics(pm.graph.full_model(), pm.candidate_tensors(), data)
@@ -509,7 +515,7 @@ def _range_shift_repair(dynamic: bool):
     plan = exporter.plan({u for u in static if u[1] >= 0})
     assert not plan.dynamic
     error = lambda p: scorer.evaluator.evaluate(exporter.to_bytes(p))[0]  # noqa: E731
-    return rank_repair(exporter, plan, error, 0.01), plan
+    return exporter, plan, error
 
 
 def test_a_node_whose_input_range_shifts_is_switched_to_dynamic_not_float():
@@ -521,8 +527,8 @@ def test_a_node_whose_input_range_shifts_is_switched_to_dynamic_not_float():
     fixed, plan = _range_shift_repair(dynamic=True)
     assert fixed.full_error > 0.01 and fixed.within, (fixed.full_error, fixed.error)
     by_name = {g.name: g for g in fixed.groups}
-    # mm2 reads the Relu's output, whose range shifts with the input: its static scale is
-    # where the error is
+    # mm2 reads the Div's output, whose range shifts with d: its static scale is where the
+    # error is
     assert by_name["mm2"].switched is not None and not by_name["mm2"].returned, fixed.to_dict()
     assert [g.name for g in fixed.switched] == ["mm2"]
     assert len(fixed.kept.dynamic) == 1 and fixed.kept.dynamic[0][1] == 2
@@ -533,3 +539,22 @@ def test_a_node_whose_input_range_shifts_is_switched_to_dynamic_not_float():
     static_only, _ = _range_shift_repair(dynamic=False)
     assert static_only.within and not static_only.switched and not static_only.kept.dynamic
     assert {g.name: g for g in static_only.groups}["mm2"].returned
+
+
+def test_the_sensitivity_table_names_the_mode_that_fixes_a_node():
+    """The report's sensitivity table (every run): for the most sensitive nodes that can run
+    dynamically, the drop with the node switched to dynamic beside the drop as float, and the
+    fix; mm2 (whose input range shifts) is fixed by dynamic."""
+    from qdq_optuna.measure.repair import sensitivity
+    from qdq_optuna.outputs.report import sensitivity_lines
+
+    exporter, plan, error = _range_shift_parts(dynamic=True)
+    table = sensitivity(exporter, plan, error)
+    rows = {r["group"]: r for r in table["groups"]}
+    assert rows["mm2"]["fix"] == "dynamic"
+    assert rows["mm2"]["dynamic_error_drop"] >= 0.9 * rows["mm2"]["error_drop"] > 0.01
+    text = "\n".join(sensitivity_lines(table, "1-cosine"))
+    assert "drop as dynamic | fix |" in text and "| dynamic |" in text
+
+    exporter, plan, error = _range_shift_parts(dynamic=False)
+    assert all("fix" not in r for r in sensitivity(exporter, plan, error)["groups"])

@@ -705,6 +705,9 @@ def sensitivity(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, *,
     fusion, costs_from = _fusion(exporter.graph, plan, None, None, exporter.rules)
     _recost(fusion, groups)
     groups.sort(key=lambda g: (-(0.0 if math.isnan(g.error) else g.error), g.shared, g.name))
+    dynamic_drops = _dynamic_drops(exporter, plan, groups[:SENSITIVITY_EXCLUDE], full, err,
+                                   lambda: len(memo) < max_evaluations + SENSITIVITY_EXCLUDE
+                                   and time_left())
     top = [n for g in groups[:SENSITIVITY_EXCLUDE] if g.error > 0 for n in g.nodes]
     return {"error": full, "evaluations": len(memo), "groups_total": len(groups),
             "costs_from": costs_from,
@@ -712,7 +715,34 @@ def sensitivity(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, *,
             else "",
             "groups": [{"group": g.name, "nodes": list(g.nodes), "tensors": g.tensors,
                         "error_drop": None if math.isnan(g.error) else g.error,
-                        "shared_by": g.shared, "latency_cost": g.cost} for g in groups]}
+                        "shared_by": g.shared, "latency_cost": g.cost}
+                       | _mode_fix(g, dynamic_drops.get(id(g))) for g in groups]}
+
+
+def _dynamic_drops(exporter: QDQExporter, plan: QuantPlan, groups: Sequence[Group],
+                   full: float, err: PlanError, budget: Callable[[], bool]) -> dict[int, float]:
+    """id(group) -> how much the output error drops when the group's node runs dynamically
+    instead (the groups that have that mode in this run, while ``budget()`` holds)."""
+    _offer_dynamic(exporter.graph, groups, exporter.rules.dynamic_ops)
+    drops = {}
+    for g in groups:
+        if g.dynamic is None or not budget():
+            continue
+        uses = {u: q for u, q in plan_uses(plan).items() if u not in g.uses}
+        uses[g.dynamic] = QuantType.INT8
+        drops[id(g)] = full - err(exporter.plan(uses))
+    return drops
+
+
+def _mode_fix(g: Group, dynamic_drop: float | None) -> dict:
+    """The sensitivity row's mode columns: the drop with the node run dynamically (when
+    measured) and what fixes the group: ``dynamic`` when that removes :data:`MODE_SHARE` of
+    the error going back to float does (it keeps an integer kernel), else ``float``."""
+    if dynamic_drop is None:
+        return {}
+    drop = 0.0 if math.isnan(g.error) else g.error
+    return {"dynamic_error_drop": dynamic_drop,
+            "fix": QuantMode.DYNAMIC.value if dynamic_drop >= MODE_SHARE * drop else "float"}
 
 
 def measure_contributions(exporter: QDQExporter, groups: Sequence[Group],

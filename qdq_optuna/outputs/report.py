@@ -497,17 +497,26 @@ def sensitivity_lines(sens: dict | None, measure: str, limit: int = 20) -> list[
     if sens.get("exclude_nodes"):
         lines += ["To keep the most sensitive nodes float in a new run:", "", "```",
                   sens["exclude_nodes"], "```", ""]
-    lines += ["| group | tensors | error drop | share of the error | latency cost |",
-              "|---|---|---|---|---|"]
     rows = sens.get("groups") or []
+    modes = any(g.get("fix") for g in rows)
+    if modes:
+        lines += ["For the most sensitive nodes that can run dynamically (activations quantized "
+                  "per call), the drop with the node switched to that mode instead, and the "
+                  "fix: `dynamic` where that removes nearly as much error as float does "
+                  "(the node keeps an integer kernel).", ""]
+    lines += ["| group | tensors | error drop | share of the error | latency cost |"
+              + (" drop as dynamic | fix |" if modes else ""),
+              "|---|---|---|---|---|" + ("---|---|" if modes else "")]
     for g in rows[:limit]:
         drop = g.get("error_drop")
         share = drop / sens["error"] if drop is not None and sens["error"] > 0 else None
         shared = f" (set of {g['shared_by']})" if g.get("shared_by", 1) > 1 else ""
         lines.append(f"| {g['group']} | {_short(', '.join(g['tensors']), 80)} | "
                      f"{_f(drop, '{:.3g}')}{shared} | {_f(share, '{:.1%}')} | "
-                     f"{g['latency_cost']:.3g} |")
-    return lines + _more_rows(rows, limit, 5) + [""]
+                     f"{g['latency_cost']:.3g} |" + (
+                         f" {_f(g.get('dynamic_error_drop'), '{:.3g}')} | "
+                         f"{g.get('fix', '-')} |" if modes else ""))
+    return lines + _more_rows(rows, limit, 7 if modes else 5) + [""]
 
 
 def _starts_lines(r: dict) -> list[str]:
