@@ -558,3 +558,25 @@ def test_the_sensitivity_table_names_the_mode_that_fixes_a_node():
 
     exporter, plan, error = _range_shift_parts(dynamic=False)
     assert all("fix" not in r for r in sensitivity(exporter, plan, error)["groups"])
+
+
+def test_a_plan_of_dynamic_nodes_repaired_within_the_bound_is_kept():
+    """A plan whose nodes all run dynamically has no Q/DQ at all; once its repair returns the
+    node past the bound to float, what is left is still a quantized plan (it was taken for
+    "nothing kept" and the run shipped float: a 4,755-node decoder's dynamic start, within the
+    bound after one group of 864 went back to float)."""
+    from qdq_optuna.measure.repair import RepairMethod, repair
+    from qdq_optuna.placement.dynamic import QuantMode, mode_use
+
+    exporter, _, _ = _range_shift_parts(dynamic=True)
+    graph = exporter.graph
+    both = exporter.plan({mode_use(graph, 0, QuantMode.DYNAMIC): "int8",
+                          mode_use(graph, 2, QuantMode.DYNAMIC): "int8"})
+    assert len(both.dynamic) == 2 and not both.activations and both.quantized
+
+    def error(plan):  # mm2 (node 2) dynamic is what breaks the bound
+        return 0.3 if any(n == 2 for _, n, _ in plan.dynamic) else 0.01
+
+    fixed = repair(exporter, both, error, 0.1)
+    assert fixed.method is RepairMethod.RANKED and fixed.kept_quantized
+    assert [n for _, n, _ in fixed.plan.dynamic] == [0]

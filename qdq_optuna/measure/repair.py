@@ -225,13 +225,13 @@ def repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bound: f
                         max_evaluations=REPAIR_EVALUATIONS if max_evaluations is None
                         else max_evaluations,
                         time_left=rank_time_left or time_left)
-    if found.within and found.kept.activations:
+    if found.within and found.kept.quantized:
         return Repaired(found.kept, RepairMethod.RANKED, found)
     if not time_left():
         return Repaired(exporter.plan(set()), RepairMethod.NO_TIME, found)
     cut = bisect_plan(exporter, plan, error_fn, bound, max_evaluations=BISECT_EVALUATIONS
                       if bisect_evaluations is None else bisect_evaluations)
-    if cut.within and cut.kept.activations:
+    if cut.within and cut.kept.quantized:
         return Repaired(cut.kept, RepairMethod.BISECTION, found, cut)
     return Repaired(exporter.plan(set()), RepairMethod.FLOAT, found, cut)
 

@@ -158,6 +158,12 @@ class QuantPlan:
     def __len__(self) -> int:
         return len(self.activations)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the plan quantizes anything: Q/DQ on activations, or nodes in a per-node
+        mode (a plan of dynamic MatMuls has no Q/DQ at all: its ``len`` is 0)."""
+        return bool(self.activations or self.dynamic)
+
 
 def _one_mode_per_node(uses: Iterable[Use]) -> list[Use]:
     """The mode uses that are on, one per node (:data:`MODE_PRECEDENCE` where the scheme

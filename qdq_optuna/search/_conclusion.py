@@ -116,7 +116,7 @@ def conclude(lane: str, *, record: RunRecord, plans: PlanMeasurer, guard: Guard,
     mark("recipe_file")
     base_bytes, base_key, _ = baseline
     session = (SettingsChoice(listed=bool(profile.session_settings))
-               if plan.key == base_key or not len(plan) or settings.multi_objective
+               if plan.key == base_key or not plan.quantized or settings.multi_objective
                else choose_settings(profile, plans.measurer.backend, plans, guard.bound,
                                     final_bytes))  # no Q/DQ, or a front: no settings to ship
     mark("session_settings")
