@@ -304,3 +304,25 @@ def test_the_file_is_the_candidate_of_its_ab_so_noise_does_not_end_it_early(enco
     dyn = report["recipe_files"][1]
     assert dyn["shipped"], dyn["tuned_vs_file"]
     assert dyn["tuned_vs_file"]["decided"] and not dyn["tuned_vs_file"]["cut_short"]
+
+
+def test_a_placement_with_dynamic_nodes_keeps_them_as_a_start():
+    """A placement read back as uses (a repaired start, the user's seed) keeps the nodes it
+    runs dynamically when the run offers that mode, and names them as not offered when it
+    does not; the dynamic start less one node was the float model before (its repair shipped
+    float on a 4,755-node decoder)."""
+    from qdq_optuna.placement import starts
+
+    model = zoo.small("transformer")
+    with_dynamic = PreparedModel.prepare(model, runtime=profile_for("onnxruntime")
+                                         .rules_for_modes((QuantMode.STATIC, QuantMode.DYNAMIC)))
+    start = starts.dynamic_start(with_dynamic)
+    less_one = sorted(start.uses)[1:]
+    again = starts.start_from_uses(with_dynamic, "repaired", less_one)
+    assert again.uses == frozenset(less_one)
+    assert sum(sum(v.values()) for v in again.schemes.values()) > 0
+
+    static_only = PreparedModel.prepare(model, runtime="onnxruntime")
+    refused = starts.start_from_uses(static_only, "seed", less_one)
+    assert not refused.uses
+    assert "does not offer the dynamic mode" in refused.notes[0]

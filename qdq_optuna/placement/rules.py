@@ -14,7 +14,7 @@ from enum import Enum
 
 from qdq_optuna.errors import OptionChoice
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, Use
-from qdq_optuna.placement.dynamic import QuantMode
+from qdq_optuna.placement.dynamic import QuantMode, slot_mode
 
 ALL_SLOTS = -1
 
@@ -418,8 +418,12 @@ class RuntimeRules:
     weight_only_modes: tuple[QuantMode, ...] = ()
 
     def use_reason(self, graph: Graph, use: Use) -> str | None:
-        """Why a use is not a Q/DQ site on this runtime, or None when it is one."""
+        """Why a use is not a Q/DQ site on this runtime, or None when it is one (a node's
+        per-node mode: when the rules offer that mode for it)."""
         tensor, consumer, slot = use
+        mode = slot_mode(slot)
+        if mode is not None:
+            return self._mode_reason(graph, use, mode)
         if not graph.is_activation(tensor):
             return "not a float activation"
         if consumer == GRAPH_OUTPUT:
@@ -434,6 +438,20 @@ class RuntimeRules:
             if reason:
                 return reason
         return None
+
+    def _mode_reason(self, graph: Graph, use: Use, mode: QuantMode) -> str | None:
+        from qdq_optuna.placement.dynamic import dynamic_node_ok, mode_use
+        from qdq_optuna.placement.weight_only import WEIGHT_ONLY_OPS
+
+        _, node, _ = use
+        if node < 0 or node >= len(graph.nodes) or use != mode_use(graph, node, mode):
+            return f"not a {mode.value} use of a node of this graph"
+        if mode is QuantMode.DYNAMIC:
+            offered = bool(self.dynamic_ops) and dynamic_node_ok(graph, node, self.dynamic_ops)
+        else:
+            offered = mode in self.weight_only_modes and dynamic_node_ok(graph, node,
+                                                                         WEIGHT_ONLY_OPS)
+        return None if offered else f"the run does not offer the {mode.value} mode for it"
 
     def after_quantized_op(self, graph: Graph, tensor: str) -> bool:
         """``tensor`` is the output of an op whose output Q/DQ any reader may share."""
