@@ -506,7 +506,9 @@ def _claim(t: dict) -> str:
     claim = t.get("claim") or {}
     if "error" not in claim:
         return "-"
-    upper = next((v for k, v in claim.items() if "upper" in k and isinstance(v, float)), None)
+    spread = claim.get("claim") if isinstance(claim.get("claim"), dict) else {}
+    upper = spread.get("upper", next((v for k, v in claim.items()
+                                       if "upper" in k and isinstance(v, float)), None))
     return f"{claim['error']:.3f}" + (f" (upper {upper:.3f})" if upper is not None else "")
 
 
