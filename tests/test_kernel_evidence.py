@@ -452,6 +452,29 @@ def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_flo
     assert f"| pattern {patterns[convs[0]]} |" in text
 
 
+def test_the_limit_counts_a_matmuls_mode_kernels_and_the_mode_it_runs_in():
+    """A MatMul timed as float 1.0 ms, static integer 0.7 ms and dynamic 0.4 ms: its limit is
+    the dynamic kernel; placed dynamic it has no gap, placed static its gap is 0.3 ms; a
+    dynamic kernel whose interval overlaps the static one's is no gap (not told apart)."""
+    from qdq_optuna.search._limit import estimate
+
+    dyn = K.KernelTiming("s", "MatMul", 0.7, 1.0, 1.0 / 0.7, 1.3, 1.5, 6, dynamic_ms=0.4,
+                         dynamic_ratio=2.5, dynamic_ci=(2.3, 2.7))
+    table = K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"], {"mm": dyn})
+    patterns = {"mm": "P000"}
+    as_dynamic = estimate(table, 10.0, set(), patterns, {"mm": "dynamic"})
+    assert as_dynamic.limit_ms == pytest.approx(10.0 - 1.0 + 0.4)
+    assert as_dynamic.placed_ms == pytest.approx(as_dynamic.limit_ms) and not as_dynamic.by_op()
+    as_static = estimate(table, 10.0, {"mm"}, patterns)
+    assert as_static.by_op() == {"MatMul": pytest.approx(0.3)}
+    assert as_static.nodes[0].placed == "integer"
+    close = K.KernelTiming("s", "MatMul", 0.7, 1.0, 1.0 / 0.7, 1.3, 1.5, 6, dynamic_ms=0.68,
+                           dynamic_ratio=1.47, dynamic_ci=(1.35, 1.6))
+    tied = estimate(K.KernelTable({"name": "onnxruntime", "threads": 1}, ["avx2"],
+                                  {"mm": close}), 10.0, {"mm"}, patterns)
+    assert tied.limit_ms == pytest.approx(10.0 - 1.0 + 0.68) and not tied.by_op()
+
+
 def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(resnet):
     """A pattern whose Conv runs its slower kernel by more than the noise is visited first;
     one whose timed Convs all run their faster kernel, with nothing unfused, is skipped with
@@ -520,6 +543,34 @@ def test_a_float_standing_model_has_the_every_point_on_kernels_timed_once(resnet
         next(i for i, n in enumerate(pm.graph.nodes) if n.name == keep)].op_type == "Conv"
     unfused._read(ex, ex.plan(set()))  # another standing model read later
     assert len(calls) == 3  # the float model's own timing again, every point on not again
+
+
+def test_the_every_point_model_turns_on_static_points_only():
+    """With the dynamic mode offered, every point on would run each MatMul dynamically (a
+    node's mode point wins over its static ones) and leave no static unit to time; the model
+    timed for evidence has every static point on and no node in a per-node mode."""
+    from qdq_optuna.placement.dynamic import QuantMode
+    from qdq_optuna.runtimes import profile_for
+    from qdq_optuna.search._unfused import every_point_model, per_node_modes
+
+    pm = PreparedModel.prepare(zoo.small("transformer"), runtime=profile_for("onnxruntime")
+                               .rules_for_modes((QuantMode.STATIC, QuantMode.DYNAMIC)))
+    ex = pm.exporter()
+
+    def uses(schemes, pinned=()):
+        return {u for pp in pm.tunable
+                for u in pp.uses([pid for pid, on in schemes[pp.pattern.id].items() if on])}
+
+    class _S:
+        prepared = pm
+        record = type("R", (), {"uses": staticmethod(uses)})
+
+    model, what = every_point_model(_S(), ex, OnnxRuntimeBackend(), set())
+    assert per_node_modes(model) == {}
+    matmuls = [u for u in K.units(onnx.load_from_string(model)) if u.op == "MatMul"]
+    assert len(matmuls) >= 6  # the constant-weight MatMuls are static units to time
+    every_on = ex.plan(uses({pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}))
+    assert every_on.dynamic  # what the old "every point on" ran: those MatMuls dynamic
 
 
 def _lrn_model() -> onnx.ModelProto:

@@ -37,6 +37,7 @@ from qdq_optuna.search._unfused import (
     Unfused,
     integer_nodes,
     kernel_table_entry,
+    per_node_modes,
     skip_reason,
 )
 
@@ -97,7 +98,8 @@ class Descent:
         table = kernel_table_entry(u.kernels, shipped, placed)
         limit = None
         if placed is not None and self.s.baseline_ms:
-            limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns).to_dict()
+            limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns,
+                             per_node_modes(shipped)).to_dict()
         return DescentFindings(list(self.skipped), u.reads, table, limit, list(self.plans))
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:
@@ -151,10 +153,10 @@ class Descent:
             return None
         schemes = s.record.standing(lane, s.record.visits(lane))
         what = u.of(schemes, lane)  # times the standing model's kernels not timed yet
-        integer = u.standing_integer(schemes, lane)
+        integer, modes = u.standing_placed(schemes, lane)
         if what is None or integer is None:
             return None
-        limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns)
+        limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns, modes)
         if u.kernels.ops not in self.heavy:
             self.heavy[u.kernels.ops] = heavy_nodes(s.prepared, u.kernels.ops)
         plan = plan_visits([pp.pattern.id for pp in self.tunable], limit,

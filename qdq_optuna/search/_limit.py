@@ -2,7 +2,8 @@
 and where a model's gap to it is.
 
 From the run's kernel table (:mod:`~qdq_optuna.measure.kernels`: each Conv/Gemm/MatMul the
-runtime ran integer, timed as its integer kernel and as its float one on this machine, and,
+runtime ran integer, timed as its integer kernel and as its float one on this machine (a
+MatMul also in each per-node mode the run searches: dynamic, weight-only), and,
 where the runtime's profile lists them, every node of the ops it has other integer kernels for:
 MaxPool, Concat, Add, Resize, ... as op units): every timed node at its faster kernel, every
 other op at its float time (the float model's latency less the timed nodes' float times). A
@@ -100,18 +101,47 @@ def node_patterns(prepared) -> dict[str, str]:
     return out
 
 
+def _kernels(t) -> dict[str, tuple[float, tuple[float, float] | None]]:
+    """A timed node's kernels: name -> (ms, the interval of float / that kernel; None for
+    float itself): the static integer one and float always, each per-node mode's where timed
+    (a MatMul run dynamically, or weight-only)."""
+    out = {KernelDecision.INTEGER.value: (t.int_ms, (t.ci_low, t.ci_high)),
+           KernelDecision.FLOAT.value: (t.float_ms, None)}
+    for mode in ("dynamic", "weight_int8", "weight_int4"):
+        ms = getattr(t, f"{mode}_ms")
+        if ms is not None:
+            out[mode] = (ms, getattr(t, f"{mode}_ci"))
+    return out
+
+
+def _told_apart(kernels: dict, a: str, b: str) -> bool:
+    """Whether kernels ``a`` and ``b`` of one node measured apart: each against float's
+    interval excludes the other's (a kernel against float: its own interval excludes 1)."""
+    if a == b:
+        return False
+    ci = {k: (1.0, 1.0) if v[1] is None else v[1] for k, v in kernels.items()}
+    (lo_a, hi_a), (lo_b, hi_b) = ci[a], ci[b]
+    return hi_a < lo_b or hi_b < lo_a
+
+
 def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
-             patterns: dict[str, str]) -> Limit:
-    """The limit from ``table`` and the float model's latency ``float_ms``, and the model
-    whose nodes ``integer_nodes`` are set up as integer kernels, estimated the same way."""
+             patterns: dict[str, str], modes: dict[str, str] | None = None) -> Limit:
+    """The limit from ``table`` and the float model's latency ``float_ms`` (each timed node
+    at its fastest kernel, per-node modes included where timed), and the model whose nodes
+    ``integer_nodes`` are set up as static integer kernels and ``modes`` (node -> mode name)
+    run in a per-node mode, estimated the same way."""
     nodes, timed_float, best_sum, placed_sum = [], 0.0, 0.0, 0.0
+    modes = modes or {}
     for name, t in table.timings.items():
-        best = min(t.int_ms, t.float_ms)
-        on_integer = name in integer_nodes
-        placed = KernelDecision.INTEGER.value if on_integer else KernelDecision.FLOAT.value
-        placed_ms = t.int_ms if on_integer else t.float_ms
+        kernels = _kernels(t)
+        best_kernel = min(kernels, key=lambda k: kernels[k][0])
+        best = kernels[best_kernel][0]
+        placed = modes.get(name) if modes.get(name) in kernels else (
+            KernelDecision.INTEGER.value if name in integer_nodes
+            else KernelDecision.FLOAT.value)
+        placed_ms = kernels[placed][0]
         nodes.append(NodeGap(name, t.op, patterns.get(name), placed, placed_ms, best,
-                             t.decision is not KernelDecision.TIE))
+                             _told_apart(kernels, placed, best_kernel)))
         timed_float += t.float_ms
         best_sum += best
         placed_sum += placed_ms

@@ -61,6 +61,7 @@ from qdq_optuna.measure.kernels import (
     with_shapes,
     with_tails,
 )
+from qdq_optuna.placement.dynamic import QuantMode, node_modes, use_mode
 from qdq_optuna.search._moves import Point
 
 log = logging.getLogger("qdq_optuna")
@@ -141,15 +142,15 @@ class Unfused:
                      len(what.float_nodes), len(what.reformats))
         return what
 
-    def standing_integer(self, schemes: dict[str, dict[str, int]], lane: str | None = None
-                         ) -> set[str] | None:
-        """The nodes the standing model at ``schemes`` sets up as integer kernels (None:
-        no kernel table yet, or not readable)."""
+    def standing_placed(self, schemes: dict[str, dict[str, int]], lane: str | None = None
+                        ) -> tuple[set[str] | None, dict[str, str]]:
+        """The nodes the standing model at ``schemes`` sets up as static integer kernels
+        (None: no kernel table yet, or not readable) and those it runs in a per-node mode."""
         if self.kernels is None:
-            return None
-        exporter = self.s.exporter
-        plan = exporter.plan(self.s.record.uses(schemes, self.s.record.pinned(lane)))
-        return integer_nodes(self.kernels, exporter.to_bytes(plan))
+            return None, {}
+        uses = self.s.record.uses(schemes, self.s.record.pinned(lane))
+        model = self.s.exporter.to_bytes(self.s.exporter.plan(uses))
+        return integer_nodes(self.kernels, model), per_node_modes(model)
 
     def pattern_sites(self, what: WhatRan | None) -> dict[str, bool]:
         """Pattern id -> whether the runtime left something unfused in it that a move can
@@ -387,7 +388,8 @@ def unavoidable(prepared, kernels: KernelTable | None, what: WhatRan
 
 def every_point_model(search, exporter, backend, timed: set[str]
                       ) -> tuple[bytes, WhatRan] | None:
-    """The model with every offered point on and what ran of it, where a node of
+    """The model with every offered static point on and what ran of it (its MatMuls' mode
+    kernels are timed beside their static ones where the runtime has them), where a node of
     ``KERNEL_OPS`` is not in ``timed`` (it runs float in the standing model: a float start, a
     repaired one); else None. Timing its kernels lets the gap plan say which patterns' integer
     kernels would gain, instead of visiting every pattern it cannot speak for. ShuffleNet
@@ -396,8 +398,10 @@ def every_point_model(search, exporter, backend, timed: set[str]
     pm = search.prepared
     if {n.name for n in pm.graph.nodes if n.op_type in KERNEL_OPS} <= timed:
         return None
+    # static points only: a node with a mode point on runs that mode, not a static unit
     every = exporter.plan(search.record.uses(
-        {pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}))
+        {pp.pattern.id: {pid: int(not any(use_mode(u) is not None for u in pp.uses([pid])))
+                         for pid in pp.ids} for pp in pm.tunable}))
     try:
         model = exporter.to_bytes(every)
         what = backend.what_ran(model)
@@ -458,6 +462,18 @@ def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
                                       table.output_q, table.ops)}
     except Exception:  # the table still ships without the column
         return None
+
+
+def per_node_modes(model: bytes | None) -> dict[str, str]:
+    """Node -> the per-node mode ``model`` (its bytes) runs it in (dynamic, weight-only)."""
+    if not isinstance(model, bytes):
+        return {}
+    try:
+        modes = node_modes(model)
+    except Exception:  # the estimate then takes those nodes as placed float
+        return {}
+    per_node = {mode.value for mode in QuantMode if mode.per_node}
+    return {n: m for n, m in modes.items() if m in per_node}
 
 
 def kernel_table_entry(table: KernelTable, model: bytes | None,
