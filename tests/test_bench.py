@@ -173,24 +173,40 @@ def test_first_reach_and_step() -> None:
 
 
 def test_without_matplotlib_everything_but_the_plot_is_written(smoke_run, tmp_path, monkeypatch,
-                                                                capsys, caplog):
+                                                                capsys):
     """A default install has no matplotlib: bench writes its tables and says in one warning
     line that the plot was skipped."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    # once in CI (the installed wheel's suite, two workers) no record reached caplog: a
-    # logging.config call earlier in the same worker process disables the loggers that exist
-    # then (Optuna's Alembic env.py calls fileConfig when the root logger has no handler);
-    # this test reads our records, not that
-    monkeypatch.setattr(logging.getLogger("qdq_optuna"), "disabled", False)
+    # twice in CI (the installed wheel's suite, two workers) no record reached caplog: what an
+    # earlier test of the same worker process left in logging's global state (a fileConfig
+    # that disables existing loggers, a library's logging.disable, root handlers replaced)
+    # is not this test's subject, so it reads our logger's records with a handler of its own
+    # on that logger, with logging's global switches as a fresh process has them
+    ours = logging.getLogger("qdq_optuna")
+    kept: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = kept.append  # type: ignore[method-assign]
+    monkeypatch.setattr(ours, "disabled", False)
+    disabled_at = logging.root.manager.disable
+    level = ours.level
+    logging.disable(logging.NOTSET)
+    ours.setLevel(logging.NOTSET)
+    ours.addHandler(handler)
     out = tmp_path / "smoke"
     shutil.copytree(smoke_run / "runs", out / "runs")  # finished runs: skipped, then aggregated
-    rc, stdout, err = _cli(capsys, "smoke", "-o", str(out))  # a shipped recipe by name
+    try:
+        rc, stdout, err = _cli(capsys, "smoke", "-o", str(out))  # a shipped recipe by name
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+        logging.disable(disabled_at)
     assert rc == 0, err
     for name in ("results.csv", "results.json", "summary.md"):
         assert (out / name).is_file(), name
     assert not (out / "bench.png").exists()
-    warnings = [r.getMessage() for r in caplog.records if "bench.png" in r.getMessage()]
+    assert json.loads((out / "results.json").read_text()), "no records: nothing to plot"
+    warnings = [r.getMessage() for r in kept if "bench.png" in r.getMessage()]
     assert warnings == [f"{out / 'bench.png'} not written: matplotlib is not installed (pip "
                         "install matplotlib; everything else is)"]
-    assert [r.levelname for r in caplog.records if "bench.png" in r.getMessage()] == ["WARNING"]
+    assert [r.levelname for r in kept if "bench.png" in r.getMessage()] == ["WARNING"]
     assert "bench.png" not in stdout.splitlines()[-1]  # not listed as written
