@@ -501,10 +501,7 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
     switched: list[Group] = []  # nodes run dynamically instead: in every plan tried after
 
     def without(gone_groups) -> QuantPlan:
-        gone = {u for g in [*gone_groups, *switched] for u in g.uses}
-        uses = {u: q for u, q in plan_uses(plan).items() if u not in gone}
-        uses.update((g.dynamic, QuantType.INT8) for g in switched)
-        return exporter.plan(uses)
+        return _changed(exporter, plan, gone_groups, switched)
 
     def budget() -> bool:
         return len(memo) < max_evaluations and time_left()
@@ -514,11 +511,7 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
 
     def switch(returned: list[Group], g: Group) -> float:
         """The error with ``g``'s node run dynamically (the groups ``returned`` in float)."""
-        switched.append(g)
-        try:
-            return err(without(returned))
-        finally:
-            switched.pop()
+        return err(_changed(exporter, plan, returned, [*switched, g]))
 
     measure_drops(groups, lambda gs: full - err(without(gs)), full - bound,
                   budget=lambda: len(memo) < max_evaluations // 2 + 1 and time_left())
@@ -548,6 +541,16 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
 
 def _key(g: Group) -> tuple:
     return (-g.score, g.cost, g.name)
+
+
+def _changed(exporter: QDQExporter, plan: QuantPlan, to_float: Sequence[Group],
+             to_dynamic: Sequence[Group] = ()) -> QuantPlan:
+    """``plan`` with the groups ``to_float`` returned to float and the nodes of ``to_dynamic``
+    run dynamically (their :attr:`Group.dynamic` use) instead of as placed."""
+    gone = {u for g in [*to_float, *to_dynamic] for u in g.uses}
+    uses = {u: q for u, q in plan_uses(plan).items() if u not in gone}
+    uses.update((g.dynamic, QuantType.INT8) for g in to_dynamic)
+    return exporter.plan(uses)
 
 
 def _offer_dynamic(graph: Graph, groups: Sequence[Group], dynamic_ops: frozenset[str]) -> None:
@@ -696,8 +699,7 @@ def sensitivity(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, *,
     memo = err.memo
 
     def without(gone_groups) -> QuantPlan:
-        gone = {u for g in gone_groups for u in g.uses}
-        return exporter.plan({u: q for u, q in plan_uses(plan).items() if u not in gone})
+        return _changed(exporter, plan, gone_groups)
 
     full = err(plan)
     measure_drops(groups, lambda gs: full - err(without(gs)), full,
@@ -728,9 +730,7 @@ def _dynamic_drops(exporter: QDQExporter, plan: QuantPlan, groups: Sequence[Grou
     for g in groups:
         if g.dynamic is None or not budget():
             continue
-        uses = {u: q for u, q in plan_uses(plan).items() if u not in g.uses}
-        uses[g.dynamic] = QuantType.INT8
-        drops[id(g)] = full - err(exporter.plan(uses))
+        drops[id(g)] = full - err(_changed(exporter, plan, (), (g,)))
     return drops
 
 

@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from qdq_optuna.measure.kernels import KERNEL_OPS, KernelDecision, KernelTable
+from qdq_optuna.placement.dynamic import QuantMode
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _kernels(t) -> dict[str, tuple[float, tuple[float, float] | None]]:
     (a MatMul run dynamically, or weight-only)."""
     out = {KernelDecision.INTEGER.value: (t.int_ms, (t.ci_low, t.ci_high)),
            KernelDecision.FLOAT.value: (t.float_ms, None)}
-    for mode in ("dynamic", "weight_int8", "weight_int4"):
+    for mode in (m.value for m in QuantMode if m.per_node):  # KernelTiming's column names
         ms = getattr(t, f"{mode}_ms")
         if ms is not None:
             out[mode] = (ms, getattr(t, f"{mode}_ci"))
