@@ -36,7 +36,7 @@ from qdq_optuna.backends.what_ran import WhatRan
 from qdq_optuna.measure.bisect import Bisection, bisect_plan
 from qdq_optuna.model.calibration import QuantType
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
-from qdq_optuna.placement.dynamic import QuantMode, dynamic_node_ok, mode_use, use_mode
+from qdq_optuna.placement.dynamic import QuantMode, mode_use, use_mode
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
 
 log = logging.getLogger("qdq_optuna")
@@ -497,7 +497,7 @@ def rank_repair(exporter: QDQExporter, plan: QuantPlan, error_fn: PlanError, bou
         return Repair(groups, plan, full, full, bound, len(memo), costs_from, speed | {
             "kept": speed["full"]})
 
-    _offer_dynamic(graph, groups, exporter.rules.dynamic_ops)
+    _offer_dynamic(graph, groups, exporter.rules)
     switched: list[Group] = []  # nodes run dynamically instead: in every plan tried after
 
     def without(gone_groups) -> QuantPlan:
@@ -553,17 +553,15 @@ def _changed(exporter: QDQExporter, plan: QuantPlan, to_float: Sequence[Group],
     return exporter.plan(uses)
 
 
-def _offer_dynamic(graph: Graph, groups: Sequence[Group], dynamic_ops: frozenset[str]) -> None:
+def _offer_dynamic(graph: Graph, groups: Sequence[Group], rules) -> None:
     """Set :attr:`Group.dynamic` for each group of static Q/DQ whose node may run dynamically
-    in this run (the runtime's rules for the modes searched)."""
-    if not dynamic_ops:
-        return
+    in this run (``rules``: the runtime's rules for the modes searched)."""
     for g in groups:
         nodes = {n for _, n, _ in g.uses}
         if len(nodes) != 1 or any(use_mode(u) is not None for u in g.uses):
             continue
         (n,) = nodes
-        if n != GRAPH_OUTPUT and dynamic_node_ok(graph, n, dynamic_ops):
+        if n != GRAPH_OUTPUT and rules.offers_mode(graph, n, QuantMode.DYNAMIC):
             g.dynamic = mode_use(graph, n, QuantMode.DYNAMIC)
 
 
@@ -725,7 +723,7 @@ def _dynamic_drops(exporter: QDQExporter, plan: QuantPlan, groups: Sequence[Grou
                    full: float, err: PlanError, budget: Callable[[], bool]) -> dict[int, float]:
     """id(group) -> how much the output error drops when the group's node runs dynamically
     instead (the groups that have that mode in this run, while ``budget()`` holds)."""
-    _offer_dynamic(exporter.graph, groups, exporter.rules.dynamic_ops)
+    _offer_dynamic(exporter.graph, groups, exporter.rules)
     drops = {}
     for g in groups:
         if g.dynamic is None or not budget():

@@ -28,7 +28,7 @@ from qdq_optuna.model.graph import Graph, Use
 from qdq_optuna.placement.dynamic import (
     DYNAMIC_SLOT,
     MODE_SLOTS,
-    dynamic_node_ok,
+    QuantMode,
     dynamic_use,
     mode_use,
     slot_mode,
@@ -36,7 +36,6 @@ from qdq_optuna.placement.dynamic import (
 from qdq_optuna.placement.patterns import Pattern, PatternIndex
 from qdq_optuna.placement.regions import RegionTree
 from qdq_optuna.placement.rules import RuntimeRules
-from qdq_optuna.placement.weight_only import WEIGHT_ONLY_OPS
 
 NODE_INPUT = "NodeInput"
 CHILD_REGION_INPUT = "ChildRegionInput"
@@ -154,14 +153,12 @@ def enumerate_points(
     # Dynamic (a node's mode): where every member's node can run dynamically
     for idx, n in enumerate(rep_nodes):
         members = {r: pattern.node(r, idx) for r in pattern.regions}
-        if rules.dynamic_ops and all(dynamic_node_ok(graph, m, rules.dynamic_ops)
-                                     for m in members.values()):
+        if all(rules.offers_mode(graph, m, QuantMode.DYNAMIC) for m in members.values()):
             candidates.append((InsertionPoint(DYNAMIC, idx, DYNAMIC_SLOT, graph.nodes[n].op_type),
                                {r: [dynamic_use(graph, m)] for r, m in members.items()}))
         # WeightOnly (a node's mode too): one point per weight-only mode the rules offer
-        if rules.weight_only_modes and all(dynamic_node_ok(graph, m, WEIGHT_ONLY_OPS)
-                                           for m in members.values()):
-            for mode in rules.weight_only_modes:
+        for mode in rules.weight_only_modes:
+            if all(rules.offers_mode(graph, m, mode) for m in members.values()):
                 candidates.append((
                     InsertionPoint(WEIGHT_ONLY, idx, MODE_SLOTS[mode], graph.nodes[n].op_type),
                     {r: [mode_use(graph, m, mode)] for r, m in members.items()}))

@@ -439,19 +439,24 @@ class RuntimeRules:
                 return reason
         return None
 
-    def _mode_reason(self, graph: Graph, use: Use, mode: QuantMode) -> str | None:
-        from qdq_optuna.placement.dynamic import dynamic_node_ok, mode_use
+    def offers_mode(self, graph: Graph, node: int, mode: QuantMode) -> bool:
+        """Whether ``node`` may run in the per-node ``mode`` under these rules (the modes a
+        run searches): what a mode's insertion point is offered for, and a mode use kept."""
+        from qdq_optuna.placement.dynamic import dynamic_node_ok
         from qdq_optuna.placement.weight_only import WEIGHT_ONLY_OPS
+
+        if mode is QuantMode.DYNAMIC:
+            return bool(self.dynamic_ops) and dynamic_node_ok(graph, node, self.dynamic_ops)
+        return mode in self.weight_only_modes and dynamic_node_ok(graph, node, WEIGHT_ONLY_OPS)
+
+    def _mode_reason(self, graph: Graph, use: Use, mode: QuantMode) -> str | None:
+        from qdq_optuna.placement.dynamic import mode_use
 
         _, node, _ = use
         if node < 0 or node >= len(graph.nodes) or use != mode_use(graph, node, mode):
             return f"not a {mode.value} use of a node of this graph"
-        if mode is QuantMode.DYNAMIC:
-            offered = bool(self.dynamic_ops) and dynamic_node_ok(graph, node, self.dynamic_ops)
-        else:
-            offered = mode in self.weight_only_modes and dynamic_node_ok(graph, node,
-                                                                         WEIGHT_ONLY_OPS)
-        return None if offered else f"the run does not offer the {mode.value} mode for it"
+        return None if self.offers_mode(graph, node, mode) else \
+            f"the run does not offer the {mode.value} mode for it"
 
     def after_quantized_op(self, graph: Graph, tensor: str) -> bool:
         """``tensor`` is the output of an op whose output Q/DQ any reader may share."""
