@@ -2,10 +2,13 @@
 there a report every time SIGTERM stopped it, and is nothing committed lost?
 
 One output folder, one ``qdq-optuna tune -b costmodel`` command on a zoo model (the yolo-like
-model by default: a few dozen stored trials), run over and over: each attempt
-is sent ``--signal`` (SIGTERM, SIGKILL or both, alternating) at a moment drawn uniformly from
-``--window`` seconds after its start (``--from-open``: after it opened the run), and after
-each attempt the script checks
+model at its full size by default: about 40 s a run on 2 cores, so a signal drawn from the
+window lands while the run is going), run over and over: each attempt
+is sent ``--signal`` (SIGTERM, SIGKILL or both, in a shuffled order) at a moment drawn uniformly from
+``--window`` seconds after its start (``--from-open``: after it opened the run). An attempt
+that finished the run before its signal does not count: attempts go on until ``--kills``
+signals of each kind landed while a run was going (at most three times as many attempts).
+After each attempt the script checks
 
 * the exit code: 143 for SIGTERM, -9 for SIGKILL (0: the run finished before the signal);
 * SIGTERM: ``report.json`` holds ``stopped`` (the report of what was known), ``state.yaml``
@@ -18,8 +21,8 @@ each attempt the script checks
 A last run of the same command finishes the run and is checked the same way (exit 0, a
 complete report, nothing lost).
 
-    python benchmarks/signal_check.py --kills 10            # 10 SIGTERM + 10 SIGKILL
-    python benchmarks/signal_check.py --kills 10 --from-open --window 0 8
+    python benchmarks/signal_check.py --kills 10            # until 10 SIGTERM + 10 SIGKILL landed
+    python benchmarks/signal_check.py --kills 10 --from-open --window 0 30
 
 Writes ``benchmarks/results/signal_check.json`` (per attempt: signal, moment, exit code, the
 checks' outcome; a summary per signal).
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=10, help="attempts per signal")
     ap.add_argument("--signal", choices=("both", "SIGTERM", "SIGKILL"), default="both")
-    ap.add_argument("--model", default="yolo", help="a zoo model (small size)")
+    ap.add_argument("--model", default="yolo", help="a zoo model")
+    ap.add_argument("--size", default="full", help="the zoo model's size (full, small)")
     ap.add_argument("--window", type=float, nargs=2, default=(4.0, 14.0),
                     metavar=("FROM", "TO"), help="seconds after the start a signal lands")
     ap.add_argument("--from-open", action="store_true",
@@ -146,21 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     signals = {"both": [signal.SIGTERM, signal.SIGKILL], "SIGTERM": [signal.SIGTERM],
                "SIGKILL": [signal.SIGKILL]}[args.signal]
-    plan = [s for _ in range(args.kills) for s in signals]
-    rng.shuffle(plan)
+    landed = {s: 0 for s in signals}  # signals that landed while a run was going
     attempts = []
     with tempfile.TemporaryDirectory(prefix="signal_check_") as tmp:
         model = Path(tmp) / f"{args.model}.onnx"
         import onnx
 
-        onnx.save(zoo.build(args.model, "small"), str(model))
+        onnx.save(zoo.build(args.model, args.size), str(model))
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "qdq_optuna", "tune", "-m", str(model), "-o", str(out),
                "-b", "costmodel", "-q"]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         before: dict = {}
         fresh = False  # the last attempt finished the run: the next one starts a new run
-        for sig in plan:
+        while (min(landed.values()) < args.kills
+               and len(attempts) < 3 * args.kills * len(signals)):
+            sig = rng.choice([s for s in signals if landed[s] < args.kills])
             moment = rng.uniform(*args.window)
             started = time.time()
             proc = subprocess.Popen([*cmd, "--fresh"] if fresh else cmd, cwd=REPO, env=env,
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                              **result})
             print(json.dumps(attempts[-1]), flush=True)
             fresh = result["finished"]
+            landed[sig] += not (fresh or result["before_open"])
         final = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                                timeout=600)
         final_result, _ = _check(out, None, final.returncode, final.stderr, before, 0.0)
@@ -191,12 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         mine = [a for a in attempts if a["signal"] == name]
         summary[name] = {"attempts": len(mine),
                          "stopped": sum(not a["finished"] for a in mine),
+                         "landed_while_running": sum(not (a["finished"] or a["before_open"])
+                                                     for a in mine),
                          "before_open": sum(a["before_open"] and not a["finished"]
                                             for a in mine),
                          "before_python_handler": sum(a["exit"] == -signal.SIGTERM
                                                       for a in mine),
                          "passed": sum(not a["problems"] for a in mine)}
-    result = {"model": f"zoo {args.model} (small)", "backend": "costmodel",
+    result = {"model": f"zoo {args.model} ({args.size})", "backend": "costmodel",
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "window_s": list(args.window),
               "window_from": "the run opened" if args.from_open else "the process started",
@@ -204,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               "attempts": attempts}
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"summary": summary, "final": final_result}, indent=2))
-    ok = all(not a["problems"] for a in attempts) and not final_result["problems"]
+    ok = (all(not a["problems"] for a in attempts) and not final_result["problems"]
+          and min(landed.values()) >= args.kills)
     return 0 if ok else 1
 
 
