@@ -175,3 +175,40 @@ def test_kernel_table_gains_count_resolved_kernels_less_their_conversions(chain)
     assert by["conv1"].gain_ms == pytest.approx(0.2 - per_element * (8 * 256 + 8 * 256))
     assert {g.name for g in found.groups if g.gain_from is GainSource.WHOLE_MODEL} == {
         "conv3", "conv4", "conv5"}
+
+
+def test_a_node_whose_static_scale_breaks_the_bound_is_added_dynamically():
+    """Where the run offers a MatMul the dynamic mode, its dynamic use is a group beside its
+    static one, its gain read from the kernel table's dynamic kernel. The second MatMul of
+    ``test_repair``'s range-shift model (its input range changes a thousandfold from input to
+    input; 1 - cosine in real ONNX Runtime) breaks the bound with a static scale alone and
+    keeps it dynamically: the forward search adds it dynamically (and the first one once, in
+    one mode); without the dynamic mode offered it stays float."""
+    from test_repair import _range_shift_parts
+
+    from qdq_optuna.measure.kernels import KernelTable, KernelTiming
+
+    def timing(op):
+        return KernelTiming("sig", op, 0.1, 0.4, 4.0, 3.5, 4.5, 4, dynamic_ms=0.2,
+                            dynamic_ratio=2.0, dynamic_ci=(1.8, 2.2))
+
+    table = KernelTable({"name": "test"}, [], {"mm1": timing("MatMul"), "mm2": timing("MatMul")})
+    bound = 0.01
+    exporter, plan, error = _range_shift_parts(dynamic=True)
+    found = forward_search(ForwardInputs(exporter, plan, error, bound, 1.0, 0.0, table))
+    by = {g.name: g for g in found.groups}
+    assert {"mm2", "mm2 (dynamic)", "mm1", "mm1 (dynamic)"} <= by.keys()
+    assert by["mm2 (dynamic)"].gain_ms == pytest.approx(0.2)
+    assert by["mm2 (dynamic)"].gain_from is GainSource.KERNEL_TABLE
+    assert by["mm2"].error > bound >= by["mm2 (dynamic)"].error
+    assert by["mm2 (dynamic)"].added and not by["mm2"].added
+    assert 2 in [n for _, n, _ in found.plan.dynamic]  # mm2 runs dynamically
+    assert sum(g.added for g in found.groups if g.label == "mm1") == 1  # one mode per node
+    assert found.error <= bound and error(found.plan) == pytest.approx(found.error)
+    assert found.to_dict()["groups"][0]["mode"] in ("static", "dynamic")
+
+    exporter, plan, error = _range_shift_parts(dynamic=False)
+    static_only = forward_search(ForwardInputs(exporter, plan, error, bound, 1.0, 0.0, table))
+    assert all(g.mode.value == "static" for g in static_only.groups)
+    assert not (static_only.plan and static_only.plan.dynamic)
+    assert not any(g.added for g in static_only.groups if g.label == "mm2")

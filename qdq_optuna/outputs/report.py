@@ -551,9 +551,12 @@ def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
     were added (gain alone per unit of error alone)."""
     if not fw:
         return []
+    rows = fw.get("groups") or []
+    modes = (" and each node the run offers the dynamic mode run dynamically (a node goes in "
+             "one mode)" if any(g.get("mode") == "dynamic" for g in rows) else "")
     lines = ["## Forward search", "", f"**{fw['why'][:1].upper()}{fw['why'][1:]}.**", "",
              f"Quantized starts broke the accuracy bound, so the run built up from float: each "
-             f"quantizer group of `{fw['from_start']}` measured alone (speed gain, output "
+             f"quantizer group of `{fw['from_start']}`{modes} measured alone (speed gain, output "
              f"error), {fw['groups_with_gain']} of {fw['groups_total']} gain speed; "
              f"{fw['added']} added in order of gain per unit of error, the longest such prefix "
              f"whose whole plan keeps the bound (error {fw['error']:.4g}, bound {fw['bound']:g}, "
@@ -561,7 +564,6 @@ def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
              f"stopped: {fw['end']}. Estimated {fw['estimated_speedup']:.3f}x float from the "
              "groups' own gains.", "",
              "| group | gain alone (ms) | from | error alone | added |", "|---|---|---|---|---|"]
-    rows = fw.get("groups") or []
     for g in rows[:limit]:
         lines.append(f"| {g['group']} | {g['gain_ms']:.4g} | {g['gain_from']} | "
                      f"{_f(g.get('error_alone'), '{:.3g}')} | "

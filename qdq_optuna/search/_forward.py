@@ -14,8 +14,12 @@ quantized; its output error with it alone quantized, by the guard's scorer. The 
 gain go in order of gain per unit of error, and the longest prefix of that order whose *whole*
 plan stays within the bound is kept (errors of quantizers do not add up, so each prefix is
 scored as one plan: galloping, then bisection); the groups whose gains together are within
-noise are left out. The result is the in-bound plan with the most speed found, or float with
-the reason (:class:`ForwardEnd`).
+noise are left out. Where the run offers a node a per-node dynamic mode (ONNX Runtime's
+MatMul/Gemm of a constant weight), the node's dynamic use is a group of its own beside its
+static one, with its gain from the table's dynamic kernel: a node whose activation range a
+static scale cannot hold often fits the bound dynamically at a little less speed. A node goes
+in once, as whichever of its groups ranks first. The result is the in-bound plan with the most
+speed found, or float with the reason (:class:`ForwardEnd`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from enum import Enum
 
 from qdq_optuna.measure.kernels import KERNEL_OPS, TAIL_OPS, KernelDecision, KernelTable
 from qdq_optuna.measure.repair import BOUNDARY_MACS, node_weights
+from qdq_optuna.model.calibration import QuantType
 from qdq_optuna.model.graph import GRAPH_OUTPUT, Graph, node_label
+from qdq_optuna.placement.dynamic import QuantMode, mode_use, use_mode
 from qdq_optuna.placement.export import QDQExporter, QuantPlan, plan_uses
+from qdq_optuna.placement.rules import RuntimeRules
 
 #: error evaluations the forward search may spend (each group alone, then the prefixes)
 FORWARD_EVALUATIONS = 48
@@ -78,9 +85,18 @@ class ForwardGroup:
     #: the output error with this group alone quantized (NaN: not scored)
     error: float = math.nan
     added: bool = False
+    #: the node's index in the graph (one group per node and mode)
+    node: int = -1
+    #: how the group runs its node: static Q/DQ, or a per-node mode (dynamic)
+    mode: QuantMode = QuantMode.STATIC
+    #: the node's name (a mode group's ``name`` adds its mode; empty: ``name``)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name
 
     def to_dict(self) -> dict:
-        return {"group": self.name, "gain_ms": round(self.gain_ms, 6),
+        return {"group": self.name, "mode": self.mode.value, "gain_ms": round(self.gain_ms, 6),
                 "gain_from": self.gain_from.value,
                 "error_alone": None if math.isnan(self.error) else self.error,
                 "added": self.added}
@@ -174,9 +190,30 @@ def forward_groups(graph: Graph, plan: QuantPlan, output_ops: frozenset[str]) ->
         if node.op_type in output_ops:
             for t in _outputs_through_tails(graph, n):
                 group.update(by_tensor.get(t, {}))
-        groups.append(ForwardGroup(label, group, node.op_type in KERNEL_OPS,
-                                   weights.get(label, 0.0)))
+        modes = {use_mode(u) for u in inputs}
+        mode = next(iter(modes)) if len(modes) == 1 and None not in modes else QuantMode.STATIC
+        name = label if mode is QuantMode.STATIC else f"{label} ({mode.value})"
+        groups.append(ForwardGroup(name, group, node.op_type in KERNEL_OPS,
+                                   weights.get(label, 0.0), node=n, mode=mode, label=label))
     return groups
+
+
+def mode_groups(graph: Graph, rules: RuntimeRules | None,
+                groups: list[ForwardGroup]) -> list[ForwardGroup]:
+    """A dynamic group beside each static group whose node the run (``rules``) offers the
+    dynamic mode: the node's dynamic use alone (no Q/DQ on its inputs, none after it)."""
+    if rules is None:
+        return []
+    have = {(g.node, g.mode) for g in groups}
+    out = []
+    for g in groups:
+        if g.mode is not QuantMode.STATIC or g.node < 0 or (g.node, QuantMode.DYNAMIC) in have \
+                or not rules.offers_mode(graph, g.node, QuantMode.DYNAMIC):
+            continue
+        use = mode_use(graph, g.node, QuantMode.DYNAMIC)
+        out.append(ForwardGroup(f"{g.label} (dynamic)", {use: QuantType.INT8}, g.kernel,
+                                g.weight, node=g.node, mode=QuantMode.DYNAMIC, label=g.label))
+    return out
 
 
 def _outputs_through_tails(graph: Graph, n: int) -> list[str]:
@@ -194,6 +231,7 @@ def forward_search(inputs: ForwardInputs) -> ForwardResult:
     exporter = inputs.exporter
     groups = forward_groups(exporter.graph, inputs.placement,
                             exporter.rules.output_quantized_ops if exporter.rules else frozenset())
+    groups += mode_groups(exporter.graph, exporter.rules, groups)
     memo: dict[str, float] = {}
 
     def err(plan: QuantPlan) -> float:
@@ -219,7 +257,7 @@ def forward_search(inputs: ForwardInputs) -> ForwardResult:
     floor = ERROR_FLOOR_SHARE * inputs.bound
     order = sorted((g for g in gaining if not math.isnan(g.error) and g.error <= inputs.bound),
                    key=lambda g: (-g.gain_ms / max(g.error, floor), -g.gain_ms, g.name))
-    order = _above_noise(order, inputs.noise_ms)
+    order = _above_noise(_once_per_node(order), inputs.noise_ms)
 
     def result(k: int, end: ForwardEnd, next_group: str | None = None) -> ForwardResult:
         for g in order[:k]:
@@ -256,10 +294,18 @@ def _gains(inputs: ForwardInputs, groups: list[ForwardGroup],
     graph = inputs.exporter.graph
     untimed = []
     for g in groups:
-        if g.name in inputs.float_nodes:
+        if g.mode is QuantMode.STATIC and g.label in inputs.float_nodes:
             continue
-        t = table.get(g.name)
-        if t is not None:
+        t = table.get(g.label)
+        if t is not None and g.mode is not QuantMode.STATIC:
+            mode_ms, ci = t.mode_ms(g.mode), getattr(t, f"{g.mode.value}_ci")
+            if mode_ms is not None and ci is not None:
+                g.gain_from = GainSource.KERNEL_TABLE
+                # its activations are quantized inside the kernel: no stand-alone Q/DQ
+                g.gain_ms = t.float_ms - mode_ms if ci[0] > 1.0 else 0.0
+            elif inputs.kernels is None or g.kernel:
+                untimed.append(g)
+        elif t is not None:
             g.gain_from = GainSource.KERNEL_TABLE
             resolved = t.decision is KernelDecision.INTEGER
             # alone, its input's Q and its output's DQ run stand-alone
@@ -284,8 +330,8 @@ def _conversion_ms(groups: list[ForwardGroup], table: Mapping) -> float:
     """What one element of a stand-alone Q or DQ costs in ms: :data:`BOUNDARY_MACS`
     multiply-adds at the median ms an integer kernel of the table saves per multiply-add."""
     saved = sorted((t.float_ms - t.int_ms) / g.weight for g in groups
-                   if (t := table.get(g.name)) is not None and g.weight > 0
-                   and t.decision is KernelDecision.INTEGER)
+                   if g.mode is QuantMode.STATIC and (t := table.get(g.label)) is not None
+                   and g.weight > 0 and t.decision is KernelDecision.INTEGER)
     return BOUNDARY_MACS * saved[len(saved) // 2] if saved else 0.0
 
 
@@ -293,6 +339,17 @@ def _numel(graph: Graph, tensor: str) -> float:
     shape = graph.shapes.get(tensor)
     ok = shape and all(isinstance(d, int) and d > 0 for d in shape)
     return float(math.prod(shape)) if ok else 0.0
+
+
+def _once_per_node(order: list[ForwardGroup]) -> list[ForwardGroup]:
+    """``order`` with each node's first group only (a node runs in one mode)."""
+    seen: set[int] = set()
+    out = []
+    for g in order:
+        if g.node not in seen:
+            seen.add(g.node)
+            out.append(g)
+    return out
 
 
 def _above_noise(order: list[ForwardGroup], noise_ms: float) -> list[ForwardGroup]:
