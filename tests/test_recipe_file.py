@@ -62,6 +62,8 @@ def test_the_recipe_file_is_kept_as_written_and_ships_when_the_tuned_model_is_sl
     assert qdq_params(kept) == qdq_params(again)
     assert report["accuracy"]["shipped"] == "the recipe's own file"
     assert report["final_output_error"] == rf["error"]
+    # the claim's spread is the file's own (it was the tuned model's)
+    assert report["accuracy"]["claim"] == rf["claim"] and rf["claim"]["samples"] >= 2
     # the re-export was slower than the file beyond noise: the report says what differs
     assert rf["reexport_vs_file"]["verdict"] == "slower" and rf["differences"]
     text = (tmp_path / "r" / "report.md").read_text()

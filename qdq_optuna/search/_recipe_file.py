@@ -158,6 +158,9 @@ class RecipeFile:
             return {**report, "failure": str(exc)[:500]}
         report.update(error=errors["error"], output_errors=errors["output_errors"],
                       within_bound=True, tuned_vs_file=vs_tuned.to_dict())
+        claim = guard.claim(errors) if guard is not None else None
+        if claim is not None:  # the claim report.json makes when this file ships
+            report["claim"] = claim
         if vs_file is not None:
             report.update(reexport_vs_file=vs_file.to_dict(),
                           differences=qdq_differences(reexport, data)
@@ -201,8 +204,10 @@ def shipped_accuracy(accuracy: ShippedAccuracy, reports: list[dict]) -> ShippedA
     accuracy.recipe_files = reports
     recipe_file = shipped_recipe_file(reports)
     if recipe_file is not None:
+        # the claim (per-sample spread, upper bound) is the file's, not the tuned model's
         accuracy.guard.update(shipped=SHIPPED_RECIPE_FILE, error=recipe_file["error"],
-                              output_errors=recipe_file["output_errors"])
+                              output_errors=recipe_file["output_errors"],
+                              claim=recipe_file.get("claim"))
         accuracy.final_output_error = recipe_file["error"]
         accuracy.final_output_errors = recipe_file["output_errors"]
     return accuracy
