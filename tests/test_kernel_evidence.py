@@ -621,3 +621,21 @@ def test_conversions_no_placement_can_avoid_send_no_visit():
     assert tensors == {model_in, lrn_in}
     holding = [pp.pattern.id for pp in pm.tunable if lrn_out in {u[0] for u in pp.uses(pp.ids)}]
     assert holding and all(unfused.pattern_sites(what)[p] for p in holding)
+
+
+def test_a_run_given_its_bound_reads_the_runtime_and_reports_the_limit(tmp_path):
+    """A bound, data or metric given explicitly puts the run in the accuracy modes; with one
+    objective its commits still need a latency gain, so it reads what the runtime ran, times
+    the kernels and reports the limit like a run with the default bound (it read nothing and
+    reported no limit: the real YOLOv8n with ``--max-output-error 0.2`` spent 140 s on two
+    visits). Real ONNX Runtime sessions."""
+    from qdq_optuna import tune
+
+    model = tmp_path / "resnet.onnx"
+    onnx.save(zoo.build("resnet", "small"), model)
+    report = tune(model, tmp_path / "out", backend="onnxruntime", timing="fast",
+                  kernel_cache="off", max_output_error=0.5, progress=False,
+                  config=Config(schemes_per_region=2, refine_rounds=0)).report
+    assert report["accuracy"]["bound"] == 0.5
+    assert report["what_ran_reads"] >= 1 and report["kernel_table"]["kernels"]
+    assert report["limit"]["limit_ms"] > 0

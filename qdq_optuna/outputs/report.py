@@ -553,7 +553,7 @@ def _forward_lines(fw: dict | None, limit: int = 30) -> list[str]:
         return []
     rows = fw.get("groups") or []
     modes = (" and each node the run offers the dynamic mode run dynamically (a node goes in "
-             "one mode)" if any(g.get("mode") == "dynamic" for g in rows) else "")
+             "one mode)" if any(g.get("mode") == QuantMode.DYNAMIC.value for g in rows) else "")
     lines = ["## Forward search", "", f"**{fw['why'][:1].upper()}{fw['why'][1:]}.**", "",
              f"Quantized starts broke the accuracy bound, so the run built up from float: each "
              f"quantizer group of `{fw['from_start']}`{modes} measured alone (speed gain, output "
