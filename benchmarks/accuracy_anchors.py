@@ -162,7 +162,7 @@ def ours(model: Path, work: Path, cal_npz: Path, shapes: str | None, bound: floa
     result = qdq_optuna.tune(model, work, backend=backend.value, mode=args.mode,
                              timeout=args.tune_timeout, calibration_data=str(cal_npz),
                              input_shapes=shapes, max_output_error=bound, progress=False,
-                             fresh=True, **extra)
+                             fresh=True, accuracy_confidence=args.accuracy_confidence, **extra)
     rep = result.report
     acc = rep.get("accuracy") or {}
     # the guard's claim as the report words it (per-output details and tensor lists left out)
@@ -555,7 +555,9 @@ def _preamble(doc: dict) -> str:
              if "load_before_timing" in r]
     return (f"Bound: worst-output relative L2 <= {doc['bound']} against FP32. Machine: "
             f"{doc['machine']}" + (f"; {versions}" if versions else "") + ". "
-            + (f"Our tune: `--mode {args['mode']} --timeout {args['tune_timeout']:g}`; "
+            + (f"Our tune: `--mode {args['mode']} --timeout {args['tune_timeout']:g}"
+               + (f" --accuracy-confidence {args['accuracy_confidence']:g}"
+                  if args.get("accuracy_confidence") else "") + "`; "
                f"{args['calibration']} calibration photos, {args['held_out']} held-out photos. "
                if args else "")
             + (f"1-minute load before timing: {', '.join(loads)}. " if loads else "")
@@ -577,6 +579,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--held-out", type=int, default=8, help="held-out photos")
     ap.add_argument("--mode", default="default", help="our tune's --mode")
     ap.add_argument("--tune-timeout", type=float, default=300.0, help="our tune's --timeout")
+    ap.add_argument("--accuracy-confidence", type=float,
+                    help="our tune's --accuracy-confidence: the bound held on the upper "
+                         "confidence bound of the guard's per-sample errors")
     ap.add_argument("--tool-timeout", type=float, default=1200.0,
                     help="seconds before any one tool is stopped (its row says so)")
     ap.add_argument("--debug-samples", type=int, default=4,
