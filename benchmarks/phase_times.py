@@ -41,7 +41,8 @@ PHASES = ("preparing", "baseline", "starts", "descent", "recipe_file", "session_
           "final")
 
 
-def run_arm(arm: str, checkout: Path, work: Path, models: list[str]) -> list[dict]:
+def run_arm(arm: str, checkout: Path, work: Path, models: list[str],
+            tune_args: list[str] = ()) -> list[dict]:
     rows = []
     for name in models:
         out = work / arm / name
@@ -52,7 +53,8 @@ def run_arm(arm: str, checkout: Path, work: Path, models: list[str]) -> list[dic
         t0 = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "qdq_optuna", "tune", "-m", real_models.fetch(name), "-o",
-             out, "--input-shapes", shapes, "--seed", "0", "-q", "--fresh"],
+             out, "--input-shapes", shapes, "--seed", "0", "-q", "--fresh",
+             *tune_args],
             env=env, capture_output=True, text=True)
         wall = time.monotonic() - t0
         row = {"model": name, "arm": arm, "rc": done.returncode, "wall_s": round(wall, 1),
@@ -130,6 +132,8 @@ def main() -> None:
     r.add_argument("--checkout", type=Path, required=True)
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--models", nargs="+", default=list(MODELS))
+    r.add_argument("--tune-args", default="", help="more options for every tune, one string "
+                   "(e.g. \"--max-output-error 0.2 --calibration-data cal.npz\")")
     c = sub.add_parser("collect", help="rows from run folders WORK/ARM/MODEL already tuned")
     c.add_argument("--work", type=Path, required=True)
     c.add_argument("--arm", required=True)
@@ -145,7 +149,7 @@ def main() -> None:
     t.add_argument("result", type=Path)
     args = ap.parse_args()
     if args.cmd == "run":
-        run_arm(args.arm, args.checkout, args.work, args.models)
+        run_arm(args.arm, args.checkout, args.work, args.models, args.tune_args.split())
     elif args.cmd == "collect":
         walls = {}
         if args.walls:
