@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from qdq_optuna import tune
 from qdq_optuna.backends.callable import CallableBackend
@@ -326,3 +327,30 @@ def test_a_placement_with_dynamic_nodes_keeps_them_as_a_start():
     refused = starts.start_from_uses(static_only, "seed", less_one)
     assert not refused.uses
     assert "does not offer the dynamic mode" in refused.notes[0]
+
+
+def test_a_transformer_with_a_convolution_stem_has_a_dynamic_file_and_a_cnn_head_none():
+    """A ViT's MatMuls all come after its only Conv (the patch embedding), like a CNN's head,
+    but each reads a row per token: they are its body, and ``quantize_dynamic``'s file is
+    made (it was not, and the run never measured ONNX Runtime's transformer recipe). A CNN
+    whose one MatMul reads its pooled features (one row per image) has no such file."""
+    vit = zoo.vit_like(image=64, patch=16, hidden=32, heads=2, layers=1, ffn=64,
+                       num_classes=10)
+    assert ort_runtime.only_a_head(vit, ort_runtime.dynamic_candidates(vit)) is False
+    written = onnx.load_from_string(ort_runtime.ort_dynamic_recipe_bytes(vit))
+    assert sum(n.op_type == "MatMulInteger" for n in written.graph.node) >= 4
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    fc = numpy_helper.from_array(rng.standard_normal((4, 10)).astype(np.float32), "fc")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+         helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+         helper.make_node("MatMul", ["f", "fc"], ["y"], name="head")],
+        "cnn_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], [w, fc])
+    cnn = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert ort_runtime.dynamic_candidates(cnn) == ["head"]
+    assert ort_runtime.only_a_head(cnn, ["head"]) is True
+    assert ort_runtime.ort_dynamic_recipe_bytes(cnn) is None

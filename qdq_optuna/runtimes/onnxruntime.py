@@ -252,16 +252,41 @@ def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
 
 
 def only_a_head(model: onnx.ModelProto, candidates: list[str]) -> bool:
-    """Whether the MatMuls a transformer recipe would change all come after the model's last
-    convolution (a CNN with a MatMul head): its file would be the float model but for its
-    head, not worth a whole-model A/B. A model with MatMuls between convolutions (an OCR
-    recognizer's attention blocks between its backbone and neck) keeps its files."""
+    """Whether the MatMuls a transformer recipe would change are only a CNN's head: all after
+    the model's last convolution, each reading one row per batch item (pooled features):
+    its file would be the float model but for its head, not worth a whole-model A/B. A model
+    with MatMuls between convolutions (an OCR recognizer's attention blocks between its
+    backbone and neck) keeps its files, and so does a transformer with a convolution stem
+    (a ViT's patch embedding: its MatMuls read a row per token; they were taken for a head,
+    and its ``quantize_dynamic`` file was never measured). A shape not known keeps them."""
     nodes = list(model.graph.node)
     convs = [i for i, n in enumerate(nodes) if n.op_type in CONVOLUTIONS]
     if not convs or not candidates:
         return False
     names = set(candidates)
-    return min(i for i, n in enumerate(nodes) if n.name in names) > max(convs)
+    if min(i for i, n in enumerate(nodes) if n.name in names) < max(convs):
+        return False
+    shapes = _value_shapes(model)
+    for n in nodes:
+        if n.name in names:
+            dims = shapes.get(n.input[0])
+            if dims is None or any(not isinstance(d, int) or d < 1 for d in dims[1:-1]):
+                return False
+            if int(np.prod(dims[1:-1], dtype=np.int64)) > 1:  # rows per item: tokens
+                return False
+    return True
+
+
+def _value_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    """Tensor name -> its dims (an int, or a name where symbolic) by onnx's shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    out = {}
+    for vi in (*g.input, *g.value_info, *g.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param
+                            for d in vi.type.tensor_type.shape.dim]
+    return out
 
 
 def ort_dynamic_options() -> dict:
