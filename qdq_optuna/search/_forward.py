@@ -346,7 +346,7 @@ def _once_per_node(order: list[ForwardGroup]) -> list[ForwardGroup]:
     seen: set[int] = set()
     out = []
     for g in order:
-        if g.node not in seen:
+        if g.node < 0 or g.node not in seen:  # a group of no known node stands alone
             seen.add(g.node)
             out.append(g)
     return out
