@@ -154,13 +154,22 @@ def _freeze_in_a_trial(proc: subprocess.Popen, db: Path, hold: Path,
     pytest.fail("no running trial to hold")
 
 
+def _foreground_signals() -> None:
+    """The run as a terminal starts it: Ctrl-C's signal not ignored. A process started in the
+    background of a non-interactive shell (``nohup CMD &``, some CI runners) inherits SIGINT
+    ignored, and the tool rightly leaves an ignored signal alone: a test that presses Ctrl-C
+    then waited 180 s for a run that never saw it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_in_a_trial(argv: list[str], out: Path, hold: Path,
                       sig: int) -> tuple[int, str, str, int]:
     """Run ``argv`` (a tune with the ``sleepy`` latency function), send ``sig`` while a trial
     is held in its measurement; (exit code, stderr, that trial's study name and number)."""
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(QDQ_TEST_SLEEP_S="0.4",
-                                                   QDQ_TEST_HOLD_FILE=str(hold)))
+                                                   QDQ_TEST_HOLD_FILE=str(hold)),
+                            preexec_fn=_foreground_signals)
     try:
         study_name, number = _freeze_in_a_trial(proc, out / "studies.db", hold,
                                                 time.monotonic() + 90)
