@@ -19,6 +19,7 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
+from qdq_optuna.model.graph import load_model
 from qdq_optuna.placement import dynamic
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.export import plan_uses
@@ -336,7 +337,7 @@ def test_a_transformer_with_a_convolution_stem_has_a_dynamic_file_and_a_cnn_head
     whose one MatMul reads its pooled features (one row per image) has no such file."""
     vit = zoo.vit_like(image=64, patch=16, hidden=32, heads=2, layers=1, ffn=64,
                        num_classes=10)
-    assert ort_runtime.only_a_head(vit, ort_runtime.dynamic_candidates(vit)) is False
+    assert ort_runtime.only_a_head(load_model(vit), ort_runtime.dynamic_candidates(vit)) is False
     written = onnx.load_from_string(ort_runtime.ort_dynamic_recipe_bytes(vit))
     assert sum(n.op_type == "MatMulInteger" for n in written.graph.node) >= 4
 
@@ -352,5 +353,5 @@ def test_a_transformer_with_a_convolution_stem_has_a_dynamic_file_and_a_cnn_head
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], [w, fc])
     cnn = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert ort_runtime.dynamic_candidates(cnn) == ["head"]
-    assert ort_runtime.only_a_head(cnn, ["head"]) is True
+    assert ort_runtime.only_a_head(load_model(cnn), ["head"]) is True
     assert ort_runtime.ort_dynamic_recipe_bytes(cnn) is None

@@ -21,7 +21,7 @@ from qdq_optuna.errors import ToolError
 from qdq_optuna.measure.kernels import qdq_unit
 from qdq_optuna.measure.recipe_parity import RecipeParity
 from qdq_optuna.model.calibration import CONCAT_SHARE_RATIO
-from qdq_optuna.model.graph import InputShapes, ensure_opset, load_model
+from qdq_optuna.model.graph import Graph, InputShapes, ensure_opset, load_model
 from qdq_optuna.model.precision import HighPrecisionModel
 from qdq_optuna.placement import weight_only
 from qdq_optuna.placement.dynamic import QuantMode
@@ -251,42 +251,31 @@ def dynamic_candidates(model: onnx.ModelProto) -> list[str]:
             and consts[n.input[1]].data_type == onnx.TensorProto.FLOAT]
 
 
-def only_a_head(model: onnx.ModelProto, candidates: list[str]) -> bool:
+def only_a_head(graph: Graph, candidates: list[str]) -> bool:
     """Whether the MatMuls a transformer recipe would change are only a CNN's head: all after
     the model's last convolution, each reading one row per batch item (pooled features):
     its file would be the float model but for its head, not worth a whole-model A/B. A model
     with MatMuls between convolutions (an OCR recognizer's attention blocks between its
     backbone and neck) keeps its files, and so does a transformer with a convolution stem
     (a ViT's patch embedding: its MatMuls read a row per token; they were taken for a head,
-    and its ``quantize_dynamic`` file was never measured). A shape not known keeps them."""
-    nodes = list(model.graph.node)
+    and its ``quantize_dynamic`` file was never measured). A shape not known keeps them.
+    ``graph``: the model as :func:`~qdq_optuna.model.graph.load_model` read it (its shapes
+    inferred)."""
+    nodes = graph.nodes
     convs = [i for i, n in enumerate(nodes) if n.op_type in CONVOLUTIONS]
     if not convs or not candidates:
         return False
     names = set(candidates)
     if min(i for i, n in enumerate(nodes) if n.name in names) < max(convs):
         return False
-    shapes = _value_shapes(model)
     for n in nodes:
         if n.name in names:
-            dims = shapes.get(n.input[0])
+            dims = graph.shapes.get(n.input[0])
             if dims is None or any(not isinstance(d, int) or d < 1 for d in dims[1:-1]):
                 return False
             if int(np.prod(dims[1:-1], dtype=np.int64)) > 1:  # rows per item: tokens
                 return False
     return True
-
-
-def _value_shapes(model: onnx.ModelProto) -> dict[str, list]:
-    """Tensor name -> its dims (an int, or a name where symbolic) by onnx's shape inference."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    out = {}
-    for vi in (*g.input, *g.value_info, *g.output):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param
-                            for d in vi.type.tensor_type.shape.dim]
-    return out
 
 
 def ort_dynamic_options() -> dict:
@@ -335,8 +324,9 @@ def ort_dynamic_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
     are only its head (:func:`only_a_head`), or it does not fit one file.
     ``data`` is accepted for the recipe-file interface and not used."""
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()
-    if only_a_head(proto, dynamic_candidates(proto)):
+    graph = load_model(model, shapes)
+    proto = graph.full_model()
+    if only_a_head(graph, dynamic_candidates(proto)):
         return None
     with tempfile.TemporaryDirectory(prefix="qdq-optuna-dynamic-") as tmp:
         written = ort_dynamic_recipe_model(proto, Path(tmp), input_shapes=shapes)
@@ -373,9 +363,10 @@ def ort_weight_only_recipe_bytes(model: str | os.PathLike | onnx.ModelProto, *,
     None when the model has none, or the file would not fit one protobuf. ``data`` is accepted
     for the recipe-file interface and not used (nothing is calibrated)."""
     shapes = input_shapes if isinstance(input_shapes, InputShapes) else InputShapes.parse(input_shapes)
-    proto = load_model(model, shapes).full_model()
+    graph = load_model(model, shapes)
+    proto = graph.full_model()
     large, small = weight_only_candidates(proto)
-    if (not large or only_a_head(proto, large)
+    if (not large or only_a_head(graph, large)
             or not weight_only.kernel_available(WEIGHT_ONLY_RECIPE_BITS)):
         return None
     try:
