@@ -22,6 +22,11 @@ def temp_prefix(path: Path) -> str:
     return f".{path.name}.pid{os.getpid()}."
 
 
+#: where an internal error's traceback is kept, in the run's output folder (the CLI writes
+#: it; a later attempt of the run removes it)
+TRACEBACK_FILE = "internal_error.txt"
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     """Delete temporary files (``.NAME.pidN.*.tmp``) that killed processes left in ``folder``
     and its subfolders; a file whose writer still runs is left alone."""

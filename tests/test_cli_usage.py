@@ -84,6 +84,33 @@ def test_rerun_with_v_shows_the_traceback(model, monkeypatch, capsys):
             main(argv)
 
 
+def test_an_internal_error_keeps_its_traceback_in_the_output_folder(model, monkeypatch,
+                                                                   capsys, tmp_path):
+    """An error a rerun may not repeat (a storage commit after a kill) can still be read:
+    its traceback, the cause behind it included, is written into the run's output folder
+    and the one line says where."""
+    from qdq_optuna._files import TRACEBACK_FILE
+    from qdq_optuna.runtimes import prepared as model_module
+
+    def broken(*args, **kwargs):
+        try:
+            raise ValueError("the cause underneath")
+        except ValueError as cause:
+            raise RuntimeError("something internal") from cause
+
+    monkeypatch.setattr(model_module.PreparedModel, "prepare", broken)
+    out = tmp_path / "run"
+    out.mkdir()
+    assert main(["tune", "-m", str(model), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    kept = out / TRACEBACK_FILE
+    assert err == ("qdq-optuna: internal error: RuntimeError: something internal "
+                   f"(its traceback is in {kept})")
+    text = kept.read_text()
+    assert "Traceback" in text and "ValueError: the cause underneath" in text
+    assert "RuntimeError: something internal" in text
+
+
 def test_tune_help_is_grouped_with_help_for_every_option():
     parser = build_parser()
     tune = _subparsers(parser)["tune"]

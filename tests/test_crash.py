@@ -49,6 +49,14 @@ def _argv(model: Path, out: Path) -> list[str]:
                    "--schemes-per-region", BUDGET, "-q")
 
 
+def with_traceback(err: str, out: Path) -> str:
+    """``err`` and the traceback an internal error kept in ``out`` (what a failure shows)."""
+    from qdq_optuna._files import TRACEBACK_FILE
+
+    kept = out / TRACEBACK_FILE
+    return err + ("\n" + kept.read_text() if kept.is_file() else "")
+
+
 def stray_files(out: Path) -> list[str]:
     """Temporary files of interrupted atomic writes (``.NAME.*.tmp``) anywhere in ``out``."""
     return sorted(str(p.relative_to(out)) for p in out.rglob("*")
@@ -89,14 +97,14 @@ def test_sigkill_at_random_moments_then_resume(residual, tmp_path):  # noqa: F81
         if proc.returncode == 0:
             finished_early += 1
         else:
-            assert proc.returncode == -signal.SIGKILL, err
+            assert proc.returncode == -signal.SIGKILL, with_traceback(err, out)
         now = snapshot(out, "crashy") if (out / "studies.db").exists() else {}
         assert_kept(previous, now)  # no COMPLETE trial lost or changed
         assert_outputs_whole(out)
         previous = now
 
     final = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert final.returncode == 0, final.stderr
+    assert final.returncode == 0, with_traceback(final.stderr, out)
     assert_kept(previous, snapshot(out, "crashy"))
     report = assert_finished_exactly(out, "crashy", residual, BUDGET)
     assert report["complete"] is True

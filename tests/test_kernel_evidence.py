@@ -512,6 +512,43 @@ def test_the_gap_plans_the_visits_largest_first_and_skips_what_is_within_noise(r
     assert done.end and "within noise" in done.end and not done.order
 
 
+def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within_noise():
+    """The estimate is trusted before a lane's first visit (a gap above the noise is
+    visited); each decided visit that measured none of its pattern's gap lowers the trust,
+    until the other patterns' gaps, scaled by the share realized, fall within the noise; a
+    visit that realized its gap keeps the next ones planned; a visit made for what the
+    runtime left unfused counts one noise floor of estimate."""
+    from qdq_optuna.record import Visit
+    from qdq_optuna.record.records import Decision
+    from qdq_optuna.search._descent import Realization
+    from qdq_optuna.search._limit import GapPlan
+
+    noise = 0.05
+    plan = GapPlan(("a", "b", "c", "d"), {}, {"a": 0.2, "b": 0.2, "c": 0.15}, noise)
+
+    def visit(pid: str, gain: float) -> Visit:
+        committed = {"p0": 1} if gain > 1 else {}
+        return Visit(pid, 1, decision=Decision(committed, gain=gain), reference_ms=4.0,
+                     gain=gain)
+
+    lane = Realization()
+    assert lane.skip_reason(plan, "a") is None  # no evidence yet: the estimate stands
+    assert lane.skip_reason(plan, "d") is None  # unfused only: one noise floor, visited
+    lane.add(plan, "a", visit("a", 1.0))  # measured nothing of its 0.2 ms
+    assert lane.skip_reason(plan, "b") is None  # 0.2 * 0.1 / 0.3 = 0.067 > 0.05
+    lane.add(plan, "b", visit("b", 1.0))
+    why = lane.skip_reason(plan, "c")  # 0.15 * 0.1 / 0.5 = 0.03 < 0.05
+    assert why is not None and "expected gain within noise" in why and "0.4 ms" in why
+    assert lane.skip_reason(plan, "d") is not None
+    # the same lane where the first visit realized its gap: the next ones are visited
+    paid = Realization()
+    paid.add(plan, "a", visit("a", 4.0 / 3.8))  # 0.2 ms of 4.0 realized: all of its gap
+    assert paid.realized == pytest.approx(0.2)
+    assert paid.skip_reason(plan, "c") is None and paid.skip_reason(plan, "d") is None
+    paid.add(plan, "b", visit("b", 1.0))  # then one that realized nothing: 0.6 of it kept
+    assert paid.skip_reason(plan, "c") is None  # 0.15 * 0.6 = 0.09 > 0.05
+
+
 def test_a_float_standing_model_has_the_every_point_on_kernels_timed_once(resnet):
     """From a float standing model (no integer kernel to time) the reader of what ran times
     the kernels of the model with every offered point on, once per run, so the gap plan can

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from qdq_optuna import __version__
+from qdq_optuna._files import TRACEBACK_FILE, atomic_write_bytes
 from qdq_optuna.accuracy_words import WITHIN_BOUND
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import (
@@ -341,7 +342,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_example(args: argparse.Namespace) -> int:
     import onnx
 
-    from qdq_optuna._files import atomic_write_bytes
     from qdq_optuna.examples import zoo
 
     try:
@@ -425,9 +425,24 @@ def _interrupted(exc: BaseException) -> int:
     return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + int(signum)
 
 
+def _keep_traceback(exc: BaseException, output) -> Path | None:
+    """Write ``exc``'s traceback (its causes included: a storage error's SQL one) into the
+    output folder, so an error that a rerun may not repeat can still be read (None: no
+    output folder to write to)."""
+    import traceback
+
+    if output is None or not Path(output).is_dir():
+        return None
+    text = "".join(traceback.format_exception(exc))
+    try:
+        return atomic_write_bytes(Path(output) / TRACEBACK_FILE, text.encode())
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    verbose = 0
+    verbose, args = 0, None
     showwarning = warnings.showwarning
     try:
         with stop_signals_as_interrupt():  # SIGTERM / SIGHUP from here on end as Ctrl-C does
@@ -467,8 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             raise
         first = str(exc).strip().splitlines()
+        kept = _keep_traceback(exc, getattr(args, "output_dir", None) or getattr(args, "output", None))
+        where = (f"its traceback is in {kept}" if kept is not None
+                 else "rerun with -v for the traceback")
         print(f"qdq-optuna: internal error: {type(exc).__name__}: {first[0] if first else ''} "
-              "(rerun with -v for the traceback)", file=sys.stderr)
+              f"({where})", file=sys.stderr)
         return 1
     finally:
         warnings.showwarning = showwarning

@@ -54,13 +54,18 @@ def _descent(r: dict) -> str:
     commits = sum(v["changed"] for v in lanes.values())
     gain = max((v["gain"] for v in lanes.values()), default=1.0)
     skips = r.get("descent_skipped") or []
-    noise = sum(1 for s in skips if "within noise" in s["reason"])
+    # search._descent.NOT_EXPECTED: skipped by what the lane realized of the estimate
+    expected = sum(1 for s in skips if s["reason"].startswith("expected gain within noise"))
+    noise = sum(1 for s in skips if "within noise" in s["reason"]) - expected
     text = (f"{visits} visits, {commits} commit{'s' if commits != 1 else ''}, "
             f"gain {gain:.3f}x")
-    if len(skips) > noise:
-        text += f"; {len(skips) - noise} skipped by the runtime's report"
+    if len(skips) > noise + expected:
+        text += f"; {len(skips) - noise - expected} skipped by the runtime's report"
     if noise:
         text += f"; {noise} skipped: gap within noise"
+    if expected:
+        text += (f"; {expected} skipped: gap expected within noise by what the lane's "
+                 "visits realized")
     return text
 
 

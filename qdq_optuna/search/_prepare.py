@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qdq_optuna._files import remove_stale_temps
+from qdq_optuna._files import TRACEBACK_FILE, remove_stale_temps
 from qdq_optuna._progress import Progress
 from qdq_optuna.backends.base import Backend, measuring
 from qdq_optuna.errors import UserError
@@ -218,6 +218,7 @@ def _open_record(run: PreparedRun) -> tuple[RunRecord, str]:
     o = run.options
     run.out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(run.out)  # half-written outputs of a killed process
+    (run.out / TRACEBACK_FILE).unlink(missing_ok=True)  # an earlier attempt's: resumed past
     storage = open_storage(run.storage_url, heartbeat=o.worker, grace=o.heartbeat_grace,
                            on_stale=retry_stale_trial)
     fp = fingerprint(o, run.settings, run.prepared, run.backend, run.asked_bound,
