@@ -205,6 +205,29 @@ def test_a_round_that_changes_nothing_ends_with_one_final_line(caplog, skipped):
     lines = [r.getMessage() for r in caplog.records if r.getMessage() == FINAL_LINE]
     assert lines == ([FINAL_LINE] if skipped else [])
 
+def test_a_round_with_a_change_is_followed_by_another_and_each_change_is_announced():
+    """A visit that changed the standing model starts another round and calls ``on_change``
+    with the lane at once (the anytime result), whatever the visits after it did."""
+    from qdq_optuna._progress import Progress
+    from qdq_optuna.search._descent import Descent
+
+    descent = object.__new__(Descent)  # the lane loop alone: visits are stubbed
+    descent.s = type("S", (), {"progress": Progress(False)})()
+    descent.rounds, descent.tunable, descent.skipped = 3, ["a", "b"], []
+    descent.unfused = None
+    visits, changes = [], []
+    descent.on_change = changes.append
+
+    def visit(lane, order, rnd, pp, stats):
+        visits.append((rnd, pp))
+        return rnd == 1 and pp == "a"  # the first visit changes it, the last one does not
+
+    descent.visit, descent._stats = visit, lambda lane: None
+    descent.lane("main", 0)
+    assert visits == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert changes == ["main"]
+
+
 def test_engine_inspector_json():
     pm, model = _all_on("resnet", "tensorrt")
     proto = onnx.load_from_string(model)

@@ -190,11 +190,11 @@ class Descent:
                            else None)
                 if decided is not None:
                     realization.add(plan, pp.pattern.id, decided)
-            if plan is not None:  # the round's score, beside its plan in the report
-                self.plans[-1].update(realization.to_dict())
                 changed += now
                 if now and self.on_change is not None:
                     self.on_change(lane)
+            if plan is not None:  # the round's score, beside its plan in the report
+                self.plans[-1].update(realization.to_dict())
             log.info("%s %d: %d pattern(s) changed", label, rnd, changed)
             if not changed:
                 # every pattern had nothing the runtime left unfused, or had it measured
