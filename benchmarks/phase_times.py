@@ -9,8 +9,10 @@ commits and gain, the final speedup and its interval. Each arm gets a kernel cac
 
 Then ``--ab BEFORE AFTER`` times the two arms' ``optimized.onnx`` against each other in a
 fresh process (``verify_speedup.remeasure``: plain onnxruntime, ABBA rounds of fresh
-sessions), which is the only fair way to compare two finals: each run's own speedup is against
-its own baseline, measured minutes apart on a shared machine.
+sessions; a run tuned for OpenVINO (``--tune-args "-b openvino"``): OpenVINO CPU with the
+run's precision hint, alternating fresh compiled models), which is the only fair way to
+compare two finals: each run's own speedup is against its own baseline, measured minutes
+apart on a shared machine.
 
     python benchmarks/phase_times.py run --arm before --checkout /path/to/old --work DIR
     python benchmarks/phase_times.py run --arm after --checkout . --work DIR
@@ -91,11 +93,36 @@ def ab(work: Path, models: list[str], rounds: int, arms: tuple[str, str]) -> lis
         before = work / arms[0] / name / "optimized.onnx"
         after = work / arms[1] / name / "optimized.onnx"
         if before.is_file() and after.is_file():
-            m = verify_speedup.remeasure_in_fresh_process(before, after, args)
+            backend = json.loads((after.parent / "report.json").read_text()).get("backend")
+            m = (openvino_ab(before, after, backend, rounds)
+                 if isinstance(backend, dict) and backend.get("name") == "openvino"
+                 else verify_speedup.remeasure_in_fresh_process(before, after, args))
             out.append({"model": name, "after_vs_before": m})
             print(name, round(m["speedup"], 4), [round(x, 4) for x in m["speedup_ci"]],
                   flush=True)
     return out
+
+
+def openvino_ab(before: Path, after: Path, runtime: dict, rounds: int) -> dict:
+    """The two files on OpenVINO CPU as the run measured them (``runtime``: its report.json
+    ``backend``, for the precision hint and input shapes; one thread): alternating fresh
+    compiled models, two warm-up rounds dropped."""
+    import math
+    import statistics
+
+    from openvino_vs_nncf import interleaved
+
+    shapes = ",".join(f"{k}:{'x'.join(map(str, v))}"
+                      for k, v in (runtime.get("input_shapes") or {}).items()) or None
+    hint = runtime.get("inference_precision") or "f32"
+    mins = interleaved({"before": (before, hint), "after": (after, hint)}, shapes,
+                       rounds + 2, 20, 2)
+    logs = [math.log(a / b) for a, b in zip(mins["after"], mins["before"])]
+    mean = statistics.fmean(logs)
+    half = verify_speedup._t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"speedup": math.exp(-mean), "speedup_ci": [math.exp(-(mean + half)),
+                                                        math.exp(-(mean - half))],
+            "runtime": f"openvino {hint}", "rounds": rounds}
 
 
 def table(result: dict) -> str:
