@@ -271,3 +271,19 @@ def test_an_isolated_backend_reads_it_in_its_worker():
         assert isolated.what_ran(model) == CostModelBackend().what_ran(model)
     finally:
         isolated.close()
+
+
+def test_report_md_lists_each_skipped_visit_with_its_own_reason():
+    """A skip's reason carries its pattern's own figures (the realization score's expected
+    gain), so report.md gives one row per skipped visit, the first 40, and says how many
+    more report.json holds."""
+    from qdq_optuna.outputs.report import _what_ran_lines
+
+    skipped = [{"lane": "", "round": 1 + i // 20, "pattern": f"P{i % 20:03d}",
+                "reason": f"expected gain within noise: this pattern's {i / 100:.3g} ms"}
+               for i in range(45)]
+    lines = _what_ran_lines({"descent_skipped": skipped})
+    rows = [line for line in lines if line.startswith("| P")]
+    assert len(rows) == 40
+    assert rows[7] == "| P007 | 1 | expected gain within noise: this pattern's 0.07 ms |"
+    assert any("5 more in report.json `descent_skipped`" in line for line in lines)

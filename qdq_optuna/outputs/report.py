@@ -707,11 +707,13 @@ def _what_ran_lines(r: dict) -> list[str]:
             lines.append(f"| {p['id']} | " + " | ".join(cells) + " |")
     lines += _kernel_lines(r.get("kernel_table"))
     skipped = r.get("descent_skipped") or []
-    if skipped:
-        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report or the gap: "
-                  + "; ".join(f"{s['pattern']} (round {s['round']})" for s in skipped[:40])
-                  + ("…" if len(skipped) > 40 else "") + ". Reason: "
-                  + "; ".join(sorted({s["reason"] for s in skipped})) + "."]
+    if skipped:  # one row each: the reasons carry each pattern's own figures
+        lines += ["", f"{len(skipped)} visit(s) skipped by the runtime's report, the gap or "
+                  "what the lane's visits realized of the limit estimate:", "",
+                  "| pattern | round | why |", "|---|---|---|"]
+        lines += [f"| {s['pattern']} | {s['round']} | {s['reason']} |" for s in skipped[:40]]
+        if len(skipped) > 40:
+            lines.append(f"| … | | {len(skipped) - 40} more in report.json `descent_skipped` |")
     if not r.get("complete", True):
         lines += ["", "**Partial result**: the run was cut short; `optimized.onnx` is the best "
                   "standing model found so far."]
