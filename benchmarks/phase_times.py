@@ -94,8 +94,8 @@ def ab(work: Path, models: list[str], rounds: int, arms: tuple[str, str]) -> lis
         after = work / arms[1] / name / "optimized.onnx"
         if before.is_file() and after.is_file():
             backend = json.loads((after.parent / "report.json").read_text()).get("backend")
-            m = (openvino_ab(before, after, backend, rounds)
-                 if isinstance(backend, dict) and backend.get("name") == "openvino"
+            timer = AB_BY_RUNTIME.get(backend.get("name")) if isinstance(backend, dict) else None
+            m = (timer(before, after, backend, rounds) if timer is not None
                  else verify_speedup.remeasure_in_fresh_process(before, after, args))
             out.append({"model": name, "after_vs_before": m})
             print(name, round(m["speedup"], 4), [round(x, 4) for x in m["speedup_ci"]],
@@ -123,6 +123,10 @@ def openvino_ab(before: Path, after: Path, runtime: dict, rounds: int) -> dict:
     return {"speedup": math.exp(-mean), "speedup_ci": [math.exp(-(mean + half)),
                                                         math.exp(-(mean - half))],
             "runtime": f"openvino {hint}", "rounds": rounds}
+
+
+#: runtimes whose files are A/B-timed on that runtime (any other: ONNX Runtime)
+AB_BY_RUNTIME = {"openvino": openvino_ab}
 
 
 def table(result: dict) -> str:
