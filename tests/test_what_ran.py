@@ -287,3 +287,21 @@ def test_report_md_lists_each_skipped_visit_with_its_own_reason():
     assert len(rows) == 40
     assert rows[7] == "| P007 | 1 | expected gain within noise: this pattern's 0.07 ms |"
     assert any("5 more in report.json `descent_skipped`" in line for line in lines)
+
+
+def test_the_time_table_counts_each_kind_of_skipped_visit_apart():
+    """report.md's time table says how many visits the runtime's report, the gap and the
+    lane's realization score each skipped (the score's reasons are told by their prefix)."""
+    from qdq_optuna.outputs.time_spent import _descent
+    from qdq_optuna.search._descent import NOT_EXPECTED
+    from qdq_optuna.search._limit import WITHIN_NOISE
+
+    scored = NOT_EXPECTED.format(realized=0.0, estimated=0.4, gap=0.2, expected=0.03,
+                                 noise=0.05)
+    r = {"descent": {"lanes": {"": {"visits": 3, "changed": 1, "gain": 1.1}}},
+         "descent_skipped": [{"reason": scored}, {"reason": scored},
+                             {"reason": WITHIN_NOISE.format(noise=0.05)},
+                             {"reason": "all 3 move(s): 3 only remove Q/DQ the runtime fused"}]}
+    assert _descent(r) == ("3 visits, 1 commit, gain 1.100x; 1 skipped by the runtime's "
+                           "report; 1 skipped: gap within noise; 2 skipped: gap expected "
+                           "within noise by what the lane's visits realized")

@@ -54,8 +54,9 @@ def _descent(r: dict) -> str:
     commits = sum(v["changed"] for v in lanes.values())
     gain = max((v["gain"] for v in lanes.values()), default=1.0)
     skips = r.get("descent_skipped") or []
-    # search._descent.NOT_EXPECTED: skipped by what the lane realized of the estimate
-    expected = sum(1 for s in skips if s["reason"].startswith("expected gain within noise"))
+    from qdq_optuna.search import NOT_EXPECTED_PREFIX  # skipped by the lane's score
+
+    expected = sum(1 for s in skips if s["reason"].startswith(NOT_EXPECTED_PREFIX))
     noise = sum(1 for s in skips if "within noise" in s["reason"]) - expected
     text = (f"{visits} visits, {commits} commit{'s' if commits != 1 else ''}, "
             f"gain {gain:.3f}x")

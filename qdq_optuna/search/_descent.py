@@ -28,7 +28,14 @@ from optuna.trial import TrialState
 from qdq_optuna.placement.points import PatternPoints
 from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
-from qdq_optuna.search._limit import GapPlan, estimate, heavy_nodes, node_patterns, plan_visits
+from qdq_optuna.search._limit import (
+    NOT_EXPECTED_PREFIX,
+    GapPlan,
+    estimate,
+    heavy_nodes,
+    node_patterns,
+    plan_visits,
+)
 from qdq_optuna.search._moves import MoveSpace, MoveStats
 from qdq_optuna.search._outcome import DescentFindings
 from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
@@ -54,7 +61,7 @@ PRIOR_CLEAR_LOSS = 0.01
 REALIZATION_PRIOR = 2.0
 #: why a visit was not made: what the lane's visits realized of the estimate says this
 #: pattern's gap would not show
-NOT_EXPECTED = ("expected gain within noise: the lane's visits realized {realized:.3g} of the "
+NOT_EXPECTED = (NOT_EXPECTED_PREFIX + ": the lane's visits realized {realized:.3g} of the "
                 "{estimated:.3g} ms the limit estimate gave them, so this pattern's {gap:.3g} "
                 "ms is expected to yield {expected:.3g} ms (noise {noise:.3g} ms)")
 
@@ -208,12 +215,13 @@ class Descent:
         """Skip ``pp`` (with the reason) when what the lane realized says its gap would not
         show; a visit already decided (a resumed run) is never skipped."""
         pid = pp.pattern.id
-        why = (realization.skip_reason(plan, pid)
-               if self._decided_visit(lane, pid, rnd) is None else None)
-        if why is not None:
+        why = realization.skip_reason(plan, pid)
+        # the stored visits are read (every study of the run) only where the score would skip
+        if why is not None and self._decided_visit(lane, pid, rnd) is None:
             self.skipped.append((lane, rnd, pid, why))
             self.s.progress.skip(pid, why)
-        return why is not None
+            return True
+        return False
 
     def _decided_visit(self, lane: str, pid: str, rnd: int) -> Visit | None:
         """The lane's decided visit of ``pid`` in round ``rnd`` (None: none, or not decided)."""

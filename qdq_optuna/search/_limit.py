@@ -158,6 +158,9 @@ NOISE_SHARE = 0.015
 WITHIN_NOISE = ("gap within noise: its timed nodes run at their faster measured "
                 "kernel (or within {noise:.3g} ms of it) and the runtime left nothing "
                 "unfused in it")
+#: how a visit the lane's realization score skipped is said (``search._descent.NOT_EXPECTED``;
+#: the report counts those skips by it)
+NOT_EXPECTED_PREFIX = "expected gain within noise"
 LEFT_WITHIN_NOISE = ("what is left is within noise: the standing model is {gap:.3g} ms from "
                      "the limit estimate (noise {noise:.3g} ms) and the runtime left nothing "
                      "unfused")
