@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from qdq_optuna import Config, tune
 from qdq_optuna.backends.callable import CallableBackend
+from qdq_optuna.errors import OptionError
 from qdq_optuna.record import run_attrs
 from qdq_optuna.record.storage import open_storage
 
@@ -315,3 +316,93 @@ def test_a_sqlite_run_writes_ahead_and_a_killed_writer_loses_no_commit(tmp_path,
     trials = optuna.load_study(study_name="w", storage=storage).get_trials(deepcopy=False)
     assert [t.value for t in trials] == [float(i) for i in range(7)]
     assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+#: a process that opens a storage and is killed as it sends the statement containing argv[2]
+_KILLED_AT_STATEMENT = """
+import os, signal, sys
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+def kill_at(conn, cursor, statement, *args):
+    if sys.argv[2] in statement:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+event.listen(Engine, "before_cursor_execute", kill_at)
+if sys.argv[3] == "ours":
+    from qdq_optuna.record.storage import open_storage
+    open_storage(sys.argv[1], heartbeat=False)
+else:  # Optuna's own storage: how a file made before the schema was made at once looks
+    import optuna
+    optuna.storages.RDBStorage(sys.argv[1])
+"""
+
+
+def _killed_at(url: str, statement: str, opener: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AT_STATEMENT, url, statement, opener],
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def _indexes(db: Path) -> set[str]:
+    with sqlite3.connect(db) as con:
+        return {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+
+
+@pytest.mark.parametrize("statement", ["CREATE TABLE studies", "CREATE UNIQUE INDEX ix_studies_study_name",
+                                       "CREATE TABLE trials", "CREATE INDEX ix_trials_study_id",
+                                       "CREATE TABLE alembic_version"])
+def test_a_process_killed_while_the_storage_is_made_leaves_it_whole_or_absent(tmp_path, statement):
+    """SQLite's driver commits each CREATE on its own: killed between the studies table and its
+    unique index, Optuna's own table creation left a table that took a second study of the same
+    name, and every resume after that failed (``MultipleResultsFound``). Ours makes the schema in
+    one transaction: after a kill at any statement the next open has every index, and a study
+    name is stored once however often a run resumes."""
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    _killed_at(url, statement, "ours")
+    storage = open_storage(url, heartbeat=False)
+    assert "ix_studies_study_name" in _indexes(db)
+    for _ in range(3):  # a run and two resumes
+        study = optuna.create_study(study_name="run", storage=storage, load_if_exists=True)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT count(*) FROM studies").fetchone()[0] == 1
+
+
+def test_a_storage_that_lost_its_unique_index_gets_it_back_and_its_empty_copies_go(tmp_path):
+    """A file made by Optuna's own table creation, killed before the study-name index: the
+    resumes that failed on it left empty copies of the study. Opening it deletes the copies,
+    keeps the study's trials and restores the index; copies with trials are refused in one line."""
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    _killed_at(url, "CREATE UNIQUE INDEX ix_studies_study_name", "optuna")
+    plain = optuna.storages.RDBStorage(url)
+    optuna.create_study(study_name="run", storage=plain).optimize(
+        lambda t: t.suggest_float("x", 0, 1), n_trials=3)
+    for _ in range(2):  # what the failed resumes did: another copy each
+        with pytest.raises(optuna.exceptions.StorageInternalError):
+            optuna.create_study(study_name="run", storage=plain, load_if_exists=True)
+    plain.engine.dispose()
+    assert "ix_studies_study_name" not in _indexes(db)
+
+    storage = open_storage(url, heartbeat=False)
+    assert "ix_studies_study_name" in _indexes(db)
+    study = optuna.create_study(study_name="run", storage=storage, load_if_exists=True)
+    assert len(study.get_trials(deepcopy=False)) == 3
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT count(*) FROM studies").fetchone()[0] == 1
+        assert con.execute("SELECT count(*) FROM study_directions").fetchone()[0] == 1
+
+    # two copies that both hold trials: nothing is deleted, the open is refused
+    other = tmp_path / "t.db"
+    _killed_at(f"sqlite:///{other}", "CREATE UNIQUE INDEX ix_studies_study_name", "optuna")
+    plain = optuna.storages.RDBStorage(f"sqlite:///{other}")
+    optuna.create_study(study_name="run", storage=plain).ask()
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        optuna.create_study(study_name="run", storage=plain, load_if_exists=True)
+    plain.create_new_trial(2)  # the copy's id: the second study stored
+    plain.engine.dispose()
+    with pytest.raises(OptionError, match="two studies named 'run'"):
+        open_storage(f"sqlite:///{other}", heartbeat=False)

@@ -99,6 +99,9 @@ class RequeueingRDBStorage(RDBStorage):
 
     def __init__(self, url: str, *, on_stale: StaleTrialCallback | None = None,
                  **kwargs: Any) -> None:
+        if url.startswith("sqlite"):
+            connect_args = (kwargs.get("engine_kwargs") or {}).get("connect_args", {})
+            create_sqlite_schema(url, timeout_s=connect_args.get("timeout", 60))
         super().__init__(url, **kwargs)
         self._on_stale = on_stale
 
@@ -123,3 +126,71 @@ class RequeueingRDBStorage(RDBStorage):
                 except Exception:  # Optuna's callback tries again once it has failed the trial
                     logging.getLogger("qdq_optuna").debug("requeue failed", exc_info=True)
         return ids
+
+
+# -- the SQLite schema ---------------------------------------------------------------------------
+def create_sqlite_schema(url: str, *, timeout_s: float = 60) -> None:
+    """Optuna's tables and indexes in a SQLite file, all made in one transaction.
+
+    Optuna makes them with SQLAlchemy's ``create_all``, and Python's sqlite3 driver commits
+    each ``CREATE`` on its own: a process killed between ``CREATE TABLE studies`` and the
+    table's unique index on the study name leaves a table that takes a second study of the
+    same name, and since ``create_all`` skips a table that exists, the index never comes.
+    Every resume then stored another copy of the run study and failed on it
+    (``MultipleResultsFound``). Made here first, inside one explicit transaction, the schema is
+    there whole or not at all. A file that lost an index that way gets it back; the empty
+    copies of a study those resumes left are deleted first (a copy with trials is refused:
+    nothing stored is dropped)."""
+    from optuna.storages._rdb import models
+    from sqlalchemy import create_engine, event, func, inspect, orm
+    from sqlalchemy.exc import IntegrityError
+
+    metadata = models.BaseModel.metadata
+    engine = create_engine(url, connect_args={"timeout": timeout_s})
+    try:  # read first: a whole schema needs no write lock (a read-only copy of a finished run)
+        found = inspect(engine)
+        tables = set(found.get_table_names())
+        whole = all(table.name in tables
+                    and {i.name for i in table.indexes} <= {i["name"] for i in found.get_indexes(table.name)}
+                    for table in metadata.sorted_tables)
+    finally:
+        engine.dispose()
+    if whole:
+        return
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_transactions(dbapi_connection, _record) -> None:
+        dbapi_connection.isolation_level = None  # the driver then begins nothing by itself
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")  # DDL and repair under the write lock
+
+    try:
+        with engine.begin() as connection:
+            metadata.create_all(connection)
+            for table in metadata.sorted_tables:
+                for index in table.indexes:
+                    try:
+                        with connection.begin_nested():
+                            index.create(connection, checkfirst=True)
+                    except IntegrityError:  # a unique index over rows that break it
+                        _drop_empty_copies(orm.Session(bind=connection), models, func)
+                        index.create(connection, checkfirst=True)
+    finally:
+        engine.dispose()
+
+
+def _drop_empty_copies(session, models, func) -> None:
+    """Delete the later copies of each study name that holds several, when they hold no trial."""
+    study = models.StudyModel
+    names = [name for (name,) in session.query(study.study_name).group_by(study.study_name)
+             .having(func.count(study.study_id) > 1)]
+    for name in names:
+        first, *copies = session.query(study).filter(study.study_name == name).order_by(study.study_id)
+        for copy in copies:
+            if copy.trials:
+                raise RuntimeError(f"the storage holds two studies named {name!r}, both with "
+                                   "trials; keep one (optuna.delete_study) and run again")
+            session.delete(copy)
+    session.flush()
