@@ -518,14 +518,15 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     visited); each decided visit that measured none of its pattern's gap lowers the trust,
     until the other patterns' gaps, scaled by the share realized, fall within the noise; a
     visit that realized its gap keeps the next ones planned; a visit made for what the
-    runtime left unfused counts one noise floor of estimate."""
+    runtime left unfused counts one noise floor of estimate, in a score of its own."""
     from qdq_optuna.record import Visit
     from qdq_optuna.record.records import Decision
     from qdq_optuna.search._descent import Realization
     from qdq_optuna.search._limit import GapPlan
 
     noise = 0.05
-    plan = GapPlan(("a", "b", "c", "d"), {}, {"a": 0.2, "b": 0.2, "c": 0.15}, noise)
+    plan = GapPlan(("a", "b", "c", "d", "e", "f"), {}, {"a": 0.2, "b": 0.2, "c": 0.15, "e": 0.01},
+                   noise)
 
     def visit(pid: str, gain: float) -> Visit:
         committed = {"p0": 1} if gain > 1 else {}
@@ -540,7 +541,20 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     lane.add(plan, "b", visit("b", 1.0))
     why = lane.skip_reason(plan, "c")  # 0.15 * 0.1 / 0.5 = 0.03 < 0.05
     assert why is not None and "expected gain within noise" in why and "0.4 ms" in why
-    assert lane.skip_reason(plan, "d") is not None
+    # a visit for unfused sites keeps its own score: the priced failures do not end it
+    assert lane.skip_reason(plan, "d") is None
+    lane.add(plan, "d", visit("d", 1.0))  # measured nothing: 0.05 * 0.1 / 0.15 < 0.05
+    why = lane.skip_reason(plan, "e")  # a gap within the noise is an unfused-only visit
+    assert why is not None and "1 visit(s) made for what the runtime left unfused" in why
+    assert lane.to_dict() == {"estimated_ms": 0.45, "realized_ms": 0.0, "unfused_visits": 1,
+                              "unfused_realized_ms": 0.0}
+    # and an unfused visit that paid keeps the next one, whatever the priced ones did
+    mixed = Realization()
+    mixed.add(plan, "a", visit("a", 1.0))
+    mixed.add(plan, "b", visit("b", 1.0))
+    mixed.add(plan, "d", visit("d", 4.0 / 3.9))  # 0.1 ms realized of its 0.05 ms floor
+    assert mixed.skip_reason(plan, "e") is None and mixed.skip_reason(plan, "f") is None
+    assert mixed.skip_reason(plan, "c") is not None
     # the same lane where the first visit realized its gap: the next ones are visited
     paid = Realization()
     paid.add(plan, "a", visit("a", 4.0 / 3.8))  # 0.2 ms of 4.0 realized: all of its gap
