@@ -144,3 +144,27 @@ def test_the_run_states_its_claim_and_holds_the_bound_on_the_upper_bound(tmp_pat
     assert held["confidence"] == 0.9 and c["held_on"] == "upper"
     assert c["upper_within_bound"] and held["error"] == pytest.approx(c["upper"])
     assert not warned and "--accuracy-confidence 0.9" in md
+
+
+@pytest.mark.parametrize("samples", [8, 16])
+def test_a_claim_on_the_calibration_samples_themselves_says_so(tmp_path, caplog, samples):
+    """Under 16 calibration samples and no validation data, the guard scores the samples the
+    scales came from: the run warns and report.md says what that claim is worth; from 16 on a
+    quarter is held out and neither appears."""
+    from test_guard_run import _backend
+
+    from qdq_optuna import Config, tune
+    from qdq_optuna.outputs.report import CALIBRATION_DATA_CAVEAT
+
+    with caplog.at_level(logging.WARNING, logger="qdq_optuna"):
+        result = tune(_sigmoid_model(20.0), tmp_path / "run", backend=_backend(),
+                      runtime="onnxruntime", calibration_data=_data(samples),
+                      config=Config(schemes_per_region=2), progress=False)
+    warned = "the samples its scales come from" in caplog.text
+    md = (result.output_dir / "report.md").read_text()
+    kind = result.report["accuracy"]["data_kind"]
+    if samples < 16:
+        assert warned and CALIBRATION_DATA_CAVEAT in md and kind == "calibration data"
+    else:
+        assert not warned and CALIBRATION_DATA_CAVEAT not in md
+        assert kind == "held-out part of the calibration data"
