@@ -541,20 +541,31 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     lane.add(plan, "b", visit("b", 1.0))
     why = lane.skip_reason(plan, "c")  # 0.15 * 0.1 / 0.5 = 0.03 < 0.05
     assert why is not None and "expected gain within noise" in why and "0.4 ms" in why
-    # a visit for unfused sites keeps its own score: the priced failures do not end it
-    assert lane.skip_reason(plan, "d") is None
-    lane.add(plan, "d", visit("d", 1.0))  # measured nothing: 0.05 * 0.1 / 0.15 < 0.05
-    why = lane.skip_reason(plan, "e")  # a gap within the noise is an unfused-only visit
+    # a visit for unfused sites keeps its own score, whose prior is the priced share (0.2):
+    # after two priced failures, 0.05 * 0.2 < 0.05
+    why = lane.skip_reason(plan, "d")
+    assert why is not None and "0 visit(s) made for what the runtime left unfused" in why
+    # with no priced visit, the unfused kind is trusted: its first visit is made, and its
+    # failure ends it (0.05 * 0.1 / 0.15 < 0.05)
+    unpriced = Realization()
+    assert unpriced.skip_reason(plan, "d") is None
+    unpriced.add(plan, "d", visit("d", 1.0))
+    why = unpriced.skip_reason(plan, "e")  # a gap within the noise is an unfused-only visit
     assert why is not None and "1 visit(s) made for what the runtime left unfused" in why
-    assert lane.to_dict() == {"estimated_ms": 0.45, "realized_ms": 0.0, "unfused_visits": 1,
-                              "unfused_realized_ms": 0.0}
-    # and an unfused visit that paid keeps the next one, whatever the priced ones did
+    assert unpriced.to_dict() == {"estimated_ms": 0.05, "realized_ms": 0.0, "unfused_visits": 1,
+                                  "unfused_realized_ms": 0.0}
+    # priced visits that paid do not keep failed unfused-only ones going (the ViT: 3.7 of
+    # 2.6 ms priced, then seven unfused-only visits for nothing)
+    paid_priced = Realization()
+    paid_priced.add(plan, "a", visit("a", 4.0 / 3.6))  # 0.4 ms realized of its 0.2
+    assert paid_priced.skip_reason(plan, "d") is None  # trusted fully (1.67, at most 1)
+    paid_priced.add(plan, "d", visit("d", 1.0))
+    assert paid_priced.skip_reason(plan, "e") is not None  # 0.05 * 0.1 / 0.15 < 0.05
+    assert paid_priced.skip_reason(plan, "c") is None  # the priced score stands apart
+    # an unfused-only visit that paid keeps the next one
     mixed = Realization()
-    mixed.add(plan, "a", visit("a", 1.0))
-    mixed.add(plan, "b", visit("b", 1.0))
     mixed.add(plan, "d", visit("d", 4.0 / 3.9))  # 0.1 ms realized of its 0.05 ms floor
     assert mixed.skip_reason(plan, "e") is None and mixed.skip_reason(plan, "f") is None
-    assert mixed.skip_reason(plan, "c") is not None
     # the same lane where the first visit realized its gap: the next ones are visited
     paid = Realization()
     paid.add(plan, "a", visit("a", 4.0 / 3.8))  # 0.2 ms of 4.0 realized: all of its gap
