@@ -544,14 +544,14 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     # a visit for unfused sites keeps its own score, whose prior is the priced share (0.2):
     # after two priced failures, 0.05 * 0.2 < 0.05
     why = lane.skip_reason(plan, "d")
-    assert why is not None and "0 visit(s) made for what the runtime left unfused" in why
+    assert why is not None and "realized their estimate (0.2)" in why and "0 visit(s)" in why
     # with no priced visit, the unfused kind is trusted: its first visit is made, and its
     # failure ends it (0.05 * 0.1 / 0.15 < 0.05)
     unpriced = Realization()
     assert unpriced.skip_reason(plan, "d") is None
     unpriced.add(plan, "d", visit("d", 1.0))
     why = unpriced.skip_reason(plan, "e")  # a gap within the noise is an unfused-only visit
-    assert why is not None and "1 visit(s) made for what the runtime left unfused" in why
+    assert why is not None and "(1), and its 1 visit(s) made for it realized 0 ms" in why
     assert unpriced.to_dict() == {"estimated_ms": 0.05, "realized_ms": 0.0, "unfused_visits": 1,
                                   "unfused_realized_ms": 0.0}
     # priced visits that paid do not keep failed unfused-only ones going (the ViT: 3.7 of

@@ -65,10 +65,11 @@ NOT_EXPECTED = (NOT_EXPECTED_PREFIX + ": the lane's visits realized {realized:.3
                 "{estimated:.3g} ms the limit estimate gave them, so this pattern's {gap:.3g} "
                 "ms is expected to yield {expected:.3g} ms (noise {noise:.3g} ms)")
 #: the same for a pattern visited only for what the runtime left unfused in it
-NOT_EXPECTED_UNFUSED = (NOT_EXPECTED_PREFIX + ": the lane's {visits} visit(s) made for what "
-                        "the runtime left unfused (which the estimate cannot price) realized "
-                        "{realized:.3g} ms, so this one is expected to yield {expected:.3g} ms "
-                        "(noise {noise:.3g} ms)")
+NOT_EXPECTED_UNFUSED = (NOT_EXPECTED_PREFIX + ": what the runtime left unfused (which the "
+                        "estimate cannot price) is trusted as far as the lane's priced visits "
+                        "realized their estimate ({trust:.2g}), and its {visits} visit(s) made "
+                        "for it realized {realized:.3g} ms, so this one is expected to yield "
+                        "{expected:.3g} ms (noise {noise:.3g} ms)")
 
 
 class _Account:
@@ -156,8 +157,9 @@ class Realization:
         if expected >= noise * (1.0 - 1e-9):
             return None
         if account is self.unfused:
-            return NOT_EXPECTED_UNFUSED.format(realized=account.realized, visits=account.visits,
-                                               expected=expected, noise=noise)
+            return NOT_EXPECTED_UNFUSED.format(trust=trust, realized=account.realized,
+                                               visits=account.visits, expected=expected,
+                                               noise=noise)
         return NOT_EXPECTED.format(realized=account.realized, estimated=account.estimated,
                                    gap=gap, expected=expected, noise=noise)
 
