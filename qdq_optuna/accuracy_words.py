@@ -16,6 +16,10 @@ DEFAULT_SESSION_FACTOR = 2.0
 WITHIN_BOUND = "within bound"
 
 
+#: :func:`data_kind` of calibration data scored as it is (the samples the scales came from)
+CALIBRATION_DATA = "calibration data"
+
+
 def data_kind(data: str) -> str:
     """Which data the guard's figures come from: ``validation data``, ``calibration data`` or
     ``random inputs``."""
@@ -24,7 +28,7 @@ def data_kind(data: str) -> str:
     if data.startswith("--calibration-data held out"):
         return "held-out part of the calibration data"
     if data.startswith("--calibration-data"):
-        return "calibration data"
+        return CALIBRATION_DATA
     return "random inputs"
 
 

@@ -448,7 +448,7 @@ CALIBRATION_DATA_CAVEAT = (
 def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     """The accuracy guard's section: the errors of what ships, the data they were measured on,
     the bound and whether the guard stepped in."""
-    from qdq_optuna.accuracy_words import data_phrase, default_session_lines
+    from qdq_optuna.accuracy_words import CALIBRATION_DATA, data_phrase, default_session_lines
 
     lines = ["## Accuracy", "",
              f"Output error of `optimized.onnx` vs FP32 ({acc['measure']}, worst output, "
@@ -468,7 +468,7 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     lines += bias_correction_lines(acc.get("bias_correction"))
     for line in default_session_lines(acc.get("onnxruntime_cpu_default"), acc["error"]):
         lines += [line, ""]
-    if acc.get("data_kind") == "calibration data":
+    if acc.get("data_kind") == CALIBRATION_DATA:
         lines += [CALIBRATION_DATA_CAVEAT, ""]
     if acc.get("data_kind") == "random inputs":
         lines += ["Random inputs show only that nothing is badly broken; pass "
