@@ -460,6 +460,38 @@ def test_models_timed_together_with_the_baseline_cancel_the_drift_between_them(t
     assert plans.by_phase["starts"] == 2 and plans.cache_hits == 0
 
 
+def test_models_timed_together_already_had_their_a_b(tmp_path, ort_measurer):
+    """The starts are timed in the same rounds (fresh sessions of each in every round), so
+    two of them already had an interleaved A/B: its paired ratios are their per-round
+    timings' ratios, its interval at the level of one look of ``compare``; models of another
+    call, or not timed together, have none. Real ONNX Runtime sessions."""
+    import optuna
+
+    from qdq_optuna.record import Measurement as Record
+    from qdq_optuna.record import PlanMemo
+    from qdq_optuna.search._plans import PlanMeasurer
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'run.db'}")
+    plans = PlanMeasurer(ort_measurer, PlanMemo(study, "measured:", Record))
+    fast, slow = FAST_MODEL, SLOW_MODEL  # serialized models
+    plans.measure_together(fast, 1.0, [("fast", fast, 0), ("slow", slow, 0)], "starts")
+    cmp = plans.together_comparison("fast", "slow")
+    sessions = ort_measurer.protocol.sessions
+    assert cmp is not None and cmp.rounds == sessions == len(cmp.ratios)
+    fast_ms, slow_ms = (plans.rounds_of[k][1].samples_ms for k in ("fast", "slow"))
+    assert cmp.ratios == pytest.approx([f / s for f, s in zip(fast_ms, slow_ms)])
+    assert cmp.ratio < 1 / 1.5 and cmp.ci_high < 1.0 and cmp.decided  # 4x the MatMul work
+    back = plans.together_comparison("slow", "fast")
+    assert back.ratio == pytest.approx(1 / cmp.ratio) and back.ci_low > 1.0
+    p = ort_measurer.protocol
+    level = measure.per_look_confidence(p.confidence, p.max_rounds - p.min_rounds + 1)
+    assert (cmp.ratio, cmp.ci_low, cmp.ci_high) == pytest.approx(
+        measure.ratio_interval(cmp.ratios, level))
+    plans.measure_together(fast, 1.0, [("later", slow, 0)], "starts")  # another call
+    assert plans.together_comparison("later", "fast") is None
+    assert plans.together_comparison("fast", "never timed") is None
+
+
 # -- pacing --------------------------------------------------------------------------------
 
 

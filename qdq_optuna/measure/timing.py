@@ -374,6 +374,23 @@ def ratio_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[f
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+def paired_comparison(candidate: Measurement, reference: Measurement,
+                      protocol: TimingProtocol) -> Comparison | None:
+    """The A/B two models had when :meth:`Measurer.interleaved` timed them in the same rounds
+    (fresh sessions of each in every round): their per-round ratios, the interval at the
+    level of one look of :meth:`Measurer.compare`, so a confirmation here is as strict as one
+    there (None: under two rounds, or rounds that do not pair)."""
+    if len(candidate.samples_ms) != len(reference.samples_ms) or len(candidate.samples_ms) < 2:
+        return None
+    ratios = [max(c, 1e-9) / max(r, 1e-9)
+              for c, r in zip(candidate.samples_ms, reference.samples_ms)]
+    level = per_look_confidence(protocol.confidence, protocol.max_rounds - protocol.min_rounds + 1)
+    center, lo, hi = ratio_interval(ratios, level)
+    return Comparison(ratio=center, ci_low=lo, ci_high=hi, candidate=candidate,
+                      reference=reference, rounds=len(ratios), decided=hi < 1.0 or lo > 1.0,
+                      ratios=ratios, confidence=protocol.confidence)
+
+
 # -- quietness -------------------------------------------------------------------------------
 
 

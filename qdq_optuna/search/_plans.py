@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from qdq_optuna.backends.base import BackendError, BackendUnavailable
 from qdq_optuna.errors import UserError
@@ -30,6 +31,7 @@ from qdq_optuna.measure.timing import (
     Timing,
     Until,
     far_off,
+    paired_comparison,
 )
 from qdq_optuna.placement.export import QuantPlan
 from qdq_optuna.record import PHASES, Measurement, PlanMemo  # noqa: F401 (PHASES: re-exported)
@@ -74,6 +76,8 @@ class PlanMeasurer:
         #: plan key -> its measurement by :meth:`measure_together`, not yet read by
         #: :meth:`measure` (which then counts no cache hit)
         self.together: dict[str, Measurement] = {}
+        #: plan key -> (its :meth:`measure_together` call's baseline timing, its own timing)
+        self.rounds_of: dict[str, tuple[Any, Any]] = {}
         #: plan key -> where that model failed in this process; the sampler does not avoid
         #: failed schemes, so a re-proposal is pruned instead of crashing the worker again
         self.failed: dict[str, str] = {}
@@ -145,11 +149,21 @@ class PlanMeasurer:
                                        sessions=self.measurer.protocol.sessions)
         now = ms[0].score_ms
         for (key, _, qdq), m in zip(todo, ms[1:]):
+            self.rounds_of[key] = (ms[0], m)  # the call's rounds time each of its models
             self._count(phase)
             stats = {**m.to_dict(), "baseline_now_ms": now}
             record = Measurement(latency_ms=baseline_ms * m.score_ms / now, stats=stats, qdq=qdq)
             self.memo.put(key, record)
             self.together[key] = record
+
+    def together_comparison(self, candidate: str, reference: str) -> Comparison | None:
+        """The A/B two models (plan keys) had in the rounds :meth:`measure_together` timed
+        them in (:func:`~qdq_optuna.measure.timing.paired_comparison`; None: not timed in
+        the same call of this process)."""
+        a, b = self.rounds_of.get(candidate), self.rounds_of.get(reference)
+        if a is None or b is None or a[0] is not b[0]:
+            return None
+        return paired_comparison(a[1], b[1], self.measurer.protocol)
 
     def reference(self, source, key: str | None = None) -> list[float]:
         """``[latency_ms, screen_ms]`` of a visit's reference model (the standing model). On a
