@@ -462,11 +462,6 @@ HOLD_OUT_MIN = 16
 HELD_OUT = "held-out:"
 
 
-def samples_in(arrays: Mapping[str, np.ndarray]) -> int:
-    """How many samples input data holds (its shortest input's first axis)."""
-    return min(len(a) for a in arrays.values())
-
-
 def hold_out(calibration: tuple[dict, str] | None
              ) -> tuple[tuple[dict, str] | None, tuple[dict, str] | None]:
     """``(calibration, held-out part)`` of calibration data ``(arrays, id)``: a quarter of its
@@ -478,7 +473,7 @@ def hold_out(calibration: tuple[dict, str] | None
     if calibration is None:
         return None, None
     arrays, given = calibration
-    n = samples_in(arrays)
+    n = min(len(a) for a in arrays.values())
     if n < HOLD_OUT_MIN:
         log.warning("--calibration-data has %d samples and no --validation-data is given: the "
                     "output errors this run claims are measured on the samples its scales come "

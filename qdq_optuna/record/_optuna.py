@@ -142,7 +142,7 @@ def create_sqlite_schema(url: str, *, timeout_s: float = 60) -> None:
     copies of a study those resumes left are deleted first (a copy with trials is refused:
     nothing stored is dropped)."""
     from optuna.storages._rdb import models
-    from sqlalchemy import create_engine, event, func, inspect, orm
+    from sqlalchemy import create_engine, event, inspect, orm
     from sqlalchemy.exc import IntegrityError
 
     metadata = models.BaseModel.metadata
@@ -175,14 +175,17 @@ def create_sqlite_schema(url: str, *, timeout_s: float = 60) -> None:
                         with connection.begin_nested():
                             index.create(connection, checkfirst=True)
                     except IntegrityError:  # a unique index over rows that break it
-                        _drop_empty_copies(orm.Session(bind=connection), models, func)
+                        _drop_empty_copies(orm.Session(bind=connection))
                         index.create(connection, checkfirst=True)
     finally:
         engine.dispose()
 
 
-def _drop_empty_copies(session, models, func) -> None:
+def _drop_empty_copies(session) -> None:
     """Delete the later copies of each study name that holds several, when they hold no trial."""
+    from optuna.storages._rdb import models
+    from sqlalchemy import func
+
     study = models.StudyModel
     names = [name for (name,) in session.query(study.study_name).group_by(study.study_name)
              .having(func.count(study.study_id) > 1)]
