@@ -10,10 +10,12 @@ import pytest
 from qdq_optuna.measure.accuracy import ErrorMeasure
 from qdq_optuna.measure.bound import (
     DEFAULT_MAX_OUTPUT_ERROR,
+    RECIPE_FLOOR_ERRORS,
     AccuracyBound,
     AskedBound,
     BoundSource,
     MetricDrop,
+    RecipeFloor,
 )
 
 
@@ -62,3 +64,29 @@ def test_the_bound_cannot_change_once_built():
 def test_an_unknown_measure_is_refused():
     with pytest.raises(ValueError):
         AskedBound(None, "cosine")
+
+
+def test_the_fastest_recipe_tightens_a_default_bound_but_never_below_cosine_0999():
+    bound = AccuracyBound.resolve(AskedBound(None, "relative_l2"), "random:8:1")
+    tight = bound.under_recipe("dynamic", 0.06)
+    assert (tight.value, tight.source) == (0.06, BoundSource.RECIPE)
+    assert tight.recipe == RecipeFloor("dynamic", 0.06, DEFAULT_MAX_OUTPUT_ERROR)
+    assert not tight.allows(0.07) and tight.allows_recipe(0.07) and bound.allows_recipe(0.07)
+    assert tight.report_keys()["recipe_floor"] == {"start": "dynamic", "error": 0.06,
+                                                   "default": DEFAULT_MAX_OUTPUT_ERROR}
+    assert tight.under_recipe("recipe:onnxruntime", 0.01) is tight  # tightened once
+    floor = RECIPE_FLOOR_ERRORS[ErrorMeasure.RELATIVE_L2]
+    assert bound.under_recipe("dynamic", 0.001).value == pytest.approx(floor)
+    assert floor == pytest.approx(0.0447, abs=1e-4)
+    # a recipe less accurate than the default does not loosen it
+    assert bound.under_recipe("recipe:onnxruntime", 0.5) is bound
+    cosine = AccuracyBound.resolve(AskedBound(None, "1-cosine"), "random:8:1")
+    assert cosine.under_recipe("dynamic", 0.0).value == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("asked", [AskedBound(0.2, "relative_l2"),
+                                   AskedBound(None, "max_abs"),
+                                   AskedBound(None, "relative_l2", "m:top1_error")])
+def test_a_bound_the_user_gave_or_one_without_a_cosine_is_not_tightened(asked):
+    bound = AccuracyBound.resolve(asked, "random:8:1")
+    assert bound.under_recipe("dynamic", 0.01) is bound

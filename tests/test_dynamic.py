@@ -19,6 +19,8 @@ from qdq_optuna.backends.callable import CallableBackend
 from qdq_optuna.config import Config
 from qdq_optuna.errors import OptionError
 from qdq_optuna.examples import zoo
+from qdq_optuna.measure.accuracy import ErrorMeasure
+from qdq_optuna.measure.bound import RECIPE_FLOOR_ERRORS, BoundSource
 from qdq_optuna.model.graph import load_model
 from qdq_optuna.placement import dynamic
 from qdq_optuna.placement.dynamic import QuantMode
@@ -355,3 +357,40 @@ def test_a_transformer_with_a_convolution_stem_has_a_dynamic_file_and_a_cnn_head
     assert ort_runtime.dynamic_candidates(cnn) == ["head"]
     assert ort_runtime.only_a_head(load_model(cnn), ["head"]) is True
     assert ort_runtime.ort_dynamic_recipe_bytes(cnn) is None
+
+
+def dynamic_then_static_pays(model: onnx.ModelProto) -> float:
+    """Dynamic MatMuls pay most, and every static Q/DQ pair pays a little more: the dynamic
+    start is the fastest recipe, and static pairs on top of it trade accuracy for speed."""
+    ops = [n.op_type for n in model.graph.node]
+    return 2.0 - 0.15 * ops.count("MatMulInteger") - 0.01 * ops.count("QuantizeLinear")
+
+
+def test_the_default_bound_keeps_the_fastest_recipes_accuracy(encoder, tmp_path):
+    """Under the default bound the tuned model is at least as accurate as the fastest of the
+    runtime's recipes (here the dynamic start, closer to FP32 than cosine 0.999, so the
+    floor is cosine 0.999's error); the static pairs a faster model would add past that are
+    left out. Given the same bound as ``--max-output-error``, the user's bound stands and
+    the faster, less accurate model ships. A resumed run keeps the tightened bound."""
+    report = _tune(encoder, tmp_path / "r", dynamic_then_static_pays)
+    acc, rows = report["accuracy"], {s["name"]: s for s in report["starts"]}
+    floor = acc["recipe_floor"]
+    assert acc["bound_from"] == BoundSource.RECIPE.value and floor["start"] == "dynamic"
+    assert floor["error"] == rows["dynamic"]["error"] < RECIPE_FLOOR_ERRORS[
+        ErrorMeasure.RELATIVE_L2]
+    assert acc["bound"] == RECIPE_FLOOR_ERRORS[ErrorMeasure.RELATIVE_L2]
+    assert report["final_output_error"] <= acc["bound"]
+    assert not rows["all"]["feasible"] and rows["all"]["error"] > acc["bound"]
+    assert "tightened to the error of the runtime's fastest recipe" in \
+        (tmp_path / "r" / "report.md").read_text()
+
+    given = _tune(encoder, tmp_path / "given", dynamic_then_static_pays,
+                  max_output_error=floor["default"])
+    assert given["accuracy"]["bound_from"] == BoundSource.MAX_OUTPUT_ERROR.value
+    assert "recipe_floor" not in given["accuracy"]
+    assert given["final_output_error"] > acc["bound"]
+    assert given["final_latency_ms"] < report["final_latency_ms"]
+
+    resumed = _tune(encoder, tmp_path / "r", dynamic_then_static_pays)
+    assert resumed["accuracy"]["recipe_floor"] == floor
+    assert resumed["final_output_error"] == report["final_output_error"]

@@ -4,12 +4,15 @@ and the resume fingerprint read this object, so none of them can disagree about 
 
 The bound is ``--max-output-error`` when given, the FP32 model's own metric plus
 ``--max-metric-drop`` (absolute or relative) when that is, else
-:data:`DEFAULT_MAX_OUTPUT_ERROR`.
+:data:`DEFAULT_MAX_OUTPUT_ERROR`, tightened once the starts are measured to the error of the
+fastest of the runtime's own recipes (:meth:`AccuracyBound.under_recipe`), never below
+:data:`RECIPE_FLOOR_ERRORS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 
 from qdq_optuna.measure.accuracy import DropType, ErrorMeasure
@@ -22,6 +25,12 @@ from qdq_optuna.measure.accuracy import DropType, ErrorMeasure
 #: starts' repair returns the groups that cost the least speed per error to float
 DEFAULT_MAX_OUTPUT_ERROR = 0.2
 
+#: the default bound is never tightened below an output cosine of 0.999 vs FP32 (in each
+#: measure that has a cosine; relative L2 0.0447 when the error is uncorrelated with the
+#: output): a recipe closer to FP32 than that does not make the tuned model meet it too
+RECIPE_FLOOR_ERRORS = {ErrorMeasure.RELATIVE_L2: math.sqrt(2 * (1 - 0.999)),
+                       ErrorMeasure.ONE_MINUS_COSINE: 1 - 0.999}
+
 
 class BoundSource(str, Enum):
     """Where the bound's value comes from (report.json ``accuracy.bound_from``)."""
@@ -29,6 +38,21 @@ class BoundSource(str, Enum):
     MAX_OUTPUT_ERROR = "--max-output-error"
     MAX_METRIC_DROP = "--max-metric-drop"
     DEFAULT = "default"
+    #: the default, tightened to the fastest recipe's own error (``accuracy.recipe_floor``)
+    RECIPE = "the fastest recipe's error"
+
+
+@dataclass(frozen=True)
+class RecipeFloor:
+    """Why a default bound was tightened: the runtime's recipe (as a start) that measured
+    fastest among those within the default, its error, and the bound before."""
+
+    start: str
+    error: float
+    default: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -94,7 +118,7 @@ class AskedBound:
 class AccuracyBound:
     """The bound every model a run starts from, commits or ships must keep, and what it is
     claimed on: built once, from what was asked, the data the guard measures on and (a metric
-    drop) the FP32 model's own metric."""
+    drop) the FP32 model's own metric; a default one tightened once by the recipe starts."""
 
     asked: AskedBound
     value: float
@@ -103,6 +127,8 @@ class AccuracyBound:
     data: str
     #: the FP32 model's metric and the allowed drop (None: the bound is not a metric drop)
     drop: MetricDrop | None = None
+    #: the recipe whose error tightened the default bound (None: not tightened)
+    recipe: RecipeFloor | None = None
 
     @classmethod
     def resolve(cls, asked: AskedBound, data: str, drop: MetricDrop | None = None
@@ -114,6 +140,24 @@ class AccuracyBound:
         if asked.max_output_error is not None:
             return cls(asked, asked.max_output_error, BoundSource.MAX_OUTPUT_ERROR, data)
         return cls(asked, DEFAULT_MAX_OUTPUT_ERROR, BoundSource.DEFAULT, data)
+
+    def under_recipe(self, start: str, error: float) -> AccuracyBound:
+        """The default bound tightened to ``error``, the output error of the runtime's
+        recipe ``start`` that measured fastest within it, but not below
+        :data:`RECIPE_FLOOR_ERRORS`: a model faster than the recipe a user of the runtime
+        would deploy is only worth it at that recipe's accuracy or better. A ViT-like
+        model's tuned file ran 1.26x ``quantize_dynamic``'s with 1 - cosine 0.0019 against
+        its 0.0013 on held-out inputs, from static Q/DQ on the residual stream. A bound the
+        user gave (``--max-output-error``, ``--max-metric-drop``, ``--metric``) is theirs,
+        and a measure without a cosine (``max_abs``) has no floor: both stay as they are."""
+        if self.source is not BoundSource.DEFAULT or self.asked.metric \
+                or self.measure not in RECIPE_FLOOR_ERRORS:
+            return self
+        value = max(RECIPE_FLOOR_ERRORS[self.measure], float(error))
+        if value >= self.value:
+            return self
+        return replace(self, value=value, source=BoundSource.RECIPE,
+                       recipe=RecipeFloor(start, float(error), self.value))
 
     @property
     def measure(self) -> ErrorMeasure:
@@ -141,6 +185,12 @@ class AccuracyBound:
     def allows(self, error: float) -> bool:
         return error <= self.value
 
+    def allows_recipe(self, error: float) -> bool:
+        """Whether one of the runtime's recipe files may ship: the bound before any recipe
+        tightened it (that floor asks the tuned model for a recipe's accuracy; a recipe
+        file need not match another recipe's)."""
+        return error <= (self.recipe.default if self.recipe is not None else self.value)
+
     def excess(self, error: float) -> float | None:
         """A trial's constraint value (Optuna: feasible when <= 0), None when trials are not
         constrained."""
@@ -152,4 +202,5 @@ class AccuracyBound:
     def report_keys(self) -> dict:
         """report.json ``accuracy``'s keys that state the bound."""
         return {**self.describe(), "bound_from": self.source.value,
-                **({"metric_drop": self.drop.to_dict()} if self.drop else {})}
+                **({"metric_drop": self.drop.to_dict()} if self.drop else {}),
+                **({"recipe_floor": self.recipe.to_dict()} if self.recipe else {})}

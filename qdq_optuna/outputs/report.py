@@ -462,6 +462,13 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
         per = " of the FP32 model's value" if drop["drop_type"] == "relative" else ""
         lines += [f"The bound is the FP32 model's own metric {drop['fp32_metric']:.6g} plus the "
                   f"allowed drop {drop['max_metric_drop']:g}{per} ({drop['drop_type']}).", ""]
+    floor = acc.get("recipe_floor")
+    if floor:
+        lines += [f"The default bound {floor['default']:g} was tightened to the error of the "
+                  f"runtime's fastest recipe, start `{floor['start']}` ({floor['error']:.4g}; "
+                  "never below cosine 0.999): the tuned model is at least as accurate as the "
+                  "recipe it is compared with. Give `--max-output-error` to set the bound "
+                  "yourself.", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
     lines += floor_lines(acc.get("input_noise_floor"), acc["bound"])

@@ -29,7 +29,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,13 @@ class Start:
     notes: tuple[str, ...] = ()
     #: how many uses the source placement had, and how many of them map onto the prepared graph
     counts: Mapping[str, int] = field(default_factory=dict)
+    #: one of the runtime's own recipes (its classic recipe, a recipe file's placement, a
+    #: per-node mode's recipe): the fastest of them sets how accurate the tuned model must be
+    #: (:meth:`~qdq_optuna.measure.bound.AccuracyBound.under_recipe`)
+    recipe: bool = False
+
+    def as_recipe(self) -> Start:
+        return replace(self, recipe=True)
 
     @property
     def exact(self) -> bool:
@@ -454,4 +461,4 @@ def mode_start(pm, mode: QuantMode) -> Start | None:
     convolutions = sum(1 for n in pm.graph.nodes if n.op_type in CONVOLUTIONS)
     if not covered or len(covered) < convolutions:
         return None
-    return start_from_schemes(pm, mode.value, schemes)
+    return start_from_schemes(pm, mode.value, schemes).as_recipe()

@@ -284,6 +284,9 @@ class AgreedStarts:
     #: what the forward search did (:meth:`qdq_optuna.search._starts.ForwardStart.report`;
     #: None: it did not run): the run then ends without a descent
     forward: dict | None = None
+    #: the recipe that tightened the default accuracy bound
+    #: (:class:`~qdq_optuna.measure.bound.RecipeFloor` as a dict; None: not tightened)
+    recipe_floor: dict | None = None
 
     def to_attrs(self) -> dict[str, Any]:
         """The stored value (its keys in the order they were always stored; ``pinned`` and
@@ -296,6 +299,8 @@ class AgreedStarts:
                              for lane, uses in self.pinned.items() if uses}
         if self.forward is not None:
             out["forward"] = self.forward
+        if self.recipe_floor is not None:
+            out["recipe_floor"] = self.recipe_floor
         return out
 
     @classmethod
@@ -304,7 +309,7 @@ class AgreedStarts:
         return cls(attrs["chosen"], dict(attrs.get("lane_starts") or {}),
                    list(attrs.get("order") or []), attrs.get("measurements"),
                    dict(attrs.get("lanes") or {}), rows, dict(attrs.get("pinned") or {}),
-                   attrs.get("forward"))
+                   attrs.get("forward"), attrs.get("recipe_floor"))
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ class RecipeFile:
         guard = self.s.guard
         try:
             errors = plans.scorer.score_bytes(data)
-            if guard is not None and not guard.bound.allows(errors["error"]):
+            if guard is not None and not guard.bound.allows_recipe(errors["error"]):
                 return {**report, "error": errors["error"],
                         "output_errors": errors["output_errors"], "within_bound": False,
                         "not_timed": "past the accuracy bound: it cannot ship"}

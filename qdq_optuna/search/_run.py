@@ -388,5 +388,5 @@ def recipe_file_starts(tuner: Tuner) -> list:
             log.warning("%s; starting without it", exc)
             continue
         if start is not None:
-            found.append(start)
+            found.append(start.as_recipe())
     return found

@@ -30,9 +30,10 @@ def recipe_start(pm: PreparedModel, options: TuneOptions, profile: Runtime, cali
     starts' "recipe" step."""
     try:
         with (wall or WallTime()).step("starts", "recipe"):
-            return profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
-                                        data=calibration[0] if calibration else None,
-                                        keep=keep)
+            start = profile.recipe_start(pm, options.model, input_shapes=options.input_shapes,
+                                         data=calibration[0] if calibration else None,
+                                         keep=keep)
+        return start.as_recipe() if start is not None else None
     except ToolError as exc:  # the quantizer refused this model: no recipe start
         log.warning("%s; starting without the recipe", exc)
         return None

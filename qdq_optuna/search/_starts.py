@@ -7,7 +7,9 @@ default INT8 placement); the user's seeds (``--qdq-baseline``, ``--pattern-cache
 projected onto the insertion points (the descent moves points), the uses no point expresses
 *pinned* (measured with the start, kept by every model of its lane: ``Start.pinned``), measured
 once (the plan memo), and checked by the accuracy guard: a start whose output error breaks the
-bound is recorded as infeasible and never chosen; when it measured faster than float, it comes
+bound is recorded as infeasible and never chosen (a default bound is first tightened to the
+error of the fastest of the runtime's own recipes: :func:`under_recipe`); when it
+measured faster than float, it comes
 back with the quantizer groups that cost the most error per unit of speed returned to float, as
 one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when
 it beats float as a commit must (the run's commit rule; on a measured backend an interleaved A/B
@@ -35,7 +37,7 @@ from qdq_optuna.backends.base import BackendError
 from qdq_optuna.config import RECIPE_LANE_RATIO, StartFrom
 from qdq_optuna.placement import starts as whole
 from qdq_optuna.placement.starts import Start
-from qdq_optuna.record import AgreedStarts, RunRecord, StartAttr, StartOutcome
+from qdq_optuna.record import AgreedStarts, StartAttr, StartOutcome
 from qdq_optuna.search._forward_start import float_row, forward_choice
 from qdq_optuna.search._start_repairs import KEPT_NOTHING, NO_TIME, REPAIRED, StartRepairs
 
@@ -64,10 +66,6 @@ class StartsPhase:
         self.seeds = seeds
         self.worker = worker
 
-    @property
-    def record(self) -> RunRecord:
-        return self.s.record
-
     def candidates(self) -> list[Start]:
         pm = self.s.prepared
         cands = [whole.float_start(pm), whole.all_on_start(pm)]
@@ -78,8 +76,9 @@ class StartsPhase:
 
     def run(self) -> AgreedStarts:
         """The agreed starts (whichever process decided them)."""
-        decided = self.record.starts(self.decide)
-        if not self.worker or self.record.claim("starts-study"):
+        decided = self.s.record.starts(self.decide)
+        _stored_floor(self.s.guard, decided.recipe_floor)  # decided before: resumed, a worker
+        if not self.worker or self.s.record.claim("starts-study"):
             self._write_study(decided)
         return decided
 
@@ -91,7 +90,7 @@ class StartsPhase:
         progress.stage("starts", len(cands))
         step = self.s.wall.step
         self._together(cands)
-        rows = [self._measured(start) for start in cands]
+        rows = under_recipe(self.s.guard, cands, [self._measured(start) for start in cands])
         with step("starts", "repair"):
             rows += self._repairs(cands, rows)
         with step("starts", "choice A/Bs"):
@@ -107,7 +106,8 @@ class StartsPhase:
                             {lane: by_name[name].schemes for lane, name in lanes.items()},
                             tuple(rows), {lane: sorted(by_name[name].pinned)
                                           for lane, name in lanes.items()},
-                            forward.report(rows, chosen) if forward is not None else None)
+                            forward.report(rows, chosen) if forward is not None else None,
+                            _recipe_floor(self.s.guard))
 
     def _together(self, cands: list[Start]) -> None:
         """The starts timed in the same rounds as the baseline (a measured backend), each
@@ -169,7 +169,7 @@ class StartsPhase:
 
     def _plan(self, schemes: dict[str, dict[str, int]], pinned=()):
         """The whole model of a start's schemes and its pinned uses."""
-        return self.s.exporter.plan(self.record.uses(schemes, pinned))
+        return self.s.exporter.plan(self.s.record.uses(schemes, pinned))
 
     def _row_plan(self, row: StartOutcome):
         return self._plan(row.schemes, row.pinned)
@@ -288,7 +288,7 @@ class StartsPhase:
     # -- the study -------------------------------------------------------------------------
     def _write_study(self, decided: AgreedStarts) -> None:
         """One trial per start in ``RUN/_starts`` (those not written yet)."""
-        study = self.record.starts_study()
+        study = self.s.record.starts_study()
         written = {t.user_attrs.get(StartAttr.START) for t in study.get_trials(deepcopy=False)}
         for row in decided.rows:
             if row.name in written:
@@ -299,6 +299,40 @@ class StartsPhase:
             else:
                 study.add_trial(optuna.trial.create_trial(value=row.latency_ms,
                                                           user_attrs=row.trial_attrs()))
+
+
+def under_recipe(guard, cands: list[Start], rows: list[StartOutcome]) -> list[StartOutcome]:
+    """The ``guard``'s bound tightened by the fastest of the runtime's recipes among the
+    starts ``cands`` (measured as ``rows``) that keeps it and runs faster than float (a recipe
+    slower than float is no model anyone deploys), and every row's feasibility read again
+    under it (:meth:`~qdq_optuna.measure.bound.AccuracyBound.under_recipe`: a default bound
+    only)."""
+    recipes = {c.name for c in cands if c.recipe}
+    flt = float_row(rows)
+    if guard is None or flt is None or flt.latency_ms is None:
+        return rows
+    fast = sorted((r for r in rows if r.name in recipes and r.usable
+                   and r.error is not None and r.latency_ms < flt.latency_ms),
+                  key=lambda r: (r.latency_ms, r.name))
+    if not fast:
+        return rows
+    guard.bound = guard.bound.under_recipe(fast[0].name, fast[0].error)
+    if guard.bound.recipe is not None:
+        log.info("accuracy bound %.4g: the error of the fastest recipe start %s (the default "
+                 "%g)", guard.bound.value, fast[0].name, guard.bound.recipe.default)
+    return [r if r.error is None else replace(r, feasible=guard.bound.allows(r.error))
+            for r in rows]
+
+
+def _recipe_floor(guard) -> dict | None:
+    """The recipe that tightened the bound, as the agreed starts store it."""
+    return None if guard is None or guard.bound.recipe is None else guard.bound.recipe.to_dict()
+
+
+def _stored_floor(guard, floor: dict | None) -> None:
+    """The bound tightened as the agreed starts say (idempotent: tightened once)."""
+    if floor and guard is not None:
+        guard.bound = guard.bound.under_recipe(floor["start"], floor["error"])
 
 
 def _compare(phase: StartsPhase, candidate: StartOutcome, reference: StartOutcome):
