@@ -82,6 +82,15 @@ def test_the_fastest_recipe_tightens_a_default_bound_but_never_below_cosine_0999
     assert bound.under_recipe("recipe:onnxruntime", 0.5) is bound
     cosine = AccuracyBound.resolve(AskedBound(None, "1-cosine"), "random:8:1")
     assert cosine.under_recipe("dynamic", 0.0).value == pytest.approx(0.001)
+    # scored on the samples the static scales were fitted to: a floor of cosine 0.9995
+    on_calibration = AccuracyBound.resolve(AskedBound(None, "relative_l2"),
+                                           "--calibration-data cal.npz:1a2b")
+    assert on_calibration.under_recipe("dynamic", 0.0).value == pytest.approx(0.0316, abs=1e-4)
+    cosine = AccuracyBound.resolve(AskedBound(None, "1-cosine"), "--calibration-data c.npz:1")
+    assert cosine.under_recipe("dynamic", 0.0).value == pytest.approx(0.0005)
+    held_out = AccuracyBound.resolve(AskedBound(None, "relative_l2"),
+                                     "--calibration-data held out (4 of its 16 samples, not used for scales)")
+    assert held_out.under_recipe("dynamic", 0.0).value == pytest.approx(floor)
 
 
 @pytest.mark.parametrize("asked", [AskedBound(0.2, "relative_l2"),

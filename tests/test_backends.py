@@ -23,7 +23,14 @@ from qdq_optuna.backends import (
     load_callable,
     make_backend,
 )
-from qdq_optuna.backends.base import BackendError, BackendUnavailable, TransientBackendError
+from qdq_optuna.backends import onnxruntime as ort_backend
+from qdq_optuna.backends.base import (
+    BackendError,
+    BackendUnavailable,
+    Configured,
+    SessionSettings,
+    TransientBackendError,
+)
 from qdq_optuna.errors import OptionError, UserError
 from qdq_optuna.examples.zoo import matmul_chain
 
@@ -68,6 +75,48 @@ def test_ort_times_from_bytes_and_path(tmp_path):
             times = runner.time(2, 5)
         assert len(times) == 5
         assert all(math.isfinite(t) and t > 0 for t in times)
+
+
+def test_a_model_loaded_again_comes_from_onnx_runtimes_optimized_copy(monkeypatch):
+    """From its second load on a model is read from the optimized graph ONNX Runtime wrote
+    for it (every optimization off), with the same outputs; models under other session
+    settings get copies of their own, a copy ONNX Runtime cannot read is dropped for the
+    model itself, the least recently loaded copy goes past the limit, and ``close`` removes
+    them all."""
+    monkeypatch.setattr(ort_backend, "COPY_AFTER_S", 0.0)  # these tiny models load at once
+    backend = OnnxRuntimeBackend()
+    copies = backend.copies
+    data = chain_model(layers=4)
+    outputs = []
+    for _ in range(4):
+        with backend.load(data) as runner:
+            outputs.append(runner.session.run(None, runner.feeds)[0])
+            assert runner.time(1, 3)
+    assert copies.loaded_from_copy == 2  # the 1st load measures, the 2nd writes the copy
+    for out in outputs[1:]:
+        np.testing.assert_array_equal(out, outputs[0])
+    folder = Path(copies._folder)
+    assert len(list(folder.iterdir())) == 1
+
+    settings = SessionSettings("no_propagation", (
+        ("optimization.disable_specified_optimizers", "QDQPropagationTransformer"),))
+    for _ in range(3):
+        backend.load(Configured(data, settings)).close()
+    assert copies.loaded_from_copy == 3 and len(list(folder.iterdir())) == 2
+
+    (copy,) = [p for p in folder.iterdir() if p.name == f"{copies.key(data, ())}.onnx"]
+    copy.write_bytes(b"not a model")
+    with backend.load(data) as runner:  # from the model again
+        np.testing.assert_array_equal(runner.session.run(None, runner.feeds)[0], outputs[0])
+    assert copies.loaded_from_copy == 3 and not copy.exists()
+
+    copies.limit = 2
+    for width in (16, 24, 32):
+        for _ in range(2):
+            backend.load(chain_model(layers=2, width=width)).close()
+    assert len(list(folder.iterdir())) == 2
+    backend.close()
+    assert not folder.exists()
 
 
 def test_ort_session_settings_and_describe():
