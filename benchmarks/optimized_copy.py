@@ -45,7 +45,8 @@ def measure(path: Path, rounds: int, runs: int, warmup: int) -> dict:
             runner.close()
     ratios = [c / p for c, p in zip(best["copied"], best["plain"])]
     center, low, high = ratio_interval(ratios)
-    out = {"model": path.name, "size_mb": round(os.path.getsize(path) / 2**20, 1),
+    label = f"{path.parent.name}/{path.name}" if path.name == "optimized.onnx" else path.name
+    out = {"model": label, "size_mb": round(os.path.getsize(path) / 2**20, 1),
            "rounds": rounds, "runs": runs,
            "create_plain_s": statistics.median(created["plain"]),
            "create_copied_s": statistics.median(created["copied"][2:]),
@@ -80,7 +81,8 @@ def main() -> None:
                      f"{r['ci'][1]:.3f}) |")
     print("\n".join(table))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "load": load_now(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": machine(), "load": load_now(),
+                                               "rows": rows}, indent=1))
     if args.md:
         Path(args.md).write_text("\n".join(table) + "\n")
 

@@ -46,6 +46,7 @@ PHASES = ("preparing", "baseline", "starts", "descent", "recipe_file", "session_
 def run_arm(arm: str, checkout: Path, work: Path, models: list[str],
             tune_args: list[str] = ()) -> list[dict]:
     rows = []
+    work = work.resolve()
     for name in models:
         out = work / arm / name
         env = {**os.environ, "PYTHONPATH": str(checkout.resolve()),
@@ -57,7 +58,9 @@ def run_arm(arm: str, checkout: Path, work: Path, models: list[str],
             [sys.executable, "-m", "qdq_optuna", "tune", "-m", real_models.fetch(name), "-o",
              out, "--input-shapes", shapes, "--seed", "0", "-q", "--fresh",
              *tune_args],
-            env=env, capture_output=True, text=True)
+            # in the checkout: ``python -m`` puts the working folder ahead of PYTHONPATH, so
+            # an arm started from another checkout ran that one's code
+            env=env, capture_output=True, text=True, cwd=checkout.resolve())
         wall = time.monotonic() - t0
         row = {"model": name, "arm": arm, "rc": done.returncode, "wall_s": round(wall, 1),
                "load_1min": [load, load_now()]}

@@ -155,6 +155,33 @@ def test_a_dynamic_point_runs_its_matmul_on_an_integer_kernel(tmp_path):
         pm.graph.nodes[i].name for i in linear)
 
 
+def test_a_dynamic_weight_has_a_scale_per_output_column(tmp_path):
+    """A weight whose columns differ by 1000x in magnitude: one scale per tensor rounds the
+    small column to zero, one per column keeps it; ONNX Runtime still runs the node on its
+    fused dynamic kernel."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((32, 2)).astype(np.float32) * np.array([1e-3, 1.0], np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 2])],
+        [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    pm = _prepared(model)
+    exporter = pm.exporter()
+    uses = set().union(*(pp.uses(ids) for pp, ids in zip(pm.tunable, _dynamic_ids(pm).values())))
+    data = exporter.to_bytes(exporter.plan(uses))
+    scales = [numpy_helper.to_array(t) for t in onnx.load_from_string(data).graph.initializer
+              if t.name.endswith("W_scale")]
+    assert [s.shape for s in scales] == [(2,)]
+    optimized = tmp_path / "optimized.onnx"
+    x = {"x": rng.standard_normal((8, 32)).astype(np.float32)}
+    got = _session(data, optimized).run(None, x)[0]
+    want = _session(model.SerializeToString()).run(None, x)[0]
+    assert _cosine(got[:, 0], want[:, 0]) > 0.999  # the small column survives
+    assert "MatMulInteger" not in [n.op_type for n in onnx.load(str(optimized)).graph.node]
+
+
 def test_a_dynamic_node_takes_no_static_qdq_on_its_inputs():
     pm = _prepared(zoo.tiny_attention())
     exporter = pm.exporter()
