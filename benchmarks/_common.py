@@ -123,6 +123,19 @@ def markdown_table(header: list[str], rows: Iterable[list]) -> str:
     return "\n".join(lines)
 
 
+def report_rows(table: str, rows: list, json_path: str | None, md_path: str | None) -> None:
+    """A script's Markdown ``table`` printed, and written with its ``rows`` (JSON, with the
+    machine and its load) where asked."""
+    import json
+
+    print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"machine": machine(), "load": load_now(),
+                                               "rows": rows}, indent=1))
+    if md_path:
+        Path(md_path).write_text(table + "\n")
+
+
 def machine() -> str:
     """The machine a result was measured on, in one line: the CPU's name and its cores."""
     from qdq_optuna.machine import current_cpu

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import real_models
-from _common import load_now, machine
+from _common import markdown_table, report_rows
 from onnxruntime.quantization import quantize_dynamic
 
 from qdq_optuna.examples import zoo
@@ -109,22 +109,13 @@ def main() -> None:
         for name in args.models:
             rows.append(measure(name, Path(tmp), args.samples, args.rounds, args.runs))
             print(json.dumps(rows[-1]), flush=True)
-    table = ["| model | 1 - cosine, scale per tensor (min cosine) | 1 - cosine, per column (min) "
-             "| latency ms per tensor / per column | per column / per tensor (95 % CI) |",
-             "|---|---|---|---|---|"]
-    for r in rows:
-        t, c = r["tensor"], r["column"]
-        table.append(f"| {r['model']} | {1 - t['cosine_mean']:.5f} ({t['cosine_min']:.5f}) | "
-                     f"{1 - c['cosine_mean']:.5f} ({c['cosine_min']:.5f}) | "
-                     f"{r['tensor_ms']:.3f} / {r['column_ms']:.3f} | "
-                     f"{r['column_vs_tensor']:.3f} ({r['ci'][0]:.3f}-{r['ci'][1]:.3f}) |")
-    print("\n".join(table))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "load": load_now(),
-                                               "rows": rows}, indent=1))
-    if args.md:
-        Path(args.md).write_text("\n".join(table) + "\n")
-
+    header = ["model", "1 - cosine, scale per tensor (min cosine)", "1 - cosine, per column (min)",
+              "latency ms per tensor / per column", "per column / per tensor (95 % CI)"]
+    cells = [[r["model"], f"{1 - r['tensor']['cosine_mean']:.5f} ({r['tensor']['cosine_min']:.5f})",
+              f"{1 - r['column']['cosine_mean']:.5f} ({r['column']['cosine_min']:.5f})",
+              f"{r['tensor_ms']:.3f} / {r['column_ms']:.3f}",
+              f"{r['column_vs_tensor']:.3f} ({r['ci'][0]:.3f}-{r['ci'][1]:.3f})"] for r in rows]
+    report_rows(markdown_table(header, cells), rows, args.json, args.md)
 
 if __name__ == "__main__":
     main()

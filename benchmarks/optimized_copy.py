@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import load_now, machine
+from _common import markdown_table, report_rows
 
 from qdq_optuna.backends.onnxruntime import OnnxRuntimeBackend
 from qdq_optuna.measure.timing import ratio_interval
@@ -72,20 +72,12 @@ def main() -> None:
         row = measure(path, args.rounds, args.runs, args.warmup)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    table = ["| model | MB | session created s (plain -> from the copy) | latency ms (plain / "
-             "copied) | copied / plain (95 % CI) |", "|---|---:|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['model']} | {r['size_mb']} | {r['create_plain_s']:.3f} -> "
-                     f"{r['create_copied_s']:.3f} | {r['latency_plain_ms']:.3f} / "
-                     f"{r['latency_copied_ms']:.3f} | {r['ratio']:.3f} ({r['ci'][0]:.3f}-"
-                     f"{r['ci'][1]:.3f}) |")
-    print("\n".join(table))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "load": load_now(),
-                                               "rows": rows}, indent=1))
-    if args.md:
-        Path(args.md).write_text("\n".join(table) + "\n")
-
+    header = ["model", "MB", "session created s (plain -> from the copy)",
+              "latency ms (plain / copied)", "copied / plain (95 % CI)"]
+    cells = [[r["model"], r["size_mb"], f"{r['create_plain_s']:.3f} -> {r['create_copied_s']:.3f}",
+              f"{r['latency_plain_ms']:.3f} / {r['latency_copied_ms']:.3f}",
+              f"{r['ratio']:.3f} ({r['ci'][0]:.3f}-{r['ci'][1]:.3f})"] for r in rows]
+    report_rows(markdown_table(header, cells), rows, args.json, args.md)
 
 if __name__ == "__main__":
     main()
