@@ -280,6 +280,17 @@ def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_fl
     again = K.kernel_table(OnnxRuntimeBackend(), flt, qdq, skip=skip, protocol=quick, output_q=True,
                            cache=K.KernelCache(cache), dynamic=True)
     assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel
+    # the report's column says how the shipped model runs the node: its mode, where it has one
+    from qdq_optuna.search._unfused import kernel_table_entry
+
+    dyn_pm = _prepared(zoo.tiny_attention())
+    dyn_ex = dyn_pm.exporter()
+    shipped = dyn_ex.to_bytes(dyn_ex.plan(set().union(*(
+        pp.uses(ids) for pp, ids in zip(dyn_pm.tunable, _dynamic_ids(dyn_pm).values())))))
+    rows = {r["node"]: r for r in kernel_table_entry(table, shipped)["kernels"]}
+    assert rows[unit.node]["shipped"] == "dynamic"
+    assert kernel_table_entry(table, ex.to_bytes(ex.plan(set())))["kernels"][0]["shipped"] \
+        == "float"
 
 
 # -- the recipe file's decision past --timeout --------------------------------------------------

@@ -480,13 +480,17 @@ def kernel_table_entry(table: KernelTable, model: bytes | None,
                        placed: set[str] | None = None) -> dict:
     """The kernel table for the report: per node, integer and float ms on this machine, the
     ratio float/integer with its interval, what the search did, and how the shipped model
-    placed the node (``integer``: set up as an integer kernel, else ``float``; ``placed``:
-    those nodes, when read already)."""
+    runs the node (its per-node mode, ``dynamic`` or weight-only, where it has one; else
+    ``integer``: set up as an integer kernel, or ``float``; ``placed``: those nodes, when
+    read already)."""
     out = table.to_dict()
     if placed is None:
         placed = integer_nodes(table, model)
+    modes = per_node_modes(model)
     for row in out["kernels"]:
         row["action"] = KERNEL_ACTIONS[row["decision"]]
-        if placed is not None:
+        if row["node"] in modes:  # a ViT's dynamic MatMuls read "float" before
+            row["shipped"] = modes[row["node"]]
+        elif placed is not None:
             row["shipped"] = "integer" if row["node"] in placed else "float"
     return out
