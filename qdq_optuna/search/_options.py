@@ -166,8 +166,9 @@ class TuneOptions:
     max_output_error: float | None = option(
         None, group="accuracy", type="positive_float", metavar="X",
         help="error budget: trials above it are infeasible; commits take the fastest feasible "
-             f"scheme (default {DEFAULT_MAX_OUTPUT_ERROR:g}, on the starts and the saved model "
-             "only; given, it bounds every trial too)")
+             f"scheme (default {DEFAULT_MAX_OUTPUT_ERROR:g}, tightened to the fastest runtime "
+             "recipe's own error where lower, on the starts, commits and the saved model "
+             "only; given, it is never tightened and bounds every trial too)")
     max_metric_drop: float | None = option(
         None, group="accuracy", type="positive_float", metavar="X",
         help="with --metric: how much the metric may worsen from the FP32 model's own value "
