@@ -281,16 +281,18 @@ def test_the_kernel_table_times_each_matmuls_dynamic_kernel_beside_static_and_fl
                            cache=K.KernelCache(cache), dynamic=True)
     assert again.timed == 0 and again.timings[unit.node] == t  # cached with its dynamic kernel
     # the report's column says how the shipped model runs the node: its mode, where it has one
-    from qdq_optuna.search._unfused import kernel_table_entry
+    from qdq_optuna.search._unfused import kernel_table_entry, placed_and_modes
 
     dyn_pm = _prepared(zoo.tiny_attention())
     dyn_ex = dyn_pm.exporter()
     shipped = dyn_ex.to_bytes(dyn_ex.plan(set().union(*(
         pp.uses(ids) for pp, ids in zip(dyn_pm.tunable, _dynamic_ids(dyn_pm).values())))))
-    rows = {r["node"]: r for r in kernel_table_entry(table, shipped)["kernels"]}
+    rows = {r["node"]: r for r in kernel_table_entry(
+        table, *placed_and_modes(table, shipped))["kernels"]}
     assert rows[unit.node]["shipped"] == "dynamic"
-    assert kernel_table_entry(table, ex.to_bytes(ex.plan(set())))["kernels"][0]["shipped"] \
-        == "float"
+    flt_bytes = ex.to_bytes(ex.plan(set()))
+    assert kernel_table_entry(table, *placed_and_modes(table, flt_bytes))["kernels"][0][
+        "shipped"] == "float"
 
 
 # -- the recipe file's decision past --timeout --------------------------------------------------

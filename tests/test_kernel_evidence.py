@@ -178,7 +178,7 @@ def test_pruning_follows_the_kernel_evidence_in_both_directions(resnet):
 
 def test_the_report_lists_the_table_with_the_decision_and_the_shipped_precision(resnet):
     from qdq_optuna.outputs.report import _kernel_lines
-    from qdq_optuna.search._unfused import kernel_table_entry
+    from qdq_optuna.search._unfused import kernel_table_entry, placed_and_modes
 
     pm, flt, qdq = resnet
     convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
@@ -186,7 +186,7 @@ def test_the_report_lists_the_table_with_the_decision_and_the_shipped_precision(
                           {convs[0]: _timing("float"), convs[1]: _timing("integer")})
     for model, shipped in ((qdq.SerializeToString(), "integer"),
                            (flt.SerializeToString(), "float")):
-        entry = kernel_table_entry(table, model)
+        entry = kernel_table_entry(table, *placed_and_modes(table, model))
         rows = {r["node"]: r for r in entry["kernels"]}
         assert rows[convs[0]]["decision"] == "float" and "tried first" in rows[convs[0]]["action"]
         assert rows[convs[1]]["decision"] == "integer" and "pruned" in rows[convs[1]]["action"]
@@ -420,7 +420,7 @@ def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_flo
     the pattern that holds them; report.md words it in the final A/B's terms."""
     from qdq_optuna.outputs.limit import limit_lines
     from qdq_optuna.search._limit import estimate, node_patterns
-    from qdq_optuna.search._unfused import integer_nodes
+    from qdq_optuna.search._unfused import placed_and_modes
 
     pm, flt, qdq = resnet
     convs = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
@@ -432,7 +432,7 @@ def test_the_limit_puts_each_timed_node_at_its_faster_kernel_and_the_rest_at_flo
     float_ms = 10.0
     timed_float = sum(t.float_ms for t in timings.values())
     best = sum(min(t.int_ms, t.float_ms) for t in timings.values())
-    placed = integer_nodes(table, qdq.SerializeToString())
+    placed, _ = placed_and_modes(table, qdq.SerializeToString())
     assert set(convs[:3]) <= placed  # every point on: each timed Conv is set up integer
     lim = estimate(table, float_ms, placed, patterns)
     assert lim.limit_ms == pytest.approx(float_ms - timed_float + best)
@@ -647,7 +647,7 @@ def test_the_every_point_model_turns_on_static_points_only():
     timed for evidence has every static point on and no node in a per-node mode."""
     from qdq_optuna.placement.dynamic import QuantMode
     from qdq_optuna.runtimes import profile_for
-    from qdq_optuna.search._unfused import every_point_model, per_node_modes
+    from qdq_optuna.search._unfused import every_point_model, placed_and_modes
 
     pm = PreparedModel.prepare(zoo.small("transformer"), runtime=profile_for("onnxruntime")
                                .rules_for_modes((QuantMode.STATIC, QuantMode.DYNAMIC)))
@@ -662,7 +662,7 @@ def test_the_every_point_model_turns_on_static_points_only():
         record = type("R", (), {"uses": staticmethod(uses)})
 
     model, what = every_point_model(_S(), ex, OnnxRuntimeBackend(), set())
-    assert per_node_modes(model) == {}
+    assert placed_and_modes(K.KernelTable({}, [], {}), model)[1] == {}
     matmuls = [u for u in K.units(onnx.load_from_string(model)) if u.op == "MatMul"]
     assert len(matmuls) >= 6  # the constant-weight MatMuls are static units to time
     every_on = ex.plan(uses({pp.pattern.id: dict.fromkeys(pp.ids, 1) for pp in pm.tunable}))

@@ -154,9 +154,8 @@ class AccuracyBound:
     def under_recipe(self, start: str, error: float) -> AccuracyBound:
         """The default bound tightened to ``error`` (within :data:`RECIPE_ERROR_SLACK`), the
         output error of the runtime's recipe ``start`` that measured fastest within it, but
-        not below
-        :attr:`recipe_floor_error`: a model faster than the recipe a user of the runtime
-        would deploy is only worth it at that recipe's accuracy or better. A ViT-like
+        not below :attr:`recipe_floor_error`: a model faster than the recipe a user of the
+        runtime would deploy is only worth it at that recipe's accuracy or better. A ViT-like
         model's tuned file ran 1.26x ``quantize_dynamic``'s with 1 - cosine 0.0019 against
         its 0.0013 on held-out inputs, from static Q/DQ on the residual stream. A bound the
         user gave (``--max-output-error``, ``--max-metric-drop``, ``--metric``) is theirs,

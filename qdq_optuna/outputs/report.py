@@ -466,9 +466,9 @@ def accuracy_lines(acc: dict, budget: float | None = None) -> list[str]:
     if floor:
         lines += [f"The default bound {floor['default']:g} was tightened to the error of the "
                   f"runtime's fastest recipe, start `{floor['start']}` ({floor['error']:.4g}; "
-                  "never below cosine 0.999, 0.9995 on the calibration samples themselves): the tuned model is at least as accurate as the "
-                  "recipe it is compared with. Give `--max-output-error` to set the bound "
-                  "yourself.", ""]
+                  "never below cosine 0.999, 0.9995 on the calibration samples themselves): "
+                  "the tuned model is at least as accurate as the recipe it is compared with. "
+                  "Give `--max-output-error` to set the bound yourself.", ""]
     if acc.get("scored_as"):
         lines += [f"Scored as {acc['scored_as']}.", ""]
     lines += floor_lines(acc.get("input_noise_floor"), acc["bound"])

@@ -42,9 +42,8 @@ from qdq_optuna.search._pattern import OutOfTime, PatternStudy, Search, Seed
 from qdq_optuna.search._unfused import (
     FINAL_LINE,
     Unfused,
-    integer_nodes,
     kernel_table_entry,
-    per_node_modes,
+    placed_and_modes,
     skip_reason,
 )
 
@@ -210,12 +209,12 @@ class Descent:
             return DescentFindings(list(self.skipped))
         if u.kernels is None:
             return DescentFindings(list(self.skipped), u.reads, None)
-        placed = integer_nodes(u.kernels, shipped)
-        table = kernel_table_entry(u.kernels, shipped, placed)
+        placed, modes = placed_and_modes(u.kernels, shipped)
+        table = kernel_table_entry(u.kernels, placed, modes)
         limit = None
         if placed is not None and self.s.baseline_ms:
             limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns,
-                             per_node_modes(shipped)).to_dict()
+                             modes).to_dict()
         return DescentFindings(list(self.skipped), u.reads, table, limit, list(self.plans))
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:

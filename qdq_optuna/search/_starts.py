@@ -8,9 +8,8 @@ projected onto the insertion points (the descent moves points), the uses no poin
 *pinned* (measured with the start, kept by every model of its lane: ``Start.pinned``), measured
 once (the plan memo), and checked by the accuracy guard: a start whose output error breaks the
 bound is recorded as infeasible and never chosen (a default bound is first tightened to the
-error of the fastest of the runtime's own recipes: :func:`under_recipe`); when it
-measured faster than float, it comes
-back with the quantizer groups that cost the most error per unit of speed returned to float, as
+error of the fastest of the runtime's own recipes: :func:`under_recipe`); when it measured
+faster than float, it comes back with the quantizer groups that cost the most error per unit of speed returned to float, as
 one more start (``NAME-in-bound``). The fastest feasible start becomes the standing model when
 it beats float as a commit must (the run's commit rule; on a measured backend an interleaved A/B
 against float confirms it; there the runtime's recipe stands unless an A/B shows the fastest

@@ -150,7 +150,7 @@ class Unfused:
             return None, {}
         uses = self.s.record.uses(schemes, self.s.record.pinned(lane))
         model = self.s.exporter.to_bytes(self.s.exporter.plan(uses))
-        return integer_nodes(self.kernels, model), per_node_modes(model)
+        return placed_and_modes(self.kernels, model)
 
     def pattern_sites(self, what: WhatRan | None) -> dict[str, bool]:
         """Pattern id -> whether the runtime left something unfused in it that a move can
@@ -451,42 +451,38 @@ KERNEL_ACTIONS = {"integer": "removal pruned (integer faster)",
                   "tie": "removal measured (no difference resolved)"}
 
 
-def integer_nodes(table: KernelTable, model: bytes | None) -> set[str] | None:
-    """The nodes ``model`` (its bytes) sets up as integer kernels (None: not readable)."""
+def placed_and_modes(table: KernelTable, model: bytes | None
+                     ) -> tuple[set[str] | None, dict[str, str]]:
+    """The nodes ``model`` (its bytes, read once) sets up as static integer kernels (None:
+    not readable) and those it runs in a per-node mode (node -> dynamic or weight-only)."""
     if not isinstance(model, bytes):
-        return None
+        return None, {}
     import onnx
 
     try:
-        return {u.node for u in units(with_shapes(onnx.load_from_string(model)),
-                                      table.output_q, table.ops)}
+        proto = onnx.load_from_string(model)
     except Exception:  # the table still ships without the column
-        return None
-
-
-def per_node_modes(model: bytes | None) -> dict[str, str]:
-    """Node -> the per-node mode ``model`` (its bytes) runs it in (dynamic, weight-only)."""
-    if not isinstance(model, bytes):
-        return {}
+        return None, {}
     try:
-        modes = node_modes(model)
+        modes = node_modes(proto)
     except Exception:  # the estimate then takes those nodes as placed float
-        return {}
+        modes = {}
     per_node = {mode.value for mode in QuantMode if mode.per_node}
-    return {n: m for n, m in modes.items() if m in per_node}
+    try:
+        placed = {u.node for u in units(with_shapes(proto), table.output_q, table.ops)}
+    except Exception:  # the table still ships without the column
+        placed = None
+    return placed, {n: m for n, m in modes.items() if m in per_node}
 
 
-def kernel_table_entry(table: KernelTable, model: bytes | None,
-                       placed: set[str] | None = None) -> dict:
+def kernel_table_entry(table: KernelTable, placed: set[str] | None,
+                       modes: dict[str, str]) -> dict:
     """The kernel table for the report: per node, integer and float ms on this machine, the
     ratio float/integer with its interval, what the search did, and how the shipped model
-    runs the node (its per-node mode, ``dynamic`` or weight-only, where it has one; else
-    ``integer``: set up as an integer kernel, or ``float``; ``placed``: those nodes, when
-    read already)."""
+    runs the node (:func:`placed_and_modes`: its per-node mode, ``dynamic`` or weight-only,
+    where it has one; else ``integer``: set up as an integer kernel, or ``float``; no column
+    when ``placed`` is None)."""
     out = table.to_dict()
-    if placed is None:
-        placed = integer_nodes(table, model)
-    modes = per_node_modes(model)
     for row in out["kernels"]:
         row["action"] = KERNEL_ACTIONS[row["decision"]]
         if row["node"] in modes:  # a ViT's dynamic MatMuls read "float" before
