@@ -9,7 +9,9 @@ checkout), never through a sys.path edit.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -103,8 +105,10 @@ def pre_process(src: Path, dst: Path, symbolic: bool = True) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if symbolic:
-            try:  # ONNX Runtime's symbolic shape inference needs sympy
-                quant_pre_process(str(src), str(dst))
+            try:  # ONNX Runtime's symbolic shape inference needs sympy; where it gives up it
+                # saves what it has as sym_shape_infer_temp.onnx in the working folder
+                with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+                    quant_pre_process(str(Path(src).resolve()), str(Path(dst).resolve()))
                 return
             except ImportError:
                 pass

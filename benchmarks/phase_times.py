@@ -84,7 +84,19 @@ def summarize(out: Path) -> dict:
             "descent_gain": lane.get("gain"), "start": lane.get("start"),
             "speedup": r["speedup"], "speedup_ci": r.get("speedup_ci"),
             "final_ms": r["final_latency_ms"], "baseline_ms": r["baseline_latency_ms"],
-            "folder": str(out)}
+            "limit": limit_terms(r), "folder": str(out)}
+
+
+def limit_terms(r: dict) -> dict | None:
+    """The limit estimate in the final A/B's terms (report.md's figures): the limit, the
+    shipped model's gap to it, and the conversions priced in it (None: no limit)."""
+    lim, base, final = r.get("limit"), r.get("baseline_latency_ms"), r.get("final_latency_ms")
+    if not lim or lim.get("float_ms") is None or not base or not final:
+        return None
+    limit_ms = base - (lim["float_ms"] - lim["limit_ms"])
+    return {"limit_ms": round(limit_ms, 4), "gap": round(final / limit_ms - 1.0, 4),
+            "conversions": lim.get("conversions"), "conversions_ms": lim.get("conversions_ms"),
+            "kept_for_conversions": len(lim.get("kept_for_conversions") or ())}
 
 
 def ab(work: Path, models: list[str], rounds: int, arms: tuple[str, str]) -> list[dict]:
@@ -149,13 +161,16 @@ def table(result: dict) -> str:
         cells.append(f"{b['visits']}/{b['commits']} -> {a['visits']}/{a['commits']}")
         cells.append(f"{b['descent_gain']:.3f} -> {a['descent_gain']:.3f}")
         cells.append(f"{b['speedup']:.3f} -> {a['speedup']:.3f}")
+        cells.append(" -> ".join(f"{x['limit']['gap']:+.1%}" if x.get("limit") else "-"
+                                 for x in (b, a)))
         m = abs_.get(name)
         cells.append(f"{m['speedup']:.3f} ({m['speedup_ci'][0]:.3f}-{m['speedup_ci'][1]:.3f})"
                      if m else "-")
         rows.append(cells)
     return f"{first} -> {second}\n\n" + markdown_table(
         ["model", "wall s", "starts s", "descent s", "recipe file s", "final A/B s",
-         "visits/commits", "descent gain", "speedup (own run)", "after vs before (A/B)"], rows)
+         "visits/commits", "descent gain", "speedup (own run)", "gap to the limit",
+         "after vs before (A/B)"], rows)
 
 
 def main() -> None:

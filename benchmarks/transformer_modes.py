@@ -11,9 +11,10 @@ model it shipped (its own, or one of the recipe files it measured).
 Models: a ViT-Ti/16-like classifier (``zoo.vit_like``, 224x224, generated scenes as inputs),
 the zoo's transformer encoder (``qdq-optuna example transformer``, token ids) and PP-OCRv4's
 text recognizer (``real_models`` ``ppocr-rec``: an SVTR neck with attention blocks, rendered
-text lines as inputs) and PP-OCRv5's (``ppocrv5-rec``). ``--photos``: a real model is
-calibrated and checked on text-line strips cut from real photographs of print (``photos.py``)
-instead of rendered lines.
+text lines as inputs) and PP-OCRv5's (``ppocrv5-rec``); ``--only`` takes any other model of
+``real_models.py`` too (``vit-s-focus``: a ViT-S/16 with real weights). ``--photos``: a real
+model is calibrated and checked on crops of real photographs (text-line strips of print for a
+text recognizer; ``photos.py``) instead of generated inputs.
 
     nice -n 5 python benchmarks/transformer_modes.py --out /tmp/tm
     python benchmarks/transformer_modes.py --only vit --rounds 5
@@ -60,7 +61,9 @@ def model_files(name: str, work: Path, samples: int, cache: str | None,
         import photos
 
         cal, held = photos.saved_feeds(name, work, samples, samples)
-        kind = "text-line strips of real photographs (photos.py)"
+        kind = ("text-line strips of real photographs (photos.py)"
+                if real_models.MODELS[name].inputs == "textline"
+                else "crops of real photographs (photos.py)")
     return path, shapes, cal, held, kind
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
+import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -117,6 +120,43 @@ def test_a_model_loaded_again_comes_from_onnx_runtimes_optimized_copy(monkeypatc
     assert len(list(folder.iterdir())) == 2
     backend.close()
     assert not folder.exists()
+
+
+def test_a_killed_processs_optimized_copies_are_removed_by_the_next_backend(tmp_path, monkeypatch):
+    """A worker killed with SIGKILL runs no clean-up: its folder of optimized copies stays in
+    the temporary folder until the next backend that writes copies removes it; the folder of
+    a process still running is left alone."""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        from qdq_optuna.backends import onnxruntime as ort_backend
+        from qdq_optuna.examples.zoo import matmul_chain
+        ort_backend.COPY_AFTER_S = 0.0
+        backend = ort_backend.OnnxRuntimeBackend()
+        data = matmul_chain(layers=2)
+        for _ in range(3):
+            backend.load(data).close()
+        print(backend.copies._folder, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    orphan = Path(done.stdout.strip())
+    assert orphan.parent == tmp_path and any(orphan.iterdir())  # the copy it wrote is left
+    alive = tmp_path / f"{ort_backend.COPIES_PREFIX}{os.getpid()}-mine"
+    alive.mkdir()
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ort_backend, "COPY_AFTER_S", 0.0)
+    backend = OnnxRuntimeBackend()
+    for _ in range(2):
+        backend.load(chain_model(layers=2)).close()
+    assert not orphan.exists() and alive.exists()
+    mine = Path(backend.copies._folder)
+    assert mine.exists() and mine.name.startswith(f"{ort_backend.COPIES_PREFIX}{os.getpid()}-")
+    backend.close()
+    assert not mine.exists()
 
 
 def test_ort_session_settings_and_describe():

@@ -719,6 +719,83 @@ def test_conversions_no_placement_can_avoid_send_no_visit():
     assert holding and all(unfused.pattern_sites(what)[p] for p in holding)
 
 
+def _priced(q_per_k: float, dq_per_k: float) -> dict[str, K.KernelTiming]:
+    """Conversion timings: a Q (DQ) costs ``q_per_k`` (``dq_per_k``) ms per 1,024 elements
+    over a fixed 0.01 ms (the one-element model's)."""
+    out = {}
+    for op, per_k in (("QuantizeLinear", q_per_k), ("DequantizeLinear", dq_per_k)):
+        for n in K.CONVERSION_SIZES:
+            ms = 0.01 + per_k * n / 1024
+            out[K.conversion_key(op, n)] = K.KernelTiming(
+                json.dumps(["conversion", K.conversion_key(op, n)]), op, ms, 0.01,
+                0.01 / ms, 0.01 / ms, 0.01 / ms, 4)
+    return out
+
+
+def test_the_limit_prices_the_conversions_its_kernels_need_next_to_float_ops():
+    """x -> Conv -> Relu -> LRN -> Conv -> Relu -> y: with both Convs integer, a Q on x and
+    on the LRN's output, a DQ on its input and on y; each priced by its elements on the
+    line through the standalone Q and DQ timings. Where conversions cost more than an
+    integer kernel gains, the limit keeps that Conv float (and says so); the limit is never
+    above the placed model's estimate; the conversions the placed model has beyond the
+    limit's are a gap of their own."""
+    from qdq_optuna.outputs.limit import limit_lines
+    from qdq_optuna.search._limit import CONVERSIONS, boundaries, estimate
+
+    pm = PreparedModel.prepare(_lrn_model())
+    conv0, conv1 = [n.name for n in pm.graph.nodes if n.op_type == "Conv"]
+    bounds = boundaries(pm)
+    assert {b.tensor for b in bounds} == {pm.graph.graph_inputs[0], "r0", "l", "y"}
+    timings = {conv0: _timing("integer"), conv1: _timing("integer")}  # 1.0 -> 0.7 ms each
+    cheap = K.KernelTable({}, [], timings, conversions=_priced(0.01, 0.02))
+    assert cheap.conversion_ms("QuantizeLinear", 2048) == pytest.approx(0.02)
+    assert cheap.conversion_ms("DequantizeLinear", 2048) == pytest.approx(0.04)
+    lim = estimate(cheap, 10.0, {conv0, conv1}, {}, bounds=bounds)
+    convs = 0.01 * 768 / 1024 + 0.04 + 0.02 + 0.04  # Q x, DQ r0, Q l, DQ y
+    assert lim.conversions == 4 and lim.conversions_ms == pytest.approx(convs)
+    assert lim.limit_ms == pytest.approx(10.0 - 2.0 + 1.4 + convs)
+    assert lim.placed_ms == pytest.approx(lim.limit_ms) and not lim.by_op()
+    # the same without conversion timings: as before, nothing priced
+    bare = estimate(K.KernelTable({}, [], timings), 10.0, {conv0, conv1}, {}, bounds=bounds)
+    assert bare.limit_ms == pytest.approx(9.4) and bare.conversions == 0
+
+    # 0.2 ms per conversion of 2,048 elements: the second Conv's 0.3 ms gain buys two of them
+    # (0.4 ms): the limit keeps it float, and the placed model with it integer has a gap
+    dear = K.KernelTable({}, [], timings, conversions=_priced(0.1, 0.1))
+    lim = estimate(dear, 10.0, {conv0, conv1}, {}, bounds=bounds)
+    assert lim.kept_for_conversions == (conv1,)
+    assert lim.limit_ms <= lim.placed_ms
+    assert CONVERSIONS in lim.by_op() and lim.by_op()[CONVERSIONS] == pytest.approx(
+        lim.placed_conversions_ms - lim.conversions_ms)
+    as_limit = estimate(dear, 10.0, {conv0}, {}, bounds=bounds)  # the kept Conv float
+    assert not as_limit.by_op() and as_limit.placed_ms == pytest.approx(as_limit.limit_ms)
+    as_float = estimate(dear, 10.0, set(), {}, bounds=bounds)
+    assert as_float.placed_conversions == 0 and as_float.limit_ms <= as_float.placed_ms
+    r = {"limit": lim.to_dict(), "baseline_latency_ms": 10.0, "final_latency_ms": 9.9}
+    text = "\n".join(limit_lines(r))
+    assert f"{lim.conversions} standalone Q/DQ" in text and "kept off their faster" in text
+    assert f"| op {CONVERSIONS} |" in text
+
+
+def test_a_standalone_q_and_dq_are_timed_on_this_machine(tmp_path):
+    """The conversions' timings are real ONNX Runtime sessions: a Q or DQ of a million
+    elements costs more than one of four thousand, both above nothing; cached per machine
+    and read back."""
+    flt = zoo.build("resnet", "small")
+    cache = K.KernelCache(tmp_path / "k.json")
+    backend = OnnxRuntimeBackend()
+    table = K.kernel_table(backend, flt, flt, cache=cache, protocol=QUICK, output_q=True)
+    assert set(table.conversions) == {K.conversion_key(op, n) for op in K.CONVERSION_OPS
+                                      for n in K.CONVERSION_SIZES}
+    for op in K.CONVERSION_OPS:
+        small, large = (table.conversion_ms(op, n) for n in K.CONVERSION_SIZES)
+        assert large > small >= 0 and large > 0
+    assert table.to_dict()["conversions"]
+    again = K.kernel_table(backend, flt, flt, cache=K.KernelCache(tmp_path / "k.json"),
+                           protocol=QUICK, output_q=True)
+    assert again.conversions == table.conversions  # from the cache, not timed again
+
+
 def test_a_run_given_its_bound_reads_the_runtime_and_reports_the_limit(tmp_path):
     """A bound, data or metric given explicitly puts the run in the accuracy modes; with one
     objective its commits still need a latency gain, so it reads what the runtime ran, times
@@ -735,3 +812,6 @@ def test_a_run_given_its_bound_reads_the_runtime_and_reports_the_limit(tmp_path)
     assert report["accuracy"]["bound"] == 0.5
     assert report["what_ran_reads"] >= 1 and report["kernel_table"]["kernels"]
     assert report["limit"]["limit_ms"] > 0
+    assert len(report["kernel_table"]["conversions"]) == 4  # a Q and a DQ at two sizes
+    assert report["limit"]["conversions"] >= 1  # at least the model's input and output
+    assert report["limit"]["limit_ms"] <= report["limit"]["placed_ms"]

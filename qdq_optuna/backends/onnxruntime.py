@@ -68,6 +68,8 @@ ProviderSpec = str | tuple[str, Mapping[str, Any]]
 COPY_AFTER_S = 0.05
 #: how many optimized copies a backend keeps (the least recently loaded goes first)
 COPIES_KEPT = 8
+#: the temporary folders of optimized copies: this prefix, then the owning process's id
+COPIES_PREFIX = "qdq-optuna-sessions-"
 
 
 class OptimizedCopies:
@@ -110,7 +112,8 @@ class OptimizedCopies:
         if key not in self._created or self._created[key] < COPY_AFTER_S:
             return None
         if self._folder is None:
-            self._folder = tempfile.mkdtemp(prefix="qdq-optuna-sessions-")
+            remove_orphaned_copies()
+            self._folder = tempfile.mkdtemp(prefix=f"{COPIES_PREFIX}{os.getpid()}-")
             weakref.finalize(self, shutil.rmtree, self._folder, True)
         return os.path.join(self._folder, f"{key}.onnx")
 
@@ -133,6 +136,40 @@ class OptimizedCopies:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self._folder, self._copies = None, OrderedDict()
+
+
+def remove_orphaned_copies(folder: str | None = None) -> list[str]:
+    """Remove the folders of optimized copies whose process is gone (one killed with SIGKILL
+    never ran its clean-up); a folder whose process still runs, or that another user owns, is
+    left. Returns the folders removed."""
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(COPIES_PREFIX):
+            continue
+        pid = entry.name[len(COPIES_PREFIX):].split("-", 1)[0]
+        try:
+            owned = entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if owned and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

@@ -180,10 +180,14 @@ class KernelTable:
     #: seconds, and the nodes left untimed once :data:`OP_UNITS_BUDGET_S` was spent
     op_units: dict = field(default_factory=lambda: {"timed": 0, "cached": 0, "seconds": 0.0,
                                                     "left": 0})
+    #: a standalone Q and DQ on this machine (:func:`time_conversions`): their timings by
+    #: op and size, from which :meth:`conversion_ms` prices a conversion of any size
+    conversions: dict[str, KernelTiming] = field(default_factory=dict)
 
     def merge(self, other: KernelTable) -> None:
         """Add another model's timings (a later standing model of the same run)."""
         self.timings.update(other.timings)
+        self.conversions.update(other.conversions)
         self.timed += other.timed
         self.cached += other.cached
         self.seconds += other.seconds
@@ -196,6 +200,21 @@ class KernelTable:
         t = self.timings.get(node)
         return None if t is None else t.decision
 
+    def conversion_ms(self, op: str, elements: int) -> float | None:
+        """What one standalone ``op`` (QuantizeLinear or DequantizeLinear) of ``elements``
+        costs on this machine: the line through its timings at :data:`CONVERSION_SIZES`,
+        none below zero (None: not timed)."""
+        costs = sorted((n, t.int_ms - t.float_ms) for n, t in
+                       ((conversion_size(k), t) for k, t in self.conversions.items()
+                        if k.startswith(op + "@")))
+        if not costs:
+            return None
+        if len(costs) == 1:
+            n, ms = costs[0]
+            return max(ms * elements / n, 0.0)
+        (n0, ms0), (n1, ms1) = costs[0], costs[-1]
+        return max(ms0 + (ms1 - ms0) * (elements - n0) / (n1 - n0), 0.0)
+
     def to_dict(self) -> dict:
         """The report's table, slowest integer kernel (largest float gain) first."""
         rows = [{"node": n, **t.to_dict()} for n, t in
@@ -203,6 +222,8 @@ class KernelTable:
         return {"runtime": self.runtime, "cpu_flags": self.flags, "timed": self.timed,
                 "cached": self.cached, "seconds": round(self.seconds, 3),
                 "op_units": {**self.op_units, "seconds": round(self.op_units["seconds"], 3)},
+                "conversions": {k: round(t.int_ms - t.float_ms, 6)
+                                for k, t in sorted(self.conversions.items())},
                 "kernels": rows}
 
 
@@ -598,6 +619,61 @@ def time_op_units(table: KernelTable, measurer: Measurer, float_model: onnx.Mode
     table.op_units["seconds"] += time.perf_counter() - t0
 
 
+# -- conversions: a standalone Q or DQ, what a float op next to an integer kernel costs ------
+#: the sizes (elements) a standalone Q and DQ are timed at: a conversion of another size is
+#: priced on the line through them (both are element-wise: one pass over the tensor)
+CONVERSION_SIZES = (1 << 12, 1 << 20)
+QUANTIZE, DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
+CONVERSION_OPS = (QUANTIZE, DEQUANTIZE)
+
+
+def conversion_key(op: str, elements: int) -> str:
+    return f"{op}@{elements}"
+
+
+def conversion_size(key: str) -> int:
+    return int(key.rsplit("@", 1)[1])
+
+
+def conversion_model(op: str, elements: int) -> bytes:
+    """One ``op`` on a 1-D tensor of ``elements`` (float -> uint8 for Q, back for DQ)."""
+    types = (TensorProto.FLOAT, TensorProto.UINT8)
+    src, dst = types if op == QUANTIZE else types[::-1]
+    qp = [numpy_helper.from_array(np.array(UNIT_SCALE, np.float32), "unit_scale"),
+          numpy_helper.from_array(np.array(UNIT_ZERO, np.uint8), "unit_zero")]
+    return _unit_model([helper.make_node(op, ["x", "unit_scale", "unit_zero"], ["y"])],
+                       [helper.make_tensor_value_info("x", src, [elements])],
+                       [helper.make_tensor_value_info("y", dst, [elements])],
+                       qp).SerializeToString()
+
+
+def time_conversions(table: KernelTable, measurer: Measurer, *,
+                     cache: KernelCache | None = None, key: str = "",
+                     about: Mapping = {}) -> None:
+    """A standalone Q and DQ timed at each of :data:`CONVERSION_SIZES` against the same op
+    on one element (the session's own overhead, which the difference leaves out), once per
+    machine (``cache``). What the limit prices a conversion no placement avoids by: a float
+    op (LRN, Softmax) between integer kernels, or the model's input and output."""
+    for op in CONVERSION_OPS:
+        for elements in CONVERSION_SIZES:
+            name = conversion_key(op, elements)
+            signature = json.dumps(["conversion", name])
+            timing = cache.get(key, signature) if cache is not None else None
+            if timing is None:
+                if measurer.out_of_time():
+                    return
+                unit = Unit(name, op, signature, (), (), (), 0)
+                try:
+                    timing = time_unit(measurer, unit, conversion_model(op, elements),
+                                       conversion_model(op, 1))
+                except Exception as exc:  # evidence is an optimisation: never the run's failure
+                    log.info("conversion %s not timed (%s)", name, str(exc).splitlines()[0])
+                    continue
+                if cache is not None:
+                    cache.put(key, about, timing)
+            table.conversions[name] = timing
+
+
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                  *, skip: Iterable[str] = (), cache: KernelCache | None = None,
                  flags: Iterable[str] | None = None,
@@ -605,7 +681,7 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
                  output_q: bool, deadline: float | None = None,
                  dynamic: bool = False, weight_only: Iterable[QuantMode] = (),
                  op_units: Mapping[str, OpUnitBuilder] | None = None,
-                 timed: Iterable[str] = ()) -> KernelTable:
+                 timed: Iterable[str] = (), conversions: bool = True) -> KernelTable:
     """The per-runtime entry point: every unit of ``qdq_model`` (but the nodes named in
     ``skip``: timed already, or run in float by the runtime) timed integer against float on
     ``backend``, each distinct signature once per machine (read from ``cache`` when there).
@@ -619,7 +695,8 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     without it is completed and cached again); ``weight_only``: likewise its kernel in each
     of these weight-only modes (MatMulNBits). ``op_units``: op type -> the builder of its
     integer model (the profile's table): every node of those types is timed as an op unit
-    (:func:`time_op_units`) but those in ``timed`` (the run's table has them already)."""
+    (:func:`time_op_units`) but those in ``timed`` (the run's table has them already).
+    ``conversions``: a standalone Q and DQ are timed too (:func:`time_conversions`)."""
     t0 = time.perf_counter()
     flags = cpu_flags() if flags is None else frozenset(flags)
     runtime = runtime_of(backend)
@@ -663,7 +740,14 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     if op_units:
         time_op_units(table, measurer, flt, op_units, skip=timed, cache=cache, key=key,
                       about={"runtime": runtime, "cpu_flags": isa(flags)})
-    if cache is not None and (table.timed or table.op_units["timed"]):
+    if conversions:
+        cached = cache.hits if cache is not None else 0
+        time_conversions(table, measurer, cache=cache, key=key,
+                         about={"runtime": runtime, "cpu_flags": isa(flags)})
+        fresh = len(table.conversions) - ((cache.hits - cached) if cache is not None else 0)
+    else:
+        fresh = 0
+    if cache is not None and (table.timed or table.op_units["timed"] or fresh):
         cache.save()
     table.seconds = time.perf_counter() - t0
     return table

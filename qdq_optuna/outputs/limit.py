@@ -33,11 +33,18 @@ def limit_lines(r: dict) -> list[str]:
              f"({lim['timed_nodes']} nodes at their faster measured kernel"
              + (": " + ", ".join(f"{n} {op}" for op, n in lim["timed_by_op"].items())
                 if lim.get("timed_by_op") else "")
+             + (f"; {lim['conversions']} standalone Q/DQ their kernels need next to float "
+                f"ops and the model's ends, {lim['conversions_ms']:.3g} ms"
+                if lim.get("conversions") else "")
+             + (f", {len(lim['kept_for_conversions'])} node(s) kept off their faster kernel "
+                "to spare conversions" if lim.get("kept_for_conversions") else "")
              + "; every other op at its float time); the shipped model measured "
              f"{t['tuned_ms']:.4g} ms, **{t['gap']:+.1%}** from it. " + (
                  f"Of that, {t['explained_ms']:.3g} ms is timed kernels placed at their slower "
-                 f"kernel, {t['rest_ms']:.3g} ms is outside the kernel table (ops without a "
-                 "timed kernel, conversions, how the kernels run together)." if t["gap"] >= 0
+                 "kernel and conversions beyond the limit's, "
+                 f"{t['rest_ms']:.3g} ms is outside the kernel table (ops without a "
+                 "timed kernel, conversions next to them, how the kernels run together)."
+                 if t["gap"] >= 0
                  else "It measured faster than the estimate: the kernels timed alone and the "
                  "whole models timed together disagree (a machine busy with other work, or "
                  "kernels that run faster inside the whole model), so the estimate is not a "

@@ -30,7 +30,9 @@ from qdq_optuna.placement.seeds import PatternCache
 from qdq_optuna.record import TrialAttr, Visit
 from qdq_optuna.search._limit import (
     NOT_EXPECTED_PREFIX,
+    Boundary,
     GapPlan,
+    boundaries,
     estimate,
     heavy_nodes,
     node_patterns,
@@ -194,6 +196,8 @@ class Descent:
         self.patterns = node_patterns(search.prepared)
         #: the kernel table's op types -> pattern id -> its nodes of them
         self.heavy: dict[frozenset, dict[str, set[str]]] = {}
+        #: the kernel table's op types -> the tensors where conversions may stand
+        self.bounds: dict[frozenset, list[Boundary]] = {}
         #: each round's plan by the gap (report.json ``descent_plan``)
         self.plans: list[dict] = []
 
@@ -214,7 +218,7 @@ class Descent:
         limit = None
         if placed is not None and self.s.baseline_ms:
             limit = estimate(u.kernels, self.s.baseline_ms, placed, self.patterns,
-                             modes).to_dict()
+                             modes, self._boundaries(u.kernels.ops)).to_dict()
         return DescentFindings(list(self.skipped), u.reads, table, limit, list(self.plans))
 
     def order(self, lane_no: int, rnd: int, idx: int) -> int:
@@ -298,7 +302,8 @@ class Descent:
         integer, modes = u.standing_placed(schemes, lane)
         if what is None or integer is None:
             return None
-        limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns, modes)
+        limit = estimate(u.kernels, s.baseline_ms, integer, self.patterns, modes,
+                         self._boundaries(u.kernels.ops))
         if u.kernels.ops not in self.heavy:
             self.heavy[u.kernels.ops] = heavy_nodes(s.prepared, u.kernels.ops)
         plan = plan_visits([pp.pattern.id for pp in self.tunable], limit,
@@ -308,6 +313,12 @@ class Descent:
                  "%d skipped", rnd, limit.placed_ms, limit.limit_ms, ", ".join(plan.order),
                  len(plan.skipped))
         return plan
+
+    def _boundaries(self, ops: frozenset[str]) -> list[Boundary]:
+        """Where conversions may stand, for the kernel table's op types (once per set)."""
+        if ops not in self.bounds:
+            self.bounds[ops] = boundaries(self.s.prepared, ops)
+        return self.bounds[ops]
 
     def _start_ms(self, lane: str) -> float | None:
         """The measured latency of the start ``lane`` descends from (None: not known)."""

@@ -12,23 +12,41 @@ placed as; its *gap* is what its nodes lose against their faster kernel, per nod
 pattern. A node's gap counts only where its two kernels were told apart (the A/B interval of
 integer vs float excludes 1): a tie is no gap.
 
-What this cannot see: ops outside the kernel table (LRN, Softmax, ...) run at their float time
-in the estimate, and a conversion (a standalone Q or DQ) costs nothing in it; so a measured
-model can be slower than its estimate, and the report gives that rest too.
+Conversions: where an op with no integer kernel on this runtime (LRN, Softmax, ...), or the
+model's own input or output, meets a timed node running integer, a standalone Q or DQ converts
+the tensor between them (:class:`Boundary`); so does a tensor between two timed nodes of which
+one runs integer and the other not. Each is priced by the size of its tensor on the line
+through a standalone Q's and DQ's timings on this machine (``KernelTable.conversion_ms``). The
+limit then keeps a node float where its integer kernel gains less than the conversions it
+would add (a few passes of single-node changes from every node at its faster kernel), and is
+never above the placed model's own estimate.
+
+What this cannot see: ops outside the kernel table run at their float time in the estimate,
+whatever precision they run in, and a tensor written or read by such an op (a Reshape, an
+Add without an integer kernel timed) is not priced as a conversion; so a measured model can be
+slower than its estimate, and the report gives that rest too.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from qdq_optuna.measure.kernels import KERNEL_OPS, KernelDecision, KernelTable
+from qdq_optuna.measure.kernels import (
+    DEQUANTIZE,
+    KERNEL_OPS,
+    QUANTIZE,
+    TAIL_OPS,
+    KernelDecision,
+    KernelTable,
+)
 from qdq_optuna.placement.dynamic import QuantMode
 
 
 @dataclass(frozen=True)
 class NodeGap:
-    """One timed node: as placed, at its best, and whether its two kernels were told apart."""
+    """One timed node: as placed, at its kernel in the limit (its fastest, unless the limit
+    keeps it off that one to spare conversions), and whether the two were told apart."""
 
     node: str
     op: str
@@ -43,15 +61,102 @@ class NodeGap:
         return self.placed_ms - self.best_ms if self.resolved else 0.0
 
 
+#: report.json's ``gap_by_op`` key of the conversions the placed model has beyond the limit's
+CONVERSIONS = "conversions (standalone Q/DQ)"
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor between a timed node's kernel and a float op (an op with no integer kernel on
+    this runtime, the model's input or output), or between two timed nodes: where a model
+    that runs one side integer and the other not converts it with a standalone Q or DQ."""
+
+    tensor: str
+    elements: int
+    #: the timed node writing it (through the Relu/Clip its kernel folds in); None: a float op
+    #: or the model's input writes it
+    writer: str | None
+    #: the timed nodes reading it
+    readers: tuple[str, ...]
+    #: a float op or the model's output reads it too
+    float_readers: bool
+
+    def conversions(self, integer: set[str] | frozenset[str]) -> tuple[bool, bool]:
+        """(a Q, a DQ) on this tensor when the nodes ``integer`` run integer kernels."""
+        writes_int = self.writer is not None and self.writer in integer
+        reads_int = any(r in integer for r in self.readers)
+        reads_float = self.float_readers or any(r not in integer for r in self.readers)
+        return (not writes_int and reads_int, writes_int and reads_float)
+
+
+def boundaries(prepared, ops: frozenset[str] = KERNEL_OPS) -> list[Boundary]:
+    """Every tensor of ``prepared``'s graph where a conversion may stand (:class:`Boundary`),
+    with ``ops`` the kernel table's op types; a tensor an op of neither kind writes or reads
+    (a Reshape, an untimed Add) is left out: what runs there is not known."""
+    g = prepared.graph
+    integer_ops = prepared.rules.quantizable_ops
+    float_only = {n.op_type for n in g.nodes
+                  if integer_ops is not None and n.op_type not in integer_ops}
+    kernel_out: dict[str, str] = {}  # tensor -> the timed node whose kernel writes it
+    folded: set[str] = set()  # a kernel's output its folded Relu/Clip reads
+    for n in g.nodes:
+        if n.op_type not in ops or not n.output:
+            continue
+        out = n.output[0]
+        while True:
+            readers = g.consumers.get(out, [])
+            if len(readers) != 1 or g.nodes[readers[0][0]].op_type not in TAIL_OPS \
+                    or out in g.graph_outputs:
+                break
+            folded.add(out)
+            out = g.nodes[readers[0][0]].output[0]
+        kernel_out[out] = n.name
+    shapes = g.shapes
+    found = []
+    for tensor in {t for n in g.nodes for t in n.output if t} | set(g.graph_inputs):
+        if tensor in folded:
+            continue
+        shape = shapes.get(tensor)
+        if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+            continue
+        writer = kernel_out.get(tensor)
+        if writer is None and tensor in g.producer \
+                and g.nodes[g.producer[tensor][0]].op_type not in float_only:
+            continue  # an op of neither kind writes it
+        readers, float_readers = [], tensor in g.graph_outputs
+        for k, _ in g.consumers.get(tensor, []):
+            node = g.nodes[k]
+            if node.op_type in ops:
+                readers.append(node.name)
+            elif node.op_type in float_only:
+                float_readers = True
+        if writer is None and not readers or writer is not None and not (
+                readers or float_readers):
+            continue
+        elements = 1
+        for d in shape:
+            elements *= d
+        found.append(Boundary(tensor, elements, writer, tuple(sorted(set(readers))),
+                              float_readers))
+    return sorted(found, key=lambda b: b.tensor)
+
+
 @dataclass(frozen=True)
 class Limit:
     """The limit estimate (ms, in the float model's measured terms) and a placed model's
-    estimate and gaps."""
+    estimate and gaps; both include the conversions their kernels need."""
 
     float_ms: float
     limit_ms: float
     placed_ms: float
     nodes: tuple[NodeGap, ...]
+    #: the conversions (ms) the limit's and the placed model's kernels need, and how many
+    conversions_ms: float = 0.0
+    placed_conversions_ms: float = 0.0
+    conversions: int = 0
+    placed_conversions: int = 0
+    #: the timed nodes the limit keeps off their faster kernel to spare conversions
+    kept_for_conversions: tuple[str, ...] = field(default=())
 
     @property
     def gap_share(self) -> float:
@@ -67,10 +172,15 @@ class Limit:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def by_op(self) -> dict[str, float]:
+        """Op type -> its nodes' gap (ms), and :data:`CONVERSIONS` -> the conversions the
+        placed model has beyond the limit's; largest first (no entry: no gap)."""
         out: dict[str, float] = defaultdict(float)
         for n in self.nodes:
             if n.gap_ms > 0:
                 out[n.op] += n.gap_ms
+        extra = self.placed_conversions_ms - self.conversions_ms
+        if extra > 0:
+            out[CONVERSIONS] += extra
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def to_dict(self) -> dict:
@@ -82,6 +192,10 @@ class Limit:
                 "placed_ms": r(self.placed_ms), "placed_ratio":
                 r(self.placed_ms / self.float_ms) if self.float_ms else None,
                 "timed_nodes": len(self.nodes),
+                "conversions_ms": r(self.conversions_ms), "conversions": self.conversions,
+                "placed_conversions_ms": r(self.placed_conversions_ms),
+                "placed_conversions": self.placed_conversions,
+                "kept_for_conversions": list(self.kept_for_conversions),
                 "timed_by_op": dict(sorted(Counter(n.op for n in self.nodes).items())),
                 "gap_by_pattern": {k: r(v) for k, v in self.by_pattern().items()},
                 "gap_by_op": {k: r(v) for k, v in self.by_op().items()},
@@ -126,28 +240,107 @@ def _told_apart(kernels: dict, a: str, b: str) -> bool:
 
 
 def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
-             patterns: dict[str, str], modes: dict[str, str] | None = None) -> Limit:
+             patterns: dict[str, str], modes: dict[str, str] | None = None,
+             bounds: list[Boundary] | None = None) -> Limit:
     """The limit from ``table`` and the float model's latency ``float_ms`` (each timed node
-    at its fastest kernel, per-node modes included where timed), and the model whose nodes
+    at its fastest kernel, per-node modes included where timed, and the conversions at
+    ``bounds`` those kernels need: :func:`boundaries`), and the model whose nodes
     ``integer_nodes`` are set up as static integer kernels and ``modes`` (node -> mode name)
     run in a per-node mode, estimated the same way."""
-    nodes, timed_float, best_sum, placed_sum = [], 0.0, 0.0, 0.0
     modes = modes or {}
-    for name, t in table.timings.items():
-        kernels = _kernels(t)
-        best_kernel = min(kernels, key=lambda k: kernels[k][0])
-        best = kernels[best_kernel][0]
-        placed = modes.get(name) if modes.get(name) in kernels else (
-            KernelDecision.INTEGER.value if name in integer_nodes
-            else KernelDecision.FLOAT.value)
-        placed_ms = kernels[placed][0]
-        nodes.append(NodeGap(name, t.op, patterns.get(name), placed, placed_ms, best,
-                             _told_apart(kernels, placed, best_kernel)))
-        timed_float += t.float_ms
-        best_sum += best
-        placed_sum += placed_ms
-    rest = max(float_ms - timed_float, 0.0)
-    return Limit(float_ms, rest + best_sum, rest + placed_sum, tuple(nodes))
+    kernels_of = {name: _kernels(t) for name, t in table.timings.items()}
+    placed = {name: modes.get(name) if modes.get(name) in kernels else (
+        KernelDecision.INTEGER.value if name in integer_nodes else KernelDecision.FLOAT.value)
+        for name, kernels in kernels_of.items()}
+    fastest = {name: min(kernels, key=lambda k: kernels[k][0])
+               for name, kernels in kernels_of.items()}
+    choice = dict(fastest)
+    priced = _Conversions(table, bounds or ())
+    kept = priced.settle(choice, kernels_of)
+
+    def total(kernels_chosen: dict[str, str]) -> tuple[float, float, int]:
+        conv, count = priced.cost(_integer(kernels_chosen))
+        return sum(kernels_of[n][k][0] for n, k in kernels_chosen.items()), conv, count
+
+    rest = max(float_ms - sum(t.float_ms for t in table.timings.values()), 0.0)
+    placed_kernels, placed_conv, placed_n = total(placed)
+    limit_kernels, limit_conv, limit_n = total(choice)
+    if limit_kernels + limit_conv > placed_kernels + placed_conv:  # the placed model is one
+        choice, kept = dict(placed), set()
+        limit_kernels, limit_conv, limit_n = placed_kernels, placed_conv, placed_n
+    # each node's gap is to its kernel in the limit (a node the limit keeps float to spare
+    # conversions has none when placed float); counted where the two were told apart
+    nodes = tuple(NodeGap(name, t.op, patterns.get(name), placed[name],
+                          kernels_of[name][placed[name]][0], kernels_of[name][choice[name]][0],
+                          _told_apart(kernels_of[name], placed[name], choice[name]))
+                  for name, t in table.timings.items())
+    return Limit(float_ms, rest + limit_kernels + limit_conv,
+                 rest + placed_kernels + placed_conv, nodes, limit_conv, placed_conv,
+                 limit_n, placed_n, tuple(sorted(kept)))
+
+
+def _integer(choice: dict[str, str]) -> set[str]:
+    return {n for n, k in choice.items() if k == KernelDecision.INTEGER.value}
+
+
+class _Conversions:
+    """The conversions a choice of kernels needs at the boundaries whose timed nodes the
+    table has, priced by the table's standalone Q and DQ timings."""
+
+    #: passes of single-node changes :meth:`settle` makes at most
+    PASSES = 4
+
+    def __init__(self, table: KernelTable, bounds) -> None:
+        timed = table.timings
+        self.bounds, self.q_ms, self.dq_ms = [], [], []
+        for b in bounds:
+            if (b.writer is not None and b.writer not in timed) or any(
+                    r not in timed for r in b.readers):
+                continue  # a kernel not timed: what runs there is not known
+            q = table.conversion_ms(QUANTIZE, b.elements)
+            dq = table.conversion_ms(DEQUANTIZE, b.elements)
+            if q is None or dq is None:
+                continue
+            self.bounds.append(b)
+            self.q_ms.append(q)
+            self.dq_ms.append(dq)
+        self.near: dict[str, list[int]] = defaultdict(list)
+        for i, b in enumerate(self.bounds):
+            for n in ({b.writer} - {None}) | set(b.readers):
+                self.near[n].append(i)
+
+    def cost(self, integer: set[str], only: list[int] | None = None) -> tuple[float, int]:
+        """(ms, count) of the conversions when ``integer`` run integer kernels."""
+        ms, count = 0.0, 0
+        for i in (range(len(self.bounds)) if only is None else only):
+            q, dq = self.bounds[i].conversions(integer)
+            ms += q * self.q_ms[i] + dq * self.dq_ms[i]
+            count += q + dq
+        return ms, count
+
+    def settle(self, choice: dict[str, str], kernels_of: dict[str, dict]) -> set[str]:
+        """Change ``choice`` in place, one node at a time, where a node's other kernel (its
+        integer one, or its fastest non-integer one) costs less with the conversions it
+        changes; returns the nodes left off their fastest kernel."""
+        integer_k = KernelDecision.INTEGER.value
+        fastest = dict(choice)
+        for _ in range(self.PASSES):
+            changed = False
+            for node in sorted(self.near):
+                kernels = kernels_of.get(node)
+                if kernels is None or integer_k not in kernels:
+                    continue
+                other = integer_k if choice[node] != integer_k else min(
+                    (k for k in kernels if k != integer_k), key=lambda k: kernels[k][0])
+                integer = _integer(choice)
+                now = kernels[choice[node]][0] + self.cost(integer, self.near[node])[0]
+                flipped = integer ^ {node}
+                then = kernels[other][0] + self.cost(flipped, self.near[node])[0]
+                if then < now - 1e-9:
+                    choice[node], changed = other, True
+            if not changed:
+                break
+        return {n for n in choice if choice[n] != fastest[n]}
 
 
 #: a visit is planned when the gap it can close is above this share of the standing model's

@@ -345,13 +345,16 @@ def time_kernels(search, model: bytes, cache: KernelCache | None, *, skip: Itera
                  deadline: float | None, timed: Iterable[str] = ()) -> KernelTable:
     """The kernel table of ``model`` (a Q/DQ model of ``search``'s graph) against its float
     export: ``skip``'s nodes (run float in the whole model, or timed already) left out,
-    ``timed``'s op units too; no new timing past ``deadline``."""
+    ``timed``'s op units too; no new timing past ``deadline``. The run's first table (none
+    ``timed``) also times a standalone Q and DQ (the conversions' prices)."""
     import onnx
 
     exporter = search.exporter
+    timed = set(timed)
     return search.kernel_timing(
         onnx.load_from_string(exporter.to_bytes(exporter.plan(set()))),
-        onnx.load_from_string(model), cache=cache, skip=skip, timed=timed, deadline=deadline)
+        onnx.load_from_string(model), cache=cache, skip=skip, timed=timed, deadline=deadline,
+        conversions=not timed)
 
 
 def unavoidable(prepared, kernels: KernelTable | None, what: WhatRan
