@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import optuna
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from optuna.trial import TrialState
 
 from qdq_optuna import tune
 from qdq_optuna.backends.callable import CallableBackend
@@ -25,6 +27,7 @@ from qdq_optuna.model.graph import load_model
 from qdq_optuna.placement import dynamic
 from qdq_optuna.placement.dynamic import QuantMode
 from qdq_optuna.placement.export import plan_uses
+from qdq_optuna.record import TrialAttr
 from qdq_optuna.runtimes import onnxruntime as ort_runtime
 from qdq_optuna.runtimes import profile_for
 from qdq_optuna.runtimes.prepared import PreparedModel
@@ -399,6 +402,18 @@ def test_a_transformer_with_a_convolution_stem_has_a_dynamic_file_and_a_cnn_head
     assert ort_runtime.ort_dynamic_recipe_bytes(cnn) is None
 
 
+def _untimed(out) -> list[str]:
+    """The reasons of the run's pattern trials pruned as past the bound before timing."""
+    storage = f"sqlite:///{out / 'studies.db'}"
+    found = []
+    for summary in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        found += [t.user_attrs[TrialAttr.SKIPPED] for t in study.get_trials(
+            deepcopy=False, states=(TrialState.PRUNED,))
+            if "over the bound" in t.user_attrs.get(TrialAttr.SKIPPED, "")]
+    return found
+
+
 def dynamic_then_static_pays(model: onnx.ModelProto) -> float:
     """Dynamic MatMuls pay most, and every static Q/DQ pair pays a little more: the dynamic
     start is the fastest recipe, and static pairs on top of it trade accuracy for speed."""
@@ -424,12 +439,18 @@ def test_the_default_bound_keeps_the_fastest_recipes_accuracy(encoder, tmp_path)
     assert "tightened to the error of the runtime's fastest recipe" in \
         (tmp_path / "r" / "report.md").read_text()
 
+    # the bound refused a start, so the descent scored its trials first: those past the
+    # bound were pruned before they were timed (they could not commit)
+    untimed = _untimed(tmp_path / "r")
+    assert untimed and all("not timed" in why for why in untimed)
+
     given = _tune(encoder, tmp_path / "given", dynamic_then_static_pays,
                   max_output_error=floor["default"])
     assert given["accuracy"]["bound_from"] == BoundSource.MAX_OUTPUT_ERROR.value
     assert "recipe_floor" not in given["accuracy"]
     assert given["final_output_error"] > acc["bound"]
     assert given["final_latency_ms"] < report["final_latency_ms"]
+    assert not _untimed(tmp_path / "given")  # nothing refused: every trial timed
 
     resumed = _tune(encoder, tmp_path / "r", dynamic_then_static_pays)
     assert resumed["accuracy"]["recipe_floor"] == floor

@@ -47,6 +47,9 @@ class Guard:
     #: :meth:`~qdq_optuna.measure.accuracy.ErrorScorer.noise_floor` on the guard's data, with
     #: its share of the room the bound leaves (None: not measured)
     floor: dict | None = None
+    #: the bound refused a model of this run (a start, a commit): trials are then scored
+    #: before they are timed (:meth:`refuses_untimed`)
+    binds: bool = False
 
     def measure_floor(self) -> dict | None:
         """The FP32 model's own error under half an 8-bit step of input noise, and its share
@@ -111,7 +114,23 @@ class Guard:
             return None
 
     def allows(self, plan: QuantPlan) -> bool:
-        return self.bound.allows(self.error(plan)["error"])
+        allowed = self.bound.allows(self.error(plan)["error"])
+        self.binds |= not allowed
+        return allowed
+
+    def refuses_untimed(self, plan: QuantPlan) -> str | None:
+        """Why ``plan`` is refused before it is timed, where the bound binds (:attr:`binds`):
+        its error is past the bound, so it could never commit (None: time it). Scoring a
+        model costs one session and the guard's samples, timing it many sessions of runs: a
+        ViT-S's (real weights, ONNX Runtime CPU) one visit timed 12 trials in 262 s, and the
+        guard then refused its three fastest."""
+        if not self.binds:
+            return None
+        error = self.error(plan)["error"]
+        if self.bound.allows(error):
+            return None
+        return (f"output error {error:.3g} over the bound {self.bound.value:g}: not timed "
+                "(it could not commit)")
 
     def final(self, plan: QuantPlan, *,
               what_ran: Callable[[QuantPlan], WhatRan | None] | None = None) -> Verdict:

@@ -252,10 +252,10 @@ class PatternStudy:
         if twin is not None:  # two workers drew the same scheme at once: measure it once
             trial.set_user_attr(TrialAttr.DUPLICATE_OF, twin)
             raise optuna.TrialPruned(f"trial {twin} measures the same model")
-        failed_in = s.plans.failed.get(plan.key)
-        if failed_in is not None:
-            trial.set_user_attr(TrialAttr.KNOWN_FAILURE, failed_in)
-            raise optuna.TrialPruned(f"the same model failed in {failed_in}")
+        why = not_timed(s, plan)
+        if why is not None:
+            trial.set_user_attr(why[0], why[1])
+            raise optuna.TrialPruned(why[2])
         before = s.plans.measurements  # what this trial cost (0 when cached); see bench.py
         try:
             latency, record = s.plans.latency(s.exporter, plan, self.reference,
@@ -375,6 +375,19 @@ class PatternStudy:
     def decide(self, reference_ms: float | None, confirm=None) -> Decision:
         """The decision for this pattern (:meth:`Judge.decide`)."""
         return Judge(self).decide(reference_ms, confirm)
+
+def not_timed(s: Search, plan: QuantPlan) -> tuple[str, str, str] | None:
+    """Why a trial's model is not timed, as (its trial attr, that attr's value, the pruning
+    message): the same model failed before, or the bound binds and the model breaks it
+    (:meth:`~qdq_optuna.search._guard.Guard.refuses_untimed`; a run that asked for accuracy
+    as an objective or constraint times every trial). None: time it."""
+    failed_in = s.plans.failed.get(plan.key)
+    if failed_in is not None:
+        return TrialAttr.KNOWN_FAILURE, failed_in, f"the same model failed in {failed_in}"
+    refused = (s.guard.refuses_untimed(plan) if s.guard is not None and not s.settings.accuracy
+               else None)
+    return None if refused is None else (TrialAttr.SKIPPED, refused, refused)
+
 
 def visit_attrs(pattern: dict, space: ChoiceSpace, *, run_id: str, order: int, rnd: int,
                 lane: str, context_key: str, baseline_ms: float | None,

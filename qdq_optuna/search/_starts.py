@@ -76,7 +76,7 @@ class StartsPhase:
     def run(self) -> AgreedStarts:
         """The agreed starts (whichever process decided them)."""
         decided = self.s.record.starts(self.decide)
-        _stored_floor(self.s.guard, decided.recipe_floor)  # decided before: resumed, a worker
+        _stored_bound(self.s.guard, decided)  # decided before: resumed, a worker
         if not self.worker or self.s.record.claim("starts-study"):
             self._write_study(decided)
         return decided
@@ -328,10 +328,15 @@ def _recipe_floor(guard) -> dict | None:
     return None if guard is None or guard.bound.recipe is None else guard.bound.recipe.to_dict()
 
 
-def _stored_floor(guard, floor: dict | None) -> None:
-    """The bound tightened as the agreed starts say (idempotent: tightened once)."""
-    if floor and guard is not None:
+def _stored_bound(guard, decided: AgreedStarts) -> None:
+    """The bound as the agreed starts left it: tightened as they say (idempotent: tightened
+    once), and binding where it refused one of them (a start past it)."""
+    if guard is None:
+        return
+    floor = decided.recipe_floor
+    if floor:
         guard.bound = guard.bound.under_recipe(floor["start"], floor["error"])
+    guard.binds |= any(r.error is not None and not r.feasible for r in decided.rows)
 
 
 def _compare(phase: StartsPhase, candidate: StartOutcome, reference: StartOutcome):
