@@ -796,6 +796,28 @@ def test_a_standalone_q_and_dq_are_timed_on_this_machine(tmp_path):
     assert again.conversions == table.conversions  # from the cache, not timed again
 
 
+def test_openvino_times_the_kernels_of_a_run_given_input_shapes():
+    """A run given ``--input-shapes`` measures with a backend that reshapes the model's
+    inputs; the units cut out of the model read other tensors, and OpenVINO refused to
+    reshape an input they lack, so no kernel was timed on any real model run with
+    ``--input-shapes`` (an empty kernel table, a limit equal to float). Real OpenVINO."""
+    pytest.importorskip("openvino")
+    from qdq_optuna.backends.openvino import OpenVinoBackend
+    from qdq_optuna.runtimes import profile_for
+
+    profile = profile_for("openvino")
+    model = zoo.build("resnet", "small")
+    given = model.graph.input[0]
+    dims = [d.dim_value for d in given.type.tensor_type.shape.dim]
+    pm = PreparedModel.prepare(model, runtime=profile)
+    ex = pm.exporter()
+    qdq = onnx.load_from_string(ex.to_bytes(ex.plan(starts.all_on_start(pm).scheme_uses)))
+    flt = onnx.load_from_string(ex.to_bytes(ex.plan(set())))
+    backend = OpenVinoBackend(input_shapes={given.name: dims})
+    table = profile.kernel_timing(backend)(flt, qdq, protocol=QUICK)
+    assert len(table.timings) >= 3 and len(table.conversions) == 4
+
+
 def test_a_run_given_its_bound_reads_the_runtime_and_reports_the_limit(tmp_path):
     """A bound, data or metric given explicitly puts the run in the accuracy modes; with one
     objective its commits still need a latency gain, so it reads what the runtime ran, times

@@ -206,8 +206,13 @@ class OpenVinoBackend(Backend):
                 read = self.core.read_model(model, b"")  # ONNX bytes: no separate weights
             else:
                 read = self.core.read_model(os.fspath(model))
-            if self.input_shapes:
-                read.reshape({k: list(v) for k, v in self.input_shapes.items()})
+            # only the inputs this model has: a unit cut out of the run's model (the kernel
+            # table's) reads other tensors, and OpenVINO refuses a reshape of an input it
+            # lacks ("Input for tensor name ... is not found")
+            names = {n for port in read.inputs for n in port.get_names()}
+            shapes = {k: list(v) for k, v in self.input_shapes.items() if k in names}
+            if shapes:
+                read.reshape(shapes)
             return self.core.compile_model(read, self.device, {**self.config(), **(extra or {})})
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
             raise BackendError(f"OpenVINO could not compile the model: {_message(exc)}") from exc
