@@ -141,9 +141,6 @@ class Runtime:
     #: ``OpUnitBuilder``): the ops besides Conv/Gemm/MatMul this runtime has integer kernels
     #: for, each node of them timed integer against float for the limit (none by default)
     op_units: Mapping[str, Callable] = MappingProxyType({})
-    #: whether its kernels timed alone stand for what its whole models run (the kernel table,
-    #: the limit and the pruning by evidence read them); a profile whose units do not says so
-    times_kernels: bool = True
 
     #: session settings that can change what this runtime runs for a placement (its own
     #: optimizer undoing or worsening one): each that changes the shipped model's kernels is
@@ -183,16 +180,13 @@ class Runtime:
         return backend.what_ran(model)
 
     def kernel_timing(self, backend: Backend,
-                      weight_only: tuple[QuantMode, ...] = ()) -> Callable | None:
+                      weight_only: tuple[QuantMode, ...] = ()) -> Callable:
         """``fn(float_model, qdq_model, **kw) -> KernelTable``: each integer kernel this
         runtime runs timed against its float kernel on ``backend`` (this machine), its units
         cut as the rules fuse them (:func:`qdq_optuna.measure.kernels.kernel_table`); a
         MatMul/Gemm's dynamic kernel too where the runtime has one, and its kernel in each of
-        the ``weight_only`` modes (the ones a run searches). None: :attr:`times_kernels` off."""
+        the ``weight_only`` modes (the ones a run searches)."""
         from qdq_optuna.measure.kernels import kernel_table
-
-        if not self.times_kernels:
-            return None
 
         return functools.partial(kernel_table, backend,
                                  output_q=bool(self.rules.output_quantized_ops),

@@ -215,14 +215,6 @@ def nncf_transformer_bytes(model: str | os.PathLike | onnx.ModelProto, *,
 class OpenVino(Runtime):
     name = "openvino"
     rules = OPENVINO_CPU
-    #: its units timed alone do not run as its whole models run them: on Inception v1
-    #: (onnx's test data, bf16 hint, a 2-core AMD EPYC with AVX512-VNNI/BF16) the first Conv
-    #: read 3.54 ms as an integer unit and 3.42 ms as a float one, and the limit the table
-    #: gave (12.4 ms) sat 41 % above the tuned model's measured 8.8 ms; on four real models
-    #: the evidence added 18-56 s to the run and no commit
-    #: (``benchmarks/results/phase_times_openvino_kernels.md``). No kernel table and no
-    #: limit on OpenVINO until its units are cut as OpenVINO fuses them.
-    times_kernels = False
 
     def high_precision(self, requested: str | None, backend: str) -> str:
         """A compile hint here (the backend's, :meth:`backend_options`), never a conversion:
