@@ -88,13 +88,16 @@ def summarize(out: Path) -> dict:
 
 
 def limit_terms(r: dict) -> dict | None:
-    """The limit estimate in the final A/B's terms (report.md's figures): the limit, the
-    shipped model's gap to it, and the conversions priced in it (None: no limit)."""
-    lim, base, final = r.get("limit"), r.get("baseline_latency_ms"), r.get("final_latency_ms")
-    if not lim or lim.get("float_ms") is None or not base or not final:
+    """The limit estimate in the final A/B's terms, as report.md gives it (``final_terms``):
+    the limit, the shipped model's gap to it, and the conversions priced in it (None: no
+    limit)."""
+    from qdq_optuna.outputs.limit import final_terms
+
+    t = final_terms(r)
+    if t is None:
         return None
-    limit_ms = base - (lim["float_ms"] - lim["limit_ms"])
-    return {"limit_ms": round(limit_ms, 4), "gap": round(final / limit_ms - 1.0, 4),
+    lim = r["limit"]
+    return {"limit_ms": round(t["limit_ms"], 4), "gap": round(t["gap"], 4),
             "conversions": lim.get("conversions"), "conversions_ms": lim.get("conversions_ms"),
             "kept_for_conversions": len(lim.get("kept_for_conversions") or ())}
 

@@ -164,11 +164,11 @@ def remove_orphaned_copies(folder: str | None = None) -> list[str]:
 
 def _process_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
     except ProcessLookupError:
         return False
-    except OSError:  # it exists, under another user
-        return True
+    except PermissionError:  # it exists, under another user
+        pass
     return True
 
 

@@ -649,11 +649,13 @@ def conversion_model(op: str, elements: int) -> bytes:
 
 def time_conversions(table: KernelTable, measurer: Measurer, *,
                      cache: KernelCache | None = None, key: str = "",
-                     about: Mapping = {}) -> None:
+                     about: Mapping = {}) -> int:
     """A standalone Q and DQ timed at each of :data:`CONVERSION_SIZES` against the same op
     on one element (the session's own overhead, which the difference leaves out), once per
     machine (``cache``). What the limit prices a conversion no placement avoids by: a float
-    op (LRN, Softmax) between integer kernels, or the model's input and output."""
+    op (LRN, Softmax) between integer kernels, or the model's input and output. Returns how
+    many were timed now (not read from the cache)."""
+    timed = 0
     for op in CONVERSION_OPS:
         for elements in CONVERSION_SIZES:
             name = conversion_key(op, elements)
@@ -661,7 +663,7 @@ def time_conversions(table: KernelTable, measurer: Measurer, *,
             timing = cache.get(key, signature) if cache is not None else None
             if timing is None:
                 if measurer.out_of_time():
-                    return
+                    return timed
                 unit = Unit(name, op, signature, (), (), (), 0)
                 try:
                     timing = time_unit(measurer, unit, conversion_model(op, elements),
@@ -669,9 +671,11 @@ def time_conversions(table: KernelTable, measurer: Measurer, *,
                 except Exception as exc:  # evidence is an optimisation: never the run's failure
                     log.info("conversion %s not timed (%s)", name, str(exc).splitlines()[0])
                     continue
+                timed += 1
                 if cache is not None:
                     cache.put(key, about, timing)
             table.conversions[name] = timing
+    return timed
 
 
 def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
@@ -740,13 +744,9 @@ def kernel_table(backend: Backend, float_model: onnx.ModelProto, qdq_model: onnx
     if op_units:
         time_op_units(table, measurer, flt, op_units, skip=timed, cache=cache, key=key,
                       about={"runtime": runtime, "cpu_flags": isa(flags)})
-    if conversions:
-        cached = cache.hits if cache is not None else 0
-        time_conversions(table, measurer, cache=cache, key=key,
-                         about={"runtime": runtime, "cpu_flags": isa(flags)})
-        fresh = len(table.conversions) - ((cache.hits - cached) if cache is not None else 0)
-    else:
-        fresh = 0
+    fresh = time_conversions(table, measurer, cache=cache, key=key,
+                             about={"runtime": runtime, "cpu_flags": isa(flags)}
+                             ) if conversions else 0
     if cache is not None and (table.timed or table.op_units["timed"] or fresh):
         cache.save()
     table.seconds = time.perf_counter() - t0

@@ -479,9 +479,14 @@ class RuntimeRules:
             return f"input {slot} of {op} is structural (shape/index/bias)"
         if ALL_SLOTS in self.never_quantize.get(op, ()):
             return f"{op} inputs are never quantized on {self.name}"
-        if self.quantizable_ops is not None and op not in self.quantizable_ops:
+        if not self.has_integer_kernel(op):
             return f"{op} has no quantized kernel on {self.name}"
         return None
+
+    def has_integer_kernel(self, op: str) -> bool:
+        """Whether this runtime has a quantized kernel for ``op`` (:attr:`quantizable_ops`;
+        None: every op)."""
+        return self.quantizable_ops is None or op in self.quantizable_ops
 
     def quantizable(self, graph: Graph, use: Use) -> bool:
         return self.use_reason(graph, use) is None

@@ -29,6 +29,7 @@ slower than its estimate, and the report gives that rest too.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -94,9 +95,7 @@ def boundaries(prepared, ops: frozenset[str] = KERNEL_OPS) -> list[Boundary]:
     with ``ops`` the kernel table's op types; a tensor an op of neither kind writes or reads
     (a Reshape, an untimed Add) is left out: what runs there is not known."""
     g = prepared.graph
-    integer_ops = prepared.rules.quantizable_ops
-    float_only = {n.op_type for n in g.nodes
-                  if integer_ops is not None and n.op_type not in integer_ops}
+    float_only = {n.op_type for n in g.nodes if not prepared.rules.has_integer_kernel(n.op_type)}
     kernel_out: dict[str, str] = {}  # tensor -> the timed node whose kernel writes it
     folded: set[str] = set()  # a kernel's output its folded Relu/Clip reads
     for n in g.nodes:
@@ -133,10 +132,7 @@ def boundaries(prepared, ops: frozenset[str] = KERNEL_OPS) -> list[Boundary]:
         if writer is None and not readers or writer is not None and not (
                 readers or float_readers):
             continue
-        elements = 1
-        for d in shape:
-            elements *= d
-        found.append(Boundary(tensor, elements, writer, tuple(sorted(set(readers))),
+        found.append(Boundary(tensor, math.prod(shape), writer, tuple(sorted(set(readers))),
                               float_readers))
     return sorted(found, key=lambda b: b.tensor)
 
@@ -252,9 +248,8 @@ def estimate(table: KernelTable, float_ms: float, integer_nodes: set[str],
     placed = {name: modes.get(name) if modes.get(name) in kernels else (
         KernelDecision.INTEGER.value if name in integer_nodes else KernelDecision.FLOAT.value)
         for name, kernels in kernels_of.items()}
-    fastest = {name: min(kernels, key=lambda k: kernels[k][0])
-               for name, kernels in kernels_of.items()}
-    choice = dict(fastest)
+    choice = {name: min(kernels, key=lambda k: kernels[k][0])
+              for name, kernels in kernels_of.items()}
     priced = _Conversions(table, bounds or ())
     kept = priced.settle(choice, kernels_of)
 
@@ -323,7 +318,7 @@ class _Conversions:
         integer one, or its fastest non-integer one) costs less with the conversions it
         changes; returns the nodes left off their fastest kernel."""
         integer_k = KernelDecision.INTEGER.value
-        fastest = dict(choice)
+        fastest, integer = dict(choice), _integer(choice)
         for _ in range(self.PASSES):
             changed = False
             for node in sorted(self.near):
@@ -332,12 +327,11 @@ class _Conversions:
                     continue
                 other = integer_k if choice[node] != integer_k else min(
                     (k for k in kernels if k != integer_k), key=lambda k: kernels[k][0])
-                integer = _integer(choice)
                 now = kernels[choice[node]][0] + self.cost(integer, self.near[node])[0]
-                flipped = integer ^ {node}
-                then = kernels[other][0] + self.cost(flipped, self.near[node])[0]
+                then = kernels[other][0] + self.cost(integer ^ {node}, self.near[node])[0]
                 if then < now - 1e-9:
                     choice[node], changed = other, True
+                    integer ^= {node}
             if not changed:
                 break
         return {n for n in choice if choice[n] != fastest[n]}

@@ -376,6 +376,7 @@ class PatternStudy:
         """The decision for this pattern (:meth:`Judge.decide`)."""
         return Judge(self).decide(reference_ms, confirm)
 
+
 def not_timed(s: Search, plan: QuantPlan) -> tuple[str, str, str] | None:
     """Why a trial's model is not timed, as (its trial attr, that attr's value, the pruning
     message): the same model failed before, or the bound binds and the model breaks it

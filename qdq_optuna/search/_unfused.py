@@ -372,8 +372,8 @@ def unavoidable(prepared, kernels: KernelTable | None, what: WhatRan
     removing that conversion gained 2 %), the conversion still counts."""
     g = prepared.graph
     timings = kernels.timings if kernels is not None else {}
-    integer_ops = prepared.rules.quantizable_ops
-    float_only = {i for i, n in enumerate(g.nodes) if n.op_type not in integer_ops}
+    float_only = {i for i, n in enumerate(g.nodes)
+                  if not prepared.rules.has_integer_kernel(n.op_type)}
     ends = set(g.graph_inputs) | set(g.graph_outputs)
     tensors = set()
     for t in what.standalone | what.reformats:
