@@ -59,12 +59,32 @@ def _feeds(session, seed: int = 0) -> dict:
 #: inputs the re-measurement feeds (one sample of each input, from --feeds FILE.npz); random
 #: inputs with dynamic dims set to 1 otherwise
 FEEDS: dict | None = None
+#: session config entries for the first and the second model of a re-measurement
+#: (``--a-config``, ``--b-config``): the settings a tuned model shipped with (report.json
+#: ``session_settings.shipped.entries``)
+A_CONFIG: dict[str, str] = {}
+B_CONFIG: dict[str, str] = {}
 
 
-def _session_min(path: str, warmup: int, runs: int) -> float:
+def shipped_settings(report: dict) -> dict[str, str]:
+    """The session config entries a run shipped its model with (none: {})."""
+    shipped = (report.get("session_settings") or {}).get("shipped") or {}
+    return dict(shipped.get("entries") or {})
+
+
+def config_args(entries: dict[str, str], which: str = "b") -> list[str]:
+    """``--b-config KEY=VALUE`` (or ``--a-config``) arguments for
+    :func:`remeasure_in_fresh_process`."""
+    return [a for k, v in entries.items() for a in (f"--{which}-config", f"{k}={v}")]
+
+
+def _session_min(path: str, warmup: int, runs: int, config: dict[str, str] | None = None
+                 ) -> float:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -98,7 +118,8 @@ def remeasure(float_path: str, tuned_path: str, rounds: int, warmup_rounds: int,
     t0 = time.perf_counter()
     for r in range(warmup_rounds + rounds):
         order = ("f", "t") if r % 2 == 0 else ("t", "f")
-        got = {k: _session_min(float_path if k == "f" else tuned_path, 5, runs) for k in order}
+        got = {k: _session_min(float_path, 5, runs, A_CONFIG) if k == "f" else
+               _session_min(tuned_path, 5, runs, B_CONFIG) for k in order}
         if r < warmup_rounds:
             continue
         f_mins.append(got["f"])
@@ -117,14 +138,21 @@ def remeasure(float_path: str, tuned_path: str, rounds: int, warmup_rounds: int,
         "runs_per_session": runs,
         "ratios": [round(x, 5) for x in ratios],
         "seconds": round(time.perf_counter() - t0, 1),
+        "a_config": dict(A_CONFIG),
+        "b_config": dict(B_CONFIG),
     }
 
 
 def remeasure_in_fresh_process(float_path: Path, tuned_path: Path, args,
-                               feeds: Path | None = None) -> dict:
+                               feeds: Path | None = None,
+                               tuned_config: dict[str, str] | None = None,
+                               first_config: dict[str, str] | None = None) -> dict:
+    """``tuned_config`` / ``first_config``: session config entries for the second / first
+    model's sessions (the settings its run shipped it with)."""
     cmd = [sys.executable, __file__, "--remeasure", str(float_path), str(tuned_path),
            "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
-           "--runs", str(args.runs)] + (["--feeds", str(feeds)] if feeds else [])
+           "--runs", str(args.runs)] + (["--feeds", str(feeds)] if feeds else []) + \
+        config_args(tuned_config or {}) + config_args(first_config or {}, "a")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -303,7 +331,11 @@ def main() -> None:
     ap.add_argument("--overhead-repeats", type=int, default=6)
     ap.add_argument("--remeasure", nargs=2, metavar=("FLOAT", "TUNED"), help=argparse.SUPPRESS)
     ap.add_argument("--feeds", help=argparse.SUPPRESS)
+    ap.add_argument("--a-config", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--b-config", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    A_CONFIG.update(item.split("=", 1) for item in args.a_config)
+    B_CONFIG.update(item.split("=", 1) for item in args.b_config)
     if args.feeds:
         import numpy as np
 

