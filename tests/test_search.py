@@ -811,15 +811,15 @@ def test_on_a_measured_backend_the_recipe_lane_ships_unless_another_lane_beats_i
 
 
 @pytest.mark.parametrize(("ratio", "settle_tie", "second_ab"), [
-    (0.995, True, False),   # "all" reads 0.5 % faster than the recipe: the recipe stands
-    (0.995, False, True),   # the same reading between a start and float: decided by an A/B
+    (0.99, True, False),    # "all" reads 1 % faster than the recipe: the recipe stands
+    (0.99, False, True),    # the same reading between a start and float: decided by an A/B
     (0.97, True, True),     # 3 % faster but not confirmed: more rounds may confirm it
 ])
 def test_a_start_within_a_percent_of_the_recipe_gets_no_second_ab(ratio, settle_tie, second_ab):
     """The starts are timed together in rounds, already an A/B of every two of them: a start
-    that reads under 1 % (``START_TIE``) faster than the runtime's recipe there leaves the
-    recipe standing without another A/B (on DenseNet-121 and Inception v1 the A/B that
-    followed read 1.007 and 0.999 and cost 6.5 s and 5.7 s of the run)."""
+    that reads under 2 % (``START_TIE``) faster than the runtime's recipe there leaves the
+    recipe standing without another A/B (on DenseNet-121 the A/B that followed read 0.989
+    after 12 rounds, undecided, and cost 13 s of the run)."""
     from types import SimpleNamespace
 
     from qdq_optuna.measure.timing import Comparison
