@@ -521,7 +521,7 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     runtime left unfused counts one noise floor of estimate, in a score of its own."""
     from qdq_optuna.record import Visit
     from qdq_optuna.record.records import Decision
-    from qdq_optuna.search._descent import Realization
+    from qdq_optuna.search._descent import MIN_PRICED_VISITS, Realization
     from qdq_optuna.search._limit import GapPlan
 
     noise = 0.05
@@ -573,6 +573,15 @@ def test_visits_that_realize_none_of_the_estimate_leave_the_rest_expected_within
     assert paid.skip_reason(plan, "c") is None and paid.skip_reason(plan, "d") is None
     paid.add(plan, "b", visit("b", 1.0))  # then one that realized nothing: 0.6 of it kept
     assert paid.skip_reason(plan, "c") is None  # 0.15 * 0.6 = 0.09 > 0.05
+    # one failed visit of a large gap is one A/B: the next priced pattern is still visited
+    # (0.2 * 0.1 / 0.6 = 0.033 < 0.05 would skip it; ShuffleNet shipped float so), the
+    # second failure ends the lane
+    big = GapPlan(("a", "b", "c"), {}, {"a": 0.5, "b": 0.2, "c": 0.2}, noise)
+    first = Realization()
+    first.add(big, "a", visit("a", 1.0))
+    assert MIN_PRICED_VISITS == 2 and first.skip_reason(big, "b") is None
+    first.add(big, "b", visit("b", 1.0))
+    assert first.skip_reason(big, "c") is not None
 
 
 def test_a_mode_kernel_is_recorded_at_its_own_time_not_the_float_kernels():
