@@ -9,8 +9,9 @@ commits and gain, the final speedup and its interval. Each arm gets a kernel cac
 
 Then ``--ab BEFORE AFTER`` times the two arms' ``optimized.onnx`` against each other in a
 fresh process (``verify_speedup.remeasure``: plain onnxruntime, ABBA rounds of fresh
-sessions, each file with the session settings its run shipped it with; a run tuned for OpenVINO (``--tune-args "-b openvino"``): OpenVINO CPU with the
-run's precision hint, alternating fresh compiled models), which is the only fair way to
+sessions, each file with the session settings its run shipped it with; a run tuned for
+OpenVINO (``--tune-args "-b openvino"``): OpenVINO CPU with the run's precision hint,
+alternating fresh compiled models), which is the only fair way to
 compare two finals: each run's own speedup is against its own baseline, measured minutes
 apart on a shared machine.
 
@@ -111,15 +112,15 @@ def ab(work: Path, models: list[str], rounds: int, arms: tuple[str, str]) -> lis
         before = work / arms[0] / name / "optimized.onnx"
         after = work / arms[1] / name / "optimized.onnx"
         if before.is_file() and after.is_file():
-            report = json.loads((after.parent / "report.json").read_text())
-            backend = report.get("backend")
+            first, second = (json.loads((f.parent / "report.json").read_text())
+                             for f in (before, after))
+            backend = second.get("backend")
             timer = AB_BY_RUNTIME.get(backend.get("name")) if isinstance(backend, dict) else None
             # each file with the session settings its run shipped it with
-            settings = [verify_speedup.shipped_settings(
-                json.loads((f.parent / "report.json").read_text())) for f in (before, after)]
             m = (timer(before, after, backend, rounds) if timer is not None
                  else verify_speedup.remeasure_in_fresh_process(
-                     before, after, args, tuned_config=settings[1], first_config=settings[0]))
+                     before, after, args, first_config=verify_speedup.shipped_settings(first),
+                     second_config=verify_speedup.shipped_settings(second)))
             out.append({"model": name, "after_vs_before": m})
             print(name, round(m["speedup"], 4), [round(x, 4) for x in m["speedup_ci"]],
                   flush=True)

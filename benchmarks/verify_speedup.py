@@ -72,8 +72,8 @@ def shipped_settings(report: dict) -> dict[str, str]:
     return dict(shipped.get("entries") or {})
 
 
-def config_args(entries: dict[str, str], which: str = "b") -> list[str]:
-    """``--b-config KEY=VALUE`` (or ``--a-config``) arguments for
+def config_args(entries: dict[str, str], which: str) -> list[str]:
+    """``--a-config KEY=VALUE`` (``which`` "a") or ``--b-config`` arguments for
     :func:`remeasure_in_fresh_process`."""
     return [a for k, v in entries.items() for a in (f"--{which}-config", f"{k}={v}")]
 
@@ -145,14 +145,14 @@ def remeasure(float_path: str, tuned_path: str, rounds: int, warmup_rounds: int,
 
 def remeasure_in_fresh_process(float_path: Path, tuned_path: Path, args,
                                feeds: Path | None = None,
-                               tuned_config: dict[str, str] | None = None,
+                               second_config: dict[str, str] | None = None,
                                first_config: dict[str, str] | None = None) -> dict:
-    """``tuned_config`` / ``first_config``: session config entries for the second / first
+    """``first_config`` / ``second_config``: session config entries for the first / second
     model's sessions (the settings its run shipped it with)."""
     cmd = [sys.executable, __file__, "--remeasure", str(float_path), str(tuned_path),
            "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
            "--runs", str(args.runs)] + (["--feeds", str(feeds)] if feeds else []) + \
-        config_args(tuned_config or {}) + config_args(first_config or {}, "a")
+        config_args(first_config or {}, "a") + config_args(second_config or {}, "b")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
