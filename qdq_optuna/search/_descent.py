@@ -64,7 +64,7 @@ REALIZATION_PRIOR = 2.0
 #: is one A/B. ShuffleNet (onnx's test data, ONNX Runtime 1.32, AMD EPYC): its first visit
 #: (0.50 ms of gap, 6.7 noise floors) failed in one run of four, which left every other
 #: pattern expected within noise, and the run shipped float (0.998x) where the other three
-#: committed in the first two visits and shipped 1.10-1.19x
+#: runs of the same model committed and shipped 1.08-1.14x
 MIN_PRICED_VISITS = 2
 #: why a visit was not made: what the lane's visits realized of the estimate says this
 #: pattern's gap would not show
